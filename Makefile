@@ -1,0 +1,31 @@
+# hicache: `make test` and `make serve` work on a fresh machine; both create .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: test install lint bench-radix clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall when the dependency list changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/pip install -q ruff
+	$(BIN)/ruff check hicache kernels server tests benchmarks
+
+bench-radix: $(STAMP)
+	$(BIN)/python benchmarks/bench_radix.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

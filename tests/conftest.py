@@ -1,0 +1,34 @@
+"""Shared test set-up: deterministic hypothesis profiles and seeded RNGs."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
+settings.register_profile(
+    "ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", derandomize=True, max_examples=200, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
