@@ -1,0 +1,376 @@
+"""Configuration: one frozen dataclass per YAML section, loading and validation.
+
+Precedence: built-in defaults (the dataclass defaults below, which are DESIGN.md's schema)
+< the YAML file < overrides (the CLI flags). Every section checks itself in `__post_init__`,
+so building one by hand, loading YAML and `dataclasses.replace` all validate the same way.
+Every error is a `ConfigError` whose message starts with the dotted key path, then says
+what was wrong with the offending value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, NoReturn, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cuda", "cpu")
+EVICTION_POLICIES = ("lru", "lfu")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+IO_BACKENDS = ("kernel", "direct")
+MEM_LAYOUTS = ("page_first", "layer_first")
+STORAGE_BACKENDS = ("none", "lmdb", "redis")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
+
+MAX_PORT = 65535
+BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
+TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
+REDACTED = "***"
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; `key` is its dotted path (`cache.page_size`)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        self.message = f"{key}: {problem}"
+        super().__init__(self.message)
+
+
+def _label(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_type(key: str, value: object, base: type, nullable: bool) -> None:
+    """Strict: a bool is not an int, a str is not a number; an int is a float (PEP 484)."""
+    if value is None:
+        ok = nullable
+    elif base is float or base is int:
+        ok = isinstance(value, (int, float) if base is float else int)
+        ok = ok and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        expected = _TYPE_NAMES.get(base, f"a {base.__name__}") + (" or null" if nullable else "")
+        got = "null" if value is None else f"{value!r} ({_label(value)})"
+        raise ConfigError(key, f"expected {expected}, got {got}")
+    if base is float and value is not None and not math.isfinite(value):  # type: ignore[arg-type]
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's base type and whether it may be None, read from its annotation."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        base = next(a for a in args if a is not type(None))
+        out[f.name] = (base, type(None) in args)
+    return out
+
+
+class _Section:
+    """Shared validation of every section: types from the annotations, then `_validate`."""
+
+    SECTION: ClassVar[str] = ""  # dotted path of this section in the YAML
+
+    def __post_init__(self) -> None:
+        for name, (base, nullable) in _field_types(type(self)).items():
+            _check_type(self._key(name), getattr(self, name), base, nullable)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Choice and range checks; types are already right when this runs."""
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}" if self.SECTION else name
+
+    def _fail(self, name: str, problem: str) -> NoReturn:
+        raise ConfigError(self._key(name), problem)
+
+    def _choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            self._fail(name, f"{value!r} is not one of {', '.join(allowed)}")
+
+    def _at_least(self, name: str, low: float, strict: bool = False, what: str = "") -> None:
+        value = getattr(self, name)
+        if value is not None and (value < low or (strict and value == low)):
+            self._fail(name, f"must be {'>' if strict else '>='} {what or low}, got {value!r}")
+
+    def _non_empty(self, name: str) -> None:
+        value = getattr(self, name)
+        if value is not None and not value.strip():
+            self._fail(name, f"must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+    path: str = "embedded:tiny-llama"  # or a local Hugging Face folder
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def _validate(self) -> None:
+        self._non_empty("path")
+        self._choice("dtype", DTYPES)
+        self._choice("device", DEVICES)
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path.startswith("embedded:")
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Section):
+    SECTION: ClassVar[str] = "server"
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0 = let the OS pick a free port
+    admin_api_key: str | None = None  # None: admin routes answer loopback clients only
+
+    def _validate(self) -> None:
+        self._non_empty("host")
+        if not 0 <= self.port <= MAX_PORT:
+            self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
+        self._non_empty("admin_api_key")
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    SECTION: ClassVar[str] = "cache"
+    enable_radix_cache: bool = True
+    hierarchical: bool = False
+    page_size: int = 16  # tokens per KV page
+    max_total_tokens: int | None = None  # L1 capacity in tokens; None = sized from free memory
+    eviction_policy: str = "lru"
+
+    def _validate(self) -> None:
+        self._at_least("page_size", 1)
+        self._at_least("max_total_tokens", self.page_size, what=f"page_size ({self.page_size})")
+        self._choice("eviction_policy", EVICTION_POLICIES)
+
+
+@dataclass(frozen=True)
+class HostConfig(_Section):
+    SECTION: ClassVar[str] = "host"
+    ratio: float = 2.0  # L2 tokens / L1 tokens; > 1 because L2 holds a superset of L1
+    size_gb: float | None = None  # when set, overrides ratio
+    write_policy: str = "write_through"
+    io_backend: str = "kernel"
+    mem_layout: str = "page_first"
+    write_through_threshold: int = 2  # hits before write_through_selective copies a node
+
+    def _validate(self) -> None:
+        self._at_least("ratio", 1.0, strict=True)
+        self._at_least("size_gb", 0, strict=True)
+        self._choice("write_policy", WRITE_POLICIES)
+        self._choice("io_backend", IO_BACKENDS)
+        self._choice("mem_layout", MEM_LAYOUTS)
+        self._at_least("write_through_threshold", 1)
+
+    @property
+    def size_bytes(self) -> int | None:
+        return None if self.size_gb is None else int(self.size_gb * BYTES_PER_GB)
+
+
+@dataclass(frozen=True)
+class LmdbConfig(_Section):
+    SECTION: ClassVar[str] = "storage.lmdb"
+    path: str = "~/.cache/hicache/lmdb"
+    max_size_gb: float = 32.0  # capacity bound; least recently used pages go first
+
+    def _validate(self) -> None:
+        self._non_empty("path")
+        self._at_least("max_size_gb", 0, strict=True)
+
+    @property
+    def resolved_path(self) -> Path:
+        """`~` and `$VARS` expanded; a relative path stays relative to the working directory."""
+        return Path(os.path.expandvars(self.path)).expanduser()
+
+    @property
+    def max_size_bytes(self) -> int:
+        return int(self.max_size_gb * BYTES_PER_GB)
+
+
+@dataclass(frozen=True)
+class RedisConfig(_Section):
+    SECTION: ClassVar[str] = "storage.redis"
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "hicache:"  # may be empty
+    ttl_seconds: int | None = None  # None: pages never expire
+
+    def _validate(self) -> None:
+        self._non_empty("url")
+        scheme = urlsplit(self.url).scheme
+        if scheme not in REDIS_SCHEMES:
+            allowed = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+            self._fail("url", f"{self.url!r} must start with one of {allowed}")
+        self._at_least("ttl_seconds", 1)
+
+
+@dataclass(frozen=True)
+class StorageConfig(_Section):
+    SECTION: ClassVar[str] = "storage"
+    backend: str = "none"
+    prefetch_policy: str = "timeout"
+    prefetch_threshold: int = 256  # tokens; shorter L3 hits are not worth a prefetch
+    prefetch_timeout_base: float = 2.0  # seconds
+    prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
+    prefetch_timeout_max: float = 30.0  # seconds
+    lmdb: LmdbConfig = field(default_factory=LmdbConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+
+    def _validate(self) -> None:
+        self._choice("backend", STORAGE_BACKENDS)
+        self._choice("prefetch_policy", PREFETCH_POLICIES)
+        self._at_least("prefetch_threshold", 0)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                     "prefetch_timeout_max"):
+            self._at_least(name, 0)
+        if self.prefetch_timeout_base > self.prefetch_timeout_max:
+            self._fail("prefetch_timeout_base", f"must be <= prefetch_timeout_max "
+                       f"({self.prefetch_timeout_max!r}), got {self.prefetch_timeout_base!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+    @property
+    def backend_config(self) -> LmdbConfig | RedisConfig | None:
+        """The chosen backend's own section; None when storage is disabled."""
+        return {"lmdb": self.lmdb, "redis": self.redis}.get(self.backend)
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds the `timeout` policy waits for an L3 prefetch of `num_tokens` tokens."""
+        per_token = self.prefetch_timeout_per_ki_token / TOKENS_PER_KI
+        return min(self.prefetch_timeout_max, self.prefetch_timeout_base + per_token * num_tokens)
+
+
+@dataclass(frozen=True)
+class Config(_Section):
+    SECTION: ClassVar[str] = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    host: HostConfig = field(default_factory=HostConfig)  # L2, used when cache.hierarchical
+    storage: StorageConfig = field(default_factory=StorageConfig)  # L3
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Build from the YAML shape; missing keys take their defaults."""
+        return _build(cls, data)
+
+
+_S = TypeVar("_S", bound=_Section)
+
+
+def _build(cls: type[_S], data: object) -> _S:
+    """Build one section from a mapping, rejecting unknown keys; ints become floats."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(cls.SECTION or "config", f"expected a mapping, got {_label(data)}")
+    known = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{cls.SECTION}.{name}" if cls.SECTION else str(name)
+        if name not in known:
+            close = difflib.get_close_matches(str(name), list(known), n=1)
+            raise ConfigError(key, "unknown key" + (f"; did you mean {close[0]!r}?" if close else ""))
+        base, _ = known[name]
+        if issubclass(base, _Section):
+            value = _build(base, value)
+        elif base is float and type(value) is int:
+            value = float(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: a mapping in `high` updates the one in `low` key by key."""
+    out = dict(low)
+    for key, value in high.items():
+        below = out.get(key)
+        both = isinstance(below, Mapping) and isinstance(value, Mapping)
+        out[key] = _merge(below, value) if both else value
+    return out
+
+
+def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"cache.page_size": 32}` -> `{"cache": {"page_size": 32}}`, at every level."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, *rest = str(key).split(".")
+        value = _nest(value) if isinstance(value, Mapping) else value
+        for part in reversed(rest):
+            value = {part: value}
+        out = _merge(out, {head: value})
+    return out
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    """The file's top-level mapping; an empty file is an empty mapping."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise ConfigError("config", f"cannot read {path}: {reason}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError("config", f"invalid YAML in {path}: "
+                          f"{getattr(e, 'problem', None) or e}{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("config", f"{path}: expected a mapping at the top level, "
+                          f"got {_label(data)}")
+    return data
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Built-in defaults < the YAML file at `path` < `overrides` (nested or dotted keys)."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    return _build(Config, _merge(data, _nest(overrides or {})))
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """A new, re-validated Config with `overrides` (nested or dotted keys) on top of `cfg`."""
+    return _build(Config, _merge(config_to_dict(cfg), _nest(overrides)))
+
+
+def config_to_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
+    """The YAML shape of `cfg`; `redact=True` hides the admin key and the Redis password."""
+    data = dataclasses.asdict(cfg)
+    if redact:
+        if data["server"]["admin_api_key"] is not None:
+            data["server"]["admin_api_key"] = REDACTED
+        data["storage"]["redis"]["url"] = _redact_url(cfg.storage.redis.url)
+    return data
+
+
+def _redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
