@@ -32,6 +32,12 @@ _HEAP_SLACK = 4
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def _concat(values: list[torch.Tensor]) -> torch.Tensor:
+    if len(values) == 1:
+        return values[0]
+    return torch.cat(values) if values else _EMPTY
+
+
 class TreeNode:
     """One edge of the tree and the node it leads to.
 
@@ -150,6 +156,8 @@ class RadixCache:
         if isinstance(key, torch.Tensor):
             key = key.tolist()
         n = len(key) // self.page_size * self.page_size
+        if isinstance(key, tuple):
+            return key if n == len(key) else key[:n]  # no copy for an aligned tuple
         return tuple(key[:n])
 
     def _child_key(self, key: Key, pos: int, extra_key: str | None) -> ChildKey:
@@ -186,38 +194,43 @@ class RadixCache:
         """
         if self.disable:
             return MatchResult(_EMPTY, self.root, self.root, 0)
-        values, node = self._walk(self._page_aligned(key), extra_key)
-        indices = torch.cat(values) if values else _EMPTY
+        path = self._walk(self._page_aligned(key), extra_key)
+        self._on_path(path)
+        node = path[-1] if path else self.root
+        indices = _concat([n.value for n in path])
         return MatchResult(indices, node, node, 0)
 
-    def _walk(self, key: Key, extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
+    def _walk(self, key: Key, extra_key: str | None) -> list[TreeNode]:
+        """The nodes spelling the longest prefix of `key`, root excluded (splits the last)."""
         now = time.monotonic()
-        node, pos, values = self.root, 0, []
+        node, pos, path = self.root, 0, []
         node.last_access_time = now
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos, extra_key))
-            if child is None or not self._usable(child):
+            if child is None:
                 break
             n = self._common_pages(child.key, key, pos)
             partial = n < len(child.key)
             if partial:
                 child = self._split(child, n)
-            self._touch(child, now)
-            values.append(child.value)
+            child.last_access_time = now
+            child.hit_count += 1
+            path.append(child)
             node, pos = child, pos + n
             if partial:
                 break
+        self._requeue(path)
+        return path
+
+    def _requeue(self, path: list[TreeNode]) -> None:
+        """Re-enter the touched nodes whose eviction priority changed. Every node but the
+        last has a child on the path, so only the last can be a candidate."""
+        if path:
+            self._device_heap.push(path[-1])
         self._maybe_rebuild_heaps()
-        return values, node
 
-    def _usable(self, node: TreeNode) -> bool:
-        """Whether a match may descend into `node` (subclasses: only device-resident ones)."""
-        return True
-
-    def _touch(self, node: TreeNode, now: float) -> None:
-        node.last_access_time = now
-        node.hit_count += 1
-        self._device_heap.push(node)
+    def _on_path(self, path: list[TreeNode]) -> None:
+        """Hook: called with the nodes a match or insert went through, root first."""
 
     # --------------------------------------------------------------------------- insert
 
@@ -234,7 +247,7 @@ class RadixCache:
             value = torch.tensor(key, dtype=torch.int64)
         value = value[:len(key)]
         now = time.monotonic()
-        node, pos, present = self.root, 0, 0
+        node, pos, present, path = self.root, 0, 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos, extra_key))
             if child is None:
@@ -242,16 +255,20 @@ class RadixCache:
             n = self._common_pages(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
-            present += self._insert_hit(child, value[pos:pos + n])
-            self._touch(child, now)
+            present += self._insert_hit(child, value, pos)
+            child.last_access_time = now
+            child.hit_count += 1
+            path.append(child)
             node, pos = child, pos + n
         if pos < len(key):
-            self._add_leaf(node, key[pos:], value[pos:].clone(), extra_key, now)
-        self._maybe_rebuild_heaps()
+            path.append(self._add_leaf(node, key[pos:], value[pos:].clone(), extra_key, now))
+        self._requeue(path)
+        self._on_path(path)
         return present
 
-    def _insert_hit(self, node: TreeNode, value: torch.Tensor) -> int:
-        """An inserted segment met an existing node; return the tokens the caller must free."""
+    def _insert_hit(self, node: TreeNode, value: torch.Tensor, pos: int) -> int:
+        """The inserted `value[pos:pos + len(node)]` met an existing node; return the tokens
+        the caller must free (the tree keeps its own slots)."""
         return len(node.key)
 
     def _add_leaf(self, parent: TreeNode, key: Key, value: torch.Tensor,
@@ -261,12 +278,8 @@ class RadixCache:
         parent.children[self._child_key(key, 0, extra_key)] = leaf
         self._num_nodes += 1
         self._evictable += len(key)
-        self._on_new_leaf(leaf)
         self._device_heap.push(leaf)
         return leaf
-
-    def _on_new_leaf(self, leaf: TreeNode) -> None:
-        """Hook for subclasses (write-through starts here)."""
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after `n` tokens; return the new upper node.
