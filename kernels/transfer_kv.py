@@ -1,0 +1,546 @@
+"""Page transfers between the device KV pool (L1) and the host KV pool (L2).
+
+Layouts (fixed by hicache/memory_pool*.py; `L` layers, `P` pages, `S` page_size)::
+
+    device  k_buffers[l], v_buffers[l]   [num_slots, kv_heads, head_dim], slot = page * S + offset
+    host    page_first                   [P, L, 2, S, kv_heads, head_dim]   (2 = K then V)
+            layer_first                  [L, 2, P, S, kv_heads, head_dim]
+
+In every layout one *chunk* (a page of one layer's K or V, `S * kv_heads * head_dim` elements)
+is contiguous, so a transfer is a list of chunk copies: for each selected layer, K and V,
+`device_pages[i]` <-> `host_pages[i]`.
+
+Backends, one signature (`d2h_pages_<backend>` / `h2d_pages_<backend>`):
+
+    reference  pure torch, per layer and K/V one gather and/or scatter of whole pages
+    direct     torch `copy_` per maximal run of pages consecutive in both lists
+    cuda       one CuPy kernel launch for all selected layers; the GPU reads and writes the
+               pinned host buffer directly (kernels/transfer_kv.cu)
+
+Synchronisation: on a GPU every backend enqueues its copies on `stream` (a `torch.cuda.Stream`
+or a CuPy stream; None = the current torch stream) and returns without waiting, except the
+reference, whose device<->host hop is synchronous. The caller records an event after the call
+and waits on it before reading the destination or reusing the source. On CPU all backends are
+synchronous. Page lists are int64 page ids (not slots), on CPU: there they are checked for
+range and duplicate destinations, and the cuda backend uploads them through pinned memory
+without blocking. Lists already on the GPU are accepted unchecked (reading them would
+synchronise), and the direct and reference backends must read them (one sync per call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_device_async
+
+PAGE_FIRST = "page_first"
+LAYER_FIRST = "layer_first"
+HOST_LAYOUTS = (PAGE_FIRST, LAYER_FIRST)
+BACKENDS = ("reference", "direct", "cuda")
+
+# The reference copies rows through a staging buffer of at most this size when both page lists
+# are scattered, so the staged bytes stay in cache between the gather and the scatter.
+# 16 MiB was the fastest of 1, 4, 16 and 64 MiB on a 2-core Xeon (4 MiB L2 per core).
+STAGING_BYTES = 16 << 20
+
+# Widest element the torch backends reinterpret a chunk as (the bits are unchanged). CPU
+# index_put_ / index_copy_ move one element per step, so 16-byte elements are ~1.5x faster than
+# bf16 ones; and index_select memcpys whole rows only while a row has < 32768 elements
+# (at::internal::GRAIN_SIZE), which 16-byte elements keep true up to 512 KiB pages.
+_WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+# CUDA launch shape: one warp per chunk, 8 warps per block, and at most this many blocks per SM
+# (enough 16-byte requests in flight to fill PCIe / C2C, leaving SMs to concurrent compute).
+_THREADS_PER_BLOCK = 256
+_WARPS_PER_BLOCK = _THREADS_PER_BLOCK // 32
+_BLOCKS_PER_SM = 4
+
+_KERNEL_FILE = "transfer_kv.cu"
+
+
+class _Transfer(NamedTuple):
+    """Validated arguments of one transfer."""
+
+    k_buffers: list[torch.Tensor]  # L x [num_slots, kv_heads, head_dim]
+    v_buffers: list[torch.Tensor]
+    host_buffer: torch.Tensor  # see the layouts above
+    host_layout: str
+    device_pages: torch.Tensor  # [n] int64
+    host_pages: torch.Tensor  # [n] int64
+    page_size: int
+    layers: list[int]
+
+    @property
+    def num_pages(self) -> int:
+        return self.device_pages.numel()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        _, kv_heads, head_dim = self.k_buffers[0].shape
+        return self.page_size * kv_heads * head_dim * self.host_buffer.element_size()
+
+    @property
+    def num_device_pages(self) -> int:
+        return self.k_buffers[0].shape[0] // self.page_size
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.host_buffer.shape[0 if self.host_layout == PAGE_FIRST else 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def d2h_pages(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor, host_layout: str,
+    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, backend: str = "reference", stream: Any = None,
+) -> None:
+    """Copy device pages into host pages (`device_pages[i]` -> `host_pages[i]`), K and V of
+    `layers` (None = all). See the module docstring for layouts, backends and synchronisation.
+    """
+    _D2H[_check_backend(backend)](
+        k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages, page_size,
+        layers, stream)
+
+
+def h2d_pages(
+    host_buffer: torch.Tensor, host_layout: str,
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, backend: str = "reference", stream: Any = None,
+) -> None:
+    """Copy host pages into device pages (`host_pages[i]` -> `device_pages[i]`), K and V of
+    `layers` (None = all). See the module docstring for layouts, backends and synchronisation.
+    """
+    _H2D[_check_backend(backend)](
+        host_buffer, host_layout, k_buffers, v_buffers, host_pages, device_pages, page_size,
+        layers, stream)
+
+
+def d2h_pages_reference(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor, host_layout: str,
+    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`d2h_pages(..., backend="reference")`."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=True)
+    with _torch_stream(stream, t):
+        _reference(t, to_host=True)
+
+
+def h2d_pages_reference(
+    host_buffer: torch.Tensor, host_layout: str,
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`h2d_pages(..., backend="reference")`."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=False)
+    with _torch_stream(stream, t):
+        _reference(t, to_host=False)
+
+
+def d2h_pages_direct(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor, host_layout: str,
+    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`d2h_pages(..., backend="direct")`."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=True)
+    with _torch_stream(stream, t):
+        _direct(t, to_host=True)
+
+
+def h2d_pages_direct(
+    host_buffer: torch.Tensor, host_layout: str,
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`h2d_pages(..., backend="direct")`."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=False)
+    with _torch_stream(stream, t):
+        _direct(t, to_host=False)
+
+
+def d2h_pages_cuda(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor, host_layout: str,
+    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`d2h_pages(..., backend="cuda")`: one `gather_kv_d2h` launch for all selected layers."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=True)
+    _cuda(t, "gather_kv_d2h", stream)
+
+
+def h2d_pages_cuda(
+    host_buffer: torch.Tensor, host_layout: str,
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
+    layers: Sequence[int] | None = None, stream: Any = None,
+) -> None:
+    """`h2d_pages(..., backend="cuda")`: one `scatter_kv_h2d` launch; pass one layer at a time
+    to land layer by layer."""
+    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                  page_size, layers, dst_is_host=False)
+    _cuda(t, "scatter_kv_h2d", stream)
+
+
+_D2H: dict[str, Callable[..., None]] = {
+    "reference": d2h_pages_reference, "direct": d2h_pages_direct, "cuda": d2h_pages_cuda}
+_H2D: dict[str, Callable[..., None]] = {
+    "reference": h2d_pages_reference, "direct": h2d_pages_direct, "cuda": h2d_pages_cuda}
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (the thin wrapper in front of every backend)
+
+
+def _validate(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor, host_layout: str, device_pages: torch.Tensor,
+    host_pages: torch.Tensor, page_size: int, layers: Sequence[int] | None, dst_is_host: bool,
+) -> _Transfer:
+    if host_layout not in HOST_LAYOUTS:
+        raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    k_list, v_list = _check_device_buffers(k_buffers, v_buffers, page_size)
+    _check_host_buffer(host_buffer, host_layout, k_list, page_size)
+    t = _Transfer(k_list, v_list, host_buffer, host_layout, device_pages, host_pages, page_size,
+                  _check_layers(layers, len(k_list)))
+    _check_pages("device_pages", device_pages, t.num_device_pages, unique=not dst_is_host)
+    _check_pages("host_pages", host_pages, t.num_host_pages, unique=dst_is_host)
+    if device_pages.numel() != host_pages.numel():
+        raise ValueError(
+            f"device_pages and host_pages must have the same length, got "
+            f"{device_pages.numel()} and {host_pages.numel()}")
+    return t
+
+
+def _check_device_buffers(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    k_list, v_list = list(k_buffers), list(v_buffers)
+    if not k_list or len(k_list) != len(v_list):
+        raise ValueError(
+            "k_buffers and v_buffers must hold one tensor per layer (at least one), got "
+            f"{len(k_list)} and {len(v_list)}")
+    first = k_list[0]
+    for name, bufs in (("k_buffers", k_list), ("v_buffers", v_list)):
+        for i, b in enumerate(bufs):
+            if not isinstance(b, torch.Tensor) or b.dim() != 3:
+                got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+                raise ValueError(
+                    f"{name}[{i}] must be a [num_slots, kv_heads, head_dim] tensor, got {got}")
+            if b.shape != first.shape or b.dtype != first.dtype or b.device != first.device:
+                raise ValueError(
+                    f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every layer must "
+                    f"match k_buffers[0]: {tuple(first.shape)} {first.dtype} on {first.device}")
+            if not b.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be contiguous, got strides {b.stride()}")
+    if first.shape[0] % page_size != 0:
+        raise ValueError(
+            f"k_buffers[0] has {first.shape[0]} slots, not a multiple of page_size={page_size}")
+    return k_list, v_list
+
+
+def _check_host_buffer(
+    host_buffer: torch.Tensor, host_layout: str, k_list: list[torch.Tensor], page_size: int,
+) -> None:
+    if not isinstance(host_buffer, torch.Tensor) or host_buffer.dim() != 6:
+        got = (tuple(host_buffer.shape) if isinstance(host_buffer, torch.Tensor)
+               else type(host_buffer).__name__)
+        raise ValueError(f"host_buffer must be a 6-d {host_layout} tensor, got {got}")
+    if host_buffer.device.type != "cpu":
+        raise ValueError(f"host_buffer must be a CPU tensor, got device {host_buffer.device}")
+    if host_buffer.dtype != k_list[0].dtype:
+        raise ValueError(
+            f"host_buffer dtype {host_buffer.dtype} must match the device KV dtype "
+            f"{k_list[0].dtype}")
+    if not host_buffer.is_contiguous():
+        raise ValueError(f"host_buffer must be contiguous, got strides {host_buffer.stride()}")
+    num_layers, (_, kv_heads, head_dim) = len(k_list), k_list[0].shape
+    shape = tuple(host_buffer.shape)
+    num_host_pages = shape[0] if host_layout == PAGE_FIRST else shape[2]
+    want = ((num_host_pages, num_layers, 2, page_size, kv_heads, head_dim)
+            if host_layout == PAGE_FIRST
+            else (num_layers, 2, num_host_pages, page_size, kv_heads, head_dim))
+    if shape != want:
+        raise ValueError(
+            f"host_buffer shape {shape} does not fit layout {host_layout!r} with "
+            f"{num_layers} layers, page_size={page_size}, kv_heads={kv_heads}, "
+            f"head_dim={head_dim}: expected {want}")
+
+
+def _check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    out = [int(x) for x in layers]
+    bad = [x for x in out if not 0 <= x < num_layers]
+    if bad:
+        raise ValueError(f"layers must lie in [0, {num_layers}), got {bad[0]} in {out}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers must be distinct, got {out}")
+    return out
+
+
+def _check_pages(name: str, pages: torch.Tensor, limit: int, unique: bool) -> None:
+    if not isinstance(pages, torch.Tensor) or pages.dim() != 1:
+        got = tuple(pages.shape) if isinstance(pages, torch.Tensor) else type(pages).__name__
+        raise ValueError(f"{name} must be a 1-d int64 tensor of page ids, got {got}")
+    if pages.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64 page ids, got dtype {pages.dtype}")
+    if pages.numel() == 0 or pages.device.type != "cpu":
+        return  # reading a GPU list's values would synchronise: checked for dtype/shape only
+    lo, hi = int(pages.min()), int(pages.max())
+    if lo < 0 or hi >= limit:
+        raise ValueError(f"{name} must lie in [0, {limit}), got {lo if lo < 0 else hi}")
+    if unique:  # a destination page written twice is a race on the GPU
+        uniq, counts = torch.unique(pages, return_counts=True)
+        if bool((counts > 1).any()):
+            dup = int(uniq[counts > 1][0])
+            raise ValueError(f"{name} are destinations and must be distinct, got {dup} twice")
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk views shared by the torch backends
+
+
+def _wide_dtype(t: _Transfer) -> torch.dtype:
+    """Widest element that divides a chunk and every base offset (so `.view(dtype)` is legal)."""
+    item = t.host_buffer.element_size()
+    offsets = [b.storage_offset() * item for b in (*t.k_buffers, *t.v_buffers, t.host_buffer)]
+    for dtype in _WIDE_DTYPES:
+        w = dtype.itemsize
+        if t.chunk_bytes % w == 0 and all(o % w == 0 for o in offsets):
+            return dtype
+    return torch.uint8
+
+
+def _rows(t: torch.Tensor, num_pages: int, wide: torch.dtype) -> torch.Tensor:
+    """A page-major view with contiguous pages -> `[num_pages, chunk_bytes / wide.itemsize]`."""
+    return t.view(num_pages, -1).view(torch.uint8).view(wide)
+
+
+def _layer_rows(t: _Transfer, layer: int, wide: torch.dtype) -> Iterator[
+        tuple[torch.Tensor, torch.Tensor]]:
+    """(device rows, host rows) of `layer`'s K, then V; each `[pages, chunk]`, host strided."""
+    for kv, dev in enumerate((t.k_buffers[layer], t.v_buffers[layer])):
+        host = (t.host_buffer[:, layer, kv] if t.host_layout == PAGE_FIRST
+                else t.host_buffer[layer, kv])  # [P, S, kv_heads, head_dim]
+        yield (_rows(dev, t.num_device_pages, wide), _rows(host, t.num_host_pages, wide))
+
+
+def _run_start(pages: torch.Tensor) -> int | None:
+    """First id when `pages` is one run of consecutive ids (n, n+1, ...), else None."""
+    n = pages.numel()
+    if n == 0:
+        return None
+    first = int(pages[0])
+    if int(pages[-1]) - first != n - 1 or (n > 1 and not bool((torch.diff(pages) == 1).all())):
+        return None
+    return first
+
+
+@contextlib.contextmanager
+def _torch_stream(stream: Any, t: _Transfer) -> Iterator[None]:
+    device = t.k_buffers[0].device
+    if device.type != "cuda" or stream is None:
+        yield
+        return
+    with torch.cuda.stream(as_torch_stream(stream, device)):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# reference: per layer and K/V, one index_select and/or index_put_ of whole pages
+
+
+class _Plan(NamedTuple):
+    src_ids: torch.Tensor  # on the source's device
+    dst_ids: torch.Tensor  # on the destination's device
+    src_start: int | None  # set when src_ids is one run of consecutive pages
+    dst_start: int | None
+
+
+def _reference(t: _Transfer, to_host: bool) -> None:
+    """Per layer and K/V: index_select straight into the destination when its pages are one
+    run, index_put_ straight from the source when its pages are one run, else both through a
+    cache-sized staging buffer. Every path moves whole pages reinterpreted as wide elements."""
+    if t.num_pages == 0 or not t.layers:
+        return
+    wide = _wide_dtype(t)
+    dev_dev, host_dev = t.k_buffers[0].device, t.host_buffer.device
+    src_ids, dst_ids = (t.device_pages, t.host_pages) if to_host else (t.host_pages, t.device_pages)
+    src_dev, dst_dev = (dev_dev, host_dev) if to_host else (host_dev, dev_dev)
+    src_start, dst_start = _run_start(src_ids), _run_start(dst_ids)
+    staging: torch.Tensor | None = None
+    if src_start is None and dst_start is None and src_dev == dst_dev:
+        # Read the source in address order (~10% faster on CPU); the staging buffer is shared
+        # by every layer.
+        order = torch.argsort(src_ids)
+        src_ids, dst_ids = src_ids[order], dst_ids[order]
+        rows = max(1, min(t.num_pages, STAGING_BYTES // t.chunk_bytes))
+        staging = torch.empty(rows, t.chunk_bytes // wide.itemsize, dtype=wide, device=src_dev)
+    plan = _Plan(src_ids.to(src_dev), dst_ids.to(dst_dev), src_start, dst_start)
+    for layer in t.layers:
+        for dev_rows, host_rows in _layer_rows(t, layer, wide):
+            src, dst = (dev_rows, host_rows) if to_host else (host_rows, dev_rows)
+            _copy_rows(src, dst, plan, staging)
+
+
+def _copy_rows(src: torch.Tensor, dst: torch.Tensor, plan: _Plan,
+               staging: torch.Tensor | None) -> None:
+    """dst[plan.dst_ids[i]] = src[plan.src_ids[i]] for whole rows (pages)."""
+    n = plan.src_ids.numel()
+    if src.device != dst.device:  # gather where the source is, one hop, place on the far side
+        gathered = (src[plan.src_start:plan.src_start + n] if plan.src_start is not None
+                    else src.index_select(0, plan.src_ids))
+        moved = gathered.to(dst.device)
+        if plan.dst_start is not None:
+            dst[plan.dst_start:plan.dst_start + n].copy_(moved)
+        else:
+            dst.index_put_((plan.dst_ids,), moved)
+    elif plan.dst_start is not None:  # gather straight into the destination, no temporary
+        torch.index_select(src, 0, plan.src_ids, out=dst[plan.dst_start:plan.dst_start + n])
+    elif plan.src_start is not None:  # scatter straight from the source, no temporary
+        dst.index_put_((plan.dst_ids,), src[plan.src_start:plan.src_start + n])
+    else:  # both scattered: stage through a cache-sized buffer, reused by every layer
+        assert staging is not None
+        step = staging.shape[0]
+        for i in range(0, n, step):
+            part = staging[:min(step, n - i)]
+            torch.index_select(src, 0, plan.src_ids[i:i + step], out=part)
+            dst.index_put_((plan.dst_ids[i:i + step],), part)
+
+
+# ---------------------------------------------------------------------------------------------
+# direct: one copy_ per run of pages consecutive in both lists
+
+
+def page_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs `(src_start, dst_start, length)` where both lists advance by one page."""
+    n = src_pages.numel()
+    if n == 0:
+        return []
+    breaks = (torch.diff(src_pages) != 1) | (torch.diff(dst_pages) != 1)  # [n - 1]
+    starts = torch.cat([breaks.new_zeros(1, dtype=torch.int64),
+                        torch.nonzero(breaks).flatten() + 1])  # [runs]
+    lengths = torch.diff(starts, append=starts.new_full((1,), n))
+    return list(zip(src_pages[starts].tolist(), dst_pages[starts].tolist(), lengths.tolist()))
+
+
+def _direct(t: _Transfer, to_host: bool) -> None:
+    if t.num_pages == 0 or not t.layers:
+        return
+    wide = _wide_dtype(t)
+    src_ids, dst_ids = (t.device_pages, t.host_pages) if to_host else (t.host_pages, t.device_pages)
+    runs = page_runs(src_ids.cpu(), dst_ids.cpu())  # the one sync of this backend
+    # Asynchronous only when the host side is pinned; a pageable one would be read after return.
+    non_blocking = t.k_buffers[0].is_cuda and t.host_buffer.is_pinned()
+    for layer in t.layers:
+        for dev_rows, host_rows in _layer_rows(t, layer, wide):
+            src, dst = (dev_rows, host_rows) if to_host else (host_rows, dev_rows)
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuda: kernels/transfer_kv.cu through CuPy
+
+
+def _cuda(t: _Transfer, kernel_name: str, stream: Any) -> None:
+    device = t.k_buffers[0].device
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"backend='cuda' needs the device KV buffers on a CUDA device, they are on {device}; "
+            "use backend='reference' or 'direct' on CPU")
+    if not t.host_buffer.is_pinned():
+        raise ValueError("backend='cuda' needs a pinned host_buffer (the GPU reads it through "
+                         "UVA); allocate it with pin_memory=True")
+    if t.num_pages == 0 or not t.layers:
+        return
+    cupy = import_cupy()  # imported here: CuPy is optional and only this path needs it
+    torch_stream = as_torch_stream(stream, device)
+    with torch.cuda.device(device), torch.cuda.stream(torch_stream):
+        args = _kernel_args(t, torch_stream)
+        num_chunks = t.num_pages * len(t.layers) * 2
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        blocks = max(1, min(-(-num_chunks // _WARPS_PER_BLOCK), sms * _BLOCKS_PER_SM))
+        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(
+                torch_stream.cuda_stream, device.index):
+            kernel = raw_module(_KERNEL_FILE).get_function(kernel_name)
+            kernel((blocks,), (_THREADS_PER_BLOCK,), args)
+
+
+def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream) -> tuple[Any, ...]:
+    """The arguments of gather_kv_d2h / scatter_kv_h2d (same signature), in order.
+
+    Runs inside `torch.cuda.stream(torch_stream)`: the uploads are enqueued there, so the
+    caching allocator frees them only after the kernel that reads them.
+    """
+    device = t.k_buffers[0].device
+    k_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.k_buffers))
+    v_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.v_buffers))
+    for table in (k_ptrs, v_ptrs):  # cached tables outlive this call's stream
+        table.record_stream(torch_stream)
+    dev_ids = to_device_async(t.device_pages, device)
+    host_ids = to_device_async(t.host_pages, device)
+    first, layer_ids = _layer_args(t.layers, device)
+    page_stride, layer_stride, kv_stride = _host_byte_strides(t.host_buffer, t.host_layout)
+    return (
+        np.uint64(k_ptrs.data_ptr()), np.uint64(v_ptrs.data_ptr()),
+        np.uint64(0 if layer_ids is None else layer_ids.data_ptr()),  # 0 = nullptr
+        np.int64(first), np.int64(len(t.layers)),
+        np.uint64(dev_ids.data_ptr()), np.uint64(host_ids.data_ptr()), np.int64(t.num_pages),
+        np.uint64(t.host_buffer.data_ptr()), np.int64(t.chunk_bytes),
+        np.int64(page_stride), np.int64(layer_stride), np.int64(kv_stride),
+    )
+
+
+def _host_byte_strides(host_buffer: torch.Tensor, host_layout: str) -> tuple[int, int, int]:
+    """(page, layer, K->V) strides of the host buffer in bytes."""
+    item = host_buffer.element_size()
+    s = host_buffer.stride()
+    page, layer, kv = (s[0], s[1], s[2]) if host_layout == PAGE_FIRST else (s[2], s[0], s[1])
+    return page * item, layer * item, kv * item
+
+
+def _layer_args(layers: list[int], device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(first_layer, None) for a range of layers, else (0, the ids on the device)."""
+    if layers == list(range(layers[0], layers[0] + len(layers))):
+        return layers[0], None
+    return 0, to_device_async(torch.tensor(layers, dtype=torch.int64), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _pointer_table(device_index: int, ptrs: tuple[int, ...]) -> torch.Tensor:
+    """`[num_layers]` int64 device array of the layers' base addresses; keyed by the addresses,
+    so a cached table is right for any buffers that live there. Uploaded (blocking) once per
+    set of buffers."""
+    return torch.tensor(ptrs, dtype=torch.int64).to(torch.device("cuda", device_index))
