@@ -1,0 +1,79 @@
+"""L3 storage: the backend registry that turns `storage.backend` into a `StorageBackend`.
+
+    create_backend("none", ...)                    -> None (storage disabled)
+    create_backend("lmdb", cfg.storage.lmdb, codec) -> LmdbStore
+    register_backend("redis", factory)             -> later backends plug in here
+
+A factory takes the backend's own config section (a Mapping, or its dataclass) and the page
+codec of this server's geometry, and returns a ready backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hicache.config import LmdbConfig
+from hicache.storage.base import StorageBackend
+from hicache.storage.lmdb_store import LmdbStore
+from hicache.storage.page_format import PageCodec, PageGeometry
+
+__all__ = [
+    "BackendFactory", "PageCodec", "PageGeometry", "StorageBackend", "create_backend",
+    "register_backend", "registered_backends",
+]
+
+DISABLED = "none"
+BackendFactory = Callable[[Mapping[str, Any], PageCodec], StorageBackend]
+_FACTORIES: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Make `create_backend(name, ...)` call `factory`; a name is registered once."""
+    if name == DISABLED or name in _FACTORIES:
+        raise ValueError(f"storage backend {name!r} is already registered")
+    _FACTORIES[name] = factory
+
+
+def registered_backends() -> tuple[str, ...]:
+    """Every name `create_backend` accepts, `"none"` first."""
+    return (DISABLED, *sorted(_FACTORIES))
+
+
+def create_backend(name: str, config: Mapping[str, Any] | Any,
+                   codec: PageCodec) -> StorageBackend | None:
+    """The backend `name` built from its config section; None for `"none"`.
+
+    Raises ValueError for an unregistered name (listing the registered ones) or a config
+    key the backend does not take.
+    """
+    if name == DISABLED:
+        return None
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown storage backend {name!r}; registered: "
+                         f"{', '.join(registered_backends())}")
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    return factory(dict(config or {}), codec)
+
+
+# Keys of an `lmdb` section: `LmdbConfig`'s, plus `sync` for callers that want no
+# fdatasync per commit (benchmarks, throwaway caches).
+_LMDB_KEYS = ("path", "max_size_gb", "sync")
+
+
+def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:
+    unknown = sorted(set(config) - set(_LMDB_KEYS))
+    if unknown:
+        raise ValueError(f"storage.lmdb: unknown key(s) {', '.join(unknown)}; allowed: "
+                         f"{', '.join(_LMDB_KEYS)}")
+    defaults = LmdbConfig()
+    section = LmdbConfig(path=config.get("path", defaults.path),
+                         max_size_gb=config.get("max_size_gb", defaults.max_size_gb))
+    return LmdbStore(section.resolved_path, section.max_size_bytes, codec,
+                     sync=bool(config.get("sync", True)))
+
+
+register_backend("lmdb", _lmdb_factory)

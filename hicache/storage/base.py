@@ -1,0 +1,127 @@
+"""The L3 contract: `StorageBackend`, its stats keys, and a rate-limited log for its faults."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.memory_pool import pages_of
+from hicache.memory_pool_host import HostKVPool
+from hicache.storage.page_format import PageCodec
+
+# Keys every backend's `stats()` returns (ints; a backend may add its own).
+STAT_PAGES = "pages"                  # pages stored now
+STAT_BYTES = "bytes"                  # storage used now (what counts against the capacity)
+STAT_CAPACITY = "capacity_bytes"      # the capacity bound
+STAT_HITS = "hits"                    # pages served by batch_get
+STAT_MISSES = "misses"                # pages asked of batch_get and not served (any reason)
+STAT_CORRUPT = "corrupt_pages"        # stored values that failed the check: deleted, missed
+STAT_EVICTED = "evicted_pages"        # pages removed by the capacity bound
+STAT_ERRORS = "errors"                # backend faults turned into misses / skipped writes
+STAT_WRITTEN = "written_pages"        # pages stored by batch_set
+STAT_SKIPPED = "skipped_pages"        # batch_set pages already present (not rewritten)
+STAT_KEYS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_HITS, STAT_MISSES, STAT_CORRUPT,
+             STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED)
+
+# A failing backend logs each operation's fault at most this often (seconds): a dead disk
+# must not flood the log at the rate of prefetches.
+FAULT_LOG_INTERVAL_S = 60.0
+
+
+class StorageBackend(ABC):
+    """An L3 page store: page hash -> one KV page, shared across restarts (and processes).
+
+    Units: a key is a 16-byte page hash (`hicache.hashing`), one per page; `host_indices`
+    are host pool slot indices of whole pages, `len(keys) * page_size` of them, key i going
+    with the i-th page of `host_indices`.
+
+    Threads: one prefetch thread calls `batch_exists` / `batch_get`, one backup thread calls
+    `batch_set`, and the scheduler thread may call `stats`, `clear`, `delete` and `close` at
+    any time, all concurrently; implementations must be safe for that.
+
+    Buffers: `batch_get` writes only into the host pages it was given, `batch_set` only reads
+    them; the caller keeps those pages allocated and unchanged (`protect_host`) until the call
+    returns. A page whose `batch_get` result is False holds undefined bytes.
+
+    Faults: a backend error (I/O, a full or unreachable store) is never raised to the caller:
+    it becomes a miss (`batch_get` False, `batch_exists` stops counting) or a skipped write
+    (`batch_set` False), is added to `stats()["errors"]` and logged at most once a minute per
+    operation. A stored value that fails its integrity check is a miss, is deleted, and is
+    added to `stats()["corrupt_pages"]`. Wrong arguments (lengths that do not match, a pool
+    of another geometry) are programming errors and raise ValueError.
+    """
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from `keys[0]`, are stored consecutively (stops at the first miss)."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        """Copy page i of `keys` into host page i of `host_indices`; True per page served."""
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        """Store host page i under `keys[i]`; True per page stored now or already present."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove `keys`; the number that were stored."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every page; the number removed."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """At least `STAT_KEYS`; counters are since this object was created."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the store; idempotent. Calls after close are misses and skipped writes."""
+
+
+def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,
+                host_indices: torch.Tensor) -> list[int]:
+    """The host page ids for `keys`, after checking the pool's geometry and the lengths."""
+    codec.check_pool(host_pool)
+    page_size = host_pool.page_size
+    if host_indices.dim() != 1 or len(host_indices) != len(keys) * page_size:
+        raise ValueError(f"{len(keys)} keys need {len(keys) * page_size} host slot indices "
+                         f"(page_size={page_size}), got shape {tuple(host_indices.shape)}")
+    return pages_of(host_indices, page_size).tolist()
+
+
+class RateLimitedLog:
+    """Logs a warning per operation name at most once per `interval_s`; counts the rest.
+
+    Threading: any thread (one lock around the bookkeeping).
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = FAULT_LOG_INTERVAL_S) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}  # op -> time.monotonic() of its last log line
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, op: str, message: str) -> bool:
+        """Log `message` for `op` unless `op` logged within the interval; True when logged."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(op)
+            if last is not None and now - last < self._interval_s:
+                self._suppressed[op] = self._suppressed.get(op, 0) + 1
+                return False
+            self._last[op] = now
+            suppressed = self._suppressed.pop(op, 0)
+        extra = f" ({suppressed} more since the last report)" if suppressed else ""
+        self._logger.warning("%s: %s%s", op, message, extra)
+        return True
