@@ -275,6 +275,7 @@ class RadixCache:
                   extra_key: str | None, now: float) -> TreeNode:
         leaf = self.node_cls(parent, key, value, extra_key)
         leaf.last_access_time = now
+        leaf.hit_count = 1  # its creation is its first use
         parent.children[self._child_key(key, 0, extra_key)] = leaf
         self._num_nodes += 1
         self._evictable += len(key)

@@ -1,0 +1,478 @@
+"""HiRadixCache: the radix tree over two tiers, device (L1) and host (L2).
+
+Every node may hold device slots (`value`) and host slots (`host_value`):
+
+    value  host_value   state
+    set    None         on L1 only (not backed up yet, or its write was dropped)
+    set    set          on L1 and L2 ("backed up")
+    None   set          evicted from L1, on L2 only; a match counts it in host_hit_length
+
+Invariants (`check_integrity` checks them all):
+- device nodes form a prefix-closed set: an evicted node's descendants are all evicted;
+- backups form a prefix-closed set: a node is backed up only when its parent is;
+- a locked node is on the device (loads and in-flight writes hold a lock until their ack);
+- a node with `host_ref_counter > 0` (and its ancestors) keeps its host pages.
+
+Threading: scheduler thread only, like the base tree. Copies are queued on the
+`HiCacheController`; their acks are applied in `writing_check` / `loading_check`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from hicache.cache_controller import HiCacheController
+from hicache.hashing import PageHasher
+from hicache.storage_controller import StorageController
+from hicache.storage_tier import StorageTier
+from hicache.radix_cache import _EMPTY, LeafHeap, MatchResult, RadixCache, TreeNode, _concat
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+# Loading fewer tokens than this back from L2 costs more in launch and bookkeeping than
+# recomputing them (SGLang uses the same default for its load_back_threshold).
+LOAD_BACK_THRESHOLD = 10
+
+
+class HiTreeNode(TreeNode):
+    __slots__ = ("host_value", "host_ref_counter", "hash_value", "storage_backed")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_value: torch.Tensor | None = None
+        self.host_ref_counter = 0
+        self.hash_value: list[bytes] | None = None  # page hashes, computed when L3 needs them
+        self.storage_backed = False  # known to be in L3
+
+    @property
+    def evicted(self) -> bool:
+        """Not on the device (the root never is)."""
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        """Has a copy in L2 (the root always counts as backed up)."""
+        return self.host_value is not None
+
+    def protect_host(self) -> None:
+        """Keep this node's and its ancestors' host pages until `release_host`."""
+        node: HiTreeNode | None = self
+        while node is not None:
+            node.host_ref_counter += 1
+            node = node.parent
+
+    def release_host(self) -> None:
+        node: HiTreeNode | None = self
+        if self.host_ref_counter <= 0:
+            raise AssertionError(f"release_host on unprotected {self!r}")
+        while node is not None:
+            node.host_ref_counter -= 1
+            node = node.parent
+
+
+class LoadBack(NamedTuple):
+    device_indices: torch.Tensor  # slots the H->D copy fills (empty when nothing was loaded)
+    last_node: HiTreeNode         # deepest node now on the device
+
+
+@dataclass
+class HiCacheCounters:
+    """Token counts since start (read by metrics and stats; plain ints, one owner)."""
+
+    written_tokens: int = 0         # D->H copies acknowledged
+    write_dropped_tokens: int = 0   # writes skipped because L2 had no room
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+    load_back_tokens: int = 0
+    transfer_failures: int = 0
+
+
+class HiRadixCache(RadixCache):
+    """The L1 radix tree plus the L2 host tier; see the module docstring."""
+
+    node_cls = HiTreeNode
+
+    def __init__(self, controller: HiCacheController, page_size: int = 1,
+                 write_policy: str = "write_through", write_through_threshold: int = 2,
+                 eviction_policy: str = "lru", load_back_threshold: int = LOAD_BACK_THRESHOLD,
+                 ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy {write_policy!r} is not one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        self.controller = controller
+        self.write_policy = write_policy
+        self.write_through_threshold = write_through_threshold
+        self.load_back_threshold = load_back_threshold
+        self.counters = HiCacheCounters()
+        self.storage: StorageTier | None = None
+        super().__init__(controller.device_pool, page_size, False, eviction_policy)
+
+    def enable_storage(self, io: StorageController, hasher: PageHasher, **policy: Any) -> None:
+        """Add the L3 tier; `policy` takes StorageTier's prefetch keyword arguments."""
+        self.storage = StorageTier(self, io, hasher, **policy)
+
+    def _init_tree(self) -> None:
+        super()._init_tree()
+        self.root.value = _EMPTY
+        self.root.host_value = _EMPTY
+        self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
+        self._ongoing_writes: dict[int, HiTreeNode] = {}
+        self._ongoing_loads: dict[int, list[HiTreeNode]] = {}
+
+    def reset(self) -> None:
+        """Wait for copies in flight, then forget everything (the caller resets the pools)."""
+        if self.storage is not None:
+            self.storage.wait_idle()
+        self.controller.wait_all()
+        self.controller.poll_writes()
+        self.controller.poll_loads()
+        super().reset()
+
+    # ---------------------------------------------------------------------------- match
+
+    def match_prefix(self, key, extra_key: str | None = None) -> MatchResult:
+        """The device hit, plus the L2-only nodes below it (`host_hit_length` tokens)."""
+        path = self._walk(self._page_aligned(key), extra_key)
+        self._on_path(path)
+        on_device = 0
+        while on_device < len(path) and not path[on_device].evicted:
+            on_device += 1
+        device = path[:on_device]
+        indices = _concat([n.value for n in device])
+        last_device = device[-1] if device else self.root
+        last_host = path[-1] if path else self.root
+        host_hit = sum(len(n.key) for n in path[on_device:])
+        return MatchResult(indices, last_device, last_host, host_hit)
+
+    def _requeue(self, path: list[TreeNode]) -> None:
+        """Only the last device node and the last node can be candidates (see base)."""
+        for node in reversed(path):
+            if not node.evicted:
+                self._device_heap.push(node)
+                break
+        if path:
+            self._host_heap.push(path[-1])
+        self._maybe_rebuild_heaps()
+
+    def _insert_hit(self, node: HiTreeNode, value: torch.Tensor, pos: int) -> int:
+        if not node.evicted:
+            return len(node.key)
+        node.value = value[pos:pos + len(node.key)].clone()  # recomputed KV of an L2-only
+        # node: adopt the caller's slots instead of freeing them
+        self._evictable += len(node.key)
+        return 0
+
+    def _split_extra(self, new: HiTreeNode, child: HiTreeNode, n: int) -> None:
+        if child.host_value is not None:
+            new.host_value = child.host_value[:n]
+            child.host_value = child.host_value[n:]
+        if child.hash_value is not None:
+            new.hash_value = child.hash_value[:n // self.page_size]
+            child.hash_value = child.hash_value[n // self.page_size:]
+        new.host_ref_counter = child.host_ref_counter
+        new.storage_backed = child.storage_backed
+
+    # ----------------------------------------------------------------------- write policy
+
+    def _on_path(self, path: list[TreeNode]) -> None:
+        """Back up the nodes the policy wants copied, parents first."""
+        if self.write_policy == "write_back":
+            return
+        for node in path:
+            if node.backuped or node.evicted:
+                continue
+            if (self.write_policy == "write_through_selective"
+                    and node.hit_count < self.write_through_threshold):
+                break
+            if not node.parent.backuped or not self._write_backup(node):
+                break
+
+    def _write_backup(self, node: HiTreeNode) -> bool:
+        """Queue node's D->H copy (making room in L2 if needed); False when dropped."""
+        host = self.controller.write(node.value, node.id)
+        if host is None:
+            self.evict_host(len(node.key))
+            host = self.controller.write(node.value, node.id)
+        if host is None:
+            self.counters.write_dropped_tokens += len(node.key)
+            return False
+        node.host_value = host
+        self.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
+        self._ongoing_writes[node.id] = node
+        return True
+
+    def _backup_path(self, node: HiTreeNode) -> bool:
+        """Back up `node` and its un-backed ancestors, top down (write_back eviction)."""
+        chain = []
+        while not node.backuped:
+            chain.append(node)
+            node = node.parent
+        return all(self._write_backup(n) for n in reversed(chain))
+
+    def writing_check(self, wait: bool = False) -> int:
+        """Apply finished D->H acks: release the locks. Returns the acks applied."""
+        if wait:
+            self.controller.wait_writes()
+        acks = self.controller.poll_writes()
+        for ack in acks:
+            node = self._ongoing_writes.pop(ack.node_id)
+            self.dec_lock_ref(node)
+            if not ack.ok:
+                self._drop_backup(node)
+                continue
+            self.counters.written_tokens += len(node.key)
+            if self.storage is not None:
+                self.storage.backup(node)
+        return len(acks)
+
+    def _drop_backup(self, node: HiTreeNode) -> None:
+        """A failed write: forget the (garbage) host copies of `node` and its descendants.
+
+        Copies run in FIFO order, so the descendants' writes (queued after this one) are
+        not acked yet: they are all still locked on the device and nothing is lost.
+        """
+        self.counters.transfer_failures += 1
+        logger.error("D->H copy of %d tokens failed; the subtree stays on L1 only",
+                     len(node.key))
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host_value is not None:
+                self.controller.host_pool.free(n.host_value)
+                n.host_value = None
+            stack.extend(n.children.values())
+
+    # --------------------------------------------------------------------------- evict
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        """Unlocked, on the device, and every child already evicted."""
+        return (node.lock_ref == 0 and node.parent is not None and not node.evicted
+                and all(c.evicted for c in node.children.values()))
+
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        """Evicted from L1, no children, and its host pages not protected."""
+        return (node.parent is not None and node.evicted and not node.children
+                and node.host_ref_counter == 0)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free device tokens: demote backed-up leaves, delete (or write back) the others.
+
+        Under write_back a pass waits for its copies before demoting, and parents become
+        candidates only after their children are gone: passes repeat until done or stuck.
+        """
+        freed = 0
+        while freed < num_tokens:
+            got = self._evict_pass(num_tokens - freed)
+            if got == 0:
+                break
+            freed += got
+        return freed
+
+    def _evict_pass(self, num_tokens: int) -> int:
+        freed, written_back = 0, []
+        while freed < num_tokens and (node := self._device_heap.pop()) is not None:
+            if node.backuped:
+                freed += self._demote(node)
+            elif self.write_policy == "write_back" and self._backup_path(node):
+                written_back.append(node)
+                freed += len(node.key)
+            else:
+                assert not node.children, "an un-backed node cannot have evicted children"
+                freed += self._evict_device_leaf(node)
+                self.counters.device_evicted_tokens += len(node.key)
+        if written_back:
+            self.writing_check(wait=True)
+            for node in written_back:
+                self._demote(node)
+        return freed
+
+    def _demote(self, node: HiTreeNode) -> int:
+        """Free a backed-up node's device slots; it stays in the tree on L2."""
+        n = len(node.key)
+        self.allocator.free(node.value)
+        node.value = None
+        self._evictable -= n
+        self.counters.device_evicted_tokens += n
+        self._device_heap.push(node.parent)
+        self._host_heap.push(node)
+        return n
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        super()._delete_leaf(node)
+        self._host_heap.push(parent)
+
+    def protect_host(self, node: HiTreeNode) -> None:
+        """Keep `node`'s and its ancestors' host pages (an L3 backup or prefetch reads them)."""
+        node.protect_host()
+
+    def release_host(self, node: HiTreeNode) -> None:
+        """End a `protect_host`; the node becomes an L2 eviction candidate again."""
+        node.release_host()
+        self._host_heap.push(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host tokens from unprotected L2-only leaves, least recently used first."""
+        freed = 0
+        while freed < num_tokens and (node := self._host_heap.pop()) is not None:
+            self.controller.host_pool.free(node.host_value)
+            freed += len(node.key)
+            self._delete_leaf(node)
+        self.counters.host_evicted_tokens += freed
+        return freed
+
+    def _maybe_rebuild_heaps(self) -> None:
+        super()._maybe_rebuild_heaps()
+        if len(self._host_heap) > 4 * self._num_nodes + 64:
+            self._host_heap.rebuild(self._iter_nodes())
+
+    # ------------------------------------------------------------------------ load back
+
+    def init_load_back(self, last_host_node: HiTreeNode) -> LoadBack:
+        """Allocate device slots for the L2-only path ending at `last_host_node` and queue
+        its H->D copy (launched by `controller.start_loading()`).
+
+        The loaded nodes get their `value` now and stay locked until the load is acked.
+        When L1 has no room even after one eviction, nothing is loaded: the caller
+        recomputes from the returned `last_node`.
+        """
+        nodes, node = [], last_host_node
+        while node.evicted:
+            nodes.append(node)
+            node = node.parent
+        if not nodes:
+            return LoadBack(_EMPTY, last_host_node)
+        nodes.reverse()
+        host_indices = torch.cat([n.host_value for n in nodes])
+        if len(host_indices) < self.load_back_threshold:
+            return LoadBack(_EMPTY, node)
+        device = self._alloc_for_load(node, last_host_node, host_indices)
+        if device is None:
+            return LoadBack(_EMPTY, node)
+        offset = 0
+        for n in nodes:
+            n.value = device[offset:offset + len(n.key)]
+            offset += len(n.key)
+        self._evictable += offset
+        self.inc_lock_ref(last_host_node)
+        self._ongoing_loads[last_host_node.id] = nodes
+        self.counters.load_back_tokens += offset
+        return LoadBack(device, last_host_node)
+
+    def _alloc_for_load(self, ancestor: HiTreeNode, last: HiTreeNode,
+                        host_indices: torch.Tensor) -> torch.Tensor | None:
+        """Device slots for a load, evicting L1 once if needed; the path is kept meanwhile."""
+        self.inc_lock_ref(ancestor)
+        self.protect_host(last)
+        device = self.controller.load(host_indices, last.id)
+        if device is None:
+            self.evict(len(host_indices))
+            device = self.controller.load(host_indices, last.id)
+        self.release_host(last)
+        self.dec_lock_ref(ancestor)
+        return device
+
+    def loading_check(self, wait: bool = False) -> int:
+        """Apply finished H->D acks: release the load locks. Returns the acks applied."""
+        if wait:
+            self.controller.wait_loads()
+        acks = self.controller.poll_loads()
+        for ack in acks:
+            nodes = self._ongoing_loads.pop(ack.node_id)
+            self.dec_lock_ref(nodes[-1])
+            if not ack.ok:
+                self.counters.transfer_failures += 1
+                logger.error("H->D load of %d nodes failed", len(nodes))
+                for n in reversed(nodes):  # garbage on the device: drop what is unused
+                    if self._is_device_leaf(n):
+                        self._demote(n)
+        return len(acks)
+
+    def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
+                          host_indices: torch.Tensor, hashes: list[bytes],
+                          extra_key: str | None = None) -> int:
+        """Attach pages fetched from L3 below `anchor` (which must be in L2) as L2-only
+        nodes. Pages the tree already holds in L2 are freed; a device-only node on the way
+        adopts the fetched copy. Returns the tokens that were new to L2."""
+        node, pos, ps, extra = anchor, 0, self.page_size, extra_key
+        new_tokens = 0
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens, pos, extra))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            if child.backuped:
+                self.controller.host_pool.free(host_indices[pos:pos + n])
+            else:
+                self._set_l3_copy(child, host_indices[pos:pos + n], hashes[pos // ps:])
+                new_tokens += n
+            node, pos = child, pos + n
+        if pos < len(tokens):
+            leaf = self.node_cls(node, tokens[pos:], None, extra)
+            node.children[self._child_key(tokens, pos, extra)] = leaf
+            self._num_nodes += 1
+            self._set_l3_copy(leaf, host_indices[pos:], hashes[pos // ps:])
+            self._host_heap.push(leaf)
+            new_tokens += len(tokens) - pos
+        return new_tokens
+
+    def _set_l3_copy(self, node: HiTreeNode, host: torch.Tensor, hashes: list[bytes]) -> None:
+        node.host_value = host.clone()
+        node.hash_value = hashes[:len(node.key) // self.page_size]
+        node.storage_backed = True
+
+    # -------------------------------------------------------------------------- sizes
+
+    def host_sizes(self) -> dict[str, int]:
+        """L2 tokens held by the tree: total, evictable (L2-only leaves), protected."""
+        total = evictable = protected = 0
+        for node in self._iter_nodes():
+            if node.host_value is None:
+                continue
+            total += len(node.key)
+            if node.host_ref_counter > 0 or node.lock_ref > 0:
+                protected += len(node.key)
+            elif self._is_host_leaf(node):
+                evictable += len(node.key)
+        return {"total": total, "evictable": evictable, "protected": protected}
+
+    def all_host_values(self) -> torch.Tensor:
+        vals = [n.host_value for n in self._iter_nodes() if n.host_value is not None]
+        return torch.cat(vals) if vals else _EMPTY
+
+    # ---------------------------------------------------------------------- integrity
+
+    def _check_node(self, node: HiTreeNode) -> None:
+        super()._check_node(node)
+        parent = node.parent
+        assert node.host_ref_counter >= 0, f"negative host_ref_counter on {node!r}"
+        assert node.host_ref_counter <= parent.host_ref_counter, (
+            f"{node!r} host-protected more than its parent")
+        if node.evicted:
+            assert node.lock_ref == 0, f"locked node {node!r} is not on the device"
+            assert node.backuped, f"{node!r} is on no tier"
+        else:
+            assert not parent.evicted, f"device node {node!r} under an evicted parent"
+        if node.backuped:
+            assert parent.backuped, f"backup hole: {node!r} backed up, its parent not"
+            assert len(node.host_value) == len(node.key), f"{node!r} host length mismatch"
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        dev = self.all_values().tolist()
+        host = self.all_host_values().tolist()
+        assert len(set(dev)) == len(dev), "a device slot is owned twice"
+        assert len(set(host)) == len(host), "a host slot is owned twice"
+        pool = self.controller.host_pool
+        held = self.storage.held_host_tokens() if self.storage is not None else 0
+        assert pool.total_size() - pool.available_size() == len(host) + held, (
+            f"host pool uses {pool.total_size() - pool.available_size()} slots, "
+            f"the tree owns {len(host)} and prefetches hold {held}")

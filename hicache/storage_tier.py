@@ -1,0 +1,208 @@
+"""The tree's side of L3: page hashes on nodes, backups after L2 writes, prefetches on arrival.
+
+    arrival    prefetch(req, last_host_node, tokens)   anchor protected, hashes queried
+    each step  check()                                 hits -> host pages allocated, fetched;
+                                                       backup acks release host pages
+    admission  ready(req) per policy, then terminate(req): fetched pages become L2-only
+               nodes under the anchor; the anchor is released
+
+Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
+the `StorageController`'s threads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from hicache.hashing import PageHasher
+from hicache.storage_controller import PrefetchOp, StorageController
+
+if TYPE_CHECKING:
+    from hicache.hiradix_cache import HiRadixCache, HiTreeNode
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# In-flight prefetches may hold at most this share of the host pool, so L2 keeps room for
+# write-through and load-back (SGLang caps prefetch the same way).
+MAX_PREFETCH_HOST_FRACTION = 0.5
+
+
+class StorageTier:
+    def __init__(self, tree: HiRadixCache, io: StorageController, hasher: PageHasher,
+                 prefetch_policy: str = "timeout", prefetch_threshold: int = 256,
+                 timeout_base: float = 2.0, timeout_per_ki_token: float = 0.1,
+                 timeout_max: float = 30.0) -> None:
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy {prefetch_policy!r} is not one of "
+                             f"{', '.join(PREFETCH_POLICIES)}")
+        self.tree = tree
+        self.io = io
+        self.hasher = hasher
+        self.page_size = tree.page_size
+        self.policy = prefetch_policy
+        self.threshold = prefetch_threshold
+        self.timeout = (timeout_base, timeout_per_ki_token, timeout_max)
+        self.ops: dict[str, PrefetchOp] = {}
+        self._querying: list[PrefetchOp] = []
+        self._draining: list[PrefetchOp] = []  # cancelled, pages freed once `finished`
+        self._backups: dict[int, HiTreeNode] = {}
+        self.counters = {"prefetched_tokens": 0, "backed_up_tokens": 0, "backup_failures": 0}
+
+    # ---------------------------------------------------------------------------- hashes
+
+    def node_hashes(self, node: HiTreeNode) -> list[bytes]:
+        """The page hashes of `node`'s key, computed once down the chain from the root."""
+        chain = []
+        while node is not self.tree.root and node.hash_value is None:
+            chain.append(node)
+            node = node.parent
+        prev = None if node is self.tree.root else node.hash_value[-1]
+        for n in reversed(chain):
+            n.hash_value = self.hasher.hash_pages(n.key, prev, n.extra_key)
+            prev = n.hash_value[-1]
+        return chain[0].hash_value if chain else node.hash_value
+
+    def _last_hash(self, node: HiTreeNode) -> bytes | None:
+        return None if node is self.tree.root else self.node_hashes(node)[-1]
+
+    # ---------------------------------------------------------------------------- backup
+
+    def backup(self, node: HiTreeNode) -> None:
+        """Write a node that just reached L2 to storage; its host pages stay until the ack."""
+        if node.storage_backed or node.id in self._backups:
+            return
+        self.tree.protect_host(node)
+        self._backups[node.id] = node
+        self.io.backup(node.id, self.node_hashes(node), node.host_value)
+
+    def _backup_check(self) -> None:
+        for ack in self.io.poll_backups():
+            node = self._backups.pop(ack.node_id)
+            self.tree.release_host(node)
+            if ack.ok:
+                node.storage_backed = True
+                self.counters["backed_up_tokens"] += len(node.key)
+            else:
+                self.counters["backup_failures"] += 1
+
+    # -------------------------------------------------------------------------- prefetch
+
+    def prefetch(self, req_id: str, last_host_node: HiTreeNode, tokens: Any,
+                 extra_key: str | None = None) -> bool:
+        """Start fetching the pages of `tokens` (the request's key beyond its L1+L2 hit,
+        under namespace `extra_key`) from storage. False when shorter than the threshold,
+        already running, or when the hit's last node has no L2 copy to hang pages under."""
+        tokens = self.tree._page_aligned(tokens)
+        if len(tokens) < max(self.threshold, self.page_size) or req_id in self.ops:
+            return False
+        if not last_host_node.backuped:  # L2-only pages need a parent in L2 (no holes)
+            return False
+        hashes = self.hasher.hash_pages(tokens, self._last_hash(last_host_node), extra_key)
+        op = PrefetchOp(req_id, hashes, last_host_node, tokens, extra_key)
+        self.tree.protect_host(last_host_node)
+        self.ops[req_id] = op
+        self._querying.append(op)
+        self.io.submit(op)
+        return True
+
+    def check(self) -> None:
+        """Top of each scheduler step: start fetches whose query answered, free the pages
+        of cancelled prefetches the I/O thread has let go of, apply backup acks."""
+        still = []
+        for op in self._querying:
+            if op.queried.is_set():
+                self._start_fetch(op)
+            else:
+                still.append(op)
+        self._querying = still
+        self._draining = [op for op in self._draining if not self._free_if_finished(op)]
+        self._backup_check()
+
+    def _start_fetch(self, op: PrefetchOp) -> None:
+        pages = min(op.hit_pages or 0, self._prefetch_budget_pages())
+        if op.cancelled or pages * self.page_size < self.threshold or pages == 0:
+            op.finished.set()  # nothing will be fetched
+            return
+        host = self.tree.controller.host_pool.alloc(pages * self.page_size)
+        if host is None:
+            self.tree.evict_host(pages * self.page_size)
+            host = self.tree.controller.host_pool.alloc(pages * self.page_size)
+        if host is None:
+            op.finished.set()
+            return
+        op.host_indices = host
+        self.io.fetch(op)
+
+    def _prefetch_budget_pages(self) -> int:
+        pool = self.tree.controller.host_pool
+        cap = int(pool.total_size() * MAX_PREFETCH_HOST_FRACTION) - self.held_host_tokens()
+        return max(0, cap) // self.page_size
+
+    def ready(self, req_id: str) -> bool:
+        """Whether the request may be admitted now under the prefetch policy."""
+        op = self.ops.get(req_id)
+        if op is None or self.policy == "best_effort":
+            return True
+        if op.finished.is_set():  # fetched, failed, or found nothing worth fetching
+            return True
+        base, per_ki, cap = self.timeout
+        limit = cap if self.policy == "wait_complete" else min(
+            cap, base + per_ki * len(op.tokens) / 1024)
+        return time.monotonic() - op.started_at >= limit
+
+    def terminate(self, req_id: str) -> int:
+        """End the request's prefetch: insert the pages fetched so far as L2-only nodes and
+        release the anchor. Returns the tokens inserted."""
+        op = self.ops.pop(req_id, None)
+        if op is None:
+            return 0
+        if op in self._querying:
+            self._querying.remove(op)
+        done = self.io.cancel(op)
+        inserted = 0
+        if op.host_indices is not None and done:
+            n = done * self.page_size
+            inserted = self.tree.insert_host_pages(
+                op.anchor, op.tokens[:n], op.host_indices[:n], op.hashes[:done], op.extra_key)
+            op.host_indices = op.host_indices[n:]
+            self.counters["prefetched_tokens"] += n
+        self.tree.release_host(op.anchor)
+        if not self._free_if_finished(op):
+            self._draining.append(op)
+        return inserted
+
+    def _free_if_finished(self, op: PrefetchOp) -> bool:
+        if not op.finished.is_set() and op.host_indices is not None:
+            return False
+        if op.host_indices is not None and len(op.host_indices):
+            self.tree.controller.host_pool.free(op.host_indices)
+        op.host_indices = None
+        return True
+
+    # ------------------------------------------------------------------------------ misc
+
+    def held_host_tokens(self) -> int:
+        """Host slots held by prefetches (not yet in the tree)."""
+        ops = list(self.ops.values()) + self._draining
+        return sum(len(op.host_indices) for op in ops if op.host_indices is not None)
+
+    def wait_idle(self) -> None:
+        """Finish every backup and let go of every prefetch (flush, shutdown)."""
+        for req_id in list(self.ops):
+            self.terminate(req_id)
+        for op in self._draining:
+            op.finished.wait()
+        self.io.wait_backups()
+        self.check()
+
+    def clear(self) -> int:
+        """Empty L3 (after in-flight backups land); returns the pages removed."""
+        self.wait_idle()
+        removed = self.io.backend.clear()
+        for node in self.tree._iter_nodes():
+            node.storage_backed = False
+        return removed
+
+    def close(self) -> None:
+        self.wait_idle()
+        self.io.close()

@@ -1,0 +1,284 @@
+"""L3 through the tree: backup after write-through, prefetch policies, restart, faults, races."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.cache_controller import HiCacheController
+from hicache.hashing import PageHasher
+from hicache.hiradix_cache import HiRadixCache
+from hicache.storage.base import StorageBackend
+from hicache.storage.lmdb_store import LmdbStore
+from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage_controller import StorageController
+from hicache.transfer import CpuTransferEngine
+from test_hiradix_cache import LAYERS, assert_device_holds, forward, make_pools
+
+PS = 4
+HASHER = PageHasher(PS, "test-model", "float32", LAYERS, 2, 4)
+CODEC = PageCodec(PageGeometry(LAYERS, 2, 4, PS, torch.float32))
+
+
+def lmdb(path: Path) -> LmdbStore:
+    return LmdbStore(path, 64 << 20, CODEC, sync=False)
+
+
+def make(backend: StorageBackend, policy: str = "wait_complete", threshold: int = 8,
+         dev_pages: int = 32, host_pages: int = 64, **kw):
+    dev, host = make_pools(dev_pages, host_pages, PS)
+    tree = HiRadixCache(HiCacheController(dev, host, CpuTransferEngine(dev, host)), PS,
+                        load_back_threshold=1)
+    tree.enable_storage(StorageController(backend, host), HASHER, prefetch_policy=policy,
+                        prefetch_threshold=threshold, **kw)
+    return tree, dev
+
+
+def compute(tree: HiRadixCache, dev, seq: list[int]) -> None:
+    """What the scheduler does for a finished request: write KV, insert, acks, backups."""
+    slots = dev.alloc(len(seq))
+    forward(dev, seq, slots)
+    dev.free(slots[:tree.insert(seq, slots)])
+    settle(tree)
+
+
+def settle(tree: HiRadixCache) -> None:
+    tree.writing_check(wait=True)
+    tree.storage.io.wait_backups()
+    tree.storage.check()
+
+
+def flush_l1_l2(tree: HiRadixCache) -> None:
+    tree.evict(10**6)
+    tree.evict_host(10**6)
+    assert tree.total_size() == 0 and tree.host_sizes()["total"] == 0
+
+
+def fetch(tree: HiRadixCache, req: str, seq: list[int], timeout: float = 10.0,
+          extra_key: str | None = None) -> int:
+    m = tree.match_prefix(seq, extra_key)
+    hit = m.device_indices.numel() + m.host_hit_length
+    if not tree.storage.prefetch(req, m.last_host_node, seq[hit:], extra_key):
+        return 0
+    deadline = time.monotonic() + timeout
+    while not tree.storage.ready(req):
+        assert time.monotonic() < deadline, "prefetch never became ready"
+        tree.storage.check()
+        time.sleep(0.001)
+    return tree.storage.terminate(req)
+
+
+def load_and_check(tree: HiRadixCache, dev, seq: list[int]) -> None:
+    m = tree.match_prefix(seq)
+    assert m.device_indices.numel() == 0 and m.host_hit_length == len(seq)
+    lb = tree.init_load_back(m.last_host_node)
+    handle = tree.controller.start_loading()
+    for layer in range(LAYERS):
+        handle.wait_layer(layer)
+    assert_device_holds(dev, seq, lb.device_indices)
+    tree.loading_check(wait=True)
+
+
+def seq_of(seed: int, n: int = 32) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_pages_come_back_from_l3_after_l1_and_l2_are_flushed(tmp_path) -> None:
+    tree, dev = make(lmdb(tmp_path / "db"))
+    seq = seq_of(1)
+    compute(tree, dev, seq)
+    assert tree.storage.counters["backed_up_tokens"] == 32
+    flush_l1_l2(tree)
+    assert fetch(tree, "r1", seq) == 32
+    tree.check_integrity()
+    load_and_check(tree, dev, seq)
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_a_restarted_process_finds_the_pages(tmp_path) -> None:
+    seq = seq_of(2, 48)
+    tree, dev = make(lmdb(tmp_path / "db"))
+    compute(tree, dev, seq)
+    tree.storage.close()  # "shutdown"
+    tree2, dev2 = make(lmdb(tmp_path / "db"))  # new pools, empty tree: a new process
+    assert fetch(tree2, "r", seq) == 48
+    load_and_check(tree2, dev2, seq)
+    tree2.storage.close()
+
+
+def test_prefetch_extends_an_l2_hit_and_skips_short_tails(tmp_path) -> None:
+    tree, dev = make(lmdb(tmp_path / "db"), threshold=8)
+    seq = seq_of(3, 40)
+    compute(tree, dev, seq)
+    flush_l1_l2(tree)
+    compute(tree, dev, seq[:16])  # L1 holds the first 16 tokens again
+    m = tree.match_prefix(seq)
+    assert m.device_indices.numel() == 16
+    assert fetch(tree, "r", seq) == 24
+    m = tree.match_prefix(seq)
+    assert m.device_indices.numel() == 16 and m.host_hit_length == 24
+    assert not tree.storage.prefetch("r2", m.last_host_node, seq[40:] + [1, 2, 3, 4])
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_namespaces_never_share_pages(tmp_path) -> None:
+    tree, dev = make(lmdb(tmp_path / "db"))
+    seq = seq_of(4)
+    slots = dev.alloc(32)
+    forward(dev, seq, slots)
+    tree.insert(seq, slots, extra_key="tenant-a")
+    settle(tree)
+    flush_l1_l2(tree)
+    assert fetch(tree, "none", seq) == 0
+    assert fetch(tree, "b", seq, extra_key="tenant-b") == 0
+    assert fetch(tree, "a", seq, extra_key="tenant-a") == 32
+    assert tree.match_prefix(seq, "tenant-a").host_hit_length == 32
+    assert tree.match_prefix(seq).host_hit_length == 0
+    tree.check_integrity()
+    tree.storage.close()
+
+
+class Flaky(StorageBackend):
+    """Raises on every call, or sleeps, to inject faults."""
+
+    def __init__(self, inner: StorageBackend, mode: str) -> None:
+        self.inner, self.mode = inner, mode
+
+    def _maybe(self):
+        if self.mode == "raise":
+            raise OSError("disk on fire")
+        if self.mode == "slow":
+            time.sleep(0.3)
+
+    def batch_exists(self, keys):
+        self._maybe()
+        return self.inner.batch_exists(keys)
+
+    def batch_get(self, keys, host_pool, host_indices):
+        self._maybe()
+        return self.inner.batch_get(keys, host_pool, host_indices)
+
+    def batch_set(self, keys, host_pool, host_indices):
+        self._maybe()
+        return self.inner.batch_set(keys, host_pool, host_indices)
+
+    def delete(self, keys):
+        return self.inner.delete(keys)
+
+    def clear(self):
+        return self.inner.clear()
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_backend_that_raises_is_a_miss_and_a_skipped_backup(tmp_path) -> None:
+    tree, dev = make(Flaky(lmdb(tmp_path / "db"), "raise"))
+    seq = seq_of(5)
+    compute(tree, dev, seq)
+    assert tree.storage.counters["backup_failures"] == 1
+    assert tree.storage.io.errors["set"] == 1
+    flush_l1_l2(tree)
+    assert fetch(tree, "r", seq) == 0
+    assert tree.storage.io.errors["exists"] >= 1
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_timeout_policy_gives_up_on_a_slow_backend(tmp_path) -> None:
+    inner = lmdb(tmp_path / "db")
+    tree, dev = make(inner, policy="timeout", timeout_base=0.05, timeout_per_ki_token=0.0,
+                     timeout_max=0.05)
+    seq = seq_of(6)
+    compute(tree, dev, seq)
+    flush_l1_l2(tree)
+    tree.storage.io.backend = Flaky(inner, "slow")
+    m = tree.match_prefix(seq)
+    assert tree.storage.prefetch("r", m.last_host_node, seq)
+    t0 = time.monotonic()
+    while not tree.storage.ready("r"):
+        tree.storage.check()
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.3  # gave up before the backend answered
+    assert tree.storage.terminate("r") == 0
+    tree.storage.wait_idle()  # the cancelled op's pages are freed once the thread lets go
+    tree.check_integrity()
+    assert tree.controller.host_pool.available_size() == tree.controller.host_pool.total_size()
+    tree.storage.close()
+
+
+def test_best_effort_admits_at_once(tmp_path) -> None:
+    tree, dev = make(lmdb(tmp_path / "db"), policy="best_effort")
+    seq = seq_of(7)
+    compute(tree, dev, seq)
+    flush_l1_l2(tree)
+    m = tree.match_prefix(seq)
+    assert tree.storage.prefetch("r", m.last_host_node, seq)
+    assert tree.storage.ready("r")
+    inserted = tree.storage.terminate("r")
+    assert inserted % PS == 0 and 0 <= inserted <= 32
+    assert tree.match_prefix(seq).host_hit_length == inserted
+    tree.storage.wait_idle()
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_clear_empties_l3(tmp_path) -> None:
+    tree, dev = make(lmdb(tmp_path / "db"))
+    seq = seq_of(8)
+    compute(tree, dev, seq)
+    assert tree.storage.clear() == 8
+    flush_l1_l2(tree)
+    assert fetch(tree, "r", seq) == 0
+    tree.storage.close()
+
+
+def test_prefetch_and_backup_racing_the_scheduler_keep_the_tree_intact(tmp_path) -> None:
+    rng = random.Random(0)
+    tree, dev = make(lmdb(tmp_path / "db"), policy="best_effort", threshold=4,
+                     dev_pages=24, host_pages=40)
+    seqs = [seq_of(100 + i, rng.choice([8, 16, 24, 32])) for i in range(12)]
+    for step in range(300):
+        seq = rng.choice(seqs)
+        op = rng.random()
+        if op < 0.35:
+            if dev.available_size() < len(seq):
+                tree.evict(len(seq))
+            if dev.available_size() >= len(seq):
+                slots = dev.alloc(len(seq))
+                forward(dev, seq, slots)
+                dev.free(slots[:tree.insert(seq, slots)])
+        elif op < 0.6:
+            m = tree.match_prefix(seq)
+            hit = m.device_indices.numel() + m.host_hit_length
+            tree.storage.prefetch(f"r{step}", m.last_host_node, seq[hit:])
+        elif op < 0.75 and tree.storage.ops:
+            tree.storage.terminate(rng.choice(sorted(tree.storage.ops)))
+        elif op < 0.85:
+            tree.evict(rng.randint(1, 40))
+        else:
+            tree.evict_host(rng.randint(1, 40))
+        tree.writing_check()
+        tree.loading_check()
+        tree.storage.check()
+        tree.check_integrity()
+    tree.storage.wait_idle()
+    tree.check_integrity()
+    assert tree.storage.counters["backed_up_tokens"] > 0
+    tree.storage.close()
+    tree.controller.close()
+
+
+@pytest.mark.parametrize("policy", ["bogus"])
+def test_bad_policy_is_refused(tmp_path, policy) -> None:
+    with pytest.raises(ValueError, match="best_effort, wait_complete, timeout"):
+        make(lmdb(tmp_path / "db"), policy=policy)
