@@ -50,7 +50,7 @@ def paged_decode_attention(
             f"got shape {tuple(q.shape)}"
         )
     q = q.contiguous()
-    slot_table = slot_table.contiguous()
+    slot_table, seq_lens = slot_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)  # [S, H, D]
     if q.shape[0] == 0:
         return out
@@ -64,8 +64,7 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """Pure-torch decode attention with the kernel's semantics (float32 math, q's dtype out)."""
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
-    num_seqs, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [S, H, D]
     for s, n in enumerate(seq_lens.tolist()):
         if n == 0:

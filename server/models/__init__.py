@@ -1,0 +1,38 @@
+"""The model side of the engine: Llama-family decoder over the paged KV pool, its loader and
+the ForwardBatch contract with the model runner."""
+
+from __future__ import annotations
+
+from server.models.attention import (
+    AttentionBackend,
+    CudaPagedAttention,
+    TorchAttention,
+    make_attention_backend,
+)
+from server.models.config import ModelArchConfig
+from server.models.forward_batch import ForwardBatch
+from server.models.llama import LlamaForCausalLM
+from server.models.loader import (
+    EMBEDDED_TINY_LLAMA,
+    LoadedModel,
+    hicache_home,
+    load_model,
+    resolve_model_path,
+    write_embedded_model,
+)
+
+__all__ = [
+    "EMBEDDED_TINY_LLAMA",
+    "AttentionBackend",
+    "CudaPagedAttention",
+    "ForwardBatch",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelArchConfig",
+    "TorchAttention",
+    "hicache_home",
+    "load_model",
+    "make_attention_backend",
+    "resolve_model_path",
+    "write_embedded_model",
+]

@@ -1,0 +1,282 @@
+"""The Llama family (Llama, Mistral, Qwen2) over the paged KV pool.
+
+Numerics follow transformers' modelling code: RMSNorm in float32, RoPE with the rotate-half
+convention (HF checkpoints' q/k rows are permuted for it), GQA by repeating KV heads, SwiGLU.
+q/k/v and gate/up are stored stacked (`qkv_proj`, `gate_up_proj`) so each is one matmul;
+`load_weights` maps transformers' separate names onto the stacked rows.
+
+Threading: `forward` runs on the scheduler thread, which owns the KV pool it writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.memory_pool import DeviceKVPool
+from server.models.attention import AttentionBackend
+from server.models.config import ModelArchConfig
+from server.models.forward_batch import ForwardBatch
+
+# transformers' separate projections -> (our stacked parameter, shard index within it)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint entries that are not weights (buffers some exporters save).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+           fill: float | None = None) -> nn.Parameter:
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if fill is not None:
+        t.fill_(fill)
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Linear(nn.Module):
+    """`y = x @ W.T (+ b)`; W stacks `len(out_sizes)` matrices row-wise (q|k|v, gate|up)."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.out_sizes = list(out_sizes)
+        self.weight = _param((sum(out_sizes), in_features), dtype, device)
+        self.bias = _param((sum(out_sizes),), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        """Rows of stacked matrix `index` in `param` (the weight or the bias), a view."""
+        start = sum(self.out_sizes[:index])
+        return param[start:start + self.out_sizes[index]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), dtype, device, fill=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """`[head_dim // 2]` float32 inverse frequencies, as transformers' rope init functions."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """transformers' `_compute_llama3_parameters`: long wavelengths slowed down by `factor`,
+    short ones kept, the band between interpolated smoothly."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin precomputed for positions `[0, max_positions)`; larger positions are an error."""
+
+    def __init__(self, config: ModelArchConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim // 2]
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[T, heads, head_dim]` rotated by `positions` `[T]` (rotate-half pairs)."""
+        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, head_dim // 2]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_id: int, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.split = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = Linear(config.hidden_size, self.split, config.attention_bias,
+                               dtype, device)
+        self.o_proj = Linear(config.q_size, [config.hidden_size], config.o_proj_bias,
+                             dtype, device)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
+                kv_pool: DeviceKVPool) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = rope(batch.positions, q.view(t, self.heads, self.head_dim))  # [T, heads, head_dim]
+        k = rope(batch.positions, k.view(t, self.kv_heads, self.head_dim))  # [T, kv_heads, hd]
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if batch.layer_hook is not None:  # the runner waits here for this layer's loads
+            batch.layer_hook(self.layer_id)
+        kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
+        o = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool)  # [T, heads, hd]
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], False, dtype, device)
+        self.down_proj = Linear(inter, [config.hidden_size], False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_id: int, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_id, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
+                kv_pool: DeviceKVPool) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, batch, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, dtype, device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config, device)
+
+    def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
+        h = F.embedding(batch.input_ids, self.embed_tokens.weight)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, self.rotary_emb, batch, kv_pool)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder. `forward` -> float32 logits of each sequence's last
+    new token; K/V of the new tokens land in `kv_pool` at `batch.out_slots`, every layer."""
+
+    def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = LlamaModel(config, attn_backend, dtype, self.device)
+        if config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype,
+                                  self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
+        """`[num_seqs, vocab]` float32 logits of each sequence's last new token."""
+        batch = batch.to(kv_pool.device)
+        h = self.model(batch, kv_pool)  # [T, hidden]
+        return self._logits(h.index_select(0, batch.last_token_indices()))
+
+    @torch.inference_mode()
+    def forward_all_logits(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
+        """`[T, vocab]` float32 logits of every new token (tests, scoring)."""
+        return self._logits(self.model(batch.to(kv_pool.device), kv_pool))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors in (cast to the model's dtype and device).
+
+        ValueError for an unknown name, a shape mismatch, or a weight missing at the end.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        pending = self._expected_keys()
+        for name, tensor in weights:
+            key = self._load_one(name, tensor, params)
+            if key is not None:
+                pending.discard(key)
+        if pending:
+            missing = sorted(n if i is None else f"{n}[shard {i}]" for n, i in pending)
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+
+    def _expected_keys(self) -> set[tuple[str, int | None]]:
+        """(parameter, shard) pairs a complete checkpoint fills; shard None = the whole."""
+        keys: set[tuple[str, int | None]] = set()
+        for mod_name, mod in self.named_modules():
+            shards = len(mod.out_sizes) if isinstance(mod, Linear) else 1
+            for p_name, _ in mod.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                keys |= {(full, None)} if shards == 1 else {(full, i) for i in range(shards)}
+        if self.config.tie_word_embeddings:
+            keys.discard(("lm_head.weight", None))
+        return keys
+
+    def _load_one(self, name: str, tensor: torch.Tensor,
+                  params: dict[str, nn.Parameter]) -> tuple[str, int | None] | None:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # some tied checkpoints still store the copy
+        target_name, shard = _stacked_name(name)
+        if target_name not in params:
+            raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+        target = params[target_name]
+        if shard is not None:
+            owner = self.get_submodule(target_name.rsplit(".", 1)[0])
+            target = owner.shard(target, shard)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(target.shape)}")
+        target.copy_(tensor)
+        return target_name, shard
+
+
+def _stacked_name(name: str) -> tuple[str, int | None]:
+    """`...self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, 1); others unchanged."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        stacked, shard = _STACKED[parts[-2]]
+        return ".".join([*parts[:-2], stacked, parts[-1]]), shard
+    return name, None
+

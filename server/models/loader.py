@@ -1,0 +1,223 @@
+"""Model folders: the embedded default model, safetensors loading, dtype and device choice.
+
+A model path is either `embedded:tiny-llama` or a local Hugging Face folder holding
+`config.json` and `model.safetensors` (or shards listed in `model.safetensors.index.json`).
+The embedded model is written once under `hicache_home()/models/tiny-llama` as an ordinary
+Hugging Face folder (transformers loads it too); its weights come from a fixed seed, so every
+machine generates byte-identical files (for a given torch version).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from hicache.memory_pool import resolve_device
+from server.models.attention import make_attention_backend
+from server.models.config import ModelArchConfig
+from server.models.llama import LlamaForCausalLM
+from server.tokenizer import (
+    BOS_ID,
+    BYTE_VOCAB_SIZE,
+    EMBEDDED_MARKER_KEY,
+    EOS_ID,
+    PAD_ID,
+    byte_tokenizer_json,
+)
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_NAME = "tiny-llama"
+EMBEDDED_TINY_LLAMA = EMBEDDED_PREFIX + EMBEDDED_NAME
+DEFAULT_HICACHE_HOME = "~/.cache/hicache"
+EMBEDDED_SEED = 20250101  # any fixed value; changing it changes every page hash of the model
+EMBEDDED_WEIGHT_STD = 0.02  # transformers' initializer_range default
+
+# DESIGN.md, "The embedded default model". rms_norm_eps is Llama 2/3's.
+EMBEDDED_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    EMBEDDED_MARKER_KEY: EMBEDDED_NAME,
+}
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_WEIGHTS_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    config: ModelArchConfig
+    path: Path  # the resolved folder
+    dtype: torch.dtype
+    device: torch.device
+
+
+def hicache_home() -> Path:
+    """`$HICACHE_HOME`, else `~/.cache/hicache` (not created here)."""
+    return Path(os.environ.get("HICACHE_HOME") or DEFAULT_HICACHE_HOME).expanduser()
+
+
+def resolve_model_path(path: str) -> Path:
+    """The folder of `path`; the embedded model's is generated on first use.
+
+    FileNotFoundError for a folder that does not exist; ValueError for an unknown embedded name.
+    """
+    if path.startswith(EMBEDDED_PREFIX):
+        if path != EMBEDDED_TINY_LLAMA:
+            raise ValueError(f"unknown embedded model {path!r}; available: {EMBEDDED_TINY_LLAMA}")
+        return _ensure_embedded(hicache_home() / "models" / EMBEDDED_NAME)
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no model folder: {folder} does not exist or is not a folder")
+    return folder
+
+
+def _ensure_embedded(final: Path) -> Path:
+    """Write the embedded model into a temporary sibling, then rename it into place: rename is
+    atomic, so a process that sees `final` sees it whole, and of two writers one wins."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write_embedded_model(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename won
+    return final
+
+
+def embedded_weights(seed: int = EMBEDDED_SEED) -> dict[str, torch.Tensor]:
+    """The embedded model's float32 tensors under transformers' names, from `seed`."""
+    c = EMBEDDED_CONFIG
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(shapes.items(), desc="Generating tiny-llama", unit="tensor",
+                            file=sys.stderr):
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape)
+        else:
+            out[name] = torch.randn(shape, generator=gen) * EMBEDDED_WEIGHT_STD
+    return out
+
+
+def write_embedded_model(directory: str | Path) -> None:
+    """Write the embedded model's Hugging Face folder (config, weights, tokenizer) into
+    `directory` (created if missing). The same seed gives byte-identical files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(embedded_weights(), str(directory / _WEIGHTS_FILE), metadata={"format": "pt"})
+    _write_json(directory / "config.json", EMBEDDED_CONFIG)
+    _write_json(directory / "generation_config.json",
+                {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
+    (directory / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Build the model of `path` on `device` in `dtype` and load its weights.
+
+    dtype "auto": the checkpoint's dtype on CUDA, float32 on CPU. FileNotFoundError names a
+    missing folder, config.json or weights file.
+    """
+    folder = resolve_model_path(path)
+    config = ModelArchConfig.from_file(folder)
+    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+        logger.warning("%s: sliding_window=%d is not applied (full attention): logits are exact "
+                       "only while a context stays within %d tokens", folder,
+                       config.sliding_window, config.sliding_window)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, config, dev)
+    model = LlamaForCausalLM(config, make_attention_backend(dev), torch_dtype, dev)
+    model.load_weights(iter_safetensors(folder))
+    return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
+
+
+def resolve_dtype(dtype: str, config: ModelArchConfig, device: torch.device) -> torch.dtype:
+    """The model dtype for a `--dtype` value (auto | float32 | bfloat16 | float16)."""
+    if dtype == "auto":
+        return config.torch_dtype if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def weight_files(folder: Path) -> dict[str, list[str]]:
+    """Safetensors file -> tensor names, from the shard index or the single file."""
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in sorted(weight_map.items()):
+            files.setdefault(file, []).append(name)
+        return files
+    single = folder / _WEIGHTS_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no weights: neither {single} nor {index} exists")
+    with safe_open(str(single), framework="pt") as f:
+        return {_WEIGHTS_FILE: sorted(f.keys())}
+
+
+def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every weight of the folder, one shard open at a time."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    total = sum(len(names) for names in files.values())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr) as bar:
+        for file, names in files.items():
+            if not (folder / file).is_file():
+                raise FileNotFoundError(f"no weights: shard {folder / file} does not exist")
+            with safe_open(str(folder / file), framework="pt") as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
+                    bar.update()

@@ -1,0 +1,224 @@
+"""kernels/paged_attention: the torch reference against TorchAttention on CPU, argument
+checks, compilation with nvcc/NVRTC, and the CUDA kernel against the reference on a GPU.
+
+Every slot that a sequence does not own, the padding page included, is poisoned with NaN: an
+implementation that reads one returns NaN and fails.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.memory_pool import DeviceKVPool
+from kernels import cuda_utils
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from server.models.attention import CudaPagedAttention, TorchAttention
+from server.models.forward_batch import ForwardBatch
+
+SEED = 7
+PAGE_SIZE = 16
+NUM_PAGES = 64  # 1024 usable slots
+SEQ_LENS = (1, 7, 64, 65, 200)  # 64 is the kernel's key tile: exactly one, one plus one, many
+GQA_RATIOS = (1, 4, 8)
+KV_HEADS = 2
+HEAD_DIM = 64
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def poisoned_pool(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: str) -> DeviceKVPool:
+    pool = DeviceKVPool(NUM_PAGES, PAGE_SIZE, num_layers, kv_heads, head_dim, dtype, device)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.fill_(float("nan"))
+    return pool
+
+
+def decode_case(seq_lens: tuple[int, ...], heads: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: str) -> tuple[DeviceKVPool, ForwardBatch, torch.Tensor]:
+    """A pool whose only finite slots are the sequences' (scattered), their decode batch
+    and the queries `[S, heads, head_dim]`."""
+    gen = torch.Generator().manual_seed(SEED)
+    pool = poisoned_pool(1, kv_heads, head_dim, dtype, device)
+    slots_all = pool.alloc(NUM_PAGES * PAGE_SIZE)
+    slots_all = slots_all[torch.randperm(len(slots_all), generator=gen)]
+    seq_slots, start = [], 0
+    for n in seq_lens:
+        seq_slots.append(slots_all[start:start + n])
+        start += n
+    used = torch.cat(seq_slots)
+    for buf in (pool.k_buffers[0], pool.v_buffers[0]):
+        values = torch.randn((len(used), kv_heads, head_dim), generator=gen)
+        buf[used.to(device)] = values.to(device, dtype)
+    last = torch.stack([s[-1] for s in seq_slots])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(seq_lens), dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in seq_lens]), out_slots=last,
+        seq_slots=seq_slots, prefix_lens=[n - 1 for n in seq_lens],
+        extend_lens=[1] * len(seq_lens)).to(torch.device(device))
+    q = torch.randn((len(seq_lens), heads, head_dim), generator=gen).to(device, dtype)
+    return pool, batch, q
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference against TorchAttention (SDPA), argument checks
+
+
+@pytest.mark.parametrize("ratio", GQA_RATIOS)
+def test_reference_matches_torch_attention_decode(ratio: int) -> None:
+    pool, batch, q = decode_case(SEQ_LENS, KV_HEADS * ratio, KV_HEADS, HEAD_DIM,
+                                 torch.float32, "cpu")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, table, lens,
+                                           1 / math.sqrt(HEAD_DIM))
+    torch_out = TorchAttention().forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, pool)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref, torch_out, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_ignores_the_table_past_seq_len() -> None:
+    pool, batch, q = decode_case((3, 9), 4, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    garbage = table.clone()
+    garbage[0, 3:] = 10**9  # out of range: reading it would raise
+    out = paged_decode_attention_reference(q, k_cache, v_cache, garbage, lens, 0.125)
+    torch.testing.assert_close(
+        out, paged_decode_attention_reference(q, k_cache, v_cache, table, lens, 0.125))
+    one = paged_decode_attention_reference(q[:1], k_cache, v_cache, table[:1, :1],
+                                           lens[:1].clamp(max=1), 0.125)
+    v0 = v_cache[table[0, 0]].repeat_interleave(2, dim=0)  # one key: output is its V
+    torch.testing.assert_close(one[0], v0)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"q": torch.zeros(2, 4)}, "q must be"),
+    ({"k_cache": torch.zeros(32, 2, 16)}, "k_cache must be"),
+    ({"v_cache": torch.zeros(32, 2, 8, dtype=torch.float16)}, "v_cache must be"),
+    ({"slot_table": torch.zeros(2, 5, dtype=torch.int32)}, "slot_table must be int64"),
+    ({"slot_table": torch.zeros(3, 5, dtype=torch.int64)}, "slot_table must be"),
+    ({"seq_lens": torch.ones(3, dtype=torch.int64)}, "seq_lens must be"),
+    ({"q": torch.zeros(2, 3, 8)}, "do not divide"),
+    ({"q": torch.zeros(2, 4, 8, dtype=torch.float64)}, "q: dtype"),
+])
+def test_wrapper_checks_arguments(change: dict, match: str) -> None:
+    args = {"q": torch.zeros(2, 4, 8), "k_cache": torch.zeros(32, 2, 8),
+            "v_cache": torch.zeros(32, 2, 8), "slot_table": torch.zeros(2, 5, dtype=torch.int64),
+            "seq_lens": torch.ones(2, dtype=torch.int64)} | change
+    for fn in (paged_decode_attention_reference, paged_decode_attention):
+        with pytest.raises(ValueError, match=match):
+            fn(**args, scale=1.0)
+
+
+def test_kernel_wrapper_rejects_cpu_tensors() -> None:
+    pool, batch, q = decode_case((3,), 4, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        paged_decode_attention(q, *pool.get_kv(0), *batch.slot_table(), 0.125)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation: nvcc for the GPUs we target, NVRTC exactly as CuPy would (no GPU needed)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
+    nvcc = cuda_utils.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
+    cubin = tmp_path / f"paged_attention_{arch}.cubin"
+    src = cuda_utils.KERNEL_DIR / "paged_attention.cu"
+    proc = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin),
+                           str(src)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    data = cubin.read_bytes()
+    for suffix in ("f32", "f16", "bf16"):
+        assert f"paged_decode_attention_{suffix}".encode() in data
+
+
+def test_nvrtc_compiles_without_headers() -> None:
+    if cuda_utils.load_nvrtc() is None:
+        pytest.skip("no NVRTC library installed")
+    ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source("paged_attention.cu"))
+    for suffix in ("f32", "f16", "bf16"):
+        assert f".entry paged_decode_attention_{suffix}(" in ptx
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the kernel against the reference
+
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("ratio", GQA_RATIOS)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_kernel_matches_reference(dtype: torch.dtype, ratio: int, head_dim: int) -> None:
+    pytest.importorskip("cupy")
+    pool, batch, q = decode_case(SEQ_LENS, KV_HEADS * ratio, KV_HEADS, head_dim, dtype, "cuda")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    scale = 1 / math.sqrt(head_dim)
+    got = paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, table, lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert torch.isfinite(got).all()  # no poisoned slot was read
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@requires_cuda
+def test_kernel_ignores_padding_and_takes_strided_q() -> None:
+    pytest.importorskip("cupy")
+    pool, batch, q = decode_case((1, 130), 8, KV_HEADS, HEAD_DIM, torch.float32, "cuda")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    table = table.clone()
+    table[0, 1:] = 0  # slot 0 is in the NaN padding page, past sequence 0's length
+    wide = torch.cat([q, q], dim=-1)  # q as a strided view
+    got = paged_decode_attention(wide[..., :HEAD_DIM], k_cache, v_cache, table, lens, 0.125)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, table, lens, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@requires_cuda
+def test_cuda_backend_decode_matches_torch_attention() -> None:
+    pytest.importorskip("cupy")
+    pool, batch, q = decode_case(SEQ_LENS, 8, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    k = q[:, :KV_HEADS]
+    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool)
+    want = TorchAttention().forward(q, k, k, 0, batch, pool)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaPagedAttention's batching (slot table, scale, dtype, prefill fallback) checked on
+    CPU with the kernel swapped for its reference."""
+    from server.models import attention
+
+    calls: list[int] = []
+
+    def reference(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return paged_decode_attention_reference(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "paged_decode_attention", reference)
+    pool, batch, q = decode_case(SEQ_LENS, 8, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    k = q[:, :KV_HEADS]
+    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool)
+    torch.testing.assert_close(got, TorchAttention().forward(q, k, k, 0, batch, pool),
+                               rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    prefill = ForwardBatch(torch.zeros(3, dtype=torch.int64), torch.arange(3),
+                           batch.seq_slots[4][:3], [batch.seq_slots[4][:3]], [0], [3])
+    qp = q[:3]
+    torch.testing.assert_close(CudaPagedAttention().forward(qp, k[:3], k[:3], 0, prefill, pool),
+                               TorchAttention().forward(qp, k[:3], k[:3], 0, prefill, pool))
+    assert calls == [1]  # prefill did not go through the decode kernel
