@@ -327,6 +327,18 @@ class HiRadixCache(RadixCache):
         self.counters.host_evicted_tokens += freed
         return freed
 
+    def flush_host(self) -> int:
+        """Empty L2 of everything unprotected: L2-only nodes, then the host copies of nodes
+        still on L1. Call with no write in flight. Returns the host tokens freed."""
+        assert not self._ongoing_writes, "flush_host with D->H copies in flight"
+        freed = self.evict_host(self.controller.host_pool.total_size())
+        for node in self._iter_nodes():  # parents first: a kept copy's parent is kept too
+            if node.host_value is not None and node.host_ref_counter == 0:
+                self.controller.host_pool.free(node.host_value)
+                freed += len(node.key)
+                node.host_value = None
+        return freed
+
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
         if len(self._host_heap) > 4 * self._num_nodes + 64:

@@ -21,6 +21,12 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _hicache_home(tmp_path_factory) -> None:
+    """The embedded model is generated once per test session, never in the user's home."""
+    os.environ["HICACHE_HOME"] = str(tmp_path_factory.mktemp("hicache_home"))
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     random.seed(0)

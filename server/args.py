@@ -1,0 +1,118 @@
+"""Command-line flags (SGLang's names) merged over the YAML config into one `Config`.
+
+Precedence: built-in defaults < `--config FILE` < flags. A flag left out does not override
+anything. A bad flag or config value exits with code 2 and a message naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from hicache.config import (
+    DEVICES,
+    DTYPES,
+    IO_BACKENDS,
+    MEM_LAYOUTS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    WRITE_POLICIES,
+    Config,
+    ConfigError,
+    load_config,
+)
+
+EXIT_BAD_CONFIG = 2  # argparse's own exit code for bad usage
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_CONFIG, f"{self.prog}: error: {message}\n")
+
+
+# (flag, dotted config key, argparse kwargs, help). `store_true` flags set the value shown.
+_FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
+    ("--model-path", "model.path", {}, "model: `embedded:tiny-llama` or a local HF folder"),
+    ("--dtype", "model.dtype", {"choices": DTYPES}, "weight and KV dtype"),
+    ("--device", "model.device", {"choices": DEVICES}, "where the model and L1 live"),
+    ("--host", "server.host", {}, "address to bind (default 127.0.0.1)"),
+    ("--port", "server.port", {"type": int}, "TCP port (0 = any free port)"),
+    ("--admin-api-key", "server.admin_api_key", {},
+     "bearer token for /admin routes (without one they answer loopback clients only)"),
+    ("--disable-radix-cache", "cache.enable_radix_cache", {"action": "store_const",
+                                                           "const": False},
+     "recompute every prompt (no prefix reuse)"),
+    ("--enable-hierarchical-cache", "cache.hierarchical", {"action": "store_const",
+                                                           "const": True},
+     "add the L2 host tier (and L3 storage when a backend is set) below L1"),
+    ("--page-size", "cache.page_size", {"type": int}, "tokens per KV page"),
+    ("--max-total-tokens", "cache.max_total_tokens", {"type": int},
+     "L1 capacity in tokens (default: sized from free memory)"),
+    ("--hicache-ratio", "host.ratio", {"type": float}, "L2 size as a multiple of L1"),
+    ("--hicache-size", "host.size_gb", {"type": float}, "L2 size in GB (overrides the ratio)"),
+    ("--hicache-write-policy", "host.write_policy", {"choices": WRITE_POLICIES},
+     "when L1 pages are copied to L2"),
+    ("--hicache-io-backend", "host.io_backend", {"choices": IO_BACKENDS},
+     "kernel: CUDA gather/scatter kernels; direct: torch copies"),
+    ("--hicache-mem-layout", "host.mem_layout", {"choices": MEM_LAYOUTS}, "L2 memory layout"),
+    ("--hicache-storage-backend", "storage.backend", {"choices": STORAGE_BACKENDS},
+     "L3 backend"),
+    ("--hicache-storage-prefetch-policy", "storage.prefetch_policy",
+     {"choices": PREFETCH_POLICIES}, "how long admission waits for an L3 prefetch"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hicache-server", description=(
+        "Serve an LLM with a hierarchical KV cache (GPU, host memory, disk). Flags override "
+        "the YAML file given with --config, which overrides the built-in defaults."))
+    p.add_argument("--config", help="YAML tier configuration (see configs/default.yaml)")
+    for flag, key, kwargs, help_text in _FLAGS:
+        p.add_argument(flag, dest=key, default=None, help=f"{help_text} [{key}]", **kwargs)
+    p.add_argument("--hicache-storage-backend-extra-config", dest="extra_config",
+                   help="JSON object merged into the chosen backend's section, e.g. "
+                        "'{\"path\": \"/data/lmdb\"}'")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"), help="logging level")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    """Merge parsed flags over the YAML file; raises ConfigError."""
+    overrides = {key: getattr(ns, key) for _, key, _, _ in _FLAGS
+                 if getattr(ns, key) is not None}
+    cfg = load_config(ns.config, overrides)
+    if ns.extra_config:
+        extra = _parse_extra(ns.extra_config)
+        backend = overrides.get("storage.backend", cfg.storage.backend)
+        if backend == "none":
+            raise ConfigError("storage.backend", "--hicache-storage-backend-extra-config "
+                              "needs a storage backend (lmdb or redis)")
+        cfg = load_config(ns.config, {**overrides, f"storage.{backend}": extra})
+    return cfg
+
+
+def _parse_extra(text: str) -> dict[str, Any]:
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("storage.extra_config", f"not valid JSON: {e.msg} "
+                          f"(column {e.colno})") from None
+    if not isinstance(extra, dict):
+        raise ConfigError("storage.extra_config",
+                          f"expected a JSON object, got {type(extra).__name__}")
+    return extra
+
+
+def parse_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
+    """Parse flags into a Config; on a bad flag or value print it and exit with code 2."""
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    try:
+        return config_from_args(ns), ns
+    except ConfigError as e:
+        parser.exit(EXIT_BAD_CONFIG, f"hicache-server: config error: {e}\n")

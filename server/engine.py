@@ -1,0 +1,180 @@
+"""Engine: the model, the cache tiers and the scheduler thread behind one object.
+
+    engine = Engine.from_cli(["--enable-hierarchical-cache"])
+    out = engine.generate("Hello", sampling_params={"temperature": 0, "max_new_tokens": 8})
+    engine.flush_cache(["device", "host"]); engine.stats(); engine.shutdown()
+
+Threading: any thread may call the public methods; they hand work to the scheduler thread
+(which alone touches the tree and the pools) and wait for its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from hicache.config import Config
+from server.cache_setup import CacheStack, build_cache
+from server.model_runner import ModelRunner
+from server.models.loader import load_model
+from server.request import InvalidRequest, Request, SamplingParams
+from server.scheduler import TIERS, Scheduler
+from server.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Tokens computed per forward step (prefill chunks + decodes): bounds step latency, so decodes
+# keep flowing while a long prompt is prefilled in chunks (SGLang's chunked_prefill_size).
+MAX_BATCH_TOKENS = 2048
+MAX_RUNNING_REQUESTS = 64
+DRAIN_POLL_S = 0.02
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+class Engine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._init_model()
+        self.cache: CacheStack = build_cache(config, self.loaded)
+        runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.controller)
+        self.scheduler = Scheduler(runner, self.cache.tree, self.tokenizer,
+                                   max_batch_tokens=MAX_BATCH_TOKENS,
+                                   max_running=MAX_RUNNING_REQUESTS)
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,),
+                                        name="hicache-scheduler", daemon=True)
+        self._thread.start()
+
+    def _init_model(self) -> None:
+        m = self.config.model
+        self.loaded = load_model(m.path, m.dtype, m.device)
+        self.tokenizer = load_tokenizer(self.loaded.path)
+        self.context_len = self.loaded.config.max_position_embeddings
+        self.vocab_size = self.loaded.config.vocab_size
+
+    @classmethod
+    def from_cli(cls, argv: list[str]) -> Engine:
+        """Build from the same flags as `hicache-server` (a bad one raises SystemExit(2))."""
+        from server.args import parse_config
+
+        config, _ = parse_config(argv)
+        return cls(config)
+
+    # -------------------------------------------------------------------------- generate
+
+    def make_request(self, text: str | None = None, input_ids: list[int] | None = None,
+                     sampling_params: dict | None = None, extra_key: str | None = None
+                     ) -> Request:
+        """Validate a generation request; raises InvalidRequest with what was wrong."""
+        if (text is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of `text` or `input_ids`")
+        if text is not None:
+            if not isinstance(text, str):
+                raise InvalidRequest(f"`text` must be a string, got {type(text).__name__}")
+            input_ids = self.tokenizer.encode(text)
+        ids = self._check_ids(input_ids)
+        params = SamplingParams.from_dict(sampling_params)
+        room = self.context_len - len(ids)
+        if params.max_new_tokens > room:  # as OpenAI servers do: cut to the context
+            params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
+        need = len(ids) + params.max_new_tokens
+        if need > self.cache.device_pool.allocator.total_size():
+            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
+                                 f"cache ({self.cache.device_pool.allocator.total_size()} "
+                                 "tokens); lower max_new_tokens or raise --max-total-tokens")
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise InvalidRequest("`extra_key` must be a string")
+        return Request(ids, params, extra_key)
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("`input_ids` must be a list of integers")
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.context_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the model's context is "
+                                 f"{self.context_len} (one token must be left to generate)")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return ids
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None,
+                 sampling_params: dict | None = None, extra_key: str | None = None) -> dict:
+        req = self.make_request(text, input_ids, sampling_params, extra_key)
+        fut: Future = Future()
+        req.on_update = lambda r, done: done and fut.set_result(r.result())
+        self._submit(req)
+        return fut.result()
+
+    async def async_generate(self, text: str | None = None,
+                             input_ids: list[int] | None = None,
+                             sampling_params: dict | None = None,
+                             extra_key: str | None = None) -> dict:
+        result = None
+        async for chunk in self.stream(self.make_request(text, input_ids, sampling_params,
+                                                         extra_key)):
+            result = chunk
+        return result
+
+    async def stream(self, req: Request) -> AsyncIterator[dict]:
+        """Yield the request's result after every new token; the last one is final."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[dict, bool]] = asyncio.Queue()
+        req.on_update = lambda r, done: loop.call_soon_threadsafe(
+            updates.put_nowait, (r.result(), done))
+        self._submit(req)
+        while True:
+            result, done = await updates.get()
+            yield result
+            if done:
+                return
+
+    def _submit(self, req: Request) -> None:
+        if not self._accepting:
+            raise EngineClosed("the server is shutting down")
+        self.scheduler.submit(req)
+
+    # ----------------------------------------------------------------------------- admin
+
+    def flush_cache(self, tiers: Sequence[str] = TIERS) -> dict:
+        """Empty the named tiers once in-flight requests and copies finish; tokens freed."""
+        tiers = tuple(tiers)
+        bad = [t for t in tiers if t not in TIERS]
+        if bad:
+            raise InvalidRequest(f"unknown tier(s) {', '.join(map(str, bad))}; "
+                                 f"allowed: {', '.join(TIERS)}")
+        return self.scheduler.call(lambda: self.scheduler.flush(tiers), when_idle=True).result()
+
+    def stats(self) -> dict:
+        return self.scheduler.call(lambda: self.cache.stats(self.scheduler.counters)).result()
+
+    # -------------------------------------------------------------------------- shutdown
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop taking requests, let running ones finish (`drain`), write pending backups,
+        close the storage tier. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        self._accepting = False
+        while drain and self.scheduler.call(self.scheduler.num_unfinished).result():
+            self._stop.wait(DRAIN_POLL_S)
+        self._stop.set()
+        self._thread.join()
+        self.cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,79 @@
+"""Builds the forward batch, pulls misses upward, runs the model, samples.
+
+    ForwardBatch  <- the scheduled requests' new tokens and slot tables
+    loads         <- every H->D copy queued at admission, launched as one transfer; the
+                     model waits for layer i's pages just before layer i's attention
+    logits        -> one token per request (greedy, or temperature / top-k / top-p with the
+                     request's own seeded generator)
+
+Threading: scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.models.forward_batch import ForwardBatch
+from server.request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_pool, controller=None) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.controller = controller  # HiCacheController, or None without L2
+        self.device = kv_pool.device
+
+    def forward(self, reqs: list[Request], extend_lens: list[int]) -> torch.Tensor:
+        """Compute K/V for `extend_lens[i]` new tokens of each request; logits of the last
+        new token of each, `[len(reqs), vocab]` float32."""
+        batch = build_batch(reqs, extend_lens)
+        handle = self.controller.start_loading() if self.controller is not None else None
+        if handle is not None:
+            batch.layer_hook = handle.wait_layer
+        return self.model.forward(batch, self.kv_pool)
+
+
+def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
+    ids, positions, out_slots, seq_slots, prefix_lens = [], [], [], [], []
+    for req, n in zip(reqs, extend_lens):
+        start = req.num_computed
+        tokens = req.all_ids[start:start + n]
+        ids.extend(tokens)
+        positions.append(torch.arange(start, start + n, dtype=torch.int64))
+        slots = req.kv_slots[:start + n]  # [prefix + new]
+        out_slots.append(slots[start:])
+        seq_slots.append(slots)
+        prefix_lens.append(start)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.cat(positions),
+        out_slots=torch.cat(out_slots),
+        seq_slots=seq_slots,
+        prefix_lens=prefix_lens,
+        extend_lens=list(extend_lens),
+    )
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """One token per row of `logits` `[n, vocab]`, by each request's sampling parameters."""
+    greedy = logits.argmax(dim=-1).tolist()  # one sync for the whole batch
+    out = []
+    for i, req in enumerate(reqs):
+        p = req.params
+        out.append(greedy[i] if p.greedy else _sample_row(logits[i], p, req.generator))
+    return out
+
+
+def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
+    probs = torch.softmax(row.float() / p.temperature, dim=-1)  # [vocab]
+    if p.top_k > 0:
+        k = min(p.top_k, probs.numel())
+        top, idx = probs.topk(k)
+        probs = torch.zeros_like(probs).scatter_(0, idx, top)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()  # always keeps one
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    token = torch.multinomial(probs.cpu(), 1, generator=generator)
+    return int(token.item())

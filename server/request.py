@@ -1,0 +1,143 @@
+"""A generation request: its sampling parameters, its place in the KV cache, its output."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_STOP_STRINGS = 16
+_ids = itertools.count()
+
+
+class InvalidRequest(ValueError):
+    """A request the server will not run; the message says what and why (an HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1               # -1 = all tokens
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None       # per-request generator; None = derived from the request id
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Validate a user's `sampling_params`; raises InvalidRequest naming the field."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise InvalidRequest(f"sampling_params: unknown field(s) {', '.join(unknown)}; "
+                                 f"allowed: {', '.join(cls.__dataclass_fields__)}")
+        stop = d.pop("stop", None)
+        params = {k: _check_field(k, v) for k, v in d.items() if v is not None}
+        return cls(stop=_check_stop(stop), **params)
+
+
+_RANGES: dict[str, tuple[type, float, float]] = {
+    "max_new_tokens": (int, 1, 1 << 20),
+    "temperature": (float, 0.0, 100.0),
+    "top_p": (float, 0.0, 1.0),
+    "top_k": (int, -1, 1 << 20),
+    "seed": (int, 0, 2**63 - 1),
+}
+
+
+def _check_field(name: str, value: Any) -> Any:
+    if name == "ignore_eos":
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"sampling_params.ignore_eos: expected a boolean, got {value!r}")
+        return value
+    kind, low, high = _RANGES[name]
+    ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+    if isinstance(value, bool) or not ok_type:
+        raise InvalidRequest(f"sampling_params.{name}: expected "
+                             f"{'a number' if kind is float else 'an integer'}, got {value!r}")
+    if not (low <= value <= high) or (kind is float and not math.isfinite(value)):
+        raise InvalidRequest(f"sampling_params.{name}: must be in [{low}, {high}], got {value}")
+    if name == "top_p" and value == 0:
+        raise InvalidRequest("sampling_params.top_p: must be > 0, got 0")
+    if name == "top_k" and value == 0:
+        raise InvalidRequest("sampling_params.top_k: must be -1 (all) or >= 1, got 0")
+    return kind(value)
+
+
+def _check_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stop)):
+        raise InvalidRequest(f"sampling_params.stop: expected a non-empty string or a list of "
+                             f"at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}")
+    return tuple(stop)
+
+
+@dataclass(eq=False)
+class Request:
+    """Owned by the scheduler thread once submitted (callbacks run on that thread)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    extra_key: str | None = None
+    on_update: Callable[[Request, bool], None] | None = None  # (request, finished)
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    # KV cache state (scheduler thread)
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    num_computed: int = 0      # tokens whose K/V are in kv_slots
+    cached_len: int = 0        # leading slots owned by the tree (locked), not by the request
+    last_node: Any = None      # the locked tree node ending the cached prefix
+    reserved: int = 0          # L1 tokens set aside for the rest of this request
+    prefetch_started: bool = False
+    cached_details: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    generator: torch.Generator | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_details.values())
+
+    def meta_info(self) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "cached_tokens_details": dict(self.cached_details),
+            "finish_reason": self.finish_reason,
+        }
+
+    def result(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids),
+                "meta_info": self.meta_info()}

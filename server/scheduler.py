@@ -1,0 +1,329 @@
+"""Continuous batching over the KV cache hierarchy, on one thread that owns the cache.
+
+Each step (`step`): drain the inbox, apply the cache's acks, then
+
+    schedule   decode every running request (1 token each), continue chunked prefills,
+               admit waiting requests longest-cached-prefix first: storage prefetch
+               policy -> match -> load-back from L2 -> lock -> reserve L1 for the rest
+    run        the model runner starts the loads and runs the batch
+    finish     sample; finished requests are inserted into the tree (duplicate slots
+               freed, write-through queued) and unlocked
+
+A request that does not fit waits in the queue; nothing ever exits for lack of memory.
+Every other thread talks to the scheduler through `submit` / `call` (the inbox).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from hicache.hiradix_cache import HiRadixCache
+from hicache.radix_cache import RadixCache
+from server.model_runner import ModelRunner, sample
+from server.request import Request
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Waiting requests ranked by cached prefix each step; past this many, first come first served
+# (matching every request every step would cost more than it saves; SGLang does the same).
+MAX_LPM_SCAN = 128
+IDLE_WAIT_S = 0.05     # inbox wait when there is nothing to do
+BUSY_POLL_S = 0.002    # inbox wait while prefetches or copies are in flight
+TIERS = ("device", "host", "storage")
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tree: RadixCache, tokenizer: Tokenizer, *,
+                 max_batch_tokens: int, max_running: int) -> None:
+        self.runner = runner
+        self.tree = tree
+        self.pool = runner.kv_pool
+        self.tokenizer = tokenizer
+        self.page_size = tree.page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.hi = isinstance(tree, HiRadixCache)
+        self.storage = tree.storage if self.hi else None
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                         "cached_device": 0, "cached_host": 0, "cached_storage": 0}
+
+    # ------------------------------------------------------------------------- inbox
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (any thread); its `on_update` runs on the scheduler thread."""
+        self.inbox.put(("req", req))
+
+    def call(self, fn: Callable[[], Any], when_idle: bool = False) -> Future:
+        """Run `fn` on the scheduler thread between steps (after the running requests
+        finish when `when_idle`); admissions pause while an idle call waits."""
+        fut: Future = Future()
+        self.inbox.put(("cmd", (fn, fut, when_idle)))
+        return fut
+
+    def _drain_inbox(self) -> None:
+        timeout = None
+        if not (self.running or self._commands):
+            timeout = BUSY_POLL_S if (self.waiting or self._transfers_pending()) else IDLE_WAIT_S
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._accept(*item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, kind: str, payload: Any) -> None:
+        if kind == "cmd":
+            self._commands.append(payload)
+            return
+        req: Request = payload
+        req.arrival = time.monotonic()
+        req.generator = torch.Generator().manual_seed(req.params.seed or 0)
+        self.waiting.append(req)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += req.prompt_len
+        self._start_prefetch(req)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _transfers_pending(self) -> bool:
+        return self.hi and (self.tree.controller.has_pending() or bool(self.storage and (
+            self.storage.ops or self.storage._backups)))
+
+    # ---------------------------------------------------------------------------- loop
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.step()
+
+    def step(self) -> None:
+        self._drain_inbox()
+        self._cache_checks()
+        self._run_commands()
+        plan = self._schedule()
+        if plan:
+            self._run_batch(*plan)
+
+    def _cache_checks(self) -> None:
+        if self.hi:
+            self.tree.writing_check()
+            self.tree.loading_check()
+            if self.storage is not None:
+                self.storage.check()
+
+    def _run_commands(self) -> None:
+        keep = []
+        for fn, fut, when_idle in self._commands:
+            if when_idle and self.running:
+                keep.append((fn, fut, when_idle))
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # reported to the caller, the loop goes on
+                fut.set_exception(exc)
+        self._commands = keep
+
+    # ------------------------------------------------------------------------ schedule
+
+    def _schedule(self) -> tuple[list[Request], list[int]] | None:
+        reqs, lens, budget = [], [], self.max_batch_tokens
+        for req in self.running:
+            n = 1 if req.prefilled else min(req.prompt_len - req.num_computed, budget)
+            if n > 0 and budget > 0:
+                reqs.append(req)
+                lens.append(n)
+                budget -= n
+        if not any(when_idle for _, _, when_idle in self._commands):
+            for req in self._admission_order():
+                if budget <= 0 or len(self.running) >= self.max_running:
+                    break
+                if self._admit(req):
+                    n = min(req.prompt_len - req.num_computed, budget)
+                    reqs.append(req)
+                    lens.append(n)
+                    budget -= n
+        for req, n in zip(reqs, lens):
+            self._ensure_slots(req, req.num_computed + n)
+        return (reqs, lens) if reqs else None
+
+    def _admission_order(self) -> list[Request]:
+        if len(self.waiting) > MAX_LPM_SCAN:
+            return list(self.waiting)
+        def hit(req: Request) -> int:
+            m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
+            return m.device_indices.numel() + m.host_hit_length
+        return sorted(self.waiting, key=hit, reverse=True)  # stable: FCFS among equals
+
+    def _cache_key(self, req: Request) -> list[int]:
+        return req.input_ids[:-1]  # at least one prompt token is computed, for its logits
+
+    def _start_prefetch(self, req: Request) -> None:
+        if self.storage is None:
+            return
+        key = self._cache_key(req)
+        m = self.tree.match_prefix(key, req.extra_key)
+        hit = m.device_indices.numel() + m.host_hit_length
+        req.prefetch_started = self.storage.prefetch(req.rid, m.last_host_node, key[hit:],
+                                                     req.extra_key)
+
+    def _admit(self, req: Request) -> bool:
+        """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""
+        if self.storage is not None and not self.storage.ready(req.rid):
+            return False
+        from_storage = self.storage.terminate(req.rid) if self.storage is not None else 0
+        m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
+        prefix, last, loaded = m.device_indices, m.last_device_node, 0
+        if self.hi and m.host_hit_length:
+            lb = self.tree.init_load_back(m.last_host_node)
+            if lb.device_indices.numel():
+                prefix, last = torch.cat([prefix, lb.device_indices]), lb.last_node
+                loaded = lb.device_indices.numel()
+        self.tree.inc_lock_ref(last)
+        need = self._pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens)
+        if not self._reserve(need):
+            self.tree.dec_lock_ref(last)
+            return False
+        req.kv_slots, req.last_node, req.reserved = prefix, last, need
+        req.num_computed = req.cached_len = len(prefix)
+        storage = min(from_storage, loaded)
+        req.cached_details = {"device": m.device_indices.numel(), "host": loaded - storage,
+                              "storage": storage}
+        for tier, n in req.cached_details.items():
+            self.counters[f"cached_{tier}"] += n
+        self.waiting.remove(req)
+        self.running.append(req)
+        return True
+
+    def _pages_up(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def _reserve(self, need: int) -> bool:
+        """Whether L1 can promise `need` more tokens, evicting unlocked pages if needed."""
+        outstanding = sum(r.reserved for r in self.running)
+        short = need - (self.pool.available_size() - outstanding)
+        if short > 0:
+            self.tree.evict(short)
+            short = need - (self.pool.available_size() - outstanding)
+        return short <= 0
+
+    def _ensure_slots(self, req: Request, upto: int) -> None:
+        missing = self._pages_up(upto - len(req.kv_slots))
+        if missing <= 0:
+            return
+        slots = self.pool.alloc(missing)  # reserved at admission, so this cannot fail
+        assert slots is not None, "L1 reservation broken"
+        req.reserved -= missing
+        req.kv_slots = torch.cat([req.kv_slots, slots])
+
+    # ----------------------------------------------------------------------------- run
+
+    def _run_batch(self, reqs: list[Request], lens: list[int]) -> None:
+        try:
+            logits = self.runner.forward(reqs, lens)
+        except Exception as exc:  # a failed forward fails its requests, not the server
+            logger.exception("forward pass failed")
+            for req in reqs:
+                req.error = f"forward pass failed: {exc}"
+                self._finish(req, "error", keep_cache=False)
+            return
+        done = []
+        for i, (req, n) in enumerate(zip(reqs, lens)):
+            req.num_computed += n
+            if req.prefilled:
+                done.append(i)
+        tokens = sample(logits[done], [reqs[i] for i in done]) if done else []
+        for i, token in zip(done, tokens):
+            self._append_token(reqs[i], token)
+
+    def _append_token(self, req: Request, token: int) -> None:
+        req.output_ids.append(token)
+        self.counters["generated_tokens"] += 1
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.on_update is not None:
+            req.text = self.tokenizer.decode(req.output_ids)
+            req.on_update(req, False)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        """"stop" (EOS or a stop string, `req.text` cut before it), "length", or None."""
+        p = req.params
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            req.text = self.tokenizer.decode(req.output_ids[:-1])  # EOS is not text
+            return "stop"
+        if p.stop:
+            req.text = self.tokenizer.decode(req.output_ids)
+            cuts = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
+            if cuts:
+                req.text = req.text[:min(cuts)]
+                return "stop"
+        if len(req.output_ids) >= p.max_new_tokens:
+            req.text = self.tokenizer.decode(req.output_ids)
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, keep_cache: bool = True) -> None:
+        req.finish_reason = reason
+        if reason == "error":
+            req.text = self.tokenizer.decode(req.output_ids)
+        self._release(req, keep_cache)
+        if req in self.running:
+            self.running.remove(req)
+        if req.on_update is not None:
+            req.on_update(req, True)
+
+    def _release(self, req: Request, keep_cache: bool) -> None:
+        """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""
+        if req.last_node is None:
+            return
+        aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
+        present = req.cached_len
+        if aligned > req.cached_len:
+            tokens = req.all_ids[:aligned]
+            present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key)
+        own = req.kv_slots[req.cached_len:]
+        dup = max(0, present - req.cached_len)
+        free = torch.cat([own[:dup], req.kv_slots[max(aligned, req.cached_len):]])
+        if free.numel():
+            self.pool.free(free)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.reserved = None, 0
+        req.kv_slots = req.kv_slots[:0]
+
+    # --------------------------------------------------------------------------- admin
+
+    def flush(self, tiers: tuple[str, ...]) -> dict[str, int]:
+        """Empty the named tiers (scheduler thread, no request running). Tokens freed."""
+        out = dict.fromkeys(tiers, 0)
+        if self.hi:  # copies first: their acks queue backups, which protect host pages
+            self.tree.controller.wait_all()
+            self.tree.writing_check()
+            self.tree.loading_check()
+            if self.storage is not None:
+                self.storage.wait_idle()
+        if "device" in tiers:
+            out["device"] = self.tree.evict(self.tree.total_size())
+        if "host" in tiers and self.hi:
+            out["host"] = self.tree.flush_host()
+        if "storage" in tiers and self.storage is not None:
+            out["storage"] = self.storage.clear() * self.page_size
+        return out

@@ -1,0 +1,219 @@
+"""The engine end to end: the same greedy tokens through every tier, batching, limits."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache.config import load_config
+from server.engine import Engine
+from server.request import InvalidRequest
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def engine(tmp_path, **overrides) -> Engine:
+    base = {"cache.page_size": 16, "cache.max_total_tokens": 2048, "model.device": "cpu"}
+    cfg = load_config(None, {**base, **overrides})
+    return Engine(cfg)
+
+
+def tiered(tmp_path, **overrides) -> Engine:
+    return engine(tmp_path, **{"cache.hierarchical": True, "storage.backend": "lmdb",
+                               "storage.lmdb.path": str(tmp_path / "lmdb"),
+                               "storage.prefetch_policy": "wait_complete",
+                               "storage.prefetch_threshold": 32, **overrides})
+
+
+def conversations(n: int = 3, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
+    """Per conversation, the prompt of each turn: a shared system prompt, then the history
+    grows by a question (and, when run, the answer)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(96)]
+    convs = []
+    for _ in range(n):
+        history, prompts = list(system), []
+        for _ in range(turns):
+            history = history + [rng.randrange(256) for _ in range(40)]
+            prompts.append(list(history))
+            history = history + [rng.randrange(256) for _ in range(8)]  # stands in for an answer
+        convs.append(prompts)
+    return convs
+
+
+def run_workload(e: Engine, between_turns=None) -> list[list[int]]:
+    outs = []
+    for turn in range(3):
+        for conv in conversations():
+            outs.append(e.generate(input_ids=conv[turn], sampling_params=GREEDY)["output_ids"])
+        if between_turns is not None:
+            between_turns(e)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tmp_path_factory) -> list[list[int]]:
+    with engine(tmp_path_factory.mktemp("ref"), **{"cache.enable_radix_cache": False}) as e:
+        return run_workload(e)
+
+
+def test_l1_only_gives_the_tokens_of_recomputation(tmp_path, reference_outputs) -> None:
+    with engine(tmp_path) as e:
+        assert run_workload(e) == reference_outputs
+        assert e.stats()["counters"]["cached_device"] > 0
+
+
+def test_tiny_l1_loads_back_from_l2_with_the_same_tokens(tmp_path, reference_outputs) -> None:
+    with tiered(tmp_path, **{"cache.max_total_tokens": 256, "storage.backend": "none",
+                             "host.ratio": 8.0}) as e:
+        assert run_workload(e) == reference_outputs
+        host = e.stats()["tiers"]["host"]
+        assert host["hits"] > 0 and host["load_back_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_prefixes_from_l3_after_flushing_l1_and_l2(tmp_path, reference_outputs,
+                                                   policy) -> None:
+    flushed = []
+
+    def flush(e: Engine) -> None:
+        flushed.append(e.flush_cache(["device", "host"]))
+
+    with tiered(tmp_path, **{"host.write_policy": policy}) as e:
+        assert run_workload(e, between_turns=flush) == reference_outputs
+        stats = e.stats()
+    if policy == "write_through":  # every prefix reached L3; later turns came back from it
+        assert stats["tiers"]["storage"]["hits"] > 0
+        assert stats["counters"]["cached_storage"] > 0
+
+
+def test_restart_serves_the_prefix_from_disk(tmp_path, reference_outputs) -> None:
+    prompt = conversations()[0][2]
+    with tiered(tmp_path) as e:
+        first = e.generate(input_ids=prompt, sampling_params=GREEDY)
+    with tiered(tmp_path) as e2:  # a new process would see the same LMDB
+        again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["output_ids"] == first["output_ids"] == reference_outputs[6]
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details == {"device": 0, "host": 0, "storage": (len(prompt) - 1) // 16 * 16}
+
+
+def test_batched_requests_give_the_tokens_of_one_at_a_time(tmp_path, reference_outputs) -> None:
+    prompts = [c[t] for t in range(3) for c in conversations()]
+    with engine(tmp_path, **{"cache.enable_radix_cache": False}) as e:
+        results: dict[int, list[int]] = {}
+
+        def go(i: int) -> None:
+            results[i] = e.generate(input_ids=prompts[i], sampling_params=GREEDY)["output_ids"]
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [results[i] for i in range(len(prompts))] == reference_outputs
+
+
+def test_matches_transformers_greedy_generation(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    prompt = conversations()[1][0]
+    with engine(tmp_path) as e:
+        ours = e.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        path = str(e.loaded.path)
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):  # plain greedy decoding, recomputing everything each step
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ours == ids[len(prompt):]
+
+
+def test_more_requests_than_l1_holds_all_finish(tmp_path) -> None:
+    with engine(tmp_path, **{"cache.max_total_tokens": 192}) as e:
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(e.generate(
+            input_ids=[i + 1] * 100, sampling_params=GREEDY))) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == 6
+    assert all(r["meta_info"]["completion_tokens"] == 8 for r in results)
+
+
+def test_meta_info_and_stop_conditions(tmp_path) -> None:
+    with engine(tmp_path) as e:
+        r = e.generate(text="hello hello hello", sampling_params={"max_new_tokens": 3,
+                                                                   "temperature": 0})
+        assert r["meta_info"]["prompt_tokens"] == 17
+        assert r["meta_info"]["finish_reason"] in ("length", "stop")
+        assert set(r["meta_info"]["cached_tokens_details"]) == {"device", "host", "storage"}
+        full = e.generate(input_ids=[5] * 40, sampling_params=GREEDY)
+        stop = full["text"][2:4]
+        if stop:
+            cut = e.generate(input_ids=[5] * 40, sampling_params={**GREEDY, "stop": stop})
+            assert cut["meta_info"]["finish_reason"] == "stop"
+            assert stop not in cut["text"] and full["text"].startswith(cut["text"])
+
+
+def test_seeded_sampling_is_reproducible(tmp_path) -> None:
+    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "max_new_tokens": 12,
+              "seed": 7, "ignore_eos": True}
+    with engine(tmp_path) as e:
+        a = e.generate(input_ids=[3] * 30, sampling_params=params)["output_ids"]
+        b = e.generate(input_ids=[3] * 30, sampling_params=params)["output_ids"]
+        c = e.generate(input_ids=[3] * 30, sampling_params={**params, "seed": 8})["output_ids"]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one"),
+    ({"text": "a", "input_ids": [1]}, "exactly one"),
+    ({"input_ids": []}, "empty"),
+    ({"input_ids": [1, 999]}, "outside the vocabulary"),
+    ({"input_ids": "abc"}, "list of integers"),
+    ({"input_ids": [1] * 9000}, "context"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "unknown field"),
+    ({"text": "a", "sampling_params": {"stop": [""]}}, "stop"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 4000}}, "L1 KV cache"),
+])
+def test_bad_requests_are_refused_with_a_reason(tmp_path, kwargs, message) -> None:
+    with engine(tmp_path) as e:
+        with pytest.raises(InvalidRequest, match=message):
+            e.generate(**kwargs)
+        assert e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)  # still serving
+
+
+def test_flush_rejects_unknown_tiers_and_reports_what_it_freed(tmp_path) -> None:
+    with tiered(tmp_path) as e:
+        e.generate(input_ids=list(range(100)), sampling_params=GREEDY)
+        with pytest.raises(InvalidRequest, match="unknown tier"):
+            e.flush_cache(["gpu"])
+        freed = e.flush_cache()
+        assert freed["device"] >= 96 and freed["host"] >= 96 and freed["storage"] >= 96
+        tiers = e.stats()["tiers"]
+        assert tiers["device"]["evictable"] == 0 and tiers["storage"]["pages"] == 0
+
+
+def test_shutdown_finishes_running_requests_and_refuses_new_ones(tmp_path) -> None:
+    e = tiered(tmp_path)
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        e.generate(input_ids=[7] * 200, sampling_params={**GREEDY, "max_new_tokens": 32})))
+    t.start()
+    while not e.scheduler.num_unfinished() and not results:
+        time.sleep(0.001)
+    e.shutdown()
+    t.join()
+    assert results and results[0]["meta_info"]["completion_tokens"] == 32
+    assert not e._thread.is_alive()
+    from server.engine import EngineClosed
+    with pytest.raises(EngineClosed):
+        e.generate(input_ids=[1, 2], sampling_params=GREEDY)
