@@ -20,16 +20,20 @@ Threading: scheduler thread only, like the base tree. Copies are queued on the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hicache.cache_controller import HiCacheController
 from hicache.hashing import PageHasher
+from hicache.hitree_node import HiCacheCounters, HiTreeNode, LoadBack
+from hicache.radix_cache import _EMPTY, LeafHeap, MatchResult, RadixCache, TreeNode, _concat
 from hicache.storage_controller import StorageController
 from hicache.storage_tier import StorageTier
-from hicache.radix_cache import _EMPTY, LeafHeap, MatchResult, RadixCache, TreeNode, _concat
+
+__all__ = ["LOAD_BACK_THRESHOLD", "WRITE_POLICIES", "HiRadixCache", "HiTreeNode", "LoadBack"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,59 +42,6 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # Loading fewer tokens than this back from L2 costs more in launch and bookkeeping than
 # recomputing them (SGLang uses the same default for its load_back_threshold).
 LOAD_BACK_THRESHOLD = 10
-
-
-class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "host_ref_counter", "hash_value", "storage_backed")
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.host_value: torch.Tensor | None = None
-        self.host_ref_counter = 0
-        self.hash_value: list[bytes] | None = None  # page hashes, computed when L3 needs them
-        self.storage_backed = False  # known to be in L3
-
-    @property
-    def evicted(self) -> bool:
-        """Not on the device (the root never is)."""
-        return self.value is None
-
-    @property
-    def backuped(self) -> bool:
-        """Has a copy in L2 (the root always counts as backed up)."""
-        return self.host_value is not None
-
-    def protect_host(self) -> None:
-        """Keep this node's and its ancestors' host pages until `release_host`."""
-        node: HiTreeNode | None = self
-        while node is not None:
-            node.host_ref_counter += 1
-            node = node.parent
-
-    def release_host(self) -> None:
-        node: HiTreeNode | None = self
-        if self.host_ref_counter <= 0:
-            raise AssertionError(f"release_host on unprotected {self!r}")
-        while node is not None:
-            node.host_ref_counter -= 1
-            node = node.parent
-
-
-class LoadBack(NamedTuple):
-    device_indices: torch.Tensor  # slots the H->D copy fills (empty when nothing was loaded)
-    last_node: HiTreeNode         # deepest node now on the device
-
-
-@dataclass
-class HiCacheCounters:
-    """Token counts since start (read by metrics and stats; plain ints, one owner)."""
-
-    written_tokens: int = 0         # D->H copies acknowledged
-    write_dropped_tokens: int = 0   # writes skipped because L2 had no room
-    device_evicted_tokens: int = 0
-    host_evicted_tokens: int = 0
-    load_back_tokens: int = 0
-    transfer_failures: int = 0
 
 
 class HiRadixCache(RadixCache):
@@ -111,6 +62,8 @@ class HiRadixCache(RadixCache):
         self.load_back_threshold = load_back_threshold
         self.counters = HiCacheCounters()
         self.storage: StorageTier | None = None
+        # observer(name, seconds): latency hook for metrics ("load_back_seconds", ...)
+        self.observer: Callable[[str, float], None] | None = None
         super().__init__(controller.device_pool, page_size, False, eviction_policy)
 
     def enable_storage(self, io: StorageController, hasher: PageHasher, **policy: Any) -> None:
@@ -123,7 +76,7 @@ class HiRadixCache(RadixCache):
         self.root.host_value = _EMPTY
         self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
         self._ongoing_writes: dict[int, HiTreeNode] = {}
-        self._ongoing_loads: dict[int, list[HiTreeNode]] = {}
+        self._ongoing_loads: dict[int, tuple[list[HiTreeNode], float]] = {}
 
     def reset(self) -> None:
         """Wait for copies in flight, then forget everything (the caller resets the pools)."""
@@ -373,7 +326,7 @@ class HiRadixCache(RadixCache):
             offset += len(n.key)
         self._evictable += offset
         self.inc_lock_ref(last_host_node)
-        self._ongoing_loads[last_host_node.id] = nodes
+        self._ongoing_loads[last_host_node.id] = (nodes, time.monotonic())
         self.counters.load_back_tokens += offset
         return LoadBack(device, last_host_node)
 
@@ -396,8 +349,10 @@ class HiRadixCache(RadixCache):
             self.controller.wait_loads()
         acks = self.controller.poll_loads()
         for ack in acks:
-            nodes = self._ongoing_loads.pop(ack.node_id)
+            nodes, started = self._ongoing_loads.pop(ack.node_id)
             self.dec_lock_ref(nodes[-1])
+            if self.observer is not None:
+                self.observer("load_back_seconds", time.monotonic() - started)
             if not ack.ok:
                 self.counters.transfer_failures += 1
                 logger.error("H->D load of %d nodes failed", len(nodes))

@@ -46,8 +46,15 @@ class TreeNode:
     """
 
     __slots__ = (
-        "id", "parent", "children", "key", "value", "extra_key",
-        "lock_ref", "last_access_time", "hit_count",
+        "children",
+        "extra_key",
+        "hit_count",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "parent",
+        "value",
     )
     _ids = itertools.count()
 

@@ -130,8 +130,8 @@ class StorageController:
                 keys = op.hashes[start:min(total, start + STORAGE_BATCH_PAGES)]
                 slots = op.host_indices[start * self.page_size:
                                         (start + len(keys)) * self.page_size]
-                oks = self._call("get", lambda: self.backend.batch_get(
-                    keys, self.host_pool, slots), [False] * len(keys))
+                oks = self._call("get", lambda k=keys, s=slots: self.backend.batch_get(
+                    k, self.host_pool, s), [False] * len(keys))
                 good = _leading_true(oks)
                 with op.lock:
                     op.completed_pages += good
@@ -203,7 +203,7 @@ class StorageController:
         """Run a backend call; any exception becomes `on_error`, counted, logged rarely."""
         try:
             return fn()
-        except Exception as exc:  # a storage fault degrades to a miss, never to a crash
+        except Exception as exc:  # noqa: BLE001 - any storage fault is a miss, never a crash
             self.errors[op] += 1
             now = time.monotonic()
             if now - self._last_log.get(op, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:

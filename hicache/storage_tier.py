@@ -167,6 +167,8 @@ class StorageTier:
             op.host_indices = op.host_indices[n:]
             self.counters["prefetched_tokens"] += n
         self.tree.release_host(op.anchor)
+        if self.tree.observer is not None:
+            self.tree.observer("prefetch_seconds", time.monotonic() - op.started_at)
         if not self._free_if_finished(op):
             self._draining.append(op)
         return inserted

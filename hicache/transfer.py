@@ -189,7 +189,7 @@ class CpuTransferEngine(TransferEngine):
         def guarded() -> None:
             try:
                 job()
-            except Exception as exc:  # surfaced to the waiter; the worker keeps serving
+            except Exception as exc:  # noqa: BLE001 - surfaced to the waiter; worker goes on
                 handle._fail(exc)
 
         self._jobs.put(guarded)

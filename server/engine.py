@@ -173,7 +173,7 @@ class Engine:
         self._thread.join()
         self.cache.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

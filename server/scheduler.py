@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
+        self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "cached_device": 0, "cached_host": 0, "cached_storage": 0}
 
@@ -136,7 +137,7 @@ class Scheduler:
                 continue
             try:
                 fut.set_result(fn())
-            except Exception as exc:  # reported to the caller, the loop goes on
+            except Exception as exc:  # noqa: BLE001 - reported to the caller; the loop goes on
                 fut.set_exception(exc)
         self._commands = keep
 
@@ -257,6 +258,8 @@ class Scheduler:
         self.counters["generated_tokens"] += 1
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
+            if self.observer is not None:
+                self.observer("ttft_seconds", req.first_token_at - req.arrival)
         reason = self._stop_reason(req, token)
         if reason is not None:
             self._finish(req, reason)

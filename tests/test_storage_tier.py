@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_hiradix_cache import LAYERS, assert_device_holds, forward, make_pools
 
 from hicache.cache_controller import HiCacheController
 from hicache.hashing import PageHasher
@@ -17,7 +18,6 @@ from hicache.storage.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage_controller import StorageController
 from hicache.transfer import CpuTransferEngine
-from test_hiradix_cache import LAYERS, assert_device_holds, forward, make_pools
 
 PS = 4
 HASHER = PageHasher(PS, "test-model", "float32", LAYERS, 2, 4)

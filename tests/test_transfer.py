@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import requires_cuda
+
 from hicache.cache_controller import HiCacheController
 from hicache.memory_pool import DeviceKVPool
 from hicache.memory_pool_host import HostKVPool

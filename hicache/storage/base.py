@@ -6,7 +6,8 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -125,3 +126,43 @@ class RateLimitedLog:
         extra = f" ({suppressed} more since the last report)" if suppressed else ""
         self._logger.warning("%s: %s%s", op, message, extra)
         return True
+
+
+class SharedExclusiveLock:
+    """Many holders of the shared side, or one of the exclusive side (not re-entrant).
+
+    A waiting exclusive side blocks new shared entries, so it cannot starve. A thread must
+    never take either side while it holds one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._exclusive or self._waiting))
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not (self._exclusive or self._shared))
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

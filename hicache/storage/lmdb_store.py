@@ -9,33 +9,35 @@ Several processes may open one path at once: LMDB locks across processes (lock.m
 servers of one model on one machine share their L3. Readers never block writers.
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
-`max_size_bytes`; past that, the least recently used ~10% of the capacity is evicted and the
-write retried. The data file never outgrows the map, so the file stays under the bound. When
-another process grew the map, a transaction fails with `MapResizedError`: this process adopts
-the new size and retries.
+`max_size_bytes`; past that (or when the disk has no room to grow), the least recently used
+~10% of the capacity is evicted and the write retried. The data file is the map's size (its
+blocks allocated up front, see `_reserve`), so it never exceeds the bound. When another
+process grew the map, a transaction fails with `MapResizedError`: this process adopts the
+new size and retries.
 
 Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
-of `_Gate`; changing the map size (which LMDB allows only with no transaction open in the
-process) and `close` take its exclusive side. Writes are serialised by LMDB's writer lock.
+of `SharedExclusiveLock`; changing the map size (which LMDB allows only with no transaction
+open in the process) and `close` take its exclusive side. Writes are serialised by LMDB's
+writer lock.
 
 Buffers: reads use `buffers=True`: a value is a view of the mapped file, valid only until its
 transaction ends, so it is copied into the host page inside the transaction.
 
-Durability: `sync=True` (default) flushes data with one fdatasync per committed transaction
-(metasync off: a crash may lose the last commit but never corrupts the tree). `sync=False`
-leaves flushing to the kernel (and `sync_to_disk`): a crash may lose recent pages, and on
-a power loss the file may be damaged; checksums keep damaged pages from being served.
+Durability: `sync=True` (default) flushes the data of each committed transaction (one
+msync per `batch_set`; metasync off: a crash may lose the last commit but never corrupts the
+tree). `sync=False` leaves flushing to the kernel and `sync_to_disk`: a crash may lose recent
+pages, and a power loss may damage the file; checksums keep damaged pages from being served.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,6 +57,7 @@ from hicache.storage.base import (
     STAT_SKIPPED,
     STAT_WRITTEN,
     RateLimitedLog,
+    SharedExclusiveLock,
     StorageBackend,
     check_batch,
 )
@@ -82,42 +85,6 @@ class _Closed(Exception):
     """The store was closed: calls are quiet misses, not errors."""
 
 
-class _Gate:
-    """Shared/exclusive lock; a waiting exclusive side blocks new shared entries."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting = 0
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not (self._exclusive or self._waiting))
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting += 1
-            self._cond.wait_for(lambda: not (self._exclusive or self._shared))
-            self._waiting -= 1
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-
 class LmdbStore(StorageBackend):
     """`StorageBackend` over one LMDB environment (see the module docstring)."""
 
@@ -129,7 +96,7 @@ class LmdbStore(StorageBackend):
         self.path = Path(path).expanduser()
         self.codec = codec
         self.max_size_bytes = max_size_bytes - max_size_bytes % MIN_MAP_BYTES
-        self._gate = _Gate()
+        self._gate = SharedExclusiveLock()
         self._log = RateLimitedLog(logger)
         self._counts = dict.fromkeys(
             (STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN,
@@ -145,7 +112,7 @@ class LmdbStore(StorageBackend):
         try:
             # lock=True: other processes may open the same path (never open it lock=False).
             env = lmdb.open(str(self.path), map_size=map_bytes, max_dbs=2, lock=True,
-                            sync=sync, metasync=False, readahead=True)
+                            sync=sync, metasync=False, readahead=True, writemap=True)
             for _ in range(MAX_TXN_ATTEMPTS):
                 try:
                     self._pages = env.open_db(_DB_PAGES)
@@ -156,6 +123,9 @@ class LmdbStore(StorageBackend):
         except lmdb.Error as err:
             raise OSError(f"cannot open the LMDB store at {str(self.path)!r}: {err}") from err
         self._env: lmdb.Environment | None = env
+        if not self._reserve(env.info()["map_size"]):
+            env.close()
+            raise OSError(f"no disk space for the LMDB store's map at {str(self.path)!r}")
         psize = env.stat()["psize"]
         self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER) // psize) * psize
         if env.info()["map_size"] > self.max_size_bytes:
@@ -251,7 +221,7 @@ class LmdbStore(StorageBackend):
         with self._counts_lock:
             out: dict[str, Any] = dict(self._counts)
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
-                    "map_bytes": 0, "file_bytes": 0, "path": str(self.path)})
+                    "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
         self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
         return out
 
@@ -316,14 +286,34 @@ class LmdbStore(StorageBackend):
             self._require_env().set_mapsize(0)  # 0: the size another process set
 
     def _make_room(self) -> None:
-        """Double the map, or at the bound evict the least recently used pages."""
+        """Double the map, or at the bound (or with the disk full) evict LRU pages."""
         with self._gate.exclusive():
             env = self._require_env()
-            size = env.info()["map_size"]
-            if size < self.max_size_bytes:
-                env.set_mapsize(min(2 * size, self.max_size_bytes))
+            size = min(2 * env.info()["map_size"], self.max_size_bytes)
+            if size > env.info()["map_size"] and self._reserve(size):
+                env.set_mapsize(size)
                 return
         self._evict(max(1, int(EVICT_FRACTION * self.max_size_bytes) // self._value_disk_bytes))
+
+    def _reserve(self, size: int) -> bool:
+        """Allocate data.mdb's disk blocks up to `size` bytes; False when the disk is full.
+
+        The map is writable (`writemap=True`: a page is copied once, straight into the page
+        cache, instead of into a malloc'd page then write()n), and LMDB extends the file
+        sparsely to the map size. A store into a hole on a full disk would be SIGBUS, not
+        an error, so every byte of the map is allocated before it is mapped.
+        """
+        try:
+            fd = os.open(self.path / "data.mdb", os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self._log.warning("reserve", f"LMDB store {self.path}: cannot allocate {size} "
+                                         f"bytes ({err}); evicting instead of growing")
+            return False
+        return True
 
     def _evict(self, count: int) -> int:
         """Delete the `count` pages read or written longest ago; the number deleted."""
@@ -363,7 +353,7 @@ class LmdbStore(StorageBackend):
         out[STAT_PAGES] = txn.stat(self._pages)["entries"]
         out[STAT_BYTES] = used_pages * psize  # live B-tree and value pages, not the free list
         out["map_bytes"] = info["map_size"]
-        out["file_bytes"] = (info["last_pgno"] + 1) * psize  # high-water mark of the file
+        out["high_water_bytes"] = (info["last_pgno"] + 1) * psize  # ever used in the map
 
     # ------------------------------------------------------------------ access times
 

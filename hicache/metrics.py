@@ -1,0 +1,226 @@
+"""Prometheus metrics of the cache hierarchy, each `CacheMetrics` in its own registry.
+
+Two kinds of samples:
+
+    latency    histograms fed through `observe(name, seconds)`, the hook the scheduler and
+               the tree call (`ttft_seconds`, `load_back_seconds`, `prefetch_seconds`)
+    state      counters and gauges read from a stats snapshot (`Engine.stats()`'s shape) at
+               scrape time, so nothing is counted twice and a scrape sees one consistent step
+
+The stats snapshot is `{"tiers": {"device": {...}, "host": {...}, "storage": {...}},
+"counters": {...}}`; a tier missing from it (an L1-only or L1+L2 configuration) simply yields
+no samples. Token counts are tokens; storage counts its own units in pages, converted here
+with `page_size`.
+
+Threading: `observe` may be called from any thread (prometheus-client is thread-safe);
+`render` calls `stats_fn` on the caller's thread, so a blocking `stats_fn` (the engine's
+waits for the scheduler) belongs off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "storage")
+PREFIX = "hicache:"
+# The classic text format (what `generate_latest` writes for these names); every Prometheus
+# version scrapes it.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Histogram bounds in seconds. TTFT spans a cached short prompt (milliseconds) to a long
+# prefill queued behind others (vLLM's TTFT buckets reach 80 s for the same reason).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# An L2->L1 load-back moves pages over PCIe (or memcpy on CPU): tens of microseconds per page
+# up to a large prefix's tens of milliseconds.
+LOAD_BACK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0)
+# An L3->L2 prefetch is disk or network I/O, cut by the timeout policy at
+# storage.prefetch_timeout_max (30 s by default).
+PREFETCH_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    60.0)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "ttft_seconds": ("Time from arrival to the first generated token", TTFT_BUCKETS),
+    "load_back_seconds": ("Time of one L2->L1 load-back, queued to ready", LOAD_BACK_BUCKETS),
+    "prefetch_seconds": ("Time of one L3->L2 prefetch, started to stopped", PREFETCH_BUCKETS),
+}
+
+StatsFn = Callable[[], Mapping[str, Any]]
+
+
+class TierSummary(NamedTuple):
+    """One tier's occupancy, in tokens."""
+
+    capacity: int
+    used: int
+    evictable: int
+    protected: int
+    hits: int
+
+
+def tier_summaries(stats: Mapping[str, Any], page_size: int,
+                   storage_page_bytes: int | None = None) -> dict[str, TierSummary]:
+    """Capacity / used / evictable / protected / hits per tier present in `stats`, in tokens.
+
+    Storage counts pages and bytes: its capacity in tokens is `capacity_bytes` over
+    `storage_page_bytes` (one stored page, header included; an upper bound, since the store
+    has its own overhead), 0 when that is not given. Every stored page is evictable.
+    """
+    tiers = stats.get("tiers", {})
+    out = {name: _memory_tier(tiers[name]) for name in ("device", "host") if name in tiers}
+    if "storage" in tiers:
+        s = tiers["storage"]
+        used = int(s.get("pages", 0)) * page_size
+        pages_fit = int(s.get("capacity_bytes", 0)) // storage_page_bytes \
+            if storage_page_bytes else 0
+        out["storage"] = TierSummary(pages_fit * page_size, used, used, 0, int(s.get("hits", 0)))
+    return out
+
+
+def _memory_tier(t: Mapping[str, Any]) -> TierSummary:
+    return TierSummary(*(int(t.get(f, 0)) for f in TierSummary._fields))
+
+
+class CacheMetrics:
+    """Histograms fed by `observe`, plus a collector that reads `stats_fn()` at scrape time.
+
+    `page_size` converts the storage tier's pages to tokens; `storage_page_bytes` (one stored
+    page, header included) gives its capacity in tokens (no capacity sample without it).
+    """
+
+    content_type = CONTENT_TYPE
+
+    def __init__(self, stats_fn: StatsFn, *, page_size: int,
+                 storage_page_bytes: int | None = None) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._histograms = {
+            name: Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+            for name, (doc, buckets) in HISTOGRAMS.items()}
+        self._unknown: set[str] = set()
+        self.registry.register(_StatsCollector(stats_fn, page_size, storage_page_bytes))
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Record one latency sample. An unknown name is logged once and dropped: this hook
+        runs on the scheduler thread, which a metrics mistake must never stop."""
+        hist = self._histograms.get(name)
+        if hist is not None:
+            hist.observe(seconds)
+        elif name not in self._unknown:
+            self._unknown.add(name)
+            logger.warning("metrics: no histogram named %r (known: %s); dropped", name,
+                           ", ".join(HISTOGRAMS))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (calls `stats_fn`)."""
+        return generate_latest(self.registry)
+
+
+class _StatsCollector:
+    """Counters and gauges derived from one stats snapshot per scrape."""
+
+    def __init__(self, stats_fn: StatsFn, page_size: int,
+                 storage_page_bytes: int | None) -> None:
+        self._stats_fn = stats_fn
+        self._page_size = page_size
+        self._storage_page_bytes = storage_page_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_fn()
+        tiers: Mapping[str, Any] = stats.get("tiers", {})
+        counters: Mapping[str, Any] = stats.get("counters", {})
+        yield from _request_metrics(counters, tiers)
+        yield from _tier_gauges(tier_summaries(stats, self._page_size,
+                                               self._storage_page_bytes))
+        yield _evicted(tiers, self._page_size)
+        yield from _transfer_metrics(tiers)
+        yield from _storage_faults(tiers.get("storage"))
+
+
+def _counter(name: str, doc: str, value: float | None = None,
+             label: str | None = None) -> CounterMetricFamily:
+    """A counter family: unlabelled with `value`, or with `label` to add samples to."""
+    if label is None:
+        return CounterMetricFamily(PREFIX + name, doc, value=value or 0)
+    return CounterMetricFamily(PREFIX + name, doc, labels=[label])
+
+
+def _request_metrics(counters: Mapping[str, Any], tiers: Mapping[str, Any]
+                     ) -> Iterator[Metric]:
+    prompt = counters.get("prompt_tokens", 0)
+    yield _counter("requests", "Requests received", counters.get("requests", 0))
+    yield _counter("prompt_tokens", "Prompt tokens received", prompt)
+    yield _counter("generated_tokens", "Tokens generated", counters.get("generated_tokens", 0))
+    cached = _counter("cached_tokens", "Prompt tokens served from each tier instead of "
+                      "being computed", label="tier")
+    total = 0
+    for tier in TIERS:
+        if tier in tiers:
+            n = counters.get(f"cached_{tier}", 0)
+            cached.add_metric([tier], n)
+            total += n
+    yield cached
+    hit_rate = GaugeMetricFamily(PREFIX + "cache_hit_rate", "Cached prompt tokens / prompt "
+                                 "tokens since start (0 before the first request)")
+    hit_rate.add_metric([], total / prompt if prompt else 0.0)
+    yield hit_rate
+
+
+def _tier_gauges(summaries: Mapping[str, TierSummary]) -> Iterator[Metric]:
+    capacity = GaugeMetricFamily(PREFIX + "tier_capacity_tokens", "Tokens each tier can hold",
+                                 labels=["tier"])
+    used = GaugeMetricFamily(PREFIX + "tier_used_tokens", "Tokens each tier holds now",
+                             labels=["tier"])
+    for tier, s in summaries.items():
+        if s.capacity:
+            capacity.add_metric([tier], s.capacity)
+        used.add_metric([tier], s.used)
+    yield capacity
+    yield used
+
+
+def _evicted(tiers: Mapping[str, Any], page_size: int) -> Metric:
+    evicted = _counter("evicted_tokens", "Tokens evicted from each tier (an L1 eviction "
+                       "with an L2 copy is a demotion)", label="tier")
+    host, storage = tiers.get("host", {}), tiers.get("storage", {})
+    if "device_evicted_tokens" in host:
+        evicted.add_metric(["device"], host["device_evicted_tokens"])
+    if "host_evicted_tokens" in host:
+        evicted.add_metric(["host"], host["host_evicted_tokens"])
+    if "evicted_pages" in storage:
+        evicted.add_metric(["storage"], storage["evicted_pages"] * page_size)
+    return evicted
+
+
+def _transfer_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:
+    host, storage = tiers.get("host"), tiers.get("storage")
+    if host is not None:
+        yield _counter("load_back_tokens", "Tokens loaded back from L2 to L1",
+                       host.get("load_back_tokens", 0))
+    backup = _counter("backup_tokens", "Tokens copied down to a lower tier", label="dest")
+    if host is not None:
+        backup.add_metric(["host"], host.get("written_tokens", 0))
+    if storage is not None:
+        backup.add_metric(["storage"], storage.get("backed_up_tokens", 0))
+        yield _counter("prefetch_tokens", "Tokens prefetched from L3 to L2",
+                       storage.get("prefetched_tokens", 0))
+    yield backup
+
+
+def _storage_faults(storage: Mapping[str, Any] | None) -> Iterator[Metric]:
+    if storage is None:
+        return
+    errors = _counter("storage_errors", "Storage backend faults (turned into misses or "
+                      "skipped writes) by operation", label="op")
+    for op, n in sorted(storage.get("errors_by_op", {}).items()):
+        errors.add_metric([op], n)
+    yield errors
+    yield _counter("storage_corrupt_pages", "Stored pages that failed their integrity check "
+                   "(deleted, served as misses)", storage.get("corrupt_pages", 0))
