@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint bench-radix clean
+.PHONY: test install lint bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py
+
+# On a machine with an NVIDIA GPU: CUDA tests + transfer and attention benchmarks.
+gpu-check: $(STAMP)
+	$(BIN)/pip install -q -e '.[cuda]'
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,135 @@
+"""Paged decode attention: the CuPy kernel against the torch path the engine falls back to.
+
+Both read K/V through a slot table of scattered pages (as the engine's pool holds them):
+
+    torch      gather K/V per sequence (index_select) + SDPA, what TorchAttention does
+    kernel     kernels/paged_attention.cu, one launch for the batch (CUDA only)
+
+Prints a markdown table (tokens/s of decode attention and the kernel's speed-up) and writes
+JSON. Without a GPU only the torch path runs, on the CPU, and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from kernels.paged_attention import paged_decode_attention
+
+# (name, query heads, kv heads, head dim, dtype): the embedded model and Llama-3-8B
+GEOMETRIES = {
+    "tiny": (8, 2, 64, torch.float32),
+    "llama3-8b": (32, 8, 128, torch.bfloat16),
+}
+
+
+def make_case(batch: int, seq_len: int, geom: str, page_size: int, device: str, seed: int):
+    heads, kv_heads, dim, dtype = GEOMETRIES[geom]
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = -(-seq_len // page_size)
+    num_pages = batch * pages_per_seq + 1
+    perm = torch.randperm(num_pages - 1, generator=g)[: batch * pages_per_seq] + 1
+    pages = perm.view(batch, pages_per_seq)  # scattered pages, page 0 unused
+    offsets = torch.arange(page_size)
+    table = (pages[:, :, None] * page_size + offsets).reshape(batch, -1)[:, :seq_len]
+    slots = num_pages * page_size
+    k = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    lens = torch.full((batch,), seq_len, dtype=torch.int64)
+    return [t.to(device) for t in (q, k, v, table.contiguous(), lens)]
+
+
+def torch_decode(q, k, v, table, lens, scale):
+    """What TorchAttention does for a decode batch: gather, expand GQA, SDPA per sequence."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for s in range(q.shape[0]):
+        ks = k.index_select(0, table[s]).repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v.index_select(0, table[s]).repeat_interleave(group, dim=1).transpose(0, 1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[s][:, None], ks, vs, scale=scale)[:, 0])
+    return torch.stack(outs)
+
+
+def timed(fn, repeats: int, cuda: bool) -> float:
+    fn()  # warm-up (and compile)
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    rows = []
+    for geom in args.geometries:
+        for seq_len in args.seq_lens:
+            q, k, v, table, lens = make_case(args.batch, seq_len, geom, args.page_size, device,
+                                             args.seed)
+            scale = q.shape[-1] ** -0.5
+            case = (q, k, v, table, lens, scale)
+            ref = timed(functools.partial(torch_decode, *case), args.repeats, cuda)
+            row = {"geometry": geom, "batch": args.batch, "seq_len": seq_len,
+                   "device": device, "torch_s": ref, "kernel_s": None, "max_abs_err": None}
+            if cuda:
+                row["kernel_s"] = timed(functools.partial(paged_decode_attention, *case),
+                                        args.repeats, cuda)
+                err = (paged_decode_attention(*case).float()
+                       - torch_decode(*case).float()).abs().max()
+                row["max_abs_err"] = float(err)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| geometry | batch | seq len | device | torch µs | kernel µs | speed-up | max err |",
+           "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        k, err = r["kernel_s"], r["max_abs_err"]
+        kernel = "" if k is None else f"{k * 1e6:,.0f}"
+        speedup = "" if k is None else f"{r['torch_s'] / k:.1f}x"
+        err_s = "" if err is None else f"{err:.1e}"
+        out.append(f"| {r['geometry']} | {r['batch']} | {r['seq_len']} | {r['device']} | "
+                   f"{r['torch_s'] * 1e6:,.0f} | {kernel} | {speedup} | {err_s} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
+    args = p.parse_args(argv)
+    rows = run(args)
+    print(table(rows))
+    if not torch.cuda.is_available():
+        print("\nno CUDA device: only the torch path ran (on the CPU)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
