@@ -260,8 +260,8 @@ def child_main(argv: list[str]) -> None:
     for start in range(first, first + count, 20):
         write_range(store, pool, start, 20, batch=20)
         assert all(read_matches(store, pool, start, 20))
-        # Whatever the other process has written by now must read back exactly too.
-        assert False not in read_back(store, pool, 0, 900)
+        if start % 100 == 0:  # what the other process has written by now reads back exactly
+            assert False not in read_back(store, pool, 0, 900)
     stats = store.stats()
     store.close()
     print(json.dumps({k: stats[k] for k in ("errors", "corrupt_pages", "written_pages")}))

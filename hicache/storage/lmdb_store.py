@@ -6,7 +6,8 @@ The environment at `path` (a directory holding data.mdb and lock.mdb) has two da
     atime   page hash (16 B) -> last access, uint64 little-endian `time.time_ns()`
 
 Several processes may open one path at once: LMDB locks across processes (lock.mdb), so
-servers of one model on one machine share their L3. Readers never block writers.
+servers of one model on one machine share their L3. Readers never block writers. All of them
+must open it through `LmdbStore` (LMDB forbids mixing writemap and non-writemap openers).
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
 `max_size_bytes`; past that (or when the disk has no room to grow), the least recently used
@@ -120,6 +121,8 @@ class LmdbStore(StorageBackend):
                     break
                 except lmdb.MapResizedError:  # another process grew the map meanwhile
                     env.set_mapsize(0)
+            else:
+                raise lmdb.MapResizedError("the map kept growing while it was opened")
         except lmdb.Error as err:
             raise OSError(f"cannot open the LMDB store at {str(self.path)!r}: {err}") from err
         self._env: lmdb.Environment | None = env
