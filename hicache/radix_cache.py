@@ -236,6 +236,24 @@ class RadixCache:
             self._device_heap.push(path[-1])
         self._maybe_rebuild_heaps()
 
+    def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Tokens of `key` cached in any tier, without touching, splitting or counting a hit
+        (for ranking waiting requests)."""
+        if self.disable:
+            return 0
+        key = self._page_aligned(key)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos, extra_key))
+            if child is None:
+                break
+            n = self._common_pages(child.key, key, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _on_path(self, path: list[TreeNode]) -> None:
         """Hook: called with the nodes a match or insert went through, root first."""
 

@@ -168,8 +168,7 @@ class Scheduler:
         if len(self.waiting) > MAX_LPM_SCAN:
             return list(self.waiting)
         def hit(req: Request) -> int:
-            m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
-            return m.device_indices.numel() + m.host_hit_length
+            return self.tree.peek_prefix(self._cache_key(req), req.extra_key)
         return sorted(self.waiting, key=hit, reverse=True)  # stable: FCFS among equals
 
     def _cache_key(self, req: Request) -> list[int]:

@@ -323,7 +323,9 @@ class HiCacheModel(RuleBasedStateMachine):
     @rule(data=st.data(), load=st.booleans(), lock=st.booleans(), protect=st.booleans())
     def match(self, data, load, lock, protect) -> None:
         seq = data.draw(seq_strategy(self.page_size))
+        peeked = self.tree.peek_prefix(seq)
         m = self.tree.match_prefix(seq)
+        assert peeked == m.device_indices.numel() + m.host_hit_length
         hit = m.device_indices.numel()
         node = m.last_device_node
         if load and m.host_hit_length:

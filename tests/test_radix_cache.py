@@ -286,8 +286,9 @@ class RadixModel(RuleBasedStateMachine):
         ps = self.page_size
         pages = data.draw(st.lists(page_strategy(ps), max_size=6))
         key = [t for p in pages for t in p]
-        res = self.tree.match_prefix(key, extra_key=extra)
         expected = self._expected(key, extra)
+        assert self.tree.peek_prefix(key, extra_key=extra) == len(expected)
+        res = self.tree.match_prefix(key, extra_key=extra)
         assert res.device_indices.tolist() == expected
         assert res.last_host_node is res.last_device_node and res.host_hit_length == 0
         if lock and expected:
