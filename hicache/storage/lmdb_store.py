@@ -6,13 +6,15 @@ The environment at `path` (a directory holding data.mdb and lock.mdb) has two da
     atime   page hash (16 B) -> last access, uint64 little-endian `time.time_ns()`
 
 Several processes may open one path at once: LMDB locks across processes (lock.mdb), so
-servers of one model on one machine share their L3. Readers never block writers. All of them
-must open it through `LmdbStore` (LMDB forbids mixing writemap and non-writemap openers).
+servers of one model on one machine share their L3. Readers never block writers. The map is
+not writable (`writemap=False`): with a writable map, processes growing the map at the same
+time were seen to corrupt the file (a two-process test failed about one run in six), and a
+store into a sparse file on a full disk would be SIGBUS instead of an error.
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
 `max_size_bytes`; past that (or when the disk has no room to grow), the least recently used
-~10% of the capacity is evicted and the write retried. The data file is the map's size (its
-blocks allocated up front, see `_reserve`), so it never exceeds the bound. When another
+~10% of the capacity is evicted and the write retried. The data file grows as pages are
+written and never past the map, so it never exceeds the bound. When another
 process grew the map, a transaction fails with `MapResizedError`: this process adopts the
 new size and retries.
 
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import struct
 import threading
 import time
@@ -113,7 +114,7 @@ class LmdbStore(StorageBackend):
         try:
             # lock=True: other processes may open the same path (never open it lock=False).
             env = lmdb.open(str(self.path), map_size=map_bytes, max_dbs=2, lock=True,
-                            sync=sync, metasync=False, readahead=True, writemap=True)
+                            sync=sync, metasync=False, readahead=True, writemap=False)
             for _ in range(MAX_TXN_ATTEMPTS):
                 try:
                     self._pages = env.open_db(_DB_PAGES)
@@ -126,9 +127,6 @@ class LmdbStore(StorageBackend):
         except lmdb.Error as err:
             raise OSError(f"cannot open the LMDB store at {str(self.path)!r}: {err}") from err
         self._env: lmdb.Environment | None = env
-        if not self._reserve(env.info()["map_size"]):
-            env.close()
-            raise OSError(f"no disk space for the LMDB store's map at {str(self.path)!r}")
         psize = env.stat()["psize"]
         self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER) // psize) * psize
         if env.info()["map_size"] > self.max_size_bytes:
@@ -293,30 +291,10 @@ class LmdbStore(StorageBackend):
         with self._gate.exclusive():
             env = self._require_env()
             size = min(2 * env.info()["map_size"], self.max_size_bytes)
-            if size > env.info()["map_size"] and self._reserve(size):
+            if size > env.info()["map_size"]:
                 env.set_mapsize(size)
                 return
         self._evict(max(1, int(EVICT_FRACTION * self.max_size_bytes) // self._value_disk_bytes))
-
-    def _reserve(self, size: int) -> bool:
-        """Allocate data.mdb's disk blocks up to `size` bytes; False when the disk is full.
-
-        The map is writable (`writemap=True`: a page is copied once, straight into the page
-        cache, instead of into a malloc'd page then write()n), and LMDB extends the file
-        sparsely to the map size. A store into a hole on a full disk would be SIGBUS, not
-        an error, so every byte of the map is allocated before it is mapped.
-        """
-        try:
-            fd = os.open(self.path / "data.mdb", os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-        except OSError as err:
-            self._log.warning("reserve", f"LMDB store {self.path}: cannot allocate {size} "
-                                         f"bytes ({err}); evicting instead of growing")
-            return False
-        return True
 
     def _evict(self, count: int) -> int:
         """Delete the `count` pages read or written longest ago; the number deleted."""
