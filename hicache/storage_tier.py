@@ -68,12 +68,19 @@ class StorageTier:
     # ---------------------------------------------------------------------------- backup
 
     def backup(self, node: HiTreeNode) -> None:
-        """Write a node that just reached L2 to storage; its host pages stay until the ack."""
-        if node.storage_backed or node.id in self._backups:
-            return
-        self.tree.protect_host(node)
-        self._backups[node.id] = node
-        self.io.backup(node.id, self.node_hashes(node), node.host_value)
+        """Write a node that just reached L2 to storage, with any ancestor not there yet,
+        parents first (a match may have split the node while its D->H copy ran: the upper
+        half is acknowledged by the same copy). Host pages stay until each ack."""
+        chain = []
+        while node is not self.tree.root:
+            if (node.host_value is not None and not node.storage_backed
+                    and node.id not in self._backups):
+                chain.append(node)
+            node = node.parent
+        for n in reversed(chain):
+            self.tree.protect_host(n)
+            self._backups[n.id] = n
+            self.io.backup(n.id, self.node_hashes(n), n.host_value)
 
     def _backup_check(self) -> None:
         for ack in self.io.poll_backups():

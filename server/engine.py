@@ -132,13 +132,21 @@ class Engine:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[dict, bool]] = asyncio.Queue()
         req.on_update = lambda r, done: loop.call_soon_threadsafe(
-            updates.put_nowait, (r.result(), done))
+            updates.put_nowait, (r.result(), done))  # raises once the loop has closed
         self._submit(req)
-        while True:
-            result, done = await updates.get()
-            yield result
-            if done:
-                return
+        done = False
+        try:
+            while not done:
+                result, done = await updates.get()
+                yield result
+        finally:
+            if not done:  # the consumer stopped listening: stop generating for it
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request whose client went away (no wait; unknown ids are ignored)."""
+        if self._thread.is_alive():
+            self.scheduler.call(lambda: self.scheduler.abort(rid))
 
     def _submit(self, req: Request) -> None:
         if not self._accepting:
@@ -154,10 +162,16 @@ class Engine:
         if bad:
             raise InvalidRequest(f"unknown tier(s) {', '.join(map(str, bad))}; "
                                  f"allowed: {', '.join(TIERS)}")
-        return self.scheduler.call(lambda: self.scheduler.flush(tiers), when_idle=True).result()
+        return self._call(lambda: self.scheduler.flush(tiers), when_idle=True)
 
     def stats(self) -> dict:
-        return self.scheduler.call(lambda: self.cache.stats(self.scheduler.counters)).result()
+        return self._call(lambda: self.cache.stats(self.scheduler.counters))
+
+    def _call(self, fn, when_idle: bool = False):
+        """Run `fn` on the scheduler thread and wait for its result."""
+        if self._stop.is_set() or not self._thread.is_alive():
+            raise EngineClosed("the engine has shut down")
+        return self.scheduler.call(fn, when_idle=when_idle).result()
 
     # -------------------------------------------------------------------------- shutdown
 
@@ -169,6 +183,7 @@ class Engine:
         self._accepting = False
         while drain and self.scheduler.call(self.scheduler.num_unfinished).result():
             self._stop.wait(DRAIN_POLL_S)
+        self.scheduler.call(self.scheduler.quiesce).result()  # pending backups reach L3
         self._stop.set()
         self._thread.join()
         self.cache.close()

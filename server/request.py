@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,11 @@ import torch
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_STOP_STRINGS = 16
 _ids = itertools.count()
+
+
+def _short(value: Any) -> str:
+    """A user's value for an error message, cut to a readable length."""
+    return reprlib.repr(value)
 
 
 class InvalidRequest(ValueError):
@@ -58,13 +64,13 @@ _RANGES: dict[str, tuple[type, float, float]] = {
 def _check_field(name: str, value: Any) -> Any:
     if name == "ignore_eos":
         if not isinstance(value, bool):
-            raise InvalidRequest(f"sampling_params.ignore_eos: expected a boolean, got {value!r}")
+            raise InvalidRequest(f"sampling_params.ignore_eos: expected a boolean, got {_short(value)}")
         return value
     kind, low, high = _RANGES[name]
     ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok_type:
         raise InvalidRequest(f"sampling_params.{name}: expected "
-                             f"{'a number' if kind is float else 'an integer'}, got {value!r}")
+                             f"{'a number' if kind is float else 'an integer'}, got {_short(value)}")
     if not (low <= value <= high) or (kind is float and not math.isfinite(value)):
         raise InvalidRequest(f"sampling_params.{name}: must be in [{low}, {high}], got {value}")
     if name == "top_p" and value == 0:
@@ -82,7 +88,7 @@ def _check_stop(stop: Any) -> tuple[str, ...]:
     if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
             or not all(isinstance(s, str) and s for s in stop)):
         raise InvalidRequest(f"sampling_params.stop: expected a non-empty string or a list of "
-                             f"at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}")
+                             f"at most {MAX_STOP_STRINGS} non-empty strings, got {_short(stop)}")
     return tuple(stop)
 
 

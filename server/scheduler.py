@@ -264,7 +264,7 @@ class Scheduler:
             self._finish(req, reason)
         elif req.on_update is not None:
             req.text = self.tokenizer.decode(req.output_ids)
-            req.on_update(req, False)
+            self._notify(req, False)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         """"stop" (EOS or a stop string, `req.text` cut before it), "length", or None."""
@@ -290,8 +290,42 @@ class Scheduler:
         self._release(req, keep_cache)
         if req in self.running:
             self.running.remove(req)
-        if req.on_update is not None:
-            req.on_update(req, True)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._notify(req, True)
+
+    def _notify(self, req: Request, done: bool) -> None:
+        """Run the request's callback; a callback that raises (its client went away) aborts
+        that request, never the scheduler."""
+        if req.on_update is None:
+            return
+        try:
+            req.on_update(req, done)
+        except Exception:
+            logger.warning("dropping request %s: its result callback failed", req.rid,
+                           exc_info=True)
+            req.on_update = None
+            if not done:
+                self._finish(req, "abort")
+
+    def abort(self, rid: str) -> bool:
+        """Finish a waiting or running request now (its client left); False if unknown."""
+        for req in (*self.waiting, *self.running):
+            if req.rid == rid:
+                if self.storage is not None:
+                    self.storage.terminate(rid)
+                self._finish(req, "abort")
+                return True
+        return False
+
+    def quiesce(self) -> None:
+        """Wait for every copy and backup in flight and apply their acks (flush, shutdown)."""
+        if self.hi:  # copies first: their acks queue backups, which protect host pages
+            self.tree.controller.wait_all()
+            self.tree.writing_check()
+            self.tree.loading_check()
+            if self.storage is not None:
+                self.storage.wait_idle()
 
     def _release(self, req: Request, keep_cache: bool) -> None:
         """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""
@@ -316,12 +350,7 @@ class Scheduler:
     def flush(self, tiers: tuple[str, ...]) -> dict[str, int]:
         """Empty the named tiers (scheduler thread, no request running). Tokens freed."""
         out = dict.fromkeys(tiers, 0)
-        if self.hi:  # copies first: their acks queue backups, which protect host pages
-            self.tree.controller.wait_all()
-            self.tree.writing_check()
-            self.tree.loading_check()
-            if self.storage is not None:
-                self.storage.wait_idle()
+        self.quiesce()
         if "device" in tiers:
             out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers and self.hi:

@@ -217,3 +217,37 @@ def test_shutdown_finishes_running_requests_and_refuses_new_ones(tmp_path) -> No
     from server.engine import EngineClosed
     with pytest.raises(EngineClosed):
         e.generate(input_ids=[1, 2], sampling_params=GREEDY)
+
+
+def test_shutdown_writes_pending_backups_to_l3(tmp_path) -> None:
+    prompt = [(7 * i) % 250 for i in range(360)]
+    with tiered(tmp_path) as e:  # exits right after the request: backups still in flight
+        e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 40})
+    with tiered(tmp_path) as e2:
+        assert e2.stats()["tiers"]["storage"]["pages"] == (360 + 40 - 1) // 16
+
+
+def test_a_consumer_that_goes_away_does_not_stop_the_scheduler(tmp_path) -> None:
+    import asyncio
+
+    with engine(tmp_path) as e:
+        async def read_one() -> None:
+            it = e.stream(e.make_request(input_ids=[4] * 40, sampling_params={
+                **GREEDY, "max_new_tokens": 64}))
+            await it.__anext__()
+
+        asyncio.run(read_one())  # the loop closes while the request still runs
+        time.sleep(0.2)
+        assert e._thread.is_alive()
+        assert e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)["output_ids"]
+
+
+def test_admin_calls_after_shutdown_raise(tmp_path) -> None:
+    from server.engine import EngineClosed
+
+    e = engine(tmp_path)
+    e.shutdown()
+    with pytest.raises(EngineClosed):
+        e.stats()
+    with pytest.raises(EngineClosed):
+        e.flush_cache()

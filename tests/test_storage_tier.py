@@ -282,3 +282,24 @@ def test_prefetch_and_backup_racing_the_scheduler_keep_the_tree_intact(tmp_path)
 def test_bad_policy_is_refused(tmp_path, policy) -> None:
     with pytest.raises(ValueError, match="best_effort, wait_complete, timeout"):
         make(lmdb(tmp_path / "db"), policy=policy)
+
+
+def test_a_node_split_while_its_write_runs_is_backed_up_whole(tmp_path) -> None:
+    from test_hiradix_cache import DeferredEngine
+
+    dev, host = make_pools(32, 64, PS)
+    engine = DeferredEngine(dev, host)
+    tree = HiRadixCache(HiCacheController(dev, host, engine), PS, load_back_threshold=1)
+    tree.enable_storage(StorageController(lmdb(tmp_path / "db"), host), HASHER,
+                        prefetch_policy="wait_complete", prefetch_threshold=8)
+    seq = seq_of(9)
+    slots = dev.alloc(32)
+    forward(dev, seq, slots)
+    tree.insert(seq, slots)          # one node, its D->H copy pending
+    tree.match_prefix(seq[:28])      # splits it at 28 tokens while the copy runs
+    engine.complete(10)
+    settle(tree)
+    assert tree.storage.counters["backed_up_tokens"] == 32  # both halves, no hole
+    flush_l1_l2(tree)
+    assert fetch(tree, "r", seq) == 32
+    tree.storage.close()
