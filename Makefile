@@ -24,6 +24,10 @@ lint: $(STAMP)
 	$(BIN)/pip install -q ruff
 	$(BIN)/ruff check hicache kernels server tests benchmarks
 
+# The embedded model with all three tiers (configs/default.yaml); e.g. `make serve ARGS="--port 8000"`.
+serve: $(STAMP)
+	$(BIN)/hicache-server --config configs/default.yaml $(ARGS)
+
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py
 

@@ -1,0 +1,147 @@
+"""Admin routes: empty cache tiers, read their occupancy; bearer-key or loopback-only access.
+
+    POST /admin/flush                     {"tiers": [...]} (default all three) -> {"freed": {...}}
+    GET  /admin/tiers                     capacity / used / evictable / protected / hits, tokens
+    POST /flush_cache                     SGLang's alias: flush device and host
+    POST /hicache/storage-backend/clear   SGLang's alias: flush storage
+
+Access: with `server.admin_api_key` set, every admin route needs
+`Authorization: Bearer <key>` (401 without a bearer header, 403 with a wrong key); without a
+key they answer loopback clients only (403 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+
+from hicache.metrics import tier_summaries
+from server.engine import Engine
+from server.http_api import (
+    STATE,
+    Handler,
+    HttpError,
+    brief,
+    check_fields,
+    error_response,
+    read_object,
+    storage_page_bytes,
+)
+from server.scheduler import TIERS
+
+BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
+SGLANG_FLUSH_TIERS = ("device", "host")  # SGLang's /flush_cache empties GPU and host memory
+
+
+class AdminDenied(Exception):
+    """An admin request without the right credentials; `status` is 401 or 403."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether `remote` (aiohttp's `request.remote`) is a loopback address. A Unix socket
+    peer or anything unparsable is not."""
+    if not remote:
+        return False
+    try:
+        ip = ipaddress.ip_address(remote.split("%", 1)[0])  # drop an IPv6 zone id
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def check_admin_access(remote: str | None, authorization: str | None,
+                       api_key: str | None) -> None:
+    """Raise AdminDenied unless the caller may use the admin routes (see the module doc)."""
+    if api_key is None:
+        if not is_loopback(remote):
+            raise AdminDenied(403, f"admin routes answer loopback clients only (this one is "
+                              f"{remote}); start the server with --admin-api-key to allow "
+                              "others with a bearer key")
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != BEARER or not token.strip():
+        raise AdminDenied(401, "admin routes need the header `Authorization: Bearer <admin "
+                          "key>`")
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise AdminDenied(403, "the admin key in the Authorization header is wrong")
+
+
+def _guarded(handler: Handler, api_key: str | None) -> Handler:
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        try:
+            check_admin_access(request.remote, request.headers.get("Authorization"), api_key)
+        except AdminDenied as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            return error_response(e.status, e.message, headers=headers)
+        if request.app[STATE].closing:
+            return error_response(503, "the server is shutting down")
+        return await handler(request)
+
+    return guarded
+
+
+def parse_tiers(body: dict[str, Any]) -> tuple[str, ...]:
+    """The `tiers` of a flush body: absent or null means all three."""
+    check_fields(body, ("tiers",))
+    tiers = body.get("tiers")
+    if tiers is None:
+        return TIERS
+    if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
+        raise HttpError(400, f"`tiers` must be an array of tier names ({', '.join(TIERS)}), "
+                        f"got {brief(tiers)}")
+    if not tiers:
+        raise HttpError(400, f"`tiers` is empty; name at least one of {', '.join(TIERS)}, "
+                        "or leave it out to flush all three")
+    return tuple(dict.fromkeys(tiers))  # duplicates once, order kept
+
+
+async def _flush(engine: Engine, tiers: Sequence[str]) -> web.Response:
+    """Waits (off the loop) for running requests and copies, then empties the tiers."""
+    loop = asyncio.get_running_loop()
+    freed = await loop.run_in_executor(None, partial(engine.flush_cache, tiers))
+    return web.json_response({"freed": freed})
+
+
+async def handle_flush(request: web.Request) -> web.Response:
+    tiers = parse_tiers(await read_object(request, empty={}))
+    return await _flush(request.app[STATE].engine, tiers)
+
+
+async def handle_sglang_flush(request: web.Request) -> web.Response:
+    return await _flush(request.app[STATE].engine, SGLANG_FLUSH_TIERS)
+
+
+async def handle_storage_clear(request: web.Request) -> web.Response:
+    return await _flush(request.app[STATE].engine, ("storage",))
+
+
+async def handle_tiers(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    stats = await asyncio.get_running_loop().run_in_executor(None, engine.stats)
+    summaries = tier_summaries(stats, engine.config.cache.page_size,
+                               storage_page_bytes(engine))
+    return web.json_response({"unit": "tokens", "page_size": engine.config.cache.page_size,
+                              "tiers": {t: s._asdict() for t, s in summaries.items()}})
+
+
+def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:
+    """Add the admin routes to an app from `server.http_api.create_app(engine)`."""
+    if STATE not in app or app[STATE].engine is not engine:
+        raise ValueError("add_admin_routes needs the app that create_app built for this engine")
+    routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),
+              ("/flush_cache", "POST", handle_sglang_flush),
+              ("/hicache/storage-backend/clear", "POST", handle_storage_clear))
+    for path, method, handler in routes:
+        app.router.add_route(method, path, _guarded(handler, api_key))

@@ -1,0 +1,161 @@
+"""`hicache-server` / `python -m server.launch`: build the engine, serve the HTTP API.
+
+    hicache-server --config configs/default.yaml --port 30000
+
+Exit codes: 0 after a clean shutdown (SIGINT or SIGTERM), 1 when start-up fails (the model
+folder is missing, the storage backend cannot open, not enough memory, the port is taken),
+2 for a bad flag or config value (`server.args`).
+
+Shutdown: on the first SIGINT/SIGTERM /health turns 503 and new requests are refused (503);
+requests in flight finish and their responses are sent; then the engine writes its pending
+backups and closes the storage tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hicache.config import BYTES_PER_GB, Config
+from hicache.metrics import tier_summaries
+from server.args import parse_config
+
+# The engine, the HTTP app and torch (seconds to import) load only once the flags are known
+# good, so a bad flag or --help answers at once: hence the imports inside functions below.
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from server.engine import Engine
+
+logger = logging.getLogger("hicache.server")
+
+EXIT_OK = 0
+EXIT_STARTUP_FAILED = 1
+EXIT_FORCED = 130  # the shell's code for an interrupted process (128 + SIGINT)
+# What a bad environment raises while the engine is built: missing files and LMDB faults
+# (OSError), the host-memory check (MemoryError), unusable model folders (ValueError), torch
+# without the requested device (RuntimeError), a backend's missing client library
+# (ImportError). Anything else is a bug and keeps its traceback.
+STARTUP_ERRORS = (OSError, MemoryError, ValueError, RuntimeError, ImportError)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# After the engine has drained, aiohttp waits at most this long (seconds) for handlers to
+# finish writing their responses.
+HTTP_SHUTDOWN_TIMEOUT_S = 30.0
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, ns = parse_config(sys.argv[1:] if argv is None else argv)  # exits 2 when bad
+    setup_logging(ns.log_level)
+    engine = build_engine(config)
+    if engine is None:
+        return EXIT_STARTUP_FAILED
+    try:
+        return asyncio.run(serve(engine, config))
+    finally:
+        engine.shutdown()  # idempotent: a no-op after a graceful shutdown
+
+
+def build_engine(config: Config) -> Engine | None:
+    """The engine, or None after logging in one line why it cannot start."""
+    from server.engine import Engine
+
+    try:
+        return Engine(config)
+    except STARTUP_ERRORS as e:
+        logger.error("hicache-server cannot start: %s", e)
+        return None
+
+
+def setup_logging(level: str) -> None:
+    """One line per record on stderr (flushed per record, so a supervisor sees it at once)."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+async def serve(engine: Engine, config: Config) -> int:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; the exit code."""
+    from aiohttp import web
+
+    from server.admin_api import add_admin_routes
+    from server.http_api import attach_metrics, create_app
+
+    app = create_app(engine, metrics=attach_metrics(engine))
+    add_admin_routes(app, engine, config.server.admin_api_key)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        host, port = config.server.host, config.server.port
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            logger.error("hicache-server cannot listen on %s:%d: %s", host, port, e)
+            return EXIT_STARTUP_FAILED
+        await asyncio.get_running_loop().run_in_executor(None, log_startup, engine, runner)
+        await wait_for_signal()
+        await drain(app, engine)
+    finally:
+        await runner.cleanup()
+    logger.info("hicache-server stopped")
+    return EXIT_OK
+
+
+def log_startup(engine: Engine, runner: web.AppRunner) -> None:
+    """The listening line (with the real port when 0 was asked for), the model, the tiers."""
+    host, port = runner.addresses[0][:2]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("hicache-server listening on http://%s:%d", shown, port)
+    logger.info("model: %s (%s)", engine.config.model.path, engine.loaded.path)
+    for tier, (tokens, size) in tier_sizes(engine).items():
+        logger.info("tier %-7s %d tokens, %.2f GB", tier, tokens, size / BYTES_PER_GB)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
+def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
+    """Each tier's capacity as (tokens, bytes)."""
+    from server.http_api import storage_page_bytes
+
+    stats = engine.stats()
+    summaries = tier_summaries(stats, engine.config.cache.page_size, storage_page_bytes(engine))
+    size_bytes = {"device": engine.cache.device_pool.size_bytes}
+    if engine.cache.host_pool is not None:
+        size_bytes["host"] = engine.cache.host_pool.size_bytes
+    if "storage" in stats["tiers"]:
+        size_bytes["storage"] = int(stats["tiers"]["storage"].get("capacity_bytes", 0))
+    return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}
+
+
+async def wait_for_signal() -> None:
+    """Until the first SIGINT/SIGTERM; a second one ends the process at once (undrained)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in SHUTDOWN_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in SHUTDOWN_SIGNALS:
+        loop.add_signal_handler(sig, _force_exit)
+
+
+def _force_exit() -> None:
+    logger.warning("second signal: exiting without finishing in-flight requests")
+    logging.shutdown()
+    os._exit(EXIT_FORCED)
+
+
+async def drain(app: web.Application, engine: Engine) -> None:
+    """Refuse new work, let running requests finish, then close the engine (backups and
+    storage) off the event loop, which keeps streaming the last tokens meanwhile."""
+    from server.http_api import begin_shutdown
+
+    logger.info("shutting down: refusing new requests, finishing the ones in flight")
+    begin_shutdown(app)
+    await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Admin routes: flushing each tier for real, tier stats, SGLang aliases, and access control."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestClient, TestServer
+
+from hicache.config import load_config
+from server.admin_api import AdminDenied, add_admin_routes, check_admin_access, is_loopback
+from server.engine import Engine
+from server.http_api import Handler, create_app
+
+KEY = "s3cret-admin-key"
+PAGE = 16
+PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+FIELDS = {"capacity", "used", "evictable", "protected", "hits"}
+SETTLE_TIMEOUT_S = 10.0
+SETTLE_POLL_S = 0.05
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    lmdb = tmp_path_factory.mktemp("admin_lmdb")
+    cfg = load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
+                             "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
+                             "storage.prefetch_policy": "wait_complete",
+                             "storage.prefetch_threshold": 32, "model.device": "cpu"})
+    with Engine(cfg) as e:
+        yield e
+
+
+async def serve(app: web.Application) -> TestClient:
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+@pytest.fixture
+async def client(engine: Engine) -> AsyncIterator[TestClient]:
+    app = create_app(engine)
+    add_admin_routes(app, engine, None)
+    client = await serve(app)
+    yield client
+    await client.close()
+
+
+async def error_of(resp: ClientResponse, status: int) -> str:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert body["error"]["code"] == status and body["error"]["type"]
+    return body["error"]["message"]
+
+
+async def tiers(client: TestClient) -> dict[str, dict[str, int]]:
+    resp = await client.get("/admin/tiers")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["unit"] == "tokens" and body["page_size"] == PAGE
+    return body["tiers"]
+
+
+async def generate(client: TestClient, **extra: Any) -> dict[str, Any]:
+    resp = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY,
+                                                **extra})
+    assert resp.status == 200
+    return await resp.json()
+
+
+async def backed_up(client: TestClient, tokens: int) -> None:
+    """Until storage holds `tokens` and no copy is in flight. A request that matches a node
+    whose L1->L2 write is still in flight loses most of its L3 backup (reported to the
+    engine's owner), so these tests let each backup land first."""
+    for _ in range(int(SETTLE_TIMEOUT_S / SETTLE_POLL_S)):
+        shown = await tiers(client)
+        if shown["storage"]["used"] >= tokens and shown["host"]["protected"] == 0:
+            return
+        await asyncio.sleep(SETTLE_POLL_S)
+    raise AssertionError(f"storage never held {tokens} tokens: {shown}")
+
+
+async def flush(client: TestClient, body: Any = None) -> dict[str, int]:
+    resp = await client.post("/admin/flush", json=body) if body is not None else \
+        await client.post("/admin/flush")
+    assert resp.status == 200, await resp.text()
+    return (await resp.json())["freed"]
+
+
+# ----------------------------------------------------------------------------- flushing
+
+
+async def test_tiers_shape(client: TestClient) -> None:
+    shown = await tiers(client)
+    assert set(shown) == {"device", "host", "storage"}
+    for tier in shown.values():
+        assert set(tier) == FIELDS and all(isinstance(v, int) and v >= 0 for v in tier.values())
+        assert tier["used"] <= tier["capacity"]
+    assert shown["device"]["capacity"] == 2048 and shown["host"]["capacity"] == 4096
+    assert shown["storage"]["capacity"] > shown["host"]["capacity"]
+
+
+async def test_flush_tier_by_tier_moves_the_hits_down(client: TestClient) -> None:
+    await flush(client)
+    await generate(client)
+    await backed_up(client, len(PROMPT))
+    assert (await generate(client))["meta_info"]["cached_tokens_details"]["device"] > 0
+    freed = await flush(client, {"tiers": ["device"]})
+    assert set(freed) == {"device"} and freed["device"] >= len(PROMPT) - PAGE
+    after = await tiers(client)
+    assert after["device"]["used"] == 0 and after["host"]["used"] > 0
+    assert (await generate(client))["meta_info"]["cached_tokens_details"]["host"] > 0
+    freed = await flush(client, {"tiers": ["device", "host"]})
+    assert freed["device"] > 0 and freed["host"] > 0
+    assert (await tiers(client))["storage"]["used"] > 0
+    assert (await generate(client))["meta_info"]["cached_tokens_details"]["storage"] > 0
+    freed = await flush(client)  # the default: all three
+    assert set(freed) == {"device", "host", "storage"} and freed["storage"] > 0
+    emptied = await tiers(client)
+    assert all(emptied[t]["used"] == 0 for t in emptied)
+
+
+async def test_flush_waits_for_running_requests(client: TestClient) -> None:
+    await flush(client)
+    resp = await client.post("/generate", json={
+        "input_ids": PROMPT, "stream": True,
+        "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}})
+    assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+    freed = await flush(client, {"tiers": ["device"]})
+    # The request finished (and gave its pages to the tree) before the flush ran.
+    assert freed["device"] >= len(PROMPT)
+    rest = await resp.text()
+    assert '"finish_reason":"length"' in rest and rest.endswith("data: [DONE]\n\n")
+
+
+async def test_sglang_aliases(client: TestClient) -> None:
+    await generate(client)
+    resp = await client.post("/flush_cache")
+    assert resp.status == 200
+    assert set((await resp.json())["freed"]) == {"device", "host"}
+    assert (await tiers(client))["storage"]["used"] > 0
+    resp = await client.post("/hicache/storage-backend/clear")
+    assert resp.status == 200 and (await resp.json())["freed"]["storage"] > 0
+    assert (await tiers(client))["storage"]["used"] == 0
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"tiers": ["gpu"]}, "unknown tier"), ({"tiers": "device"}, "array"),
+    ({"tiers": [1]}, "array"), ({"tiers": []}, "empty"), ({"tier": ["device"]}, "unknown"),
+    ([1], "JSON object")])
+async def test_bad_flush_is_400(client: TestClient, body: Any, words: str) -> None:
+    assert words in await error_of(await client.post("/admin/flush", json=body), 400)
+
+
+async def test_admin_routes_are_405_and_404_json(client: TestClient) -> None:
+    await error_of(await client.get("/admin/flush"), 405)
+    await error_of(await client.get("/admin/nothing"), 404)
+
+
+# ------------------------------------------------------------------------------- access
+
+
+@pytest.mark.parametrize(("remote", "loopback"), [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("fe80::1%eth0", False), ("10.0.0.1", False), ("203.0.113.5", False), ("::", False),
+    (None, False), ("", False), ("not-an-ip", False)])
+def test_is_loopback(remote: str | None, loopback: bool) -> None:
+    assert is_loopback(remote) is loopback
+
+
+def test_access_rules() -> None:
+    check_admin_access("127.0.0.1", None, None)
+    check_admin_access("203.0.113.5", f"Bearer {KEY}", KEY)
+    check_admin_access("127.0.0.1", f"bearer {KEY}", KEY)  # the scheme is case-insensitive
+    for remote, header, key, status in [
+            ("203.0.113.5", None, None, 403), ("203.0.113.5", f"Bearer {KEY}", None, 403),
+            ("127.0.0.1", None, KEY, 401), ("127.0.0.1", f"Basic {KEY}", KEY, 401),
+            ("127.0.0.1", "Bearer ", KEY, 401), ("127.0.0.1", "Bearer wrong", KEY, 403),
+            ("127.0.0.1", f"Bearer {KEY}x", KEY, 403)]:
+        with pytest.raises(AdminDenied) as err:
+            check_admin_access(remote, header, key)
+        assert err.value.status == status
+
+
+def _from(remote: str) -> Handler:
+    """A middleware that makes every request look as if it came from `remote`."""
+    @web.middleware
+    async def spoof(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await handler(request.clone(remote=remote))
+    return spoof
+
+
+async def test_without_key_only_loopback_gets_in(engine: Engine) -> None:
+    app = create_app(engine)
+    app.middlewares.append(_from("203.0.113.5"))
+    add_admin_routes(app, engine, None)
+    client = await serve(app)
+    try:
+        message = await error_of(await client.get("/admin/tiers"), 403)
+        assert "loopback" in message and "203.0.113.5" in message
+        await error_of(await client.post("/flush_cache"), 403)
+        assert (await client.get("/health")).status == 200  # only admin routes are guarded
+    finally:
+        await client.close()
+
+
+async def test_with_key(engine: Engine) -> None:
+    app = create_app(engine)
+    app.middlewares.append(_from("203.0.113.5"))  # a key lets other machines in
+    add_admin_routes(app, engine, KEY)
+    client = await serve(app)
+    try:
+        resp = await client.get("/admin/tiers")
+        assert "Bearer" in await error_of(resp, 401)
+        assert resp.headers["WWW-Authenticate"] == "Bearer"
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert "wrong" in await error_of(await client.get("/admin/tiers", headers=wrong), 403)
+        await error_of(await client.post("/admin/flush", headers=wrong), 403)
+        right = {"Authorization": f"Bearer {KEY}"}
+        assert (await client.get("/admin/tiers", headers=right)).status == 200
+        assert (await client.post("/hicache/storage-backend/clear", headers=right)).status == 200
+    finally:
+        await client.close()
+
+
+def test_admin_routes_need_the_engines_app(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="create_app"):
+        add_admin_routes(web.Application(), engine, None)

@@ -1,0 +1,175 @@
+"""Prometheus metrics: every name through /metrics of a real engine, and CacheMetrics alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.config import load_config
+from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
+from server.engine import Engine
+from server.http_api import create_app
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+PAGE = 16
+PROMPT = [(5 * i + 3) % 250 for i in range(6 * PAGE)]
+GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+TIERED = ("tier_capacity_tokens", "tier_used_tokens", "cached_tokens_total",
+          "evicted_tokens_total")
+PLAIN = ("prompt_tokens_total", "cache_hit_rate", "load_back_tokens_total",
+         "prefetch_tokens_total", "storage_corrupt_pages_total", "requests_total",
+         "generated_tokens_total")
+HISTOGRAMS = ("ttft_seconds", "load_back_seconds", "prefetch_seconds")
+
+
+def parse(text: str) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[("hicache:" + name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    lmdb = tmp_path_factory.mktemp("metrics_lmdb")
+    cfg = load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
+                             "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
+                             "storage.prefetch_policy": "wait_complete",
+                             "storage.prefetch_threshold": 32, "model.device": "cpu"})
+    with Engine(cfg) as e:
+        yield e
+
+
+async def test_every_metric_after_traffic_through_all_tiers(engine: Engine) -> None:
+    loop = asyncio.get_running_loop()
+    async with TestClient(TestServer(create_app(engine))) as client:
+        async def generate() -> dict[str, Any]:
+            resp = await client.post("/generate", json={"input_ids": PROMPT,
+                                                        "sampling_params": GREEDY})
+            assert resp.status == 200
+            return (await resp.json())["meta_info"]["cached_tokens_details"]
+
+        await generate()
+        await loop.run_in_executor(None, engine.flush_cache, ["device"])  # waits for backups
+        assert (await generate())["host"] > 0                # an L2->L1 load-back
+        await loop.run_in_executor(None, engine.flush_cache, ["device", "host"])
+        assert (await generate())["storage"] > 0             # an L3 prefetch
+        resp = await client.get("/metrics")
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        samples = parse(await resp.text())
+    names = {name for name, _ in samples}
+    for name in PLAIN + ("backup_tokens_total", "storage_errors_total"):
+        assert "hicache:" + name in names, name
+    for name in TIERED:
+        assert {dict(labels).get("tier") for n, labels in samples if n == "hicache:" + name} \
+            == {"device", "host", "storage"}, name
+    for name in HISTOGRAMS:
+        assert value(samples, name + "_count") >= 1, name
+        assert value(samples, name + "_bucket", le="+Inf") == value(samples, name + "_count")
+    assert value(samples, "ttft_seconds_count") == 3
+    assert value(samples, "requests_total") == 3
+    assert value(samples, "prompt_tokens_total") == 3 * len(PROMPT)
+    assert value(samples, "generated_tokens_total") == 3 * GREEDY["max_new_tokens"]
+    assert 0 < value(samples, "cache_hit_rate") <= 1
+    for tier in ("host", "storage"):
+        assert value(samples, "cached_tokens_total", tier=tier) > 0
+    assert value(samples, "load_back_tokens_total") > 0
+    assert value(samples, "prefetch_tokens_total") > 0
+    assert value(samples, "backup_tokens_total", dest="host") > 0
+    assert value(samples, "backup_tokens_total", dest="storage") > 0
+    assert value(samples, "evicted_tokens_total", tier="device") > 0
+    assert value(samples, "evicted_tokens_total", tier="host") > 0
+    assert value(samples, "tier_capacity_tokens", tier="device") == 2048
+    assert value(samples, "storage_errors_total", op="get") == 0
+    assert value(samples, "storage_corrupt_pages_total") == 0
+
+
+# ------------------------------------------------------------------ CacheMetrics alone
+
+L1_ONLY = {"tiers": {"device": {"capacity": 256, "used": 64, "evictable": 48, "protected": 16,
+                                "hits": 32}},
+           "counters": {"requests": 2, "prompt_tokens": 128, "generated_tokens": 10,
+                        "cached_device": 32, "cached_host": 0, "cached_storage": 0}}
+THREE_TIERS = {
+    "tiers": {**L1_ONLY["tiers"],
+              "host": {"capacity": 512, "used": 96, "evictable": 80, "protected": 0,
+                       "hits": 16, "written_tokens": 96, "device_evicted_tokens": 32,
+                       "host_evicted_tokens": 8, "load_back_tokens": 16},
+              "storage": {"pages": 3, "capacity_bytes": 10_000, "hits": 32, "evicted_pages": 2,
+                          "corrupt_pages": 1, "errors_by_op": {"get": 4, "set": 0},
+                          "prefetched_tokens": 32, "backed_up_tokens": 48}},
+    "counters": {**L1_ONLY["counters"], "cached_host": 16, "cached_storage": 32}}
+
+
+def render(stats: Mapping[str, Any], **kwargs: Any) -> Samples:
+    metrics = CacheMetrics(lambda: stats, page_size=PAGE, **kwargs)
+    return parse(metrics.render().decode())
+
+
+def test_l1_only_yields_device_samples_only() -> None:
+    samples = render(L1_ONLY)
+    assert value(samples, "cache_hit_rate") == 32 / 128
+    assert value(samples, "tier_used_tokens", tier="device") == 64
+    tiers = {dict(labels).get("tier") for _, labels in samples} - {None}
+    assert tiers == {"device"}
+    names = {name for name, _ in samples}
+    assert not {"hicache:load_back_tokens_total", "hicache:storage_errors_total",
+                "hicache:prefetch_tokens_total"} & names
+    assert "hicache:evicted_tokens_total" not in names  # L1 alone does not count evictions
+
+
+def test_three_tiers_convert_storage_pages_to_tokens() -> None:
+    samples = render(THREE_TIERS, storage_page_bytes=1000)
+    assert value(samples, "cache_hit_rate") == (32 + 16 + 32) / 128
+    assert value(samples, "tier_used_tokens", tier="storage") == 3 * PAGE
+    assert value(samples, "tier_capacity_tokens", tier="storage") == 10 * PAGE
+    assert value(samples, "evicted_tokens_total", tier="storage") == 2 * PAGE
+    assert value(samples, "evicted_tokens_total", tier="device") == 32
+    assert value(samples, "storage_errors_total", op="get") == 4
+    assert value(samples, "storage_corrupt_pages_total") == 1
+    assert value(samples, "backup_tokens_total", dest="storage") == 48
+    no_size = render(THREE_TIERS)  # without a page size, no storage capacity sample
+    assert ("hicache:tier_capacity_tokens", (("tier", "storage"),)) not in no_size
+
+
+def test_no_requests_is_a_zero_hit_rate() -> None:
+    assert value(render({"tiers": {}, "counters": {}}), "cache_hit_rate") == 0
+
+
+def test_observe_feeds_histograms_and_drops_unknown_names(
+        caplog: pytest.LogCaptureFixture) -> None:
+    metrics = CacheMetrics(lambda: L1_ONLY, page_size=PAGE)
+    for seconds in (0.003, 0.2, 100.0):
+        metrics.observe("ttft_seconds", seconds)
+    metrics.observe("no_such_seconds", 1.0)
+    metrics.observe("no_such_seconds", 1.0)
+    samples = parse(metrics.render().decode())
+    assert value(samples, "ttft_seconds_count") == 3
+    assert value(samples, "ttft_seconds_bucket", le="0.005") == 1
+    assert value(samples, "ttft_seconds_bucket", le="80.0") == 2
+    assert value(samples, "ttft_seconds_sum") == pytest.approx(100.203)
+    assert sum("no_such_seconds" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    first, second = (CacheMetrics(lambda: L1_ONLY, page_size=PAGE) for _ in range(2))
+    first.observe("ttft_seconds", 1.0)
+    assert value(parse(second.render().decode()), "ttft_seconds_count") == 0
+    assert REGISTRY.get_sample_value("hicache:ttft_seconds_count") is None
+    assert first.content_type.startswith("text/plain; version=0.0.4")
+
+
+def test_tier_summaries_and_bad_page_size() -> None:
+    summaries = tier_summaries(THREE_TIERS, PAGE, storage_page_bytes=1000)
+    assert summaries["device"] == TierSummary(256, 64, 48, 16, 32)
+    assert summaries["storage"] == TierSummary(160, 48, 48, 0, 32)
+    with pytest.raises(ValueError, match="page_size"):
+        CacheMetrics(lambda: L1_ONLY, page_size=0)
