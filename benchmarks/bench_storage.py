@@ -20,6 +20,7 @@ alternated in each run. Ratios are the median over runs of two methods timed in 
 run: this machine is shared and noisy, so read the ratios.
 
     python benchmarks/bench_storage.py            # defaults; prints markdown, writes JSON
+    python benchmarks/bench_storage.py --redis    # + Redis (one node, a 3-node cluster) rows
 """
 
 from __future__ import annotations
@@ -377,6 +378,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tmp-dir", type=Path, default=REPO / ".hicache" / "bench-storage",
                     help="scratch folder; keep it on the filesystem under test")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "storage.json")
+    ap.add_argument("--redis", action="store_true",
+                    help="also time RedisStore on loopback redis-servers it starts (needs "
+                         "redis-server and redis-cli on PATH)")
     return ap.parse_args(argv)
 
 
@@ -408,6 +412,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "goals_met_everywhere": {n: all(r["goals_met"][n] for r in results) for n in GOALS},
     }
     report["table"] = tables(results)
+    if args.redis:
+        report["redis"] = redis_results(args)
+        report["table"] += "\n\n" + redis_table(report["redis"])
     m = report["machine"]
     print(f"L3 storage benchmark: {m['cpu']}, {m['cores']} cores, {m['filesystem']}; "
           f"{args.total_mb} MiB per case, batches of {args.batch_pages} pages; "
@@ -416,6 +423,109 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+# ------------------------------------------------------------------------------ --redis
+
+REDIS_METHODS = ("lmdb", "redis", "redis cluster")
+
+
+def redis_results(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--redis`: the same pages through `batch_set` / `batch_get` of LmdbStore (sync=False,
+    warm reads: the fair peer of an in-memory store), RedisStore on one loopback
+    redis-server, and on a 3-node loopback Redis Cluster; the servers are started here (no
+    persistence) and stopped after. Per method: GB/s of payload (fastest run) and ms per
+    batch call (median over every batch of every run); methods alternate in each run."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from redis_fixtures import RedisClusterNodes, RedisServer
+
+    from hicache.storage.redis_store import RedisStore
+
+    tmp = Path(tempfile.mkdtemp(dir=args.tmp_dir))
+    rows = []
+    try:
+        with RedisServer.start(tmp / "redis") as server, \
+                RedisClusterNodes.start(tmp / "cluster") as nodes:
+            for name in args.geometries:
+                layers, heads, dim, dtype = GEOMETRIES[name]
+                for page_size in args.page_sizes:
+                    codec = PageCodec(PageGeometry(layers, heads, dim, page_size, dtype))
+                    num_pages = max(1, args.total_mb * MB // codec.payload_bytes)
+                    print(f"redis: {name} page {page_size}: {num_pages} pages",
+                          file=sys.stderr, flush=True)
+
+                    def open_store(method: str, c: PageCodec = codec,
+                                   n: int = num_pages) -> LmdbStore | RedisStore:
+                        if method == "lmdb":
+                            folder = Path(tempfile.mkdtemp(dir=tmp))
+                            return open_lmdb(folder, c, n * c.value_bytes, sync=False)
+                        url = server.url if method == "redis" else nodes.url
+                        return RedisStore(url, c, cluster=method != "redis")
+
+                    rows.append(redis_case(name, codec, num_pages, open_store, args))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def time_batches(call: Callable[[list[bytes], torch.Tensor], list[bool]],
+                 work: list) -> list[Seconds]:
+    """Seconds of each batch call; RuntimeError when one does not serve every page."""
+    out = []
+    for keys, slots in work:
+        start = time.perf_counter()
+        if not all(call(keys, slots)):
+            raise RuntimeError(f"a batch of {len(keys)} pages was not fully served")
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def redis_case(name: str, codec: PageCodec, num_pages: int,
+               open_store: Callable[[str], Any], args: argparse.Namespace) -> dict[str, Any]:
+    geometry = codec.geometry
+    src = make_pool(geometry, num_pages, seed=args.seed)
+    dst = make_pool(geometry, num_pages, seed=None)
+    keys = [xxhash.xxh3_128_digest(b"redis %d" % i) for i in range(num_pages)]
+    work = batches(keys, geometry.page_size, args.batch_pages)
+    times: dict[str, dict[str, list[list[Seconds]]]] = {
+        m: {"set": [], "get": []} for m in REDIS_METHODS}
+    for _ in range(args.repeats):
+        for method in REDIS_METHODS:
+            store = open_store(method)
+            store.clear()
+            times[method]["set"].append(time_batches(
+                lambda k, s, st=store: st.batch_set(k, src, s), work))
+            dst.buffer.view(-1).view(torch.uint8).zero_()
+            times[method]["get"].append(time_batches(
+                lambda k, s, st=store: st.batch_get(k, dst, s), work))
+            if not same_bytes(src, dst):
+                raise AssertionError(f"{method}: bytes read differ from bytes written")
+            store.clear()
+            store.close()
+    total = num_pages * geometry.payload_bytes
+    methods = {}
+    for method, ops in times.items():
+        methods[method] = {f"{op}_gb_per_s": total / min(map(sum, runs)) / GB
+                           for op, runs in ops.items()}
+        methods[method].update({f"{op}_ms_per_batch": 1e3 * statistics.median(
+            t for run in runs for t in run) for op, runs in ops.items()})
+    return {"geometry": name, "page_size": geometry.page_size,
+            "page_bytes": geometry.payload_bytes, "num_pages": num_pages,
+            "batch_pages": min(args.batch_pages, num_pages), "methods": methods}
+
+
+def redis_table(rows: list[dict[str, Any]]) -> str:
+    lines = [("Redis on loopback next to LMDB (sync=False, warm), same pages and batches: "
+              "GB/s (fastest run) and ms per batch call (median)"), "",
+             ("| geometry | page | KiB/page | pages/batch | store | set GB/s | get GB/s "
+              "| set ms/batch | get ms/batch |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for method, m in r["methods"].items():
+            lines.append(f"| {r['geometry']} | {r['page_size']} | {r['page_bytes'] // 1024} | "
+                         f"{r['batch_pages']} | {method} | {m['set_gb_per_s']:.2f} | "
+                         f"{m['get_gb_per_s']:.2f} | {m['set_ms_per_batch']:.1f} | "
+                         f"{m['get_ms_per_batch']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

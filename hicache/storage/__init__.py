@@ -2,7 +2,8 @@
 
     create_backend("none", ...)                    -> None (storage disabled)
     create_backend("lmdb", cfg.storage.lmdb, codec) -> LmdbStore
-    register_backend("redis", factory)             -> later backends plug in here
+    create_backend("redis", cfg.storage.redis, codec) -> RedisStore
+    register_backend(name, factory)                -> later backends plug in here
 
 A factory takes the backend's own config section (a Mapping, or its dataclass) and the page
 codec of this server's geometry, and returns a ready backend.
@@ -18,6 +19,7 @@ from hicache.config import LmdbConfig
 from hicache.storage.base import StorageBackend
 from hicache.storage.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage.redis_store import redis_factory
 
 __all__ = [
     "BackendFactory", "PageCodec", "PageGeometry", "StorageBackend", "create_backend",
@@ -77,3 +79,4 @@ def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend
 
 
 register_backend("lmdb", _lmdb_factory)
+register_backend("redis", redis_factory)
