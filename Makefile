@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint bench-radix gpu-check clean
+.PHONY: test install lint serve bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
