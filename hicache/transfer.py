@@ -22,6 +22,7 @@ slots they were handed.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -31,6 +32,7 @@ import torch
 
 from hicache.memory_pool import DeviceKVPool, pages_of
 from hicache.memory_pool_host import HostKVPool
+from kernels.cuda_utils import import_cupy, to_device_async
 from kernels.transfer_kv import d2h_pages, h2d_pages
 
 IO_BACKENDS = ("kernel", "direct")
@@ -208,31 +210,40 @@ class CpuTransferEngine(TransferEngine):
 
 
 class CudaHandle(TransferHandle):
-    """Per-layer CUDA events recorded on a copy stream."""
+    """Per-layer `torch.cuda.Event`s recorded on a copy stream.
 
-    def __init__(self, events: list) -> None:
+    `wait_layer` makes the calling thread's current stream on the pool's device (the compute
+    stream) wait on the GPU, the CPU goes on; `wait` blocks the CPU; `done` never blocks.
+    """
+
+    def __init__(self, events: list[torch.cuda.Event], device: torch.device) -> None:
         self.num_layers = len(events)
-        self._events = events  # cupy.cuda.Event, one per layer (the last one ends the copy)
+        self._events = events  # one per layer, in order (the last one ends the copy)
+        self._device = device
 
     def wait_layer(self, layer: int) -> None:
-        import cupy
-
-        compute = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        compute.wait_event(self._events[layer])  # the GPU waits; the CPU goes on
+        torch.cuda.current_stream(self._device).wait_event(self._events[layer])
 
     def wait(self) -> None:
         self._events[-1].synchronize()
 
     def done(self) -> bool:
-        return self._events[-1].done
+        return self._events[-1].query()
 
 
 class CudaTransferEngine(TransferEngine):
-    """Copies on two CuPy non-blocking streams (one per direction) with per-layer events.
+    """Copies on two non-blocking CuPy streams (one per direction) with per-layer events.
 
-    `io_backend="kernel"` launches `kernels/transfer_kv.cu` (one launch for all layers D->H,
-    one per layer H->D so layers land in order); `"direct"` uses torch copies over runs of
-    consecutive pages on the same streams. The host pool must be pinned.
+    `io_backend="kernel"` launches `kernels/transfer_kv.cu` through CuPy (one launch for all
+    layers D->H, one per layer H->D so layers land in order); without CuPy it falls back, with
+    a warning, to `"direct"`: torch copies over runs of consecutive pages on the same streams.
+    The host pool must be pinned (the kernel reads and writes it through UVA, and a direct
+    copy is asynchronous only from or to pinned memory).
+
+    Stream rule: every copy first waits for the work queued so far on the caller's current
+    stream of the pool's device (the compute stream), and its page lists are uploaded on the
+    copy stream itself, so the caching allocator reuses their blocks only for work ordered
+    after the copy that reads them.
     """
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
@@ -242,59 +253,98 @@ class CudaTransferEngine(TransferEngine):
             raise RuntimeError("CudaTransferEngine needs a CUDA device; use CpuTransferEngine")
         if not host_pool.is_pinned:
             raise ValueError("CudaTransferEngine needs a pinned host pool (pin_memory=True)")
-        import cupy
+        # The buffers' device carries its index ("cuda" alone means whichever is current).
+        self._device = device_pool.k_buffers[0].device
+        self._backend = self._kernels_backend(io_backend)
+        self._num_device_pages = device_pool.k_buffers[0].shape[0] // self.page_size
+        self._cupy_streams: list = []  # owners of the streams below (kept alive)
+        self._d2h_stream = self._new_stream()
+        self._h2d_stream = self._new_stream()
 
-        self._cupy = cupy
-        self._backend = "cuda" if io_backend == "kernel" else "direct"
-        self._d2h_stream = cupy.cuda.Stream(non_blocking=True)
-        self._h2d_stream = cupy.cuda.Stream(non_blocking=True)
-
-    def _after_compute(self, stream) -> None:
-        """Order `stream` after everything queued on the compute stream so far."""
-        producer = self._cupy.cuda.Event(disable_timing=True)
-        producer.record(self._cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        stream.wait_event(producer)
-
-    def _run_on(self, stream, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)), stream:
-            fn()
-
-    def _event(self, stream):
-        ev = self._cupy.cuda.Event(disable_timing=True)
-        ev.record(stream)
-        return ev
+    def _new_stream(self) -> torch.cuda.Stream:
+        """A non-blocking CuPy stream on the pool's device, which torch sees as an
+        ExternalStream (so torch copies and events use it too); a torch stream when CuPy,
+        the optional `cuda` extra, is missing."""
+        if self._backend != "cuda":
+            return torch.cuda.Stream(self._device)
+        cupy = import_cupy()
+        with cupy.cuda.Device(self._device.index or 0):
+            owner = cupy.cuda.Stream(non_blocking=True)
+        self._cupy_streams.append(owner)
+        return torch.cuda.ExternalStream(owner.ptr, device=self._device)
 
     def copy_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor
                  ) -> TransferHandle:
-        dev_pages, host_pages = self._pages(device_indices, host_indices)
-        dev_pages = dev_pages.to(self.device_pool.device, non_blocking=True)
+        dev_pages, host_pages = self._checked_pages(device_indices, host_indices)
         d, stream = self.device_pool, self._d2h_stream
-        self._after_compute(stream)
-        self._run_on(stream, lambda: d2h_pages(
-            d.k_buffers, d.v_buffers, self.host_pool.buffer, self.host_pool.layout, dev_pages,
-            host_pages, self.page_size, backend=self._backend, stream=stream))
-        ev = self._event(stream)
-        return CudaHandle([ev] * d.num_layers)
+        stream.wait_stream(torch.cuda.current_stream(self._device))  # after the forward
+        with torch.cuda.stream(stream):
+            dev_pages, host_pages = self._for_backend(dev_pages, host_pages)
+            d2h_pages(d.k_buffers, d.v_buffers, self.host_pool.buffer, self.host_pool.layout,
+                      dev_pages, host_pages, self.page_size, backend=self._backend,
+                      stream=stream)
+            event = self._record(stream)
+        return CudaHandle([event] * d.num_layers, self._device)
 
     def copy_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor
                  ) -> TransferHandle:
-        host_pages, dev_pages = self._pages(host_indices, device_indices)
-        dev_pages = dev_pages.to(self.device_pool.device, non_blocking=True)
+        dev_pages, host_pages = self._checked_pages(device_indices, host_indices)
         d, stream = self.device_pool, self._h2d_stream
-        # The destination slots may have been written by an earlier forward (slot reuse).
-        self._after_compute(stream)
+        # The destination slots may have been read or written by earlier forwards (slot reuse).
+        stream.wait_stream(torch.cuda.current_stream(self._device))
         events = []
-        for layer in range(d.num_layers):
-            self._run_on(stream, lambda layer=layer: h2d_pages(
-                self.host_pool.buffer, self.host_pool.layout, d.k_buffers, d.v_buffers,
-                host_pages, dev_pages, self.page_size, layers=[layer], backend=self._backend,
-                stream=stream))
-            events.append(self._event(stream))
-        return CudaHandle(events)
+        with torch.cuda.stream(stream):
+            dev_pages, host_pages = self._for_backend(dev_pages, host_pages)
+            for layer in range(d.num_layers):
+                h2d_pages(self.host_pool.buffer, self.host_pool.layout, d.k_buffers,
+                          d.v_buffers, host_pages, dev_pages, self.page_size, layers=[layer],
+                          backend=self._backend, stream=stream)
+                events.append(self._record(stream))
+        return CudaHandle(events, self._device)
 
     def close(self) -> None:
         self._d2h_stream.synchronize()
         self._h2d_stream.synchronize()
+
+    def _checked_pages(self, device_indices: torch.Tensor, host_indices: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device pages, host pages), range-checked on the CPU: the kernel takes uploaded
+        lists unchecked, and a page past a pool is a write outside it."""
+        dev_pages, host_pages = self._pages(device_indices, host_indices)
+        for name, pages, limit in (("device", dev_pages, self._num_device_pages),
+                                   ("host", host_pages, self.host_pool.num_pages)):
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= limit):
+                raise ValueError(f"{name} pages must lie in [0, {limit}), got "
+                                 f"[{int(pages.min())}, {int(pages.max())}]")
+        return dev_pages, host_pages
+
+    def _for_backend(self, *pages: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The page lists as the backend wants them: on the device for the kernel (uploaded
+        once per copy on the current, i.e. copy, stream), on the CPU for direct copies (which
+        find runs of consecutive pages there, without a sync)."""
+        if self._backend != "cuda":
+            return pages
+        return tuple(to_device_async(p, self._device) for p in pages)
+
+    @staticmethod
+    def _kernels_backend(io_backend: str) -> str:
+        """The kernels' backend for `io_backend`: the CuPy kernel, or direct copies when CuPy
+        (the optional `cuda` extra) is missing."""
+        if io_backend == "direct":
+            return "direct"
+        try:
+            import_cupy()
+        except RuntimeError as e:
+            logging.getLogger(__name__).warning(
+                "io_backend=kernel: %s; KV pages move by torch copies instead", e)
+            return "direct"
+        return "cuda"
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
 
 def make_transfer_engine(device_pool: DeviceKVPool, host_pool: HostKVPool,

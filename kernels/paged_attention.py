@@ -33,7 +33,7 @@ _KERNELS = {
 # Must match THREADS and MAX_HEAD_DIM in paged_attention.cu.
 _THREADS = 128
 MAX_HEAD_DIM = 256
-_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y, which indexes sequences
+MAX_NUM_SEQS = 65535  # CUDA's limit on gridDim.y, which indexes sequences
 
 
 def paged_decode_attention(
@@ -44,15 +44,15 @@ def paged_decode_attention(
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs CUDA tensors, got device {q.device}")
-    if q.shape[2] > MAX_HEAD_DIM or q.shape[0] > _MAX_GRID_Y:
+    if q.shape[2] > MAX_HEAD_DIM or q.shape[0] > MAX_NUM_SEQS:
         raise ValueError(
-            f"q: head_dim must be <= {MAX_HEAD_DIM} and sequences <= {_MAX_GRID_Y}, "
+            f"q: head_dim must be <= {MAX_HEAD_DIM} and sequences <= {MAX_NUM_SEQS}, "
             f"got shape {tuple(q.shape)}"
         )
     q = q.contiguous()
     slot_table, seq_lens = slot_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)  # [S, H, D]
-    if q.shape[0] == 0:
+    if q.numel() == 0:  # no sequence, head or dim: a (0, ...) grid is an invalid launch
         return out
     _launch(q, k_cache, v_cache, slot_table, seq_lens, out, scale)
     return out
@@ -99,7 +99,7 @@ def _validate(
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape "
                          f"{tuple(k_cache.shape)}")
-    if heads % k_cache.shape[1] != 0:
+    if k_cache.shape[1] < 1 or heads % k_cache.shape[1] != 0:
         raise ValueError(f"k_cache: {k_cache.shape[1]} kv heads do not divide {heads} q heads")
     if slot_table.dim() != 2 or slot_table.shape[0] != num_seqs:
         raise ValueError(f"slot_table must be [{num_seqs}, max_len], got "

@@ -488,7 +488,11 @@ def _cuda(t: _Transfer, kernel_name: str, stream: Any) -> None:
     cupy = import_cupy()  # imported here: CuPy is optional and only this path needs it
     torch_stream = as_torch_stream(stream, device)
     with torch.cuda.device(device), torch.cuda.stream(torch_stream):
-        args = _kernel_args(t, torch_stream)
+        # `keep` holds the uploaded index tensors until the launch is enqueued: freed earlier,
+        # the caching allocator could hand their blocks to another thread's work on this
+        # stream, enqueued before the kernel that reads them. Freed after the launch, any reuse
+        # on this stream is ordered after the kernel.
+        args, keep = _kernel_args(t, torch_stream)
         num_chunks = t.num_pages * len(t.layers) * 2
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         blocks = max(1, min(-(-num_chunks // _WARPS_PER_BLOCK), sms * _BLOCKS_PER_SM))
@@ -496,24 +500,28 @@ def _cuda(t: _Transfer, kernel_name: str, stream: Any) -> None:
                 torch_stream.cuda_stream, device.index):
             kernel = raw_module(_KERNEL_FILE).get_function(kernel_name)
             kernel((blocks,), (_THREADS_PER_BLOCK,), args)
+        del keep
 
 
-def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream) -> tuple[Any, ...]:
-    """The arguments of gather_kv_d2h / scatter_kv_h2d (same signature), in order.
+def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream
+                 ) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
+    """(the arguments of gather_kv_d2h / scatter_kv_h2d, in order; the tensors they point
+    into, which the caller keeps alive until the launch is enqueued).
 
-    Runs inside `torch.cuda.stream(torch_stream)`: the uploads are enqueued there, so the
-    caching allocator frees them only after the kernel that reads them.
+    Runs inside `torch.cuda.stream(torch_stream)`: the uploads are enqueued there, so once
+    released they are reused only by work ordered after the kernel that reads them. Page
+    lists already on the GPU are made contiguous (the kernel indexes them densely).
     """
     device = t.k_buffers[0].device
     k_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.k_buffers))
     v_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.v_buffers))
     for table in (k_ptrs, v_ptrs):  # cached tables outlive this call's stream
         table.record_stream(torch_stream)
-    dev_ids = to_device_async(t.device_pages, device)
-    host_ids = to_device_async(t.host_pages, device)
+    dev_ids = to_device_async(t.device_pages, device).contiguous()
+    host_ids = to_device_async(t.host_pages, device).contiguous()
     first, layer_ids = _layer_args(t.layers, device)
     page_stride, layer_stride, kv_stride = _host_byte_strides(t.host_buffer, t.host_layout)
-    return (
+    args = (
         np.uint64(k_ptrs.data_ptr()), np.uint64(v_ptrs.data_ptr()),
         np.uint64(0 if layer_ids is None else layer_ids.data_ptr()),  # 0 = nullptr
         np.int64(first), np.int64(len(t.layers)),
@@ -521,6 +529,8 @@ def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream) -> tuple[Any, ..
         np.uint64(t.host_buffer.data_ptr()), np.int64(t.chunk_bytes),
         np.int64(page_stride), np.int64(layer_stride), np.int64(kv_stride),
     )
+    keep = (k_ptrs, v_ptrs, dev_ids, host_ids) + (() if layer_ids is None else (layer_ids,))
+    return args, keep
 
 
 def _host_byte_strides(host_buffer: torch.Tensor, host_layout: str) -> tuple[int, int, int]:

@@ -7,16 +7,23 @@ implementation that reads one returns NaN and fails.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from hicache.memory_pool import DeviceKVPool
-from kernels import cuda_utils
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels import cuda_utils, paged_attention
+from kernels.paged_attention import (
+    MAX_HEAD_DIM,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 from server.models.attention import CudaPagedAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
 
@@ -105,6 +112,7 @@ def test_reference_ignores_the_table_past_seq_len() -> None:
     ({"slot_table": torch.zeros(3, 5, dtype=torch.int64)}, "slot_table must be"),
     ({"seq_lens": torch.ones(3, dtype=torch.int64)}, "seq_lens must be"),
     ({"q": torch.zeros(2, 3, 8)}, "do not divide"),
+    ({"k_cache": torch.zeros(32, 0, 8), "v_cache": torch.zeros(32, 0, 8)}, "0 kv heads"),
     ({"q": torch.zeros(2, 4, 8, dtype=torch.float64)}, "q: dtype"),
 ])
 def test_wrapper_checks_arguments(change: dict, match: str) -> None:
@@ -222,3 +230,74 @@ def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(CudaPagedAttention().forward(qp, k[:3], k[:3], 0, prefill, pool),
                                TorchAttention().forward(qp, k[:3], k[:3], 0, prefill, pool))
     assert calls == [1]  # prefill did not go through the decode kernel
+
+
+def test_cuda_backend_falls_back_past_the_kernel_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch whose head_dim the kernel cannot hold goes through SDPA, not an error."""
+    from server.models import attention
+
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "paged_decode_attention", lambda *a: calls.append(1))
+    head_dim = MAX_HEAD_DIM + 32
+    pool, batch, q = decode_case((3, 9), 4, KV_HEADS, head_dim, torch.float32, "cpu")
+    k = q[:, :KV_HEADS]
+    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool)
+    torch.testing.assert_close(got, TorchAttention().forward(q, k, k, 0, batch, pool))
+    assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch, on CPU with CuPy and the stream replaced by recorders: CuPy packs each argument
+# by its NumPy type, so the types must match the kernel's C signature one for one
+
+
+_C_TO_NUMPY = {"T*": "uint64", "i64*": "uint64", "int": "int32", "i64": "int64",
+               "float": "float32"}
+
+
+def _kernel_param_types(source: str) -> list[str]:
+    params = source.split("NAME(", 1)[1].split(")", 1)[0].replace("\\", " ")
+    types = []
+    for p in params.split(","):
+        words = p.replace("*", " * ").replace("const", "").split()
+        types.append(words[0] + ("*" if "*" in words else ""))
+    return types
+
+
+def _define(source: str, name: str) -> int:
+    return int(source.split(f"#define {name} ", 1)[1].split()[0])
+
+
+def test_launch_matches_the_kernel_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list = []
+
+    def get_function(name: str):
+        launches.append(name)
+        return lambda grid, block, args: launches.append((grid, block, args))
+
+    fake_cupy = SimpleNamespace(cuda=SimpleNamespace(
+        Device=lambda index: contextlib.nullcontext(),
+        ExternalStream=lambda ptr, index: contextlib.nullcontext()))
+    monkeypatch.setattr(paged_attention, "import_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(paged_attention, "raw_module",
+                        lambda name: SimpleNamespace(get_function=get_function))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    pool, batch, q = decode_case((3, 70), 8, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    out = torch.empty_like(q)
+    paged_attention._launch(q, k_cache, v_cache, table, lens, out, 0.125)
+    name, (grid, block, args) = launches
+    source = cuda_utils.kernel_source("paged_attention.cu")
+    assert name == "paged_decode_attention_bf16" and name in source
+    assert grid == (8, 2)  # one block per (query head, sequence)
+    assert block == (_define(source, "THREADS"),) == (paged_attention._THREADS,)
+    assert _define(source, "MAX_HEAD_DIM") == paged_attention.MAX_HEAD_DIM
+    assert [type(a).__name__ for a in args] == [
+        _C_TO_NUMPY[c] for c in _kernel_param_types(source)]
+    ptrs = [q, k_cache, v_cache, table, lens, out]
+    assert [int(a) for a in args[:6]] == [t.data_ptr() for t in ptrs]
+    assert [int(a) for a in args[6:10]] == [8, KV_HEADS, HEAD_DIM, table.shape[1]]
+    assert args[10] == np.float32(0.125)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 from conftest import requires_cuda
 
+from hicache import transfer
 from hicache.cache_controller import HiCacheController
 from hicache.memory_pool import DeviceKVPool
 from hicache.memory_pool_host import HostKVPool
-from hicache.transfer import CpuTransferEngine, make_transfer_engine
+from hicache.transfer import CpuTransferEngine, CudaTransferEngine, make_transfer_engine
 
 LAYERS, HEADS, DIM, PS = 3, 2, 8, 4
 
@@ -145,3 +147,192 @@ def test_cuda_engine_round_trip(layout, io_backend) -> None:
     handle.wait()
     assert handle.done()
     engine.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# CudaTransferEngine's stream and event ordering, on CPU: torch.cuda's streams and events and
+# the kernels' entry points are replaced by recorders, so the test checks the order in which
+# work is queued (never a copy's result).
+
+
+class _Recorder:
+    """A log of queued work and a stack of current streams, for the fakes below."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.current = ["compute"]
+
+
+class _FakeStream:
+    def __init__(self, rec: _Recorder, name: str) -> None:
+        self.rec, self.name = rec, name
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.rec.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.rec.log.append(("wait_event", self.name, event.number))
+
+    def synchronize(self) -> None:
+        self.rec.log.append(("synchronize", self.name))
+
+
+class _FakeEvent:
+    count = 0
+
+    def __init__(self, rec: _Recorder) -> None:
+        self.rec, self.number = rec, _FakeEvent.count
+        _FakeEvent.count += 1
+
+    def record(self, stream: _FakeStream) -> None:
+        self.rec.log.append(("record", stream.name, self.number))
+
+    def query(self) -> bool:
+        self.rec.log.append(("query", self.number))
+        return True
+
+    def synchronize(self) -> None:
+        self.rec.log.append(("event_sync", self.number))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    rec = _Recorder()
+    names = iter(["d2h", "h2d"])  # the engine creates its D->H stream first
+    streams = {"compute": _FakeStream(rec, "compute")}
+
+    def make_stream(device: torch.device) -> _FakeStream:
+        name = next(names)
+        streams[name] = _FakeStream(rec, name)
+        return streams[name]
+
+    @contextlib.contextmanager
+    def use(stream: _FakeStream):
+        rec.current.append(stream.name)
+        yield
+        rec.current.pop()
+
+    def copy(direction: str):
+        def record(*args, backend: str, stream: _FakeStream, layers=None) -> None:
+            pages = (args[4], args[5])  # (device, host) for d2h; (host, device) for h2d
+            rec.log.append((direction, rec.current[-1], stream.name, backend, layers,
+                            tuple(p.tolist() for p in pages), tuple(id(p) for p in pages)))
+        return record
+
+    def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved = t.clone()
+        rec.log.append(("upload", rec.current[-1], id(moved)))
+        return moved
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", make_stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _FakeEvent(rec))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: streams[rec.current[-1]])
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(HostKVPool, "is_pinned", property(lambda self: True))
+    monkeypatch.setattr(transfer, "d2h_pages", copy("d2h"))
+    monkeypatch.setattr(transfer, "h2d_pages", copy("h2d"))
+    monkeypatch.setattr(transfer, "to_device_async", upload)
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda ptr, device=None: make_stream(device))
+    monkeypatch.setattr(transfer, "import_cupy", lambda: _FakeCupy)
+    return rec
+
+
+class _FakeCupy:
+    """Just enough of cupy for the engine to create its streams."""
+
+    class cuda:
+        @staticmethod
+        @contextlib.contextmanager
+        def Device(index: int):
+            yield
+
+        class Stream:
+            def __init__(self, non_blocking: bool) -> None:
+                assert non_blocking, "copy streams must not sync with the legacy stream"
+                self.ptr = 0xC0FFEE
+
+
+def test_cuda_engine_d2h_waits_for_the_forward_and_uploads_on_its_stream(
+        fake_cuda: _Recorder) -> None:
+    dev, host = pools()
+    engine = CudaTransferEngine(dev, host, "kernel")
+    src, hidx = dev.alloc(2 * PS), host.alloc(2 * PS)
+    handle = engine.copy_d2h(src, hidx)
+    log = fake_cuda.log
+    assert log[0] == ("wait_stream", "d2h", "compute")  # vLLM #45704: after the forward
+    assert [e[:2] for e in log[1:3]] == [("upload", "d2h")] * 2  # allocated on the copy stream
+    kind, current, stream, backend, layers, pages, ids = log[3]
+    assert (kind, current, stream, backend, layers) == ("d2h", "d2h", "d2h", "cuda", None)
+    assert pages == ((src[::PS] // PS).tolist(), (hidx[::PS] // PS).tolist())
+    assert ids == (log[1][2], log[2][2])  # the kernel reads the lists uploaded there
+    assert log[4][:2] == ("record", "d2h") and len(log) == 5
+    assert handle.num_layers == LAYERS
+    assert handle.done() and log[-1] == ("query", log[4][2])
+    handle.wait()
+    assert log[-1] == ("event_sync", log[4][2])
+    engine.close()
+    assert log[-2:] == [("synchronize", "d2h"), ("synchronize", "h2d")]
+
+
+def test_cuda_engine_h2d_lands_layer_by_layer_and_compute_waits_per_layer(
+        fake_cuda: _Recorder) -> None:
+    dev, host = pools()
+    engine = CudaTransferEngine(dev, host, "kernel")
+    hidx, dst = host.alloc(3 * PS), dev.alloc(3 * PS)
+    handle = engine.copy_h2d(hidx, dst)
+    log = fake_cuda.log
+    assert log[0] == ("wait_stream", "h2d", "compute")  # slots reused after earlier forwards
+    uploads = {e[2] for e in log[1:3] if e[:2] == ("upload", "h2d")}
+    assert len(uploads) == 2  # once per copy, not once per layer
+    copies, records = log[3::2], log[4::2]
+    assert len(copies) == len(records) == LAYERS
+    for layer, (copy, record) in enumerate(zip(copies, records)):
+        assert copy[:5] == ("h2d", "h2d", "h2d", "cuda", [layer])
+        assert copy[5] == ((hidx[::PS] // PS).tolist(), (dst[::PS] // PS).tolist())
+        assert set(copy[6]) == uploads
+        assert record[:2] == ("record", "h2d")
+    handle.wait_layer(1)  # the compute stream waits on layer 1's event, the CPU does not
+    assert log[-1] == ("wait_event", "compute", records[1][2])
+    assert handle.done() and log[-1] == ("query", records[-1][2])
+
+
+def test_cuda_engine_direct_copies_take_cpu_page_lists(fake_cuda: _Recorder) -> None:
+    """Direct copies find page runs on the CPU: a list uploaded to the GPU would cost a
+    device-to-host sync per call (per layer for loads)."""
+    dev, host = pools()
+    engine = CudaTransferEngine(dev, host, "direct")
+    engine.copy_h2d(host.alloc(PS), dev.alloc(PS))
+    assert not [e for e in fake_cuda.log if e[0] == "upload"]
+    assert {e[3] for e in fake_cuda.log if e[0] == "h2d"} == {"direct"}
+
+
+def test_cuda_engine_without_cupy_falls_back_to_direct(
+        fake_cuda: _Recorder, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def missing() -> None:
+        raise RuntimeError("the 'cuda' backend needs CuPy")
+
+    monkeypatch.setattr(transfer, "import_cupy", missing)
+    dev, host = pools()
+    with caplog.at_level("WARNING", logger="hicache.transfer"):
+        engine = CudaTransferEngine(dev, host, "kernel")
+    assert "CuPy" in caplog.text
+    engine.copy_d2h(dev.alloc(PS), host.alloc(PS))
+    assert [e[3] for e in fake_cuda.log if e[0] == "d2h"] == ["direct"]
+
+
+def test_cuda_engine_refuses_pages_outside_the_pools_before_queueing(
+        fake_cuda: _Recorder) -> None:
+    """The kernel takes uploaded page lists unchecked: a page past a pool would be a write
+    outside it, so the engine checks the range on the CPU first."""
+    dev, host = pools()
+    engine = CudaTransferEngine(dev, host, "kernel")
+    far = torch.arange(PS) + host.num_pages * PS
+    with pytest.raises(ValueError, match="host pages must lie in"):
+        engine.copy_d2h(dev.alloc(PS), far)
+    with pytest.raises(ValueError, match="device pages must lie in"):
+        engine.copy_h2d(host.alloc(PS), torch.arange(PS) + 10**6 * PS)
+    assert fake_cuda.log == []

@@ -217,6 +217,27 @@ def test_chunks_not_a_multiple_of_16_bytes(head_dim: int, dtype: torch.dtype,
     assert_same_bits(host, oracle_d2h(k, v, poison, PAGE_FIRST, dev_pages, host_pages, 1, None))
 
 
+def test_buffers_at_an_unaligned_offset() -> None:
+    """A layer buffer that is a view 4 bytes into its storage: the wide reinterpretation must
+    drop to an element that divides the offset (here int32), not fail or shift bytes."""
+    page_size, dtype = 16, torch.float32
+    k, v = make_device_kv(page_size, dtype)
+    base = torch.randn(k[1].numel() + 1)
+    k[1] = base[1:].view(k[1].shape)
+    assert k[1].storage_offset() == 1
+    assert transfer_kv._wide_dtype(transfer_kv._validate(
+        k, v, make_host(PAGE_FIRST, page_size, dtype, fill=0.0), PAGE_FIRST, torch.tensor([0]),
+        torch.tensor([0]), page_size, None, dst_is_host=True)) == torch.int32
+    gen = torch.Generator().manual_seed(10)
+    dev_pages, host_pages = page_lists("scattered", gen, NUM_DEVICE_PAGES, NUM_HOST_PAGES)
+    for backend in ("reference", "direct"):
+        poison = make_host(PAGE_FIRST, page_size, dtype, fill=float("nan"))
+        host = poison.clone()
+        d2h_pages(k, v, host, PAGE_FIRST, dev_pages, host_pages, page_size, backend=backend)
+        assert_same_bits(host, oracle_d2h(k, v, poison, PAGE_FIRST, dev_pages, host_pages,
+                                          page_size, None))
+
+
 def test_nan_payload_bits_survive() -> None:
     """The wide (complex128) reinterpretation must not canonicalise NaN payloads."""
     k, v = make_device_kv(16, torch.float32)
@@ -490,6 +511,7 @@ def test_gpu_h2d_layer_by_layer(backend: str, layout: str, page_size: int,
     k, v = poisoned_like(k), poisoned_like(v)
     poison_cpu = ([b.cpu() for b in k], [b.cpu() for b in v])
     stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the side stream must not overtake the buffers' initialisation
     for layer in range(NUM_LAYERS):
         h2d_pages(host, layout, k, v, host_pages, dev_pages, page_size, [layer],
                   backend=backend, stream=stream)
@@ -527,9 +549,83 @@ def test_gpu_cuda_accepts_a_cupy_stream_and_rejects_pageable_host() -> None:
     expected = oracle_d2h([b.cpu() for b in k], [b.cpu() for b in v], host, LAYER_FIRST,
                           dev_pages, host_pages, 16, None)
     stream = cupy.cuda.Stream(non_blocking=True)
+    torch.cuda.synchronize()  # the side stream must not overtake the buffers' initialisation
     d2h_pages(k, v, host, LAYER_FIRST, dev_pages, host_pages, 16, backend="cuda",
               stream=stream)
     stream.synchronize()
     assert_same_bits(host, expected)
     with pytest.raises(ValueError, match="pinned"):
         d2h_pages(k, v, host.clone(), LAYER_FIRST, dev_pages, host_pages, 16, backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# The cuda backend's kernel arguments, built on CPU: CuPy packs each argument by its NumPy type,
+# so the types must match the kernel's C signature one for one
+
+
+_C_TO_NUMPY = {"u64*": "uint64", "i64*": "uint64", "i64": "int64", "u64": "uint64",
+               "int": "int32", "float": "float32"}
+
+
+def cu_signature(source: str, kernel: str) -> list[str]:
+    """The C types of `kernel`'s parameters in a .cu source ("u64*", "i64", ...)."""
+    import re
+
+    params = source.split(f"{kernel}(", 1)[1].split(")", 1)[0]
+    params = re.sub(r"//[^\n]*", "", params)
+    types = []
+    for p in params.split(","):
+        words = p.replace("*", " * ").replace("const", "").split()
+        types.append(words[0] + ("*" if "*" in words else ""))
+    return types
+
+
+class _FakeTable:
+    """Stands in for a cached device pointer table (record_stream is a no-op on CPU)."""
+
+    def __init__(self, ptrs: tuple[int, ...]) -> None:
+        self.values = torch.tensor(ptrs, dtype=torch.int64)
+
+    def data_ptr(self) -> int:
+        return self.values.data_ptr()
+
+    def record_stream(self, stream: object) -> None:
+        pass
+
+
+def _read_int64(ptr: int, n: int) -> list[int]:
+    return list((ctypes.c_int64 * n).from_address(ptr))
+
+
+@pytest.mark.parametrize("layers", [None, LAYER_SUBSET], ids=["all_layers", "subset"])
+def test_kernel_args_match_the_kernel_signature_and_stay_alive(
+        layers: tuple[int, ...] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Types in the kernel's order; page lists contiguous (a strided list already on the
+    device is made dense) and held by the returned tensors until the launch."""
+    monkeypatch.setattr(transfer_kv, "_pointer_table", lambda index, ptrs: _FakeTable(ptrs))
+    monkeypatch.setattr(transfer_kv, "to_device_async", lambda t, device: t)  # "on the device"
+    k, v = make_device_kv(16, torch.bfloat16)
+    host = make_host(LAYER_FIRST, 16, torch.bfloat16, fill=0.0)
+    dev_pages = torch.arange(2 * NUM_MOVED)[::2]  # strided, as a view of a device tensor
+    host_pages = torch.randperm(NUM_HOST_PAGES)[:NUM_MOVED]
+    t = transfer_kv._validate(k, v, host, LAYER_FIRST, dev_pages, host_pages, 16, layers,
+                              dst_is_host=True)
+    args, keep = transfer_kv._kernel_args(t, torch_stream=None)  # type: ignore[arg-type]
+    source = cuda_utils.kernel_source("transfer_kv.cu")
+    for kernel in ("gather_kv_d2h", "scatter_kv_h2d"):
+        want = [_C_TO_NUMPY[c] for c in cu_signature(source, kernel)]
+        assert [type(a).__name__ for a in args] == want
+    kept = {x.data_ptr() for x in keep}
+    assert _read_int64(int(args[0]), NUM_LAYERS) == [b.data_ptr() for b in k]
+    assert _read_int64(int(args[1]), NUM_LAYERS) == [b.data_ptr() for b in v]
+    if layers is None:
+        assert (int(args[2]), int(args[3]), int(args[4])) == (0, 0, NUM_LAYERS)
+    else:
+        assert int(args[2]) in kept and int(args[4]) == len(layers)
+        assert _read_int64(int(args[2]), len(layers)) == list(layers)
+    assert {int(args[5]), int(args[6])} <= kept
+    assert _read_int64(int(args[5]), NUM_MOVED) == dev_pages.tolist()
+    assert _read_int64(int(args[6]), NUM_MOVED) == host_pages.tolist()
+    assert int(args[7]) == NUM_MOVED and int(args[8]) == host.data_ptr()
+    assert int(args[9]) == t.chunk_bytes
+    assert tuple(int(a) for a in args[10:]) == transfer_kv._host_byte_strides(host, LAYER_FIRST)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.memory_pool import DeviceKVPool
-from kernels.paged_attention import paged_decode_attention
+from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,11 @@ def _causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor
 
 
 class CudaPagedAttention(AttentionBackend):
-    """Decode batches through the CuPy paged kernel; prefill and mixed batches through SDPA."""
+    """Decode batches through the CuPy paged kernel; prefill and mixed batches, and decode
+    shapes past the kernel's limits (head_dim, sequences per launch), through SDPA.
+
+    The kernel runs on torch's current stream, after `set_kv` wrote the new token's K/V there.
+    """
 
     def __init__(self) -> None:
         self._prefill = TorchAttention()
@@ -91,7 +95,8 @@ class CudaPagedAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
-        if not batch.is_decode:
+        if (not batch.is_decode or q.shape[-1] > MAX_HEAD_DIM
+                or batch.num_seqs > MAX_NUM_SEQS):
             return self._prefill.forward(q, k, v, layer, batch, kv_pool)
         k_cache, v_cache = kv_pool.get_kv(layer)
         table, lens = batch.slot_table()  # built once per batch, shared by every layer
