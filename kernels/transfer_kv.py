@@ -30,14 +30,13 @@ synchronise), and the direct and reference backends must read them (one sync per
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
-from kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_device_async
+from kernels import transfer_kv_cuda
+from kernels.cuda_utils import as_torch_stream
 
 PAGE_FIRST = "page_first"
 LAYER_FIRST = "layer_first"
@@ -55,13 +54,6 @@ STAGING_BYTES = 16 << 20
 # (at::internal::GRAIN_SIZE), which 16-byte elements keep true up to 512 KiB pages.
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
-# CUDA launch shape: one warp per chunk, 8 warps per block, and at most this many blocks per SM
-# (enough 16-byte requests in flight to fill PCIe / C2C, leaving SMs to concurrent compute).
-_THREADS_PER_BLOCK = 256
-_WARPS_PER_BLOCK = _THREADS_PER_BLOCK // 32
-_BLOCKS_PER_SM = 4
-
-_KERNEL_FILE = "transfer_kv.cu"
 
 
 class _Transfer(NamedTuple):
@@ -188,7 +180,7 @@ def d2h_pages_cuda(
     """`d2h_pages(..., backend="cuda")`: one `gather_kv_d2h` launch for all selected layers."""
     t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
                   page_size, layers, dst_is_host=True)
-    _cuda(t, "gather_kv_d2h", stream)
+    transfer_kv_cuda.launch(t, "gather_kv_d2h", stream)
 
 
 def h2d_pages_cuda(
@@ -201,7 +193,7 @@ def h2d_pages_cuda(
     to land layer by layer."""
     t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
                   page_size, layers, dst_is_host=False)
-    _cuda(t, "scatter_kv_h2d", stream)
+    transfer_kv_cuda.launch(t, "scatter_kv_h2d", stream)
 
 
 _D2H: dict[str, Callable[..., None]] = {
@@ -468,89 +460,3 @@ def _direct(t: _Transfer, to_host: bool) -> None:
             src, dst = (dev_rows, host_rows) if to_host else (host_rows, dev_rows)
             for s, d, n in runs:
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
-
-
-# ---------------------------------------------------------------------------------------------
-# cuda: kernels/transfer_kv.cu through CuPy
-
-
-def _cuda(t: _Transfer, kernel_name: str, stream: Any) -> None:
-    device = t.k_buffers[0].device
-    if device.type != "cuda":
-        raise RuntimeError(
-            f"backend='cuda' needs the device KV buffers on a CUDA device, they are on {device}; "
-            "use backend='reference' or 'direct' on CPU")
-    if not t.host_buffer.is_pinned():
-        raise ValueError("backend='cuda' needs a pinned host_buffer (the GPU reads it through "
-                         "UVA); allocate it with pin_memory=True")
-    if t.num_pages == 0 or not t.layers:
-        return
-    cupy = import_cupy()  # imported here: CuPy is optional and only this path needs it
-    torch_stream = as_torch_stream(stream, device)
-    with torch.cuda.device(device), torch.cuda.stream(torch_stream):
-        # `keep` holds the uploaded index tensors until the launch is enqueued: freed earlier,
-        # the caching allocator could hand their blocks to another thread's work on this
-        # stream, enqueued before the kernel that reads them. Freed after the launch, any reuse
-        # on this stream is ordered after the kernel.
-        args, keep = _kernel_args(t, torch_stream)
-        num_chunks = t.num_pages * len(t.layers) * 2
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        blocks = max(1, min(-(-num_chunks // _WARPS_PER_BLOCK), sms * _BLOCKS_PER_SM))
-        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(
-                torch_stream.cuda_stream, device.index):
-            kernel = raw_module(_KERNEL_FILE).get_function(kernel_name)
-            kernel((blocks,), (_THREADS_PER_BLOCK,), args)
-        del keep
-
-
-def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream
-                 ) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
-    """(the arguments of gather_kv_d2h / scatter_kv_h2d, in order; the tensors they point
-    into, which the caller keeps alive until the launch is enqueued).
-
-    Runs inside `torch.cuda.stream(torch_stream)`: the uploads are enqueued there, so once
-    released they are reused only by work ordered after the kernel that reads them. Page
-    lists already on the GPU are made contiguous (the kernel indexes them densely).
-    """
-    device = t.k_buffers[0].device
-    k_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.k_buffers))
-    v_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.v_buffers))
-    for table in (k_ptrs, v_ptrs):  # cached tables outlive this call's stream
-        table.record_stream(torch_stream)
-    dev_ids = to_device_async(t.device_pages, device).contiguous()
-    host_ids = to_device_async(t.host_pages, device).contiguous()
-    first, layer_ids = _layer_args(t.layers, device)
-    page_stride, layer_stride, kv_stride = _host_byte_strides(t.host_buffer, t.host_layout)
-    args = (
-        np.uint64(k_ptrs.data_ptr()), np.uint64(v_ptrs.data_ptr()),
-        np.uint64(0 if layer_ids is None else layer_ids.data_ptr()),  # 0 = nullptr
-        np.int64(first), np.int64(len(t.layers)),
-        np.uint64(dev_ids.data_ptr()), np.uint64(host_ids.data_ptr()), np.int64(t.num_pages),
-        np.uint64(t.host_buffer.data_ptr()), np.int64(t.chunk_bytes),
-        np.int64(page_stride), np.int64(layer_stride), np.int64(kv_stride),
-    )
-    keep = (k_ptrs, v_ptrs, dev_ids, host_ids) + (() if layer_ids is None else (layer_ids,))
-    return args, keep
-
-
-def _host_byte_strides(host_buffer: torch.Tensor, host_layout: str) -> tuple[int, int, int]:
-    """(page, layer, K->V) strides of the host buffer in bytes."""
-    item = host_buffer.element_size()
-    s = host_buffer.stride()
-    page, layer, kv = (s[0], s[1], s[2]) if host_layout == PAGE_FIRST else (s[2], s[0], s[1])
-    return page * item, layer * item, kv * item
-
-
-def _layer_args(layers: list[int], device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """(first_layer, None) for a range of layers, else (0, the ids on the device)."""
-    if layers == list(range(layers[0], layers[0] + len(layers))):
-        return layers[0], None
-    return 0, to_device_async(torch.tensor(layers, dtype=torch.int64), device)
-
-
-@functools.lru_cache(maxsize=16)
-def _pointer_table(device_index: int, ptrs: tuple[int, ...]) -> torch.Tensor:
-    """`[num_layers]` int64 device array of the layers' base addresses; keyed by the addresses,
-    so a cached table is right for any buffers that live there. Uploaded (blocking) once per
-    set of buffers."""
-    return torch.tensor(ptrs, dtype=torch.int64).to(torch.device("cuda", device_index))

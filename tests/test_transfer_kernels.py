@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from kernels import cuda_utils, transfer_kv
+from kernels import cuda_utils, transfer_kv, transfer_kv_cuda
 from kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages, page_runs
 
 NUM_LAYERS = 3
@@ -429,7 +429,7 @@ def emulate_kernel(to_host: bool, k: list[torch.Tensor], v: list[torch.Tensor],
     the real buffers' addresses, so a wrong stride or chunk size in the wrapper shows up."""
     t = transfer_kv._validate(k, v, host, layout, device_pages, host_pages, page_size, layers,
                               dst_is_host=to_host)
-    page_s, layer_s, kv_s = transfer_kv._host_byte_strides(host, layout)
+    page_s, layer_s, kv_s = transfer_kv_cuda._host_byte_strides(host, layout)
     k_ptrs, v_ptrs = [b.data_ptr() for b in k], [b.data_ptr() for b in v]
     num_sel = len(t.layers)
     for c in range(t.num_pages * num_sel * 2):
@@ -602,15 +602,15 @@ def test_kernel_args_match_the_kernel_signature_and_stay_alive(
         layers: tuple[int, ...] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Types in the kernel's order; page lists contiguous (a strided list already on the
     device is made dense) and held by the returned tensors until the launch."""
-    monkeypatch.setattr(transfer_kv, "_pointer_table", lambda index, ptrs: _FakeTable(ptrs))
-    monkeypatch.setattr(transfer_kv, "to_device_async", lambda t, device: t)  # "on the device"
+    monkeypatch.setattr(transfer_kv_cuda, "_pointer_table", lambda index, ptrs: _FakeTable(ptrs))
+    monkeypatch.setattr(transfer_kv_cuda, "to_device_async", lambda t, device: t)  # on device
     k, v = make_device_kv(16, torch.bfloat16)
     host = make_host(LAYER_FIRST, 16, torch.bfloat16, fill=0.0)
     dev_pages = torch.arange(2 * NUM_MOVED)[::2]  # strided, as a view of a device tensor
     host_pages = torch.randperm(NUM_HOST_PAGES)[:NUM_MOVED]
     t = transfer_kv._validate(k, v, host, LAYER_FIRST, dev_pages, host_pages, 16, layers,
                               dst_is_host=True)
-    args, keep = transfer_kv._kernel_args(t, torch_stream=None)  # type: ignore[arg-type]
+    args, keep = transfer_kv_cuda._kernel_args(t, torch_stream=None)  # type: ignore[arg-type]
     source = cuda_utils.kernel_source("transfer_kv.cu")
     for kernel in ("gather_kv_d2h", "scatter_kv_h2d"):
         want = [_C_TO_NUMPY[c] for c in cu_signature(source, kernel)]
@@ -628,4 +628,4 @@ def test_kernel_args_match_the_kernel_signature_and_stay_alive(
     assert _read_int64(int(args[6]), NUM_MOVED) == host_pages.tolist()
     assert int(args[7]) == NUM_MOVED and int(args[8]) == host.data_ptr()
     assert int(args[9]) == t.chunk_bytes
-    assert tuple(int(a) for a in args[10:]) == transfer_kv._host_byte_strides(host, LAYER_FIRST)
+    assert tuple(int(a) for a in args[10:]) == transfer_kv_cuda._host_byte_strides(host, LAYER_FIRST)
