@@ -121,6 +121,8 @@ class Scheduler:
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
+        elif self.hi and self.tree.controller.has_pending():
+            self.tree.controller.start_loading()  # loads never wait for a forward pass
 
     def _cache_checks(self) -> None:
         if self.hi:
@@ -189,15 +191,26 @@ class Scheduler:
             return False
         from_storage = self.storage.terminate(req.rid) if self.storage is not None else 0
         m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
-        prefix, last, loaded = m.device_indices, m.last_device_node, 0
-        if self.hi and m.host_hit_length:
+        host_hit = m.host_hit_length if self.hi else 0
+        last = m.last_device_node
+        # Room first, loads second: a load queued for a request that then cannot be admitted
+        # would hold its slots locked with no forward pass to launch it.
+        self.tree.inc_lock_ref(last)
+        need = self._pages_up(req.prompt_len - m.device_indices.numel() - host_hit
+                              + req.params.max_new_tokens)
+        if not self._reserve_keeping(m, need + host_hit):
+            self.tree.dec_lock_ref(last)
+            return False
+        prefix, loaded = m.device_indices, 0
+        if host_hit:
             lb = self.tree.init_load_back(m.last_host_node)
             if lb.device_indices.numel():
-                prefix, last = torch.cat([prefix, lb.device_indices]), lb.last_node
-                loaded = lb.device_indices.numel()
-        self.tree.inc_lock_ref(last)
+                prefix, loaded = torch.cat([prefix, lb.device_indices]), lb.device_indices.numel()
+                self.tree.inc_lock_ref(lb.last_node)
+                self.tree.dec_lock_ref(last)
+                last = lb.last_node
         need = self._pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens)
-        if not self._reserve(need):
+        if not self._reserve(need):  # cannot happen: the room was checked above
             self.tree.dec_lock_ref(last)
             return False
         req.kv_slots, req.last_node, req.reserved = prefix, last, need
@@ -210,6 +223,16 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         return True
+
+    def _reserve_keeping(self, m: Any, need: int) -> bool:
+        """`_reserve(need)` while the match's L2 pages are kept from eviction."""
+        if not m.host_hit_length:
+            return self._reserve(need)
+        self.tree.protect_host(m.last_host_node)
+        try:
+            return self._reserve(need)
+        finally:
+            self.tree.release_host(m.last_host_node)
 
     def _pages_up(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size

@@ -251,3 +251,49 @@ def test_admin_calls_after_shutdown_raise(tmp_path) -> None:
         e.stats()
     with pytest.raises(EngineClosed):
         e.flush_cache()
+
+
+def test_a_load_back_for_a_request_that_must_wait_never_deadlocks(tmp_path) -> None:
+    # L1 is tiny: admissions that load from L2 but then cannot get room must not leave
+    # loads queued with their slots locked (which used to hang this workload).
+    import asyncio
+
+    rng = random.Random(4)
+    system = [rng.randrange(256) for _ in range(128)]
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with tiered(tmp_path, **{"cache.max_total_tokens": 368, "storage.backend": "none",
+                             "host.ratio": 4.0}) as e:
+        async def chat() -> int:
+            history = list(system)
+            for _ in range(3):
+                prompt = history + [rng.randrange(256) for _ in range(64)]
+                out = await e.async_generate(input_ids=prompt, sampling_params=sp)
+                history = prompt + out["output_ids"]
+                await asyncio.sleep(0.05)
+            return 3
+
+        async def main() -> list[int]:
+            return await asyncio.wait_for(asyncio.gather(*(chat() for _ in range(3))), 120)
+
+        assert asyncio.run(main()) == [3, 3, 3]
+
+
+def test_load_back_never_takes_slots_promised_to_running_requests(tmp_path) -> None:
+    rng = random.Random(0)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    with tiered(tmp_path, **{"cache.max_total_tokens": 1024, "storage.backend": "none"}) as e:
+        prefix = [rng.randrange(256) for _ in range(481)]
+        e.generate(input_ids=prefix, sampling_params={**greedy, "max_new_tokens": 1})
+        e.flush_cache(["device"])  # the prefix now lives in L2 only
+        long_one = [rng.randrange(256) for _ in range(256)]
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("long", e.generate(
+            input_ids=long_one, sampling_params={**greedy, "max_new_tokens": 700})))
+        t.start()
+        time.sleep(0.5)
+        hit = e.generate(input_ids=prefix + [1] * 16, sampling_params={
+            **greedy, "max_new_tokens": 1})
+        t.join(120)
+        assert e._thread.is_alive() and "long" in results
+        assert results["long"]["meta_info"]["completion_tokens"] == 700
+        assert hit["meta_info"]["completion_tokens"] == 1
