@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint serve bench-radix gpu-check clean
+.PHONY: test install lint serve bench bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ lint: $(STAMP)
 # The embedded model with all three tiers (configs/default.yaml); e.g. `make serve ARGS="--port 8000"`.
 serve: $(STAMP)
 	$(BIN)/hicache-server --config configs/default.yaml $(ARGS)
+
+# Multi-turn serving benchmark: every cache configuration on the embedded model, one run
+# (~10 min on 2 CPU cores); tables, benchmarks/results/multiturn.json and PNG plots.
+# e.g. `make bench ARGS="--num-clients 4"`.
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_multiturn.py $(ARGS)
 
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py

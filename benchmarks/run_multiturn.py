@@ -1,0 +1,693 @@
+"""`make bench`: the multi-turn benchmark against every cache configuration, in one run.
+
+    python benchmarks/run_multiturn.py              # ~10 min on 2 CPU cores; tables + JSON + PNG
+
+For each configuration the driver starts `python -m server.launch --port 0` on the embedded
+model (reading the port from its log), runs `bench_multiturn.run_benchmark` in-process with
+the same seeded workload, and stops the server (always, in a `finally`):
+
+    no cache         --disable-radix-cache
+    L1 only          the radix cache on the device tier
+    L1+L2            --enable-hierarchical-cache, L2 big enough for the working set
+    L1+L2+L3         the same + LMDB (wait_complete); then the server is restarted on the same
+                     LMDB (cold L1 and L2) and the last round replayed, once per prefetch policy
+    no reuse         prompts that share nothing: L1 only against L1+L2 and L1+L2+L3
+
+L1 is a quarter of the workload's working set (the distinct tokens of every chat at the end),
+so L1 alone cannot keep the chats' histories; page size 16. The machine is shared and noisy:
+read the ratios against "L1 only", not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import bench_multiturn as bm
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+PAGE_SIZE = 16
+L1_FRACTION = 0.25
+# L2 holds the whole working set with this much room to spare (partial pages, answers in
+# flight, write-through copies of what L1 also holds).
+HOST_HEADROOM = 1.5
+MIN_HOST_RATIO = 2.0  # the config's default ratio; L2 is never smaller
+LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
+# The first start writes the embedded model under HICACHE_HOME (seconds); later starts load it.
+STARTUP_TIMEOUT_S = 300.0
+# SIGTERM drains: running requests finish and pending L3 backups are written.
+GRACEFUL_STOP_S = 120.0
+FORCED_STOP_S = 10.0
+HTTP_TIMEOUT_S = 10.0
+# A traceback from a thread (the scheduler's) means the engine is dead while HTTP still
+# answers: every request would hang, so the driver kills the server and records why.
+THREAD_DEATH = "Exception in thread"
+SERVER_METRICS = ("hicache:load_back_seconds_sum", "hicache:load_back_seconds_count",
+                  "hicache:prefetch_seconds_sum", "hicache:prefetch_seconds_count",
+                  "hicache:load_back_tokens_total", "hicache:prefetch_tokens_total")
+BASELINE = "L1 only"
+NO_CACHE = "no cache"
+HIER = "L1+L2"
+STORE = "L1+L2+L3"
+
+
+class Config(NamedTuple):
+    label: str
+    flags: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------- server
+
+
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _load_prctl()
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the driver dies (even by SIGKILL)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Server:
+    """One `server.launch` subprocess: started on a free port, stopped in `__exit__`."""
+
+    def __init__(self, label: str, flags: Sequence[str], home: Path, log_dir: Path) -> None:
+        self.label = label
+        self.cmd = [sys.executable, "-m", "server.launch", "--port", "0", *flags]
+        self.env = {**os.environ, "HICACHE_HOME": str(home)}
+        self.log_path = log_dir / f"server-{re.sub(r'[^A-Za-z0-9]+', '_', label)}.log"
+        self.port: int | None = None
+        self.fatal: str | None = None
+        self._ready = threading.Event()
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:  # noqa: PYI034
+        # preexec_fn is safe here: it calls one preloaded C function and takes no lock.
+        self._proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, text=True,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE,
+                                      preexec_fn=_die_with_parent)  # noqa: PLW1509
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._ready.wait(0.2):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server '{self.label}' did not start (exit code "
+                                   f"{self._proc.poll()}); see {self.log_path}")
+
+    def _read_log(self) -> None:
+        """Copy stderr to the log file; find the port; kill the server if its engine dies."""
+        dying = False
+        with self.log_path.open("w") as log:
+            for line in self._proc.stderr:
+                log.write(line)
+                log.flush()
+                if (m := LISTENING.search(line)) and self.port is None:
+                    self.port = int(m.group(2))
+                    self._ready.set()
+                dying = dying or line.startswith(THREAD_DEATH)
+                if dying and self.fatal is None and line[:1].isalpha() and ":" in line \
+                        and not line.startswith((THREAD_DEATH, "Traceback")):
+                    self.fatal = line.strip()
+                    self._proc.kill()  # requests would hang forever on a dead scheduler
+
+    def stop(self) -> None:
+        """SIGTERM (drain, backups), a second one if the drain hangs, then SIGKILL."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, GRACEFUL_STOP_S), (signal.SIGTERM, FORCED_STOP_S),
+                            (signal.SIGKILL, FORCED_STOP_S)):
+            proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait_s)
+                break
+        self._reader.join(FORCED_STOP_S)
+
+    def get(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.port}{path}"
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+            return resp.read().decode()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Tier occupancy and hits (`/admin/tiers`) and load-back/prefetch timings."""
+        if self.fatal is not None or self._proc.poll() is not None:
+            return {}
+        try:
+            tiers = json.loads(self.get("/admin/tiers"))["tiers"]
+            metrics = {}
+            for line in self.get("/metrics").splitlines():
+                name, _, value = line.partition(" ")
+                if name in SERVER_METRICS:
+                    metrics[name.removeprefix("hicache:")] = float(value)
+        except OSError as e:
+            return {"error": str(e)}
+        return {"tiers": tiers, "metrics": metrics}
+
+
+# ------------------------------------------------------------------------------- sizing
+
+
+class Sizing(NamedTuple):
+    working_set: int  # tokens, page-aligned
+    l1_tokens: int
+    host_ratio: float
+    largest_request: int  # prompt + output tokens of the longest request
+
+
+def pages_up(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def size_tiers(args: argparse.Namespace) -> Sizing:
+    """L1 = a quarter of the working set (at least the longest request); L2 holds it all."""
+    ws = pages_up(bm.working_set_tokens(args))
+    largest = bm.prompt_length(args, args.num_rounds) + args.output_length
+    l1 = max(pages_up(int(ws * args.l1_fraction)), pages_up(largest) + PAGE_SIZE)
+    ratio = max(MIN_HOST_RATIO, math.ceil(ws * HOST_HEADROOM / l1))
+    return Sizing(ws, l1, float(ratio), largest)
+
+
+def base_flags(sizing: Sizing) -> tuple[str, ...]:
+    return ("--page-size", str(PAGE_SIZE), "--max-total-tokens", str(sizing.l1_tokens),
+            "--log-level", "info")
+
+
+def configs(sizing: Sizing, lmdb: Path, policy: str) -> dict[str, Config]:
+    base = base_flags(sizing)
+    hier = (*base, "--enable-hierarchical-cache", "--hicache-ratio", str(sizing.host_ratio),
+            "--hicache-storage-backend", "none")
+    store = (*hier[:-2], "--hicache-storage-backend", "lmdb",
+             "--hicache-storage-backend-extra-config", json.dumps({"path": str(lmdb)}),
+             "--hicache-storage-prefetch-policy", policy)
+    return {c.label: c for c in (Config(NO_CACHE, (*base, "--disable-radix-cache")),
+                                 Config(BASELINE, base), Config(HIER, hier),
+                                 Config(STORE, store))}
+
+
+# ----------------------------------------------------------------------------------- runs
+
+
+def client_args(args: argparse.Namespace, label: str, port: int, *extra: str
+                ) -> argparse.Namespace:
+    argv = ["--port", str(port), "--num-clients", str(args.num_clients),
+            "--num-rounds", str(args.num_rounds), "--request-length", str(args.request_length),
+            "--output-length", str(args.output_length),
+            "--system-prompt-length", str(args.system_prompt_length),
+            "--request-rate", str(args.request_rate), "--distribution", args.distribution,
+            "--max-parallel", str(args.max_parallel), "--seed", str(args.seed),
+            "--stall-timeout", str(args.stall_timeout), "--label", label,
+            "--log", str(args.log), *extra]
+    return bm.parse_args(argv)
+
+
+def bench(args: argparse.Namespace, server: Server, label: str, *extra: str) -> dict[str, Any]:
+    """One client run against `server`; the summary with the server's side and any death."""
+    cargs = client_args(args, label, server.port, *extra)
+    result = bm.run_benchmark(cargs)
+    result["server"] = {"command": shlex.join(server.cmd), "pid": server.pid,
+                        "log": str(server.log_path), "fatal": server.fatal,
+                        **server.cache_stats()}
+    result["client_command"] = shlex.join(["python", "benchmarks/bench_multiturn.py",
+                                           *_argv_of(cargs)])
+    if server.fatal:
+        print(f"\n!! server '{label}' died: {server.fatal} (log: {server.log_path})",
+              file=sys.stderr)
+    return result
+
+
+def _argv_of(cargs: argparse.Namespace) -> list[str]:
+    out = []
+    for key, value in vars(cargs).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None and value != "":
+            out += [flag, str(value)]
+    return out
+
+
+@contextlib.contextmanager
+def served(cfg: Config, args: argparse.Namespace, label: str | None = None
+           ) -> Iterator[Server]:
+    with Server(label or cfg.label, cfg.flags, args.home, args.workdir) as server:
+        if args.profile_dir is not None:
+            with py_spy(server, args.profile_dir):
+                yield server
+        else:
+            yield server
+
+
+@contextlib.contextmanager
+def py_spy(server: Server, out_dir: Path) -> Iterator[None]:
+    """`py-spy record -f raw` on the server while the block runs (all threads, idle off)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    out = out_dir / f"{server.log_path.stem}.raw"
+    spy = subprocess.Popen([exe, "record", "-f", "raw", "-o", str(out), "--pid",
+                            str(server.pid), "--threads"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            spy.wait(FORCED_STOP_S * 3)
+        if spy.poll() is None:
+            spy.kill()
+
+
+def run_multiturn(args: argparse.Namespace, cfgs: dict[str, Config]) -> dict[str, Any]:
+    """Every configuration on the multi-turn workload; replays of the last round."""
+    runs: dict[str, Any] = {}
+    last = str(args.num_rounds)
+    for label in (NO_CACHE, BASELINE, HIER, STORE):
+        with served(cfgs[label], args) as server:
+            runs[label] = bench(args, server, label)
+            if label == NO_CACHE:  # same round, same arrivals, nothing cached
+                runs[f"{NO_CACHE} replay"] = bench(args, server, f"{NO_CACHE} replay",
+                                                   "--replay-round", last)
+    source = runs[STORE]["run"]
+    for policy in args.restart_policies:
+        label = f"{STORE} restart ({policy})"
+        cfg = configs_for_policy(cfgs, policy)
+        with served(cfg, args, label) as server:
+            runs[label] = bench(args, server, label, "--replay-round", last,
+                                "--replay-run", source)
+    return runs
+
+
+def configs_for_policy(cfgs: dict[str, Config], policy: str) -> Config:
+    flags = list(cfgs[STORE].flags)
+    flags[flags.index("--hicache-storage-prefetch-policy") + 1] = policy
+    return Config(STORE, tuple(flags))
+
+
+def run_no_reuse(args: argparse.Namespace, sizing: Sizing, policy: str) -> dict[str, Any]:
+    """The hierarchy's cost without its benefit: prompts that share nothing. Configurations
+    alternate over `--no-reuse-repeats` passes (a fresh server and LMDB each time, so drift
+    in the machine's load hits all); the best throughput of each is kept (noise only slows)."""
+    runs: dict[str, Any] = {}
+    for rep in range(args.no_reuse_repeats):
+        cfgs = configs(sizing, args.workdir / f"lmdb-no-reuse-{rep}", policy)
+        for label in (BASELINE, *args.no_reuse_hierarchy):
+            name = f"no reuse {label}"
+            with served(cfgs[label], args, f"{name} #{rep + 1}") as server:
+                run = bench(args, server, name, "--no-reuse",
+                            "--num-rounds", str(args.no_reuse_rounds))
+            seen = runs.get(label, {}).get("repeat_throughputs", [])
+            run["repeat_throughputs"] = [*seen, run["request_throughput"]]
+            if label not in runs or run["request_throughput"] > runs[label]["request_throughput"]:
+                runs[label] = run
+            runs[label]["repeat_throughputs"] = run["repeat_throughputs"]
+    return runs
+
+
+# ------------------------------------------------------------------------------ analysis
+
+
+def ttft_after_first(run: dict[str, Any]) -> float | None:
+    """Mean TTFT over the requests of rounds >= 2 (every chat has a history to reuse)."""
+    vals = [r["ttft_s"] for r in run["records"] if r["round"] >= 2 and r["ttft_s"] is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def round_ttft(run: dict[str, Any], rnd: int) -> float | None:
+    rows = [p for p in run["per_round"] if p["round"] == rnd]
+    return rows[0]["ttft_s"]["mean"] if rows else None
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def same_answers(run: dict[str, Any], ref: dict[str, Any]) -> float | None:
+    """Share of requests whose greedy answer equals the no-cache run's (same chat, round)."""
+    ref_ids = {(r["client"], r["round"]): r["output_ids"] for r in ref["records"]}
+    pairs = [(r["output_ids"], ref_ids.get((r["client"], r["round"])))
+             for r in run["records"] if not r["error"]]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def compare(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per configuration: TTFT (rounds >= 2), throughput, hit rates, and ratios vs L1 only."""
+    base = runs[BASELINE]
+    out = {}
+    for label, run in runs.items():
+        if run["replay_round"] is not None:
+            continue
+        t = ttft_after_first(run)
+        out[label] = {"ttft_after_first_s": t, "request_throughput": run["request_throughput"],
+                      "hit_rate": run["hit_rate"], "errors": run["errors"],
+                      "server_died": run["server"]["fatal"],
+                      "ttft_ratio": ratio(t, ttft_after_first(base)),
+                      "throughput_ratio": ratio(run["request_throughput"],
+                                                base["request_throughput"]),
+                      "same_answers_as_no_cache": same_answers(run, runs[NO_CACHE])}
+    return out
+
+
+def restarts(runs: dict[str, Any], last: int) -> dict[str, dict[str, Any]]:
+    """Each replay of the last round after a restart against the same round uncached."""
+    in_run = round_ttft(runs[NO_CACHE], last)
+    replay = runs[f"{NO_CACHE} replay"]["ttft_s"]["mean"]
+    out = {}
+    for label, run in runs.items():
+        if run["replay_round"] is None or label.startswith(NO_CACHE):
+            continue
+        t = run["ttft_s"]["mean"]
+        out[label] = {"ttft_s": t, "no_cache_same_round_s": in_run,
+                      "no_cache_replay_s": replay, "ratio_vs_no_cache_round": ratio(t, in_run),
+                      "ratio_vs_no_cache_replay": ratio(t, replay),
+                      "hit_rate": run["hit_rate"], "errors": run["errors"],
+                      "server_died": run["server"]["fatal"]}
+    return out
+
+
+def no_reuse_cost(runs: dict[str, Any]) -> dict[str, Any]:
+    base = runs[BASELINE]
+    return {label: {"request_throughput": r["request_throughput"],
+                    "input_throughput": r["input_throughput"],
+                    "ttft_mean_s": r["ttft_s"]["mean"], "hit_rate": r["hit_rate"]["all"],
+                    "repeat_throughputs": r["repeat_throughputs"],
+                    "errors": r["errors"], "server_died": r["server"]["fatal"],
+                    "throughput_ratio": ratio(r["request_throughput"],
+                                              base["request_throughput"])}
+            for label, r in runs.items()}
+
+
+GOAL_TTFT = 0.35        # L1+L2 TTFT (rounds >= 2) at most this times L1 only
+GOAL_THROUGHPUT = 2.0   # L1+L2 request throughput at least this times L1 only
+GOAL_RESTART = 0.35     # replayed round after a restart at most this times uncached
+GOAL_NO_REUSE = 0.95    # no reuse: hierarchy keeps at least this share of the throughput
+
+
+def goals(cmp: dict[str, Any], rst: dict[str, Any], nor: dict[str, Any]) -> list[dict]:
+    """Each goal with its measured value; `met` is None when it could not be measured."""
+    def goal(name: str, value: float | None, ok: bool, ok_if: str, broken: bool) -> dict:
+        measurable = value is not None and not broken
+        return {"goal": name, "value": value, "target": ok_if, "met": ok if measurable else None}
+    hier = cmp[HIER]
+    rows = [goal("L1+L2 mean TTFT (rounds >= 2) / L1 only", hier["ttft_ratio"],
+                 (hier["ttft_ratio"] or math.inf) <= GOAL_TTFT, f"<= {GOAL_TTFT}",
+                 _broken(hier)),
+            goal("L1+L2 request throughput / L1 only", hier["throughput_ratio"],
+                 (hier["throughput_ratio"] or 0) >= GOAL_THROUGHPUT, f">= {GOAL_THROUGHPUT}",
+                 _broken(hier))]
+    for label, r in rst.items():
+        rows.append(goal(f"{label}: last-round TTFT / no cache (same round)",
+                         r["ratio_vs_no_cache_round"],
+                         (r["ratio_vs_no_cache_round"] or math.inf) <= GOAL_RESTART,
+                         f"<= {GOAL_RESTART}", _broken(r)))
+    for label, r in nor.items():
+        if label != BASELINE:
+            rows.append(goal(f"no reuse: {label} request throughput / L1 only",
+                             r["throughput_ratio"], (r["throughput_ratio"] or 0) >= GOAL_NO_REUSE,
+                             f">= {GOAL_NO_REUSE}", _broken(r) or _broken(nor[BASELINE])))
+    return rows
+
+
+def _broken(r: dict[str, Any]) -> bool:
+    return bool(r["errors"] or r["server_died"])
+
+
+# -------------------------------------------------------------------------------- tables
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v * 1e3:,.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1%}"
+
+
+def _status(r: dict[str, Any]) -> str:
+    if r["server_died"]:
+        return f"server died: {r['server_died']}"
+    return f"{r['errors']} errors" if r["errors"] else "ok"
+
+
+def config_table(cmp: dict[str, Any]) -> str:
+    head = ("| configuration | TTFT r>=2 (ms) | vs L1 only | req/s | vs L1 only | hit rate "
+            "| device | host | storage | same answers as no cache | status |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for label, r in cmp.items():
+        h = r["hit_rate"]
+        lines.append(f"| {label} | {_ms(r['ttft_after_first_s'])} | {_x(r['ttft_ratio'])} "
+                     f"| {r['request_throughput']:.3f} | {_x(r['throughput_ratio'])} "
+                     f"| {_pct(h['all'])} | {_pct(h['device'])} | {_pct(h['host'])} "
+                     f"| {_pct(h['storage'])} | {_pct(r['same_answers_as_no_cache'])} "
+                     f"| {_status(r)} |")
+    return "\n".join(lines)
+
+
+def rounds_table(runs: dict[str, Any]) -> str:
+    labels = [k for k, r in runs.items() if r["replay_round"] is None]
+    lines = ["| round | " + " | ".join(f"{k} TTFT (ms)" for k in labels) + " |",
+             "|---:|" + "---:|" * len(labels)]
+    rounds = sorted({p["round"] for r in runs.values() for p in r["per_round"]})
+    for rnd in rounds:
+        cells = [_ms(round_ttft(runs[k], rnd)) for k in labels]
+        lines.append(f"| {rnd} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def restart_table(rst: dict[str, Any], last: int) -> str:
+    head = (f"| replay of round {last} | TTFT (ms) | no cache, round {last} in the run (ms) "
+            "| ratio | no cache, same replay (ms) | ratio | hit rate | storage hits | status |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for label, r in rst.items():
+        lines.append(f"| {label} | {_ms(r['ttft_s'])} | {_ms(r['no_cache_same_round_s'])} "
+                     f"| {_x(r['ratio_vs_no_cache_round'])} | {_ms(r['no_cache_replay_s'])} "
+                     f"| {_x(r['ratio_vs_no_cache_replay'])} | {_pct(r['hit_rate']['all'])} "
+                     f"| {_pct(r['hit_rate']['storage'])} | {_status(r)} |")
+    return "\n".join(lines)
+
+
+def no_reuse_table(nor: dict[str, Any]) -> str:
+    head = ("| no reuse | req/s (best) | each pass | input tok/s | vs L1 only | TTFT mean (ms) "
+            "| hit rate | status |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---|"]
+    for label, r in nor.items():
+        passes = ", ".join(f"{t:.3f}" for t in r["repeat_throughputs"])
+        lines.append(f"| {label} | {r['request_throughput']:.3f} | {passes} "
+                     f"| {r['input_throughput']:,.0f} | {_x(r['throughput_ratio'])} "
+                     f"| {_ms(r['ttft_mean_s'])} | {_pct(r['hit_rate'])} | {_status(r)} |")
+    return "\n".join(lines)
+
+
+def goals_table(rows: list[dict]) -> str:
+    lines = ["| goal | measured | target | met |", "|---|---:|---|---|"]
+    for g in rows:
+        met = "not measured" if g["met"] is None else ("yes" if g["met"] else "no")
+        lines.append(f"| {g['goal']} | {_x(g['value'])} | {g['target']} | {met} |")
+    return "\n".join(lines)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    s, m, w = report["sizing"], report["machine"], report["workload"]
+    last = w["num_rounds"]
+    print(f"\nMulti-turn benchmark, {report['date']}: {w['num_clients']} chats x {last} rounds, "
+          f"{w['request_length']}-token questions, {w['output_length']}-token answers, "
+          f"{w['system_prompt_length']}-token shared system prompt; working set "
+          f"{s['working_set']:,} tokens, L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x "
+          f"L1; {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}.\n")
+    print(config_table(report["configs"]))
+    print("\nMean TTFT per round:\n")
+    print(rounds_table(report["runs"]))
+    print(f"\nRestart on the same LMDB (cold L1 and L2), round {last} replayed:\n")
+    print(restart_table(report["restart"], last))
+    print(f"\nNo reuse (every prompt distinct, {report['no_reuse_workload']['num_rounds']} "
+          f"rounds, best of {report['no_reuse_workload']['repeats']} alternating passes):\n")
+    print(no_reuse_table(report["no_reuse"]))
+    print("\nGoals:\n")
+    print(goals_table(report["goals"]))
+    print(f"\nJSON: {report['out']}; plots: {', '.join(report['plots'])}")
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name(),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def gpu_name() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False)
+    return out.stdout.strip() or None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-clients", type=int, default=8)
+    ap.add_argument("--num-rounds", type=int, default=5)
+    ap.add_argument("--request-length", type=int, default=256)
+    ap.add_argument("--output-length", type=int, default=32)
+    ap.add_argument("--system-prompt-length", type=int, default=512)
+    ap.add_argument("--request-rate", type=float, default=math.inf)
+    ap.add_argument("--distribution", choices=("poisson", "uniform"), default="poisson")
+    ap.add_argument("--max-parallel", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stall-timeout", type=float, default=bm.DEFAULT_STALL_S,
+                    help="seconds a stream may stay silent before its request fails")
+    ap.add_argument("--l1-fraction", type=float, default=L1_FRACTION,
+                    help="L1 capacity as a share of the working set")
+    ap.add_argument("--restart-policies", nargs="+", default=["wait_complete", "timeout"],
+                    choices=("best_effort", "wait_complete", "timeout"),
+                    help="prefetch policies measured after the restart (the full L1+L2+L3 "
+                         "run uses the first)")
+    ap.add_argument("--no-reuse-hierarchy", nargs="*", choices=(HIER, STORE),
+                    default=[HIER, STORE],
+                    help="hierarchy configurations compared with L1 only on the no-reuse load")
+    ap.add_argument("--no-reuse-rounds", type=int, default=4,
+                    help="rounds of the no-reuse workload (prompts of the same lengths as the "
+                         "multi-turn rounds)")
+    ap.add_argument("--no-reuse-repeats", type=int, default=2,
+                    help="alternating passes over the no-reuse configurations; best kept")
+    ap.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
+    ap.add_argument("--log", type=Path, default=RESULTS / "multiturn_log.jsonl",
+                    help="per-request JSONL (rewritten by each run of the driver)")
+    ap.add_argument("--home", type=Path, default=None,
+                    help="HICACHE_HOME for the servers (default: a folder under the temp dir, "
+                         "kept across runs so the embedded model is written once)")
+    ap.add_argument("--profile-dir", type=Path, default=None,
+                    help="record every server with py-spy (raw stacks) into this folder")
+    args = ap.parse_args(argv)
+    if not 1 <= args.no_reuse_rounds <= args.num_rounds or args.no_reuse_repeats < 1:
+        ap.error(f"--no-reuse-rounds must be in [1, --num-rounds={args.num_rounds}] (got "
+                 f"{args.no_reuse_rounds}) and --no-reuse-repeats >= 1 (got "
+                 f"{args.no_reuse_repeats})")
+    if not 0 < args.l1_fraction <= 1:
+        ap.error(f"--l1-fraction must be in (0, 1], got {args.l1_fraction}")
+    args.home = args.home or Path(tempfile.gettempdir()) / "hicache-bench-home"
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)  # unwinds the `with Server` blocks: no server outlives the driver
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    sizing = size_tiers(args)
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    args.log.write_text("")
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
+        args.workdir = Path(tmp)
+        policy = args.restart_policies[0]
+        runs = run_multiturn(args, configs(sizing, args.workdir / "lmdb", policy))
+        nor = run_no_reuse(args, sizing, policy)
+        report = build_report(args, sizing, runs, nor)
+        _keep_server_logs(report, args.workdir)
+    from plot_multiturn import plot_all  # matplotlib loads only once the runs are done
+
+    report["plots"] = [_shown(p) for p in plot_all(report, args.out.parent)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+    return report
+
+
+def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
+                 nor: dict[str, Any]) -> dict[str, Any]:
+    cmp, rst = compare(runs), restarts(runs, args.num_rounds)
+    nrc = no_reuse_cost(nor)
+    strip = {"records"}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "machine": machine(),
+        "workload": {k: getattr(args, k) for k in ("num_clients", "num_rounds",
+                                                   "request_length", "output_length",
+                                                   "system_prompt_length", "request_rate",
+                                                   "distribution", "max_parallel", "seed")},
+        "no_reuse_workload": {"num_rounds": args.no_reuse_rounds,
+                              "repeats": args.no_reuse_repeats},
+        "sizing": sizing._asdict() | {"page_size": PAGE_SIZE, "l1_fraction": args.l1_fraction},
+        "configs": cmp, "restart": rst, "no_reuse": nrc, "goals": goals(cmp, rst, nrc),
+        "runs": {k: {f: v for f, v in r.items() if f not in strip} for k, r in runs.items()},
+        "no_reuse_runs": {k: {f: v for f, v in r.items() if f not in strip}
+                          for k, r in nor.items()},
+        "log": _shown(args.log), "out": _shown(args.out),
+    }
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _keep_server_logs(report: dict[str, Any], workdir: Path) -> None:
+    """Server logs of servers that died are copied next to the report before cleanup."""
+    for run in [*report["runs"].values(), *report["no_reuse_runs"].values()]:
+        srv = run["server"]
+        if srv["fatal"]:
+            text = Path(srv["log"]).read_text()
+            srv["log_tail"] = text.splitlines()[-40:]
+
+
+if __name__ == "__main__":
+    main()
