@@ -148,6 +148,10 @@ class Engine:
         if self._thread.is_alive():
             self.scheduler.call(lambda: self.scheduler.abort(rid))
 
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running (health checks watch this)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def _submit(self, req: Request) -> None:
         if not self._accepting:
             raise EngineClosed("the server is shutting down")

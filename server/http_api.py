@@ -393,8 +393,11 @@ async def handle_models(request: web.Request) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    if request.app[STATE].closing:
+    state = request.app[STATE]
+    if state.closing:
         return error_response(503, "the server is shutting down")
+    if not state.engine.alive():
+        return error_response(503, "the scheduler thread has stopped; restart the server")
     return web.json_response({"status": "ok"})
 
 

@@ -114,6 +114,7 @@ class Request:
     last_node: Any = None      # the locked tree node ending the cached prefix
     reserved: int = 0          # L1 tokens set aside for the rest of this request
     prefetch_started: bool = False
+    from_storage: int = 0      # tokens its prefetch brought from L3 into L2
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     generator: torch.Generator | None = None

@@ -189,7 +189,8 @@ class Scheduler:
         """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""
         if self.storage is not None and not self.storage.ready(req.rid):
             return False
-        from_storage = self.storage.terminate(req.rid) if self.storage is not None else 0
+        if self.storage is not None:  # kept on the request: this admission may still fail
+            req.from_storage += self.storage.terminate(req.rid)
         m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
         host_hit = m.host_hit_length if self.hi else 0
         last = m.last_device_node
@@ -215,7 +216,7 @@ class Scheduler:
             return False
         req.kv_slots, req.last_node, req.reserved = prefix, last, need
         req.num_computed = req.cached_len = len(prefix)
-        storage = min(from_storage, loaded)
+        storage = min(req.from_storage, loaded)
         req.cached_details = {"device": m.device_indices.numel(), "host": loaded - storage,
                               "storage": storage}
         for tier, n in req.cached_details.items():

@@ -246,7 +246,9 @@ def test_admin_calls_after_shutdown_raise(tmp_path) -> None:
     from server.engine import EngineClosed
 
     e = engine(tmp_path)
+    assert e.alive()
     e.shutdown()
+    assert not e.alive()
     with pytest.raises(EngineClosed):
         e.stats()
     with pytest.raises(EngineClosed):
@@ -297,3 +299,23 @@ def test_load_back_never_takes_slots_promised_to_running_requests(tmp_path) -> N
         assert e._thread.is_alive() and "long" in results
         assert results["long"]["meta_info"]["completion_tokens"] == 700
         assert hit["meta_info"]["completion_tokens"] == 1
+
+
+def test_pages_from_l3_count_as_storage_even_when_admission_had_to_wait(tmp_path) -> None:
+    rng = random.Random(1)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    with tiered(tmp_path, **{"cache.max_total_tokens": 1024}) as e:
+        prefix = [rng.randrange(256) for _ in range(481)]
+        e.generate(input_ids=prefix, sampling_params={**greedy, "max_new_tokens": 1})
+        e.flush_cache(["device", "host"])  # the prefix now lives in L3 only
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("long", e.generate(
+            input_ids=[rng.randrange(256) for _ in range(256)],
+            sampling_params={**greedy, "max_new_tokens": 700})))
+        t.start()
+        time.sleep(0.5)  # the long request holds most of L1 while the prefetch lands
+        hit = e.generate(input_ids=prefix + [1] * 16, sampling_params={
+            **greedy, "max_new_tokens": 1})
+        t.join(120)
+    assert hit["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0,
+                                                         "storage": 480}
