@@ -38,3 +38,20 @@ def cuda_available() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+
+
+def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:
+    """`nvcc --cubin` of a kernel source for `arch`; skips only when no nvcc is installed."""
+    import subprocess
+
+    from kernels import cuda_utils
+
+    nvcc = cuda_utils.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
+    cubin = out_dir / f"{kernel_file}_{arch}.cubin"
+    proc = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin),
+                           str(cuda_utils.KERNEL_DIR / kernel_file)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return cubin.read_bytes()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import compile_cubin
 
 from hicache.memory_pool import DeviceKVPool
 from kernels import cuda_utils, paged_attention
@@ -136,15 +136,7 @@ def test_kernel_wrapper_rejects_cpu_tensors() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
-    nvcc = cuda_utils.find_nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
-    cubin = tmp_path / f"paged_attention_{arch}.cubin"
-    src = cuda_utils.KERNEL_DIR / "paged_attention.cu"
-    proc = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin),
-                           str(src)], capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
-    data = cubin.read_bytes()
+    data = compile_cubin("paged_attention.cu", arch, tmp_path)
     for suffix in ("f32", "f16", "bf16"):
         assert f"paged_decode_attention_{suffix}".encode() in data
 

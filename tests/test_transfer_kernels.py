@@ -8,11 +8,12 @@ transfer must not touch is checked to keep its poison.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import compile_cubin
 
 from kernels import cuda_utils, transfer_kv, transfer_kv_cuda
 from kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages, page_runs
@@ -395,17 +396,9 @@ def _call(direction: str, a: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_nvcc_compiles_cubin(arch: str, tmp_path: pytest.TempPathFactory) -> None:
-    nvcc = cuda_utils.find_nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
-    cubin = tmp_path / f"transfer_kv_{arch}.cubin"
-    src = cuda_utils.KERNEL_DIR / "transfer_kv.cu"
-    proc = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin),
-                           str(src)], capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert cubin.is_file() and cubin.stat().st_size > 0
-    data = cubin.read_bytes()
+def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
+    data = compile_cubin("transfer_kv.cu", arch, tmp_path)
+    assert len(data) > 0
     assert b"gather_kv_d2h" in data and b"scatter_kv_h2d" in data  # extern "C": unmangled
 
 
@@ -590,7 +583,7 @@ class _FakeTable:
         return self.values.data_ptr()
 
     def record_stream(self, stream: object) -> None:
-        pass
+        """A host tensor has no stream to record."""
 
 
 def _read_int64(ptr: int, n: int) -> list[int]:
