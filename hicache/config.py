@@ -30,7 +30,9 @@ EVICTION_POLICIES = ("lru", "lfu")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 IO_BACKENDS = ("kernel", "direct")
 MEM_LAYOUTS = ("page_first", "layer_first")
-STORAGE_BACKENDS = ("none", "lmdb", "redis")
+TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
+TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
+STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 
@@ -254,8 +256,11 @@ class StorageConfig(_Section):
         return self.backend != "none"
 
     @property
-    def backend_config(self) -> LmdbConfig | RedisConfig | None:
-        """The chosen backend's own section; None when storage is disabled."""
+    def backend_config(self) -> LmdbConfig | RedisConfig | dict[str, Any] | None:
+        """The chosen backend's own section, `{"lmdb": ..., "redis": ...}` for the tiered
+        backend (it reads both); None when storage is disabled."""
+        if self.backend == TIERED_BACKEND:
+            return {part: getattr(self, part) for part in TIERED_PARTS}
         return {"lmdb": self.lmdb, "redis": self.redis}.get(self.backend)
 
     def prefetch_timeout(self, num_tokens: int) -> float:

@@ -19,6 +19,8 @@ from hicache.config import (
     MEM_LAYOUTS,
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
+    TIERED_BACKEND,
+    TIERED_PARTS,
     WRITE_POLICIES,
     Config,
     ConfigError,
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=key, default=None, help=f"{help_text} [{key}]", **kwargs)
     p.add_argument("--hicache-storage-backend-extra-config", dest="extra_config",
                    help="JSON object merged into the chosen backend's section, e.g. "
-                        "'{\"path\": \"/data/lmdb\"}'")
+                        "'{\"path\": \"/data/lmdb\"}'; for lmdb+redis one object per "
+                        "section: '{\"lmdb\": {...}, \"redis\": {...}}'")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"), help="logging level")
     return p
@@ -91,9 +94,21 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         backend = overrides.get("storage.backend", cfg.storage.backend)
         if backend == "none":
             raise ConfigError("storage.backend", "--hicache-storage-backend-extra-config "
-                              "needs a storage backend (lmdb or redis)")
-        cfg = load_config(ns.config, {**overrides, f"storage.{backend}": extra})
+                              "needs a storage backend (lmdb, redis or lmdb+redis)")
+        cfg = load_config(ns.config, {**overrides, **_extra_overrides(backend, extra)})
     return cfg
+
+
+def _extra_overrides(backend: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra config as overrides: the backend's own section, or for `lmdb+redis` (which
+    reads two sections) `{"lmdb": {...}, "redis": {...}}`, each part optional."""
+    if backend != TIERED_BACKEND:
+        return {f"storage.{backend}": extra}
+    for key, value in extra.items():
+        if key not in TIERED_PARTS or not isinstance(value, dict):
+            raise ConfigError(f"storage.extra_config.{key}", f"{TIERED_BACKEND} takes "
+                              f'{{"lmdb": {{...}}, "redis": {{...}}}}, got {key!r}: {value!r}')
+    return {f"storage.{key}": value for key, value in extra.items()}
 
 
 def _parse_extra(text: str) -> dict[str, Any]:

@@ -25,9 +25,11 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 import redis
+import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from typing_extensions import Self
@@ -225,6 +227,20 @@ class RedisClusterNodes:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def count_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on (until `monkeypatch` undoes it), the server port of every command or
+    pipeline any redis-py client sends: one entry per round trip."""
+    sends: list[int] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: redis.connection.AbstractConnection, *args: Any, **kw: Any) -> None:
+        sends.append(self.port)
+        send(self, *args, **kw)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    return sends
 
 
 @pytest.fixture(scope="session")

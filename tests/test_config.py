@@ -227,6 +227,8 @@ def test_storage_enabled_and_backend_config() -> None:
     lmdb = StorageConfig(backend="lmdb")
     assert lmdb.enabled and lmdb.backend_config == LmdbConfig()
     assert StorageConfig(backend="redis").backend_config == RedisConfig()
+    assert StorageConfig(backend="lmdb+redis").backend_config == {"lmdb": LmdbConfig(),
+                                                                  "redis": RedisConfig()}
 
 
 def test_paths_and_sizes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -273,7 +275,7 @@ def test_unknown_keys(overrides: dict[str, Any], key: str, message: str) -> None
     ("host.write_policy", "write_through, write_through_selective, write_back"),
     ("host.io_backend", "kernel, direct"),
     ("host.mem_layout", "page_first, layer_first"),
-    ("storage.backend", "none, lmdb, redis"),
+    ("storage.backend", "none, lmdb, redis, lmdb+redis"),
     ("storage.prefetch_policy", "best_effort, wait_complete, timeout"),
 ])
 def test_bad_enum_value(key: str, allowed: str) -> None:

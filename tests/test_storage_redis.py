@@ -20,9 +20,14 @@ from typing import Any
 
 import pytest
 import redis
-import redis.connection
 import torch
-from redis_fixtures import RedisClusterNodes, RedisServer, redis_cluster, redis_server
+from redis_fixtures import (
+    RedisClusterNodes,
+    RedisServer,
+    count_sends,
+    redis_cluster,
+    redis_server,
+)
 from test_storage_lmdb import (
     GEOMETRY,
     NUM_PAGES,
@@ -130,14 +135,7 @@ def test_pipelines_are_one_round_trip_per_server(make_store: Callable[..., Redis
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     store, pool = make_store(), filled_pool()
     store.batch_exists(keys_of(0, NUM_PAGES))  # connect to every node (handshakes are sends)
-    sends: list[int] = []
-    send = redis.connection.AbstractConnection.send_packed_command
-
-    def counted(self: redis.connection.AbstractConnection, *args: Any, **kw: Any) -> None:
-        sends.append(self.port)
-        send(self, *args, **kw)
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    sends = count_sends(monkeypatch)
     servers = 3 if isinstance(target, RedisClusterNodes) else 1
     for call in (lambda: store.batch_set(keys_of(0, NUM_PAGES), pool, slots(list(range(32)))),
                  lambda: store.batch_exists(keys_of(0, NUM_PAGES)),

@@ -3,10 +3,12 @@
     create_backend("none", ...)                    -> None (storage disabled)
     create_backend("lmdb", cfg.storage.lmdb, codec) -> LmdbStore
     create_backend("redis", cfg.storage.redis, codec) -> RedisStore
+    create_backend("lmdb+redis", {"lmdb": ..., "redis": ...}, codec) -> TieredStore
     register_backend(name, factory)                -> later backends plug in here
 
 A factory takes the backend's own config section (a Mapping, or its dataclass) and the page
-codec of this server's geometry, and returns a ready backend.
+codec of this server's geometry, and returns a ready backend. The tiered backend reads two
+sections, so its "section" is a mapping of them (`StorageConfig.backend_config`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hicache.config import LmdbConfig
+from hicache.config import TIERED_BACKEND, LmdbConfig
 from hicache.storage.base import StorageBackend
 from hicache.storage.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.redis_store import redis_factory
+from hicache.storage.tiered_store import LOCAL, SHARED, TieredStore
 
 __all__ = [
     "BackendFactory", "PageCodec", "PageGeometry", "StorageBackend", "create_backend",
@@ -78,5 +81,22 @@ def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend
                      sync=bool(config.get("sync", True)))
 
 
+def _tiered_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:
+    """`{"lmdb": section, "redis": section}` (each a Mapping or its dataclass; a missing one
+    takes its defaults) -> TieredStore."""
+    unknown = sorted(set(config) - {LOCAL, SHARED})
+    if unknown:
+        raise ValueError(f"storage.{TIERED_BACKEND}: unknown part(s) {', '.join(unknown)}; "
+                         f"allowed: {LOCAL}, {SHARED}")
+    local = create_backend(LOCAL, config.get(LOCAL) or {}, codec)
+    try:
+        shared = create_backend(SHARED, config.get(SHARED) or {}, codec)
+    except ValueError:
+        local.close()
+        raise
+    return TieredStore(local, shared)
+
+
 register_backend("lmdb", _lmdb_factory)
 register_backend("redis", redis_factory)
+register_backend(TIERED_BACKEND, _tiered_factory)

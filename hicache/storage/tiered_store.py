@@ -1,0 +1,134 @@
+"""L3 in two parts: a local store in front of a shared one (`storage.backend: lmdb+redis`).
+
+    batch_exists  local from keys[0]; the shared store for the rest, from the first local miss
+    batch_get     local; the pages it missed (absent or corrupt) from the shared store in one
+                  call (one pipeline for Redis); shared hits are written into the local store,
+                  so the next read of them is local
+    batch_set     local, then shared (SET NX for Redis); True per page either part holds
+    delete        both parts: a deleted page must not come back through the shared store
+    clear         the local part only: the shared store is every server's (docs/redis.md)
+
+Each part keeps its own `StorageBackend` contract, which is what makes this one hold: a Redis
+that is down, slow or full is a miss or a skipped write, counted in the Redis part's `errors`
+(and backed off), so the store degrades to LMDB alone; a value failing its check in either
+part is deleted and counted there, never served, and a page LMDB found corrupt is asked of
+Redis like any other local miss. A page whose Redis write was skipped is not retried (the
+local part holds it, so its backup succeeded); another server that needs it computes it.
+
+`batch_exists` asks the shared store only from the first local miss: a page the local store
+holds past a page that only the shared store lacks is not counted (both parts normally hold
+every page, so this undercounts only after Redis evicted or lost pages).
+
+Threads: as `StorageBackend`; both parts are safe for any mix of callers, and this class's
+own state is its counters (one lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.config import TIERED_PARTS
+from hicache.memory_pool_host import HostKVPool
+from hicache.storage.base import (
+    STAT_BYTES,
+    STAT_CAPACITY,
+    STAT_CORRUPT,
+    STAT_ERRORS,
+    STAT_EVICTED,
+    STAT_HITS,
+    STAT_MISSES,
+    STAT_PAGES,
+    STAT_SKIPPED,
+    STAT_WRITTEN,
+    StorageBackend,
+)
+
+LOCAL, SHARED = TIERED_PARTS  # "lmdb", "redis": config sections, and keys in `stats()`
+STAT_PROMOTED = "promoted_pages"  # pages served by the shared part and written locally
+# Top-level `stats()` keys taken from the local part (the capacity this server bounds and
+# what it wrote, promotions included), and those summed over both parts.
+_LOCAL_STATS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_EVICTED, STAT_WRITTEN, STAT_SKIPPED)
+_SUMMED_STATS = (STAT_CORRUPT, STAT_ERRORS)
+
+
+class TieredStore(StorageBackend):
+    """`StorageBackend` over a local store (an `LmdbStore`) in front of a shared one (a
+    `RedisStore`) of the same page geometry (see the module docstring). Owns both: `close`
+    closes them."""
+
+    def __init__(self, local: StorageBackend, shared: StorageBackend) -> None:
+        self.local, self.shared = local, shared
+        self._counts = dict.fromkeys((STAT_HITS, STAT_MISSES, STAT_PROMOTED), 0)
+        self._counts_lock = threading.Lock()
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        found = self.local.batch_exists(keys)
+        if found == len(keys):
+            return found
+        return found + self.shared.batch_exists(keys[found:])
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        served = self.local.batch_get(keys, host_pool, host_indices)  # checks the arguments
+        missed = [i for i, ok in enumerate(served) if not ok]
+        if missed:
+            missed_keys, missed_slots = _pick(keys, host_indices, missed)
+            fetched = self.shared.batch_get(missed_keys, host_pool, missed_slots)
+            hits = [j for j, ok in enumerate(fetched) if ok]
+            for j in hits:
+                served[missed[j]] = True
+            if hits:  # the pages are in host memory now: this copy costs no network
+                hit_keys, hit_slots = _pick(missed_keys, missed_slots, hits)
+                self._count(STAT_PROMOTED, sum(self.local.batch_set(hit_keys, host_pool,
+                                                                    hit_slots)))
+        self._count(STAT_HITS, sum(served))
+        self._count(STAT_MISSES, len(keys) - sum(served))
+        return served
+
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        local = self.local.batch_set(keys, host_pool, host_indices)
+        shared = self.shared.batch_set(keys, host_pool, host_indices)
+        return [a or b for a, b in zip(local, shared)]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove `keys` from both parts; the larger of the parts' counts."""
+        return max(self.local.delete(keys), self.shared.delete(keys))
+
+    def clear(self) -> int:
+        """Remove every page of the local part (the number removed); the shared part keeps
+        its pages, which other servers use (clear it with a `redis` backend, docs/redis.md)."""
+        return self.local.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """`STAT_KEYS` for the whole: `hits` / `misses` of this store, sizes, capacity,
+        evictions and writes of the local part, `corrupt_pages` and `errors` of both; plus
+        `promoted_pages` and each part's own stats under `"lmdb"` and `"redis"`."""
+        local, shared = self.local.stats(), self.shared.stats()
+        with self._counts_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out.update({key: local[key] for key in _LOCAL_STATS})
+        out.update({key: local[key] + shared[key] for key in _SUMMED_STATS})
+        out.update({LOCAL: local, SHARED: shared})
+        return out
+
+    def close(self) -> None:
+        self.local.close()
+        self.shared.close()
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._counts_lock:
+                self._counts[name] += n
+
+
+def _pick(keys: Sequence[bytes], host_indices: torch.Tensor,
+          picks: list[int]) -> tuple[list[bytes], torch.Tensor]:
+    """Keys `picks` and the host slot indices of their pages (indices hold whole pages)."""
+    per_page = host_indices.reshape(len(keys), -1)  # [pages, page_size]
+    rows = torch.tensor(picks, device=host_indices.device)
+    return [keys[i] for i in picks], per_page[rows].reshape(-1)
