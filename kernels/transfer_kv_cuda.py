@@ -68,8 +68,6 @@ def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream
     device = t.k_buffers[0].device
     k_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.k_buffers))
     v_ptrs = _pointer_table(device.index, tuple(b.data_ptr() for b in t.v_buffers))
-    for table in (k_ptrs, v_ptrs):  # cached tables outlive this call's stream
-        table.record_stream(torch_stream)
     dev_ids = to_device_async(t.device_pages, device).contiguous()
     host_ids = to_device_async(t.host_pages, device).contiguous()
     first, layer_ids = _layer_args(t.layers, device)
@@ -101,9 +99,14 @@ def _layer_args(layers: list[int], device: torch.device) -> tuple[int, torch.Ten
     return 0, to_device_async(torch.tensor(layers, dtype=torch.int64), device)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def _pointer_table(device_index: int, ptrs: tuple[int, ...]) -> torch.Tensor:
     """`[num_layers]` int64 device array of the layers' base addresses; keyed by the addresses,
     so a cached table is right for any buffers that live there. Uploaded (blocking) once per
-    set of buffers."""
+    set of buffers.
+
+    Never evicted (a server has one device pool; a table is a few hundred bytes): a table freed
+    while another stream's kernel still reads it could be handed out again, and marking it with
+    `record_stream` instead would make its free, at the latest at interpreter exit, record events
+    on streams (and a context) that may be gone by then, which aborts the process."""
     return torch.tensor(ptrs, dtype=torch.int64).to(torch.device("cuda", device_index))

@@ -346,7 +346,7 @@ def test_cuda_model_matches_cpu_with_cpu_index_tensors(
         pool = DeviceKVPool(POOL_PAGES, PAGE_SIZE, lm.config.num_hidden_layers,
                             lm.config.num_key_value_heads, lm.config.head_dim, torch.float32,
                             device)
-        a, b = pool.alloc(48)[:SEQ_LEN], pool.alloc(16)[:CHUNK_PREFIX]  # CPU tensors
+        a, b = pool.alloc(48)[:SEQ_LEN], pool.alloc(32)[:CHUNK_PREFIX]  # CPU tensors
         run(lm, pool, tokens[:DECODE_PREFIX], a[:DECODE_PREFIX], prefix=0)
         run(lm, pool, tokens[:CHUNK_PREFIX - 1], b[:CHUNK_PREFIX - 1], prefix=0)
         decode = extend_batch([(tokens[:DECODE_PREFIX + 1], a[:DECODE_PREFIX + 1], DECODE_PREFIX),
