@@ -35,6 +35,11 @@ GPU_KV_FRACTION = 0.85
 # serves small models, and a huge L1 only hides the hierarchy.
 CPU_KV_FRACTION = 0.1
 CPU_MAX_L1_TOKENS = 65536
+# When both L1 and L2 are sized automatically (cache.max_total_tokens and host.size_gb unset),
+# L2 = host.ratio x L1 may take at most this share of the available host memory: L1 is made
+# smaller rather than asking for more pinned memory than the machine has (a GPU can hold more
+# KV than the host can pin twice over).
+HOST_AUTO_FRACTION = 0.5
 
 
 @dataclass
@@ -107,6 +112,13 @@ def _l1_pages(config: Config, loaded: LoadedModel) -> int:
     else:
         budget_tokens = min(int(available_memory_bytes() * CPU_KV_FRACTION) // per_token,
                             CPU_MAX_L1_TOKENS)
+    if c.hierarchical and config.host.size_gb is None:
+        host_tokens = int(available_memory_bytes() * HOST_AUTO_FRACTION) // per_token
+        if budget_tokens * config.host.ratio > host_tokens:
+            logger.info("L1 sized to %d tokens so that L2 (host.ratio %.1f x L1) fits in %.0f%% "
+                        "of the available host memory", int(host_tokens / config.host.ratio),
+                        config.host.ratio, HOST_AUTO_FRACTION * 100)
+            budget_tokens = int(host_tokens / config.host.ratio)
     return max(1, budget_tokens // c.page_size)
 
 
