@@ -25,8 +25,11 @@ START_TIMEOUT_S = 120.0  # a cold start imports torch and may write the embedded
 EXIT_TIMEOUT_S = 60.0
 LISTENING = re.compile(r"hicache-server listening on http://127\.0\.0\.1:(\d+)")
 PAGE = 16
+# `make gpu-check` runs this file again with HICACHE_TEST_DEVICE=cuda: the served process then
+# sizes L1 and L2 itself on the GPU, as `make serve` does there.
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 CONFIG = """\
-model: {{device: cpu}}
+model: {{device: {device}}}
 cache: {{hierarchical: true, page_size: {page}}}
 storage:
   backend: lmdb
@@ -90,7 +93,7 @@ def running(args: list[str]) -> Iterator[tuple[Server, str]]:
 @pytest.fixture
 def config(tmp_path: Path) -> str:
     path = tmp_path / "server.yaml"
-    path.write_text(CONFIG.format(page=PAGE, lmdb=json.dumps(str(tmp_path / "lmdb"))))
+    path.write_text(CONFIG.format(page=PAGE, device=DEVICE, lmdb=json.dumps(str(tmp_path / "lmdb"))))
     return str(path)
 
 
