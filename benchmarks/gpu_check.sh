@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: the CUDA tests (kernels, transfer engine, the engine end to end
-# on the GPU), then the transfer and attention benchmarks, ending with a short table.
-# `make gpu-check` runs it inside the project's .venv; elsewhere set PYTHON (and PYTHONPATH to
-# the repository root). JSON results go to $GPU_RESULTS (default benchmarks/results).
+# on the GPU, the server process on the GPU), then the transfer, attention and tier-TTFT
+# benchmarks, ending with a short table. `make gpu-check` runs it inside the project's .venv;
+# elsewhere set PYTHON (and PYTHONPATH to the repository root).
+#   GPU_RESULTS   where JSON and logs go (default benchmarks/results)
+#   GPU_BENCHES   which benchmarks run (default "transfer attention tier")
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
 RESULTS=${GPU_RESULTS:-benchmarks/results}
+BENCHES=${GPU_BENCHES:-transfer attention tier}
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 mkdir -p "$RESULTS"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
@@ -15,23 +18,35 @@ mkdir -p "$RESULTS"
 '|', torch.cuda.get_device_name())"
 
 status=0
-tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_transfer.py
-       tests/test_model.py tests/test_cuda_engine.py)
 per_test=()  # a hung test fails with its traceback instead of eating the whole run
-"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-timeout "${GPU_TEST_TIMEOUT:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" \
-  --junitxml="$RESULTS/gpu_tests.xml" "${tests[@]}" 2>&1 | tee "$RESULTS/gpu_tests.log" \
-  || status=1
-timeout "${GPU_BENCH_TIMEOUT:-120}" "$PY" benchmarks/bench_transfer.py \
-  --geometries tiny llama3-8b --page-sizes 16 64 --repeats 5 \
-  --out "$RESULTS/transfer_gpu.json" 2>&1 | tee "$RESULTS/transfer_gpu.log" || status=1
-timeout "${GPU_BENCH_TIMEOUT:-120}" "$PY" benchmarks/bench_attention.py \
-  --out "$RESULTS/attention_gpu.json" 2>&1 | tee "$RESULTS/attention_gpu.log" || status=1
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
+tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_transfer.py
+       tests/test_model.py tests/test_cuda_engine.py tests/test_cache_setup.py
+       tests/test_server_process.py)
+# The server-process tests start `python -m server.launch` with `model.device: cuda`.
+HICACHE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-400}" "$PY" -m pytest -q -rs \
+  -p no:cacheprovider "${per_test[@]}" --junitxml="$RESULTS/gpu_tests.xml" "${tests[@]}" \
+  > "$RESULTS/gpu_tests.log" 2>&1
+test_rc=$?
+tail -n 40 "$RESULTS/gpu_tests.log"
+[ $test_rc -eq 0 ] || { echo "pytest exited with $test_rc"; status=1; }
+
+bench() {  # name, then the command; output to $RESULTS/<name>_gpu.log
+  local name=$1; shift
+  [[ " $BENCHES " == *" $name "* ]] || return 0
+  timeout "${GPU_BENCH_TIMEOUT:-240}" "$@" > "$RESULTS/${name}_gpu.log" 2>&1 \
+    || { echo "$name benchmark failed:"; tail -n 20 "$RESULTS/${name}_gpu.log"; status=1; }
+}
+bench transfer "$PY" benchmarks/bench_transfer.py --geometries tiny llama3-8b \
+  --page-sizes 16 64 --repeats 5 --out "$RESULTS/transfer_gpu.json"
+bench attention "$PY" benchmarks/bench_attention.py --out "$RESULTS/attention_gpu.json"
+bench tier "$PY" benchmarks/bench_tier_ttft.py --random-model llama-1b \
+  --prompt-lens 1024 4096 16384 --repeats 3 --out "$RESULTS/tier_gpu.json"
 
 echo
 echo "== gpu-check summary =="
-grep -E "^[0-9]+ (passed|failed)|passed|failed" "$RESULTS/gpu_tests.log" | tail -1
-grep -E "^\|" "$RESULTS/transfer_gpu.log" | head -20
-grep -E "^goal" "$RESULTS/transfer_gpu.log"
-grep -E "^\|" "$RESULTS/attention_gpu.log" | head -12
+grep -E "(passed|failed)" "$RESULTS/gpu_tests.log" | tail -1
+for name in transfer attention tier; do
+  [ -f "$RESULTS/${name}_gpu.log" ] && grep -E "^(\||goal|page )" "$RESULTS/${name}_gpu.log"
+done
 exit $status

@@ -121,9 +121,11 @@ def _ensure_embedded(final: Path) -> Path:
     return final
 
 
-def embedded_weights(seed: int = EMBEDDED_SEED) -> dict[str, torch.Tensor]:
-    """The embedded model's float32 tensors under transformers' names, from `seed`."""
-    c = EMBEDDED_CONFIG
+def embedded_weights(seed: int = EMBEDDED_SEED,
+                     config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The embedded model's float32 tensors under transformers' names, from `seed`; another
+    Llama `config` (same keys) gives random weights of its geometry."""
+    c = EMBEDDED_CONFIG if config is None else config
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -139,7 +141,7 @@ def embedded_weights(seed: int = EMBEDDED_SEED) -> dict[str, torch.Tensor]:
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in tqdm(shapes.items(), desc="Generating tiny-llama", unit="tensor",
+    for name, shape in tqdm(shapes.items(), desc="Generating weights", unit="tensor",
                             file=sys.stderr):
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape)
