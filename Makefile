@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint serve bench bench-radix gpu-check clean
+.PHONY: test install lint serve bench bench-shared-l3 bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ serve: $(STAMP)
 # e.g. `make bench ARGS="--num-clients 4"`.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_multiturn.py $(ARGS)
+
+# Two servers, each chat's rounds alternating between them: one shared Redis (the driver
+# starts a loopback redis-server) against a private LMDB per server (~2.5 min on 2 CPU
+# cores); tables and benchmarks/results/shared_l3.json.
+bench-shared-l3: $(STAMP)
+	$(BIN)/python benchmarks/bench_shared_l3.py $(ARGS)
 
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py

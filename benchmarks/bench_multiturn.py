@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -55,6 +55,16 @@ ERRORS_SHOWN = 3
 class Turn(NamedTuple):
     client: int
     round: int  # 1-based
+
+
+# Where a turn is sent: a server's base URL ("http://host:port"). The default sends every
+# turn to --host:--port; a driver with several servers passes its own.
+Route = Callable[[Turn], str]
+
+
+def single_server(args: argparse.Namespace) -> Route:
+    base = f"http://{args.host}:{args.port}"
+    return lambda turn: base
 
 
 # ------------------------------------------------------------------------------ workload
@@ -157,6 +167,7 @@ class Record:
     start: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    server: str = ""  # the base URL the request went to
 
 
 def payload(prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
@@ -210,11 +221,12 @@ async def read_events(resp: aiohttp.ClientResponse, rec: Record) -> None:
 
 class Runner:
     """Ready queue -> arrival pacing -> at most `max_parallel` requests in flight; a chat's
-    next round joins the queue when its answer arrives."""
+    next round joins the queue when its answer arrives; `route` picks each turn's server."""
 
-    def __init__(self, args: argparse.Namespace, wl: Workload, rounds: Sequence[int]) -> None:
+    def __init__(self, args: argparse.Namespace, wl: Workload, rounds: Sequence[int],
+                 route: Route | None = None) -> None:
         self.args, self.wl, self.rounds = args, wl, list(rounds)
-        self.url = f"http://{args.host}:{args.port}/generate"
+        self.route = route or single_server(args)
         self.arrivals = np.random.default_rng(args.seed + ARRIVAL_SEED_OFFSET)
         self.records: list[Record] = []
         self.t0 = time.perf_counter()  # reset when the run starts
@@ -260,10 +272,12 @@ class Runner:
 
     async def _turn(self, session: aiohttp.ClientSession, turn: Turn) -> None:
         prompt = self.wl.prompt(turn)
+        server = self.route(turn)
         try:
-            rec = await send(session, self.url, prompt, turn, self.args)
+            rec = await send(session, f"{server}/generate", prompt, turn, self.args)
         finally:
             self.slots.release()
+        rec.server = server
         self.records.append(rec)
         self.bar.update()
         later = self.rounds[self.rounds.index(turn.round) + 1:]
@@ -347,7 +361,7 @@ def _record_json(r: Record, t0: float) -> dict[str, Any]:
             "completion_tokens": r.completion_tokens, "cached": r.cached,
             "ttft_s": _num(r.ttft), "latency_s": _num(r.latency),
             "itl_mean_s": float(np.mean(r.itl)) if r.itl else None,
-            "output_ids": r.output_ids, "error": r.error}
+            "output_ids": r.output_ids, "error": r.error, "server": r.server}
 
 
 def _num(x: float) -> float | None:
@@ -357,11 +371,12 @@ def _num(x: float) -> float | None:
 # ---------------------------------------------------------------------------------- main
 
 
-def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace, route: Route | None = None) -> dict[str, Any]:
     """Run the workload `args` describes against the server; the summary (also logged).
 
-    The summary holds `run` (this run's id in the log), and `records`: per request client,
-    round, tokens, cached tokens per tier, TTFT, latency and `output_ids`.
+    `route` sends each turn to the server it names (default: --host:--port for all). The
+    summary holds `run` (this run's id in the log), and `records`: per request client,
+    round, tokens, cached tokens per tier, TTFT, latency, `output_ids` and `server`.
     """
     wl = make_workload(args)
     rounds = list(range(1, args.num_rounds + 1))
@@ -370,7 +385,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         source, answers = load_answers(args.log, signature(args), args.replay_run)
         replay_history(wl, answers, args.replay_round)
         rounds = [args.replay_round]
-    runner = Runner(args, wl, rounds)
+    runner = Runner(args, wl, rounds, route)
     duration = asyncio.run(runner.run())
     summary = summarize(runner.records, duration, args.output_length)
     run = f"{args.label or 'multiturn'}-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**6}"

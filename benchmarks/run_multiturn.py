@@ -221,12 +221,18 @@ def configs(sizing: Sizing, lmdb: Path, policy: str) -> dict[str, Config]:
     base = base_flags(sizing)
     hier = (*base, "--enable-hierarchical-cache", "--hicache-ratio", str(sizing.host_ratio),
             "--hicache-storage-backend", "none")
-    store = (*hier[:-2], "--hicache-storage-backend", "lmdb",
-             "--hicache-storage-backend-extra-config", json.dumps({"path": str(lmdb)}),
-             "--hicache-storage-prefetch-policy", policy)
+    store = with_storage(hier, "lmdb", {"path": str(lmdb)}, policy)
     return {c.label: c for c in (Config(NO_CACHE, (*base, "--disable-radix-cache")),
                                  Config(BASELINE, base), Config(HIER, hier),
                                  Config(STORE, store))}
+
+
+def with_storage(hier: Sequence[str], backend: str, extra: dict[str, Any], policy: str
+                 ) -> tuple[str, ...]:
+    """The L1+L2 flags `hier` (which end in `--hicache-storage-backend none`) with an L3."""
+    return (*hier[:-2], "--hicache-storage-backend", backend,
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+            "--hicache-storage-prefetch-policy", policy)
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -249,15 +255,19 @@ def bench(args: argparse.Namespace, server: Server, label: str, *extra: str) -> 
     """One client run against `server`; the summary with the server's side and any death."""
     cargs = client_args(args, label, server.port, *extra)
     result = bm.run_benchmark(cargs)
-    result["server"] = {"command": shlex.join(server.cmd), "pid": server.pid,
-                        "log": str(server.log_path), "fatal": server.fatal,
-                        **server.cache_stats()}
+    result["server"] = server_info(server)
     result["client_command"] = shlex.join(["python", "benchmarks/bench_multiturn.py",
                                            *_argv_of(cargs)])
     if server.fatal:
         print(f"\n!! server '{label}' died: {server.fatal} (log: {server.log_path})",
               file=sys.stderr)
     return result
+
+
+def server_info(server: Server) -> dict[str, Any]:
+    """How the server ran, whether it died, and its tier stats after the run."""
+    return {"command": shlex.join(server.cmd), "pid": server.pid, "log": str(server.log_path),
+            "fatal": server.fatal, **server.cache_stats()}
 
 
 def _argv_of(cargs: argparse.Namespace) -> list[str]:
@@ -578,8 +588,8 @@ def gpu_name() -> str | None:
     return out.stdout.strip() or None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload, L1 sizing and HICACHE_HOME flags (also used by bench_shared_l3.py)."""
     ap.add_argument("--num-clients", type=int, default=8)
     ap.add_argument("--num-rounds", type=int, default=5)
     ap.add_argument("--request-length", type=int, default=256)
@@ -593,6 +603,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="seconds a stream may stay silent before its request fails")
     ap.add_argument("--l1-fraction", type=float, default=L1_FRACTION,
                     help="L1 capacity as a share of the working set")
+    ap.add_argument("--home", type=Path, default=None,
+                    help="HICACHE_HOME for the servers (default: a folder under the temp dir, "
+                         "kept across runs so the embedded model is written once)")
+
+
+def check_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit (code 2) on a bad --l1-fraction; resolve the default --home."""
+    if not 0 < args.l1_fraction <= 1:
+        ap.error(f"--l1-fraction must be in (0, 1], got {args.l1_fraction}")
+    args.home = args.home or Path(tempfile.gettempdir()) / "hicache-bench-home"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
     ap.add_argument("--restart-policies", nargs="+", default=["wait_complete", "timeout"],
                     choices=("best_effort", "wait_complete", "timeout"),
                     help="prefetch policies measured after the restart (the full L1+L2+L3 "
@@ -608,9 +633,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
     ap.add_argument("--log", type=Path, default=RESULTS / "multiturn_log.jsonl",
                     help="per-request JSONL (rewritten by each run of the driver)")
-    ap.add_argument("--home", type=Path, default=None,
-                    help="HICACHE_HOME for the servers (default: a folder under the temp dir, "
-                         "kept across runs so the embedded model is written once)")
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="record every server with py-spy (raw stacks) into this folder")
     args = ap.parse_args(argv)
@@ -618,9 +640,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"--no-reuse-rounds must be in [1, --num-rounds={args.num_rounds}] (got "
                  f"{args.no_reuse_rounds}) and --no-reuse-repeats >= 1 (got "
                  f"{args.no_reuse_repeats})")
-    if not 0 < args.l1_fraction <= 1:
-        ap.error(f"--l1-fraction must be in (0, 1], got {args.l1_fraction}")
-    args.home = args.home or Path(tempfile.gettempdir()) / "hicache-bench-home"
+    check_workload_args(ap, args)
     return args
 
 
