@@ -1,14 +1,16 @@
 """L3 <-> L2: the prefetch and backup threads between the storage backend and the host pool.
 
-    prefetch  scheduler: submit(op)  -> thread: batch_exists   -> op.hit_pages
-              scheduler: fetch(op)   -> thread: batch_get ...  -> op.completed_pages grows
+    prefetch  scheduler: submit(op)  -> query thread: batch_exists -> op.hit_pages
+              scheduler: fetch(op)   -> fetch thread: batch_get ...  -> op.completed_pages grows
               scheduler: cancel(op)  -> thread stops between batches; op.finished is set
                                         once it will never touch op.host_indices again
     backup    scheduler: backup(...) -> thread: batch_set      -> poll_backups() acks
 
 Threading: `submit`, `fetch`, `cancel`, `backup`, `poll_*` are called on the scheduler
-thread, which owns the host pool's allocator and the tree; the two daemon threads only call
-the backend and read/write the host pages they were handed. A backend that raises is a
+thread, which owns the host pool's allocator and the tree; the three daemon threads only call
+the backend and read/write the host pages they were handed. Queries have a thread of their
+own so that one is never queued behind a long fetch: a request whose query finds nothing is
+admitted at once (the scheduler waits a moment for fresh queries, `settle`). A backend that raises is a
 miss or a skipped backup, counted here and logged at most once a minute; nothing reaches
 the scheduler.
 """
@@ -69,7 +71,7 @@ class BackupAck(NamedTuple):
 
 
 class StorageController:
-    """Owns the backend and the two I/O threads (see the module docstring)."""
+    """Owns the backend and the three I/O threads (see the module docstring)."""
 
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool) -> None:
         self.backend = backend
@@ -77,6 +79,7 @@ class StorageController:
         self.page_size = host_pool.page_size
         self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
         self._last_log: dict[str, float] = {}
+        self._query_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._prefetch_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._backup_q: queue.Queue[tuple[int, list[bytes], torch.Tensor] | None] = (
             queue.Queue())
@@ -84,7 +87,10 @@ class StorageController:
         self._backups_in_flight = 0
         self._idle = threading.Condition()
         self._threads = [
-            threading.Thread(target=self._run_prefetch, name="hicache-prefetch", daemon=True),
+            threading.Thread(target=self._run_tasks, args=(self._query_q,),
+                             name="hicache-query", daemon=True),
+            threading.Thread(target=self._run_tasks, args=(self._prefetch_q,),
+                             name="hicache-prefetch", daemon=True),
             threading.Thread(target=self._run_backup, name="hicache-backup", daemon=True),
         ]
         for t in self._threads:
@@ -94,7 +100,7 @@ class StorageController:
 
     def submit(self, op: PrefetchOp) -> None:
         """Ask storage how many of `op.hashes` it holds (sets `op.hit_pages`, `op.queried`)."""
-        self._prefetch_q.put(lambda: self._query(op))
+        self._query_q.put(lambda: self._query(op))
 
     def fetch(self, op: PrefetchOp) -> None:
         """Fetch the first `len(op.host_indices) // page_size` pages into `op.host_indices`."""
@@ -140,8 +146,9 @@ class StorageController:
         finally:
             op.finished.set()
 
-    def _run_prefetch(self) -> None:
-        while (task := self._prefetch_q.get()) is not None:
+    @staticmethod
+    def _run_tasks(tasks: queue.Queue[Callable[[], None] | None]) -> None:
+        while (task := tasks.get()) is not None:
             task()
 
     # -------------------------------------------------------------------------- backup
@@ -215,6 +222,7 @@ class StorageController:
         """Write pending backups, stop the threads, close the backend (idempotent)."""
         if not any(t.is_alive() for t in self._threads):
             return
+        self._query_q.put(None)
         self._prefetch_q.put(None)
         self._backup_q.put(None)
         for t in self._threads:

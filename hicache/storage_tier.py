@@ -112,6 +112,16 @@ class StorageTier:
         self.io.submit(op)
         return True
 
+    def settle(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the queries in flight to answer, so that `check`
+        can start their fetches, or admit at once a request whose query found nothing,
+        in this scheduler step rather than after the next forward pass."""
+        deadline = time.monotonic() + timeout
+        for op in self._querying:
+            left = deadline - time.monotonic()
+            if left <= 0 or not op.queried.wait(left):
+                return
+
     def check(self) -> None:
         """Top of each scheduler step: start fetches whose query answered, free the pages
         of cancelled prefetches the I/O thread has let go of, apply backup acks."""

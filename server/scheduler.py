@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 MAX_LPM_SCAN = 128
 IDLE_WAIT_S = 0.05     # inbox wait when there is nothing to do
 BUSY_POLL_S = 0.002    # inbox wait while prefetches or copies are in flight
+# After new requests arrive, the step waits up to this long for their L3 queries (a local
+# LMDB answers in microseconds, a Redis on the LAN in a round trip), so a request whose prefix
+# storage does not hold is admitted in this step instead of after the next forward pass.
+QUERY_SETTLE_S = 0.005
 TIERS = ("device", "host", "storage")
 
 
@@ -74,20 +78,22 @@ class Scheduler:
         self.inbox.put(("cmd", (fn, fut, when_idle)))
         return fut
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Accept what arrived (waiting for it when there is nothing else to do); whether
+        anything did."""
         timeout = None
         if not (self.running or self._commands):
             timeout = BUSY_POLL_S if (self.waiting or self._transfers_pending()) else IDLE_WAIT_S
         try:
             item = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._accept(*item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _accept(self, kind: str, payload: Any) -> None:
         if kind == "cmd":
@@ -115,7 +121,8 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        self._drain_inbox()
+        if self._drain_inbox() and self.storage is not None:
+            self.storage.settle(QUERY_SETTLE_S)
         self._cache_checks()
         self._run_commands()
         plan = self._schedule()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -302,4 +303,47 @@ def test_a_node_split_while_its_write_runs_is_backed_up_whole(tmp_path) -> None:
     assert tree.storage.counters["backed_up_tokens"] == 32  # both halves, no hole
     flush_l1_l2(tree)
     assert fetch(tree, "r", seq) == 32
+    tree.storage.close()
+
+
+class GatedGets(Flaky):
+    """`batch_get` blocks until `release` is set; queries answer at once."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner, "none")
+        self.release = threading.Event()
+        self.getting = threading.Event()
+
+    def batch_get(self, keys, host_pool, host_indices):
+        self.getting.set()
+        assert self.release.wait(30), "test never released the fetch"
+        return self.inner.batch_get(keys, host_pool, host_indices)
+
+
+def test_a_miss_is_admitted_at_once_while_another_fetch_is_in_flight(tmp_path) -> None:
+    """Queries do not queue behind fetches: with a slow fetch running, a request whose
+    prefix storage lacks is ready as soon as its query answers (`settle`, then `check`)."""
+    gated = GatedGets(lmdb(tmp_path / "db"))
+    tree, dev = make(gated)
+    stored, unknown = seq_of(8), seq_of(9)
+    compute(tree, dev, stored)
+    flush_l1_l2(tree)
+    m = tree.match_prefix(stored)
+    assert tree.storage.prefetch("slow", m.last_host_node, stored)
+    tree.storage.settle(10.0)
+    tree.storage.check()  # query answered: the fetch starts and blocks in batch_get
+    assert gated.getting.wait(10)
+    m = tree.match_prefix(unknown)
+    assert tree.storage.prefetch("miss", m.last_host_node, unknown)
+    tree.storage.settle(10.0)  # returns when the query answers, not when the fetch ends
+    tree.storage.check()
+    assert tree.storage.ready("miss") and not tree.storage.ready("slow")
+    assert tree.storage.terminate("miss") == 0
+    gated.release.set()
+    while not tree.storage.ready("slow"):
+        tree.storage.check()
+        time.sleep(0.001)
+    assert tree.storage.terminate("slow") == len(stored)
+    tree.storage.wait_idle()
+    tree.check_integrity()
     tree.storage.close()

@@ -25,7 +25,7 @@ the interval: the store recovers by itself when Redis returns. A connection faul
 reads and writes; a refused write (OOM, READONLY) blocks only writes.
 
 Threads: any mix of the `StorageBackend` callers. The connection pool holds
-`POOL_CONNECTIONS` per server: the prefetch and backup threads plus the scheduler's admin
+`POOL_CONNECTIONS` per server: the query, fetch and backup threads plus the scheduler's admin
 calls each hold at most one connection per server at a time.
 
 Secrets: the password comes from the URL or, when the URL has none, from the environment
@@ -76,7 +76,7 @@ Client = redis.Redis | RedisCluster
 
 PASSWORD_ENV = "HICACHE_REDIS_PASSWORD"
 # Per server: prefetch thread + backup thread + the scheduler's admin calls, + 1 spare.
-POOL_CONNECTIONS = 4
+POOL_CONNECTIONS = 5
 POOL_WAIT_S = 5.0  # a caller waits this long for a free pooled connection
 # Reads of one page batch take milliseconds; a Redis that cannot answer a socket read within
 # the prefetch timeout policy's base (2 s) is worth less than recomputing.
