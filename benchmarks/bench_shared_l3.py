@@ -85,7 +85,7 @@ def run_pass(args: argparse.Namespace, sizing: rm.Sizing, label: str, rep: int
              ) -> dict[str, Any]:
     """One configuration on fresh storage: a new LMDB per server, or a new redis-server
     (started here, stopped when the pass ends)."""
-    hier = rm.configs(sizing, args.workdir, POLICY)[rm.HIER].flags
+    hier = rm.configs(sizing, args.workdir, POLICY, shlex.split(args.server_args))[rm.HIER].flags
     name = f"{label} #{rep + 1}"
     if label == PRIVATE:
         return run_config(args, name, [

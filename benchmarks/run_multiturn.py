@@ -212,13 +212,15 @@ def size_tiers(args: argparse.Namespace) -> Sizing:
     return Sizing(ws, l1, float(ratio), largest)
 
 
-def base_flags(sizing: Sizing) -> tuple[str, ...]:
+def base_flags(sizing: Sizing, extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every server's flags; `extra` (--server-args) come last, so they win."""
     return ("--page-size", str(PAGE_SIZE), "--max-total-tokens", str(sizing.l1_tokens),
-            "--log-level", "info")
+            "--log-level", "info", *extra)
 
 
-def configs(sizing: Sizing, lmdb: Path, policy: str) -> dict[str, Config]:
-    base = base_flags(sizing)
+def configs(sizing: Sizing, lmdb: Path, policy: str, extra: Sequence[str] = ()
+            ) -> dict[str, Config]:
+    base = base_flags(sizing, extra)
     hier = (*base, "--enable-hierarchical-cache", "--hicache-ratio", str(sizing.host_ratio),
             "--hicache-storage-backend", "none")
     store = with_storage(hier, "lmdb", {"path": str(lmdb)}, policy)
@@ -343,7 +345,8 @@ def run_no_reuse(args: argparse.Namespace, sizing: Sizing, policy: str) -> dict[
     in the machine's load hits all); the best throughput of each is kept (noise only slows)."""
     runs: dict[str, Any] = {}
     for rep in range(args.no_reuse_repeats):
-        cfgs = configs(sizing, args.workdir / f"lmdb-no-reuse-{rep}", policy)
+        cfgs = configs(sizing, args.workdir / f"lmdb-no-reuse-{rep}", policy,
+                       shlex.split(args.server_args))
         for label in (BASELINE, *args.no_reuse_hierarchy):
             name = f"no reuse {label}"
             with served(cfgs[label], args, f"{name} #{rep + 1}") as server:
@@ -603,6 +606,9 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                     help="seconds a stream may stay silent before its request fails")
     ap.add_argument("--l1-fraction", type=float, default=L1_FRACTION,
                     help="L1 capacity as a share of the working set")
+    ap.add_argument("--server-args", default="",
+                    help="more hicache-server flags for every server, e.g. "
+                         "\"--model-path /models/llama --dtype bfloat16\"")
     ap.add_argument("--home", type=Path, default=None,
                     help="HICACHE_HOME for the servers (default: a folder under the temp dir, "
                          "kept across runs so the embedded model is written once)")
@@ -657,7 +663,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
         args.workdir = Path(tmp)
         policy = args.restart_policies[0]
-        runs = run_multiturn(args, configs(sizing, args.workdir / "lmdb", policy))
+        runs = run_multiturn(args, configs(sizing, args.workdir / "lmdb", policy,
+                                           shlex.split(args.server_args)))
         nor = run_no_reuse(args, sizing, policy)
         report = build_report(args, sizing, runs, nor)
         _keep_server_logs(report, args.workdir)

@@ -1,4 +1,4 @@
-"""L3 <-> L2: the prefetch and backup threads between the storage backend and the host pool.
+"""L3 <-> L2: the query, fetch and backup threads between the storage backend and the host pool.
 
     prefetch  scheduler: submit(op)  -> query thread: batch_exists -> op.hit_pages
               scheduler: fetch(op)   -> fetch thread: batch_get ...  -> op.completed_pages grows

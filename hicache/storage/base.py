@@ -42,9 +42,9 @@ class StorageBackend(ABC):
     are host pool slot indices of whole pages, `len(keys) * page_size` of them, key i going
     with the i-th page of `host_indices`.
 
-    Threads: one prefetch thread calls `batch_exists` / `batch_get`, one backup thread calls
-    `batch_set`, and the scheduler thread may call `stats`, `clear`, `delete` and `close` at
-    any time, all concurrently; implementations must be safe for that.
+    Threads: one query thread calls `batch_exists`, one fetch thread `batch_get`, one backup
+    thread `batch_set`, and the scheduler thread may call `stats`, `clear`, `delete` and
+    `close` at any time, all concurrently; implementations must be safe for that.
 
     Buffers: `batch_get` writes only into the host pages it was given, `batch_set` only reads
     them; the caller keeps those pages allocated and unchanged (`protect_host`) until the call

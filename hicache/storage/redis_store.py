@@ -75,7 +75,7 @@ T = TypeVar("T")
 Client = redis.Redis | RedisCluster
 
 PASSWORD_ENV = "HICACHE_REDIS_PASSWORD"
-# Per server: prefetch thread + backup thread + the scheduler's admin calls, + 1 spare.
+# Per server: query, fetch and backup threads + the scheduler's admin calls, + 1 spare.
 POOL_CONNECTIONS = 5
 POOL_WAIT_S = 5.0  # a caller waits this long for a free pooled connection
 # Reads of one page batch take milliseconds; a Redis that cannot answer a socket read within
