@@ -211,6 +211,9 @@ def _transfer_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:
         backup.add_metric(["storage"], storage.get("backed_up_tokens", 0))
         yield _counter("prefetch_tokens", "Tokens prefetched from L3 to L2",
                        storage.get("prefetched_tokens", 0))
+        yield _counter("prefetch_restarts", "L3 prefetches that waited for another one "
+                       "fetching the same prefix, then matched again",
+                       storage.get("prefetch_restarts", 0))
     yield backup
 
 

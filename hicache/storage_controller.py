@@ -56,6 +56,8 @@ class PrefetchOp:
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
     completed_pages: int = 0                # (thread) consecutive pages fetched into L2
     cancelled: bool = False
+    blocked_by: str | None = None           # a prefetch already fetching our first pages
+    restarted: bool = False                 # started again after a fresh match
     lock: threading.Lock = field(default_factory=threading.Lock)
     queried: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)

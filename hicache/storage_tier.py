@@ -6,6 +6,12 @@
     admission  ready(req) per policy, then terminate(req): fetched pages become L2-only
                nodes under the anchor; the anchor is released
 
+Requests that arrive together with a common prefix (a burst after a restart, one system
+prompt) fetch it once: a prefetch whose first pages another one is already fetching waits
+for it (`blocked_by`), and once those pages are in the tree, or whenever its first page
+turns up under its anchor, it is handed back to the scheduler (`take_restarts`), which matches
+the request again and prefetches only what is still missing.
+
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
 """
@@ -46,7 +52,9 @@ class StorageTier:
         self._querying: list[PrefetchOp] = []
         self._draining: list[PrefetchOp] = []  # cancelled, pages freed once `finished`
         self._backups: dict[int, HiTreeNode] = {}
-        self.counters = {"prefetched_tokens": 0, "backed_up_tokens": 0, "backup_failures": 0}
+        self._restarts: list[str] = []
+        self.counters = {"prefetched_tokens": 0, "backed_up_tokens": 0, "backup_failures": 0,
+                         "prefetch_restarts": 0}
 
     # ---------------------------------------------------------------------------- hashes
 
@@ -95,10 +103,11 @@ class StorageTier:
     # -------------------------------------------------------------------------- prefetch
 
     def prefetch(self, req_id: str, last_host_node: HiTreeNode, tokens: Any,
-                 extra_key: str | None = None) -> bool:
+                 extra_key: str | None = None, started_at: float | None = None) -> bool:
         """Start fetching the pages of `tokens` (the request's key beyond its L1+L2 hit,
         under namespace `extra_key`) from storage. False when shorter than the threshold,
-        already running, or when the hit's last node has no L2 copy to hang pages under."""
+        already running, or when the hit's last node has no L2 copy to hang pages under.
+        `started_at` (a restart) keeps the policy's clock running from the first attempt."""
         tokens = self.tree._page_aligned(tokens)
         if len(tokens) < max(self.threshold, self.page_size) or req_id in self.ops:
             return False
@@ -106,6 +115,8 @@ class StorageTier:
             return False
         hashes = self.hasher.hash_pages(tokens, self._last_hash(last_host_node), extra_key)
         op = PrefetchOp(req_id, hashes, last_host_node, tokens, extra_key)
+        if started_at is not None:
+            op.started_at, op.restarted = started_at, True
         self.tree.protect_host(last_host_node)
         self.ops[req_id] = op
         self._querying.append(op)
@@ -136,9 +147,20 @@ class StorageTier:
         self._backup_check()
 
     def _start_fetch(self, op: PrefetchOp) -> None:
-        pages = min(op.hit_pages or 0, self._prefetch_budget_pages())
-        if op.cancelled or pages * self.page_size < self.threshold or pages == 0:
+        hit = op.hit_pages or 0
+        if op.cancelled or hit * self.page_size < self.threshold or hit == 0:
             op.finished.set()  # nothing will be fetched
+            return
+        if not op.restarted and self._first_page_in_tree(op):  # inserted since the match
+            self._restarts.append(op.req_id)
+            return
+        blocker = self._fetching_our_first_pages(op)
+        if blocker is not None:
+            op.blocked_by = blocker.req_id
+            return
+        pages = min(hit, self._prefetch_budget_pages())
+        if pages * self.page_size < self.threshold or pages == 0:
+            op.finished.set()
             return
         host = self.tree.controller.host_pool.alloc(pages * self.page_size)
         if host is None:
@@ -149,6 +171,42 @@ class StorageTier:
             return
         op.host_indices = host
         self.io.fetch(op)
+
+    def _first_page_in_tree(self, op: PrefetchOp) -> bool:
+        """Whether the anchor has gained a child for `op`'s first page (there was none when
+        the request matched, or the match would have gone through it)."""
+        key = self.tree._child_key(op.tokens, 0, op.extra_key)
+        return op.anchor.children.get(key) is not None
+
+    def _fetching_our_first_pages(self, op: PrefetchOp) -> PrefetchOp | None:
+        """An unfinished-or-uninserted fetch below the same anchor whose pages begin with
+        at least `threshold` tokens of `op`'s (same anchor and hash: the same pages)."""
+        need = max(1, -(-self.threshold // self.page_size))
+        for other in self.ops.values():
+            if (other is not op and other.host_indices is not None
+                    and other.anchor is op.anchor
+                    and other.hashes[:need] == op.hashes[:need]):
+                return other
+        return None
+
+    def take_restarts(self) -> list[str]:
+        """Requests whose prefetch must be started again after a fresh match (scheduler)."""
+        out, self._restarts = self._restarts, []
+        return out
+
+    def restart(self, req_id: str) -> float | None:
+        """Drop the request's waiting prefetch (it holds no host pages); returns when the
+        first attempt started, for `prefetch(..., started_at=)`, or None if it is gone."""
+        op = self.ops.pop(req_id, None)
+        if op is None:
+            return None
+        assert op.host_indices is None, "a restarted prefetch never allocated host pages"
+        if op in self._querying:
+            self._querying.remove(op)
+        op.cancelled = True
+        self.tree.release_host(op.anchor)
+        self.counters["prefetch_restarts"] += 1
+        return op.started_at
 
     def _prefetch_budget_pages(self) -> int:
         pool = self.tree.controller.host_pool
@@ -183,6 +241,10 @@ class StorageTier:
                 op.anchor, op.tokens[:n], op.host_indices[:n], op.hashes[:done], op.extra_key)
             op.host_indices = op.host_indices[n:]
             self.counters["prefetched_tokens"] += n
+        for waiting in self.ops.values():  # its pages are in the tree now (or never will be)
+            if waiting.blocked_by == req_id:
+                waiting.blocked_by = None
+                self._restarts.append(waiting.req_id)
         self.tree.release_host(op.anchor)
         if self.tree.observer is not None:
             self.tree.observer("prefetch_seconds", time.monotonic() - op.started_at)

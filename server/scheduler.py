@@ -137,6 +137,7 @@ class Scheduler:
             self.tree.loading_check()
             if self.storage is not None:
                 self.storage.check()
+                self._restart_prefetches()
 
     def _run_commands(self) -> None:
         keep = []
@@ -183,14 +184,26 @@ class Scheduler:
     def _cache_key(self, req: Request) -> list[int]:
         return req.input_ids[:-1]  # at least one prompt token is computed, for its logits
 
-    def _start_prefetch(self, req: Request) -> None:
+    def _start_prefetch(self, req: Request, started_at: float | None = None) -> None:
         if self.storage is None:
             return
         key = self._cache_key(req)
         m = self.tree.match_prefix(key, req.extra_key)
         hit = m.device_indices.numel() + m.host_hit_length
         req.prefetch_started = self.storage.prefetch(req.rid, m.last_host_node, key[hit:],
-                                                     req.extra_key)
+                                                     req.extra_key, started_at)
+
+    def _restart_prefetches(self) -> None:
+        """Prefetches that waited for another one fetching the same prefix: match again
+        (that prefix is in the tree now) and fetch only the rest."""
+        restarts = self.storage.take_restarts()
+        if not restarts:
+            return
+        waiting = {req.rid: req for req in self.waiting}
+        for rid in restarts:
+            started_at = self.storage.restart(rid)
+            if started_at is not None and rid in waiting:
+                self._start_prefetch(waiting[rid], started_at)
 
     def _admit(self, req: Request) -> bool:
         """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""

@@ -319,3 +319,28 @@ def test_pages_from_l3_count_as_storage_even_when_admission_had_to_wait(tmp_path
         t.join(120)
     assert hit["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0,
                                                          "storage": 480}
+
+
+def test_requests_sharing_a_prefix_in_l3_fetch_it_once(tmp_path, reference_outputs) -> None:
+    """Two chats with one system prompt arrive together after L1 and L2 were flushed: the
+    shared pages come from LMDB once, and both answers are those of recomputation."""
+    prompts = [conversations()[c][2] for c in (0, 1)]
+    with tiered(tmp_path) as e:
+        run_workload(e)
+        e.flush_cache(["device", "host"])
+        before = e.stats()["tiers"]["storage"]["prefetched_tokens"]
+        results: dict[int, dict] = {}
+
+        def go(i: int) -> None:
+            results[i] = e.generate(input_ids=prompts[i], sampling_params=GREEDY)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        fetched = e.stats()["tiers"]["storage"]["prefetched_tokens"] - before
+    cacheable = [(len(p) - 1) // 16 * 16 for p in prompts]
+    shared = 96  # the system prompt: six whole pages
+    assert fetched == sum(cacheable) - shared
+    assert [results[i]["output_ids"] for i in range(2)] == reference_outputs[6:8]

@@ -23,7 +23,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
 TIERED = ("tier_capacity_tokens", "tier_used_tokens", "cached_tokens_total",
           "evicted_tokens_total")
 PLAIN = ("prompt_tokens_total", "cache_hit_rate", "load_back_tokens_total",
-         "prefetch_tokens_total", "storage_corrupt_pages_total", "requests_total",
+         "prefetch_tokens_total", "prefetch_restarts_total", "storage_corrupt_pages_total",
+         "requests_total",
          "generated_tokens_total")
 HISTOGRAMS = ("ttft_seconds", "load_back_seconds", "prefetch_seconds")
 

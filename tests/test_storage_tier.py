@@ -347,3 +347,85 @@ def test_a_miss_is_admitted_at_once_while_another_fetch_is_in_flight(tmp_path) -
     tree.storage.wait_idle()
     tree.check_integrity()
     tree.storage.close()
+
+
+def restart_waiting(tree: HiRadixCache, keys: dict[str, list[int]]) -> None:
+    """What the scheduler does with `take_restarts`: match again, prefetch the rest."""
+    for rid in tree.storage.take_restarts():
+        started = tree.storage.restart(rid)
+        m = tree.match_prefix(keys[rid])
+        hit = m.device_indices.numel() + m.host_hit_length
+        tree.storage.prefetch(rid, m.last_host_node, keys[rid][hit:], started_at=started)
+
+
+def test_prefetches_of_a_shared_prefix_fetch_it_once(tmp_path) -> None:
+    """Two requests arriving together, 24 tokens in common: the second waits for the first's
+    fetch, is matched again once those pages are in the tree, and fetches only its tail."""
+    tree, dev = make(lmdb(tmp_path / "db"))
+    a = seq_of(10)
+    b = a[:24] + seq_of(11, 8)
+    for seq in (a, b):
+        compute(tree, dev, seq)
+    flush_l1_l2(tree)
+    keys = {"a": a, "b": b}
+    for rid in ("a", "b"):
+        assert tree.storage.prefetch(rid, tree.match_prefix(keys[rid]).last_host_node,
+                                     keys[rid])
+    tree.storage.settle(10.0)
+    tree.storage.check()
+    assert tree.storage.ops["b"].blocked_by == "a"
+    assert tree.storage.ops["b"].host_indices is None  # holds no L2 while it waits
+    while not tree.storage.ready("a"):
+        tree.storage.check()
+        time.sleep(0.001)
+    assert not tree.storage.ready("b")  # wait_complete: still waiting for its turn
+    assert tree.storage.terminate("a") == 32
+    restart_waiting(tree, keys)
+    assert tree.storage.counters["prefetch_restarts"] == 1
+    assert tree.match_prefix(b).host_hit_length == 24  # a's pages, matched again
+    while not tree.storage.ready("b"):
+        tree.storage.check()
+        time.sleep(0.001)
+    assert tree.storage.terminate("b") == 8
+    assert tree.storage.counters["prefetched_tokens"] == 40  # not 32 + 32
+    load_and_check(tree, dev, a)
+    m = tree.match_prefix(b)  # the shared 24 tokens are on the device now, b's tail in L2
+    assert (m.device_indices.numel(), m.host_hit_length) == (24, 8)
+    lb = tree.init_load_back(m.last_host_node)
+    handle = tree.controller.start_loading()
+    for layer in range(LAYERS):
+        handle.wait_layer(layer)
+    assert_device_holds(dev, b, torch.cat([m.device_indices, lb.device_indices]))
+    tree.loading_check(wait=True)
+    tree.storage.wait_idle()
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_a_prefix_that_reached_the_tree_meanwhile_is_matched_again(tmp_path) -> None:
+    """The first request's pages were inserted between the second's arrival and its query
+    answer: the second is matched again instead of fetching them a second time."""
+    tree, dev = make(lmdb(tmp_path / "db"))
+    a = seq_of(12)
+    compute(tree, dev, a)
+    flush_l1_l2(tree)
+    anchor = tree.match_prefix(a).last_host_node
+    assert tree.storage.prefetch("a", anchor, a)
+    assert tree.storage.prefetch("b", anchor, a)
+    while not tree.storage.ops["a"].queried.is_set():
+        time.sleep(0.001)
+    tree.storage._start_fetch(tree.storage.ops["a"])
+    tree.storage._querying.remove(tree.storage.ops["a"])
+    while not tree.storage.ready("a"):
+        time.sleep(0.001)
+    assert tree.storage.terminate("a") == 32  # in the tree before b's query is looked at
+    tree.storage.settle(10.0)
+    tree.storage.check()
+    assert tree.storage.take_restarts() == ["b"]
+    assert tree.storage.restart("b") is not None
+    assert tree.match_prefix(a).host_hit_length == 32  # nothing left to fetch
+    assert tree.storage.counters["prefetched_tokens"] == 32
+    load_and_check(tree, dev, a)
+    tree.storage.wait_idle()
+    tree.check_integrity()
+    tree.storage.close()
