@@ -211,8 +211,8 @@ def _transfer_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:
         backup.add_metric(["storage"], storage.get("backed_up_tokens", 0))
         yield _counter("prefetch_tokens", "Tokens prefetched from L3 to L2",
                        storage.get("prefetched_tokens", 0))
-        yield _counter("prefetch_restarts", "L3 prefetches that waited for another one "
-                       "fetching the same prefix, then matched again",
+        yield _counter("prefetch_restarts", "L3 prefetches started again after a fresh "
+                       "match, their prefix brought into the tree by another one meanwhile",
                        storage.get("prefetch_restarts", 0))
     yield backup
 

@@ -58,6 +58,8 @@ class PrefetchOp:
     cancelled: bool = False
     blocked_by: str | None = None           # a prefetch already fetching our first pages
     restarted: bool = False                 # started again after a fresh match
+    timeout_tokens: int = 0                 # what the timeout policy's limit is sized by
+    finished_step: int | None = None        # scheduler step that first saw `finished`
     lock: threading.Lock = field(default_factory=threading.Lock)
     queried: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)

@@ -8,9 +8,11 @@
 
 Requests that arrive together with a common prefix (a burst after a restart, one system
 prompt) fetch it once: a prefetch whose first pages another one is already fetching waits
-for it (`blocked_by`), and once those pages are in the tree, or whenever its first page
-turns up under its anchor, it is handed back to the scheduler (`take_restarts`), which matches
-the request again and prefetches only what is still missing.
+for it (`blocked_by`); once those pages are in the tree (the other request was admitted), or
+whenever at least `threshold` of its tokens turn up in L2 under its anchor, it is handed back
+to the scheduler (`take_restarts`), which matches the request again and prefetches only what
+is still missing. A wait ends too when the other fetch finished a step ago but its request is
+still not admitted (no L1 room): then the waiting one fetches the pages itself.
 
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
@@ -19,7 +21,7 @@ the `StorageController`'s threads.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache.hashing import PageHasher
 from hicache.storage_controller import PrefetchOp, StorageController
@@ -31,6 +33,13 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # In-flight prefetches may hold at most this share of the host pool, so L2 keeps room for
 # write-through and load-back (SGLang caps prefetch the same way).
 MAX_PREFETCH_HOST_FRACTION = 0.5
+
+
+class Resume(NamedTuple):
+    """A restarted prefetch keeps its first attempt's clock and timeout budget."""
+
+    started_at: float
+    timeout_tokens: int
 
 
 class StorageTier:
@@ -53,6 +62,8 @@ class StorageTier:
         self._draining: list[PrefetchOp] = []  # cancelled, pages freed once `finished`
         self._backups: dict[int, HiTreeNode] = {}
         self._restarts: list[str] = []
+        self._fresh: list[PrefetchOp] = []  # submitted since the last `settle`
+        self._step = 0  # `check` calls, to tell a fetch that just finished from a stale one
         self.counters = {"prefetched_tokens": 0, "backed_up_tokens": 0, "backup_failures": 0,
                          "prefetch_restarts": 0}
 
@@ -103,32 +114,36 @@ class StorageTier:
     # -------------------------------------------------------------------------- prefetch
 
     def prefetch(self, req_id: str, last_host_node: HiTreeNode, tokens: Any,
-                 extra_key: str | None = None, started_at: float | None = None) -> bool:
+                 extra_key: str | None = None, resume: Resume | None = None) -> bool:
         """Start fetching the pages of `tokens` (the request's key beyond its L1+L2 hit,
         under namespace `extra_key`) from storage. False when shorter than the threshold,
         already running, or when the hit's last node has no L2 copy to hang pages under.
-        `started_at` (a restart) keeps the policy's clock running from the first attempt."""
+        `resume` (a restart) keeps the policy's clock and budget of the first attempt."""
         tokens = self.tree._page_aligned(tokens)
         if len(tokens) < max(self.threshold, self.page_size) or req_id in self.ops:
             return False
         if not last_host_node.backuped:  # L2-only pages need a parent in L2 (no holes)
             return False
         hashes = self.hasher.hash_pages(tokens, self._last_hash(last_host_node), extra_key)
-        op = PrefetchOp(req_id, hashes, last_host_node, tokens, extra_key)
-        if started_at is not None:
-            op.started_at, op.restarted = started_at, True
+        op = PrefetchOp(req_id, hashes, last_host_node, tokens, extra_key,
+                        timeout_tokens=len(tokens))
+        if resume is not None:
+            op.started_at, op.timeout_tokens = resume
+            op.restarted = True
         self.tree.protect_host(last_host_node)
         self.ops[req_id] = op
         self._querying.append(op)
+        self._fresh.append(op)
         self.io.submit(op)
         return True
 
     def settle(self, timeout: float) -> None:
-        """Wait up to `timeout` seconds for the queries in flight to answer, so that `check`
-        can start their fetches, or admit at once a request whose query found nothing,
-        in this scheduler step rather than after the next forward pass."""
+        """Wait up to `timeout` seconds for the queries submitted since the last call to
+        answer, so that `check` can start their fetches, or admit at once a request whose
+        query found nothing, in this scheduler step rather than after the next forward pass."""
+        fresh, self._fresh = self._fresh, []
         deadline = time.monotonic() + timeout
-        for op in self._querying:
+        for op in fresh:
             left = deadline - time.monotonic()
             if left <= 0 or not op.queried.wait(left):
                 return
@@ -136,6 +151,11 @@ class StorageTier:
     def check(self) -> None:
         """Top of each scheduler step: start fetches whose query answered, free the pages
         of cancelled prefetches the I/O thread has let go of, apply backup acks."""
+        self._step += 1
+        for op in self.ops.values():
+            if op.finished_step is None and op.finished.is_set():
+                op.finished_step = self._step
+        self._unblock_stale_waits()
         still = []
         for op in self._querying:
             if op.queried.is_set():
@@ -151,8 +171,8 @@ class StorageTier:
         if op.cancelled or hit * self.page_size < self.threshold or hit == 0:
             op.finished.set()  # nothing will be fetched
             return
-        if not op.restarted and self._first_page_in_tree(op):  # inserted since the match
-            self._restarts.append(op.req_id)
+        if not op.restarted and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
+            self._restarts.append(op.req_id)  # inserted since the match: match again
             return
         blocker = self._fetching_our_first_pages(op)
         if blocker is not None:
@@ -172,31 +192,52 @@ class StorageTier:
         op.host_indices = host
         self.io.fetch(op)
 
-    def _first_page_in_tree(self, op: PrefetchOp) -> bool:
-        """Whether the anchor has gained a child for `op`'s first page (there was none when
-        the request matched, or the match would have gone through it)."""
-        key = self.tree._child_key(op.tokens, 0, op.extra_key)
-        return op.anchor.children.get(key) is not None
+    def _covered_in_l2(self, op: PrefetchOp) -> int:
+        """Tokens of `op.tokens` the tree has gained below the anchor since the request
+        matched (there were none, or the match would have gone further), counted only when
+        the path ends in L2, so that a fresh match anchors a prefetch there."""
+        node, pos, tokens = op.anchor, 0, op.tokens
+        while pos < len(tokens):
+            child = node.children.get(self.tree._child_key(tokens, pos, op.extra_key))
+            n = 0 if child is None else self.tree._common_pages(child.key, tokens, pos)
+            if n == 0:
+                break
+            node, pos = child, pos + n
+            if n < len(child.key):
+                break
+        return pos if node is not op.anchor and node.backuped else 0
 
     def _fetching_our_first_pages(self, op: PrefetchOp) -> PrefetchOp | None:
-        """An unfinished-or-uninserted fetch below the same anchor whose pages begin with
-        at least `threshold` tokens of `op`'s (same anchor and hash: the same pages)."""
+        """A fetch below the same anchor whose pages begin with at least `threshold` tokens
+        of `op`'s (same anchor and hash: the same pages), still running or finished in this
+        step (its request is likely admitted in this step, inserting them)."""
         need = max(1, -(-self.threshold // self.page_size))
         for other in self.ops.values():
             if (other is not op and other.host_indices is not None
+                    and other.finished_step in (None, self._step)
                     and other.anchor is op.anchor
                     and other.hashes[:need] == op.hashes[:need]):
                 return other
         return None
+
+    def _unblock_stale_waits(self) -> None:
+        """A prefetch waits for the one fetching its prefix until that one's request is
+        admitted (its pages enter the tree). If that request finished fetching a step ago
+        and still waits (for L1 room), stop waiting: fetch the pages ourselves."""
+        for op in list(self.ops.values()):
+            blocker = self.ops.get(op.blocked_by) if op.blocked_by is not None else None
+            if blocker is not None and blocker.finished_step not in (None, self._step):
+                op.blocked_by = None
+                self._start_fetch(op)
 
     def take_restarts(self) -> list[str]:
         """Requests whose prefetch must be started again after a fresh match (scheduler)."""
         out, self._restarts = self._restarts, []
         return out
 
-    def restart(self, req_id: str) -> float | None:
-        """Drop the request's waiting prefetch (it holds no host pages); returns when the
-        first attempt started, for `prefetch(..., started_at=)`, or None if it is gone."""
+    def restart(self, req_id: str) -> Resume | None:
+        """Drop the request's waiting prefetch (it holds no host pages); returns its clock
+        and budget for `prefetch(..., resume=)`, or None if it is gone."""
         op = self.ops.pop(req_id, None)
         if op is None:
             return None
@@ -206,7 +247,7 @@ class StorageTier:
         op.cancelled = True
         self.tree.release_host(op.anchor)
         self.counters["prefetch_restarts"] += 1
-        return op.started_at
+        return Resume(op.started_at, op.timeout_tokens)
 
     def _prefetch_budget_pages(self) -> int:
         pool = self.tree.controller.host_pool
@@ -222,7 +263,7 @@ class StorageTier:
             return True
         base, per_ki, cap = self.timeout
         limit = cap if self.policy == "wait_complete" else min(
-            cap, base + per_ki * len(op.tokens) / 1024)
+            cap, base + per_ki * op.timeout_tokens / 1024)
         return time.monotonic() - op.started_at >= limit
 
     def terminate(self, req_id: str) -> int:

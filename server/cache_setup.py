@@ -112,7 +112,7 @@ def _l1_pages(config: Config, loaded: LoadedModel) -> int:
     else:
         budget_tokens = min(int(available_memory_bytes() * CPU_KV_FRACTION) // per_token,
                             CPU_MAX_L1_TOKENS)
-    if c.hierarchical and config.host.size_gb is None:
+    if c.hierarchical and c.enable_radix_cache and config.host.size_gb is None:
         host_tokens = int(available_memory_bytes() * HOST_AUTO_FRACTION) // per_token
         if budget_tokens * config.host.ratio > host_tokens:
             logger.info("L1 sized to %d tokens so that L2 (host.ratio %.1f x L1) fits in %.0f%% "

@@ -27,6 +27,7 @@ import torch
 
 from hicache.hiradix_cache import HiRadixCache
 from hicache.radix_cache import RadixCache
+from hicache.storage_tier import Resume
 from server.model_runner import ModelRunner, sample
 from server.request import Request
 from server.tokenizer import Tokenizer
@@ -137,7 +138,9 @@ class Scheduler:
             self.tree.loading_check()
             if self.storage is not None:
                 self.storage.check()
-                self._restart_prefetches()
+                if self._restart_prefetches():  # their queries may answer in this step too
+                    self.storage.settle(QUERY_SETTLE_S)
+                    self.storage.check()
 
     def _run_commands(self) -> None:
         keep = []
@@ -184,26 +187,27 @@ class Scheduler:
     def _cache_key(self, req: Request) -> list[int]:
         return req.input_ids[:-1]  # at least one prompt token is computed, for its logits
 
-    def _start_prefetch(self, req: Request, started_at: float | None = None) -> None:
+    def _start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
         if self.storage is None:
             return
         key = self._cache_key(req)
         m = self.tree.match_prefix(key, req.extra_key)
         hit = m.device_indices.numel() + m.host_hit_length
         req.prefetch_started = self.storage.prefetch(req.rid, m.last_host_node, key[hit:],
-                                                     req.extra_key, started_at)
+                                                     req.extra_key, resume)
 
-    def _restart_prefetches(self) -> None:
-        """Prefetches that waited for another one fetching the same prefix: match again
-        (that prefix is in the tree now) and fetch only the rest."""
+    def _restart_prefetches(self) -> bool:
+        """Prefetches whose prefix reached the tree meanwhile (another prefetch brought it):
+        match again and fetch only the rest. Whether any was restarted."""
         restarts = self.storage.take_restarts()
         if not restarts:
-            return
+            return False
         waiting = {req.rid: req for req in self.waiting}
         for rid in restarts:
-            started_at = self.storage.restart(rid)
-            if started_at is not None and rid in waiting:
-                self._start_prefetch(waiting[rid], started_at)
+            resume = self.storage.restart(rid)
+            if resume is not None and rid in waiting:
+                self._start_prefetch(waiting[rid], resume)
+        return True
 
     def _admit(self, req: Request) -> bool:
         """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""

@@ -352,10 +352,10 @@ def test_a_miss_is_admitted_at_once_while_another_fetch_is_in_flight(tmp_path) -
 def restart_waiting(tree: HiRadixCache, keys: dict[str, list[int]]) -> None:
     """What the scheduler does with `take_restarts`: match again, prefetch the rest."""
     for rid in tree.storage.take_restarts():
-        started = tree.storage.restart(rid)
+        resume = tree.storage.restart(rid)
         m = tree.match_prefix(keys[rid])
         hit = m.device_indices.numel() + m.host_hit_length
-        tree.storage.prefetch(rid, m.last_host_node, keys[rid][hit:], started_at=started)
+        tree.storage.prefetch(rid, m.last_host_node, keys[rid][hit:], resume=resume)
 
 
 def test_prefetches_of_a_shared_prefix_fetch_it_once(tmp_path) -> None:
@@ -426,6 +426,34 @@ def test_a_prefix_that_reached_the_tree_meanwhile_is_matched_again(tmp_path) -> 
     assert tree.match_prefix(a).host_hit_length == 32  # nothing left to fetch
     assert tree.storage.counters["prefetched_tokens"] == 32
     load_and_check(tree, dev, a)
+    tree.storage.wait_idle()
+    tree.check_integrity()
+    tree.storage.close()
+
+
+def test_a_prefetch_stops_waiting_for_one_whose_request_cannot_be_admitted(tmp_path) -> None:
+    """The first request fetched the shared pages but is not admitted (no L1 room): one
+    step later the second stops waiting for it and fetches the pages itself."""
+    tree, dev = make(lmdb(tmp_path / "db"))
+    a = seq_of(13)
+    b = a[:24] + seq_of(14, 8)
+    for seq in (a, b):
+        compute(tree, dev, seq)
+    flush_l1_l2(tree)
+    for rid, seq in (("a", a), ("b", b)):
+        assert tree.storage.prefetch(rid, tree.match_prefix(seq).last_host_node, seq)
+    tree.storage.settle(10.0)
+    tree.storage.check()
+    assert tree.storage.ops["b"].blocked_by == "a"
+    assert tree.storage.ops["a"].finished.wait(10)
+    tree.storage.check()  # sees a's fetch done: a's request may still be admitted now
+    assert tree.storage.ops["b"].blocked_by == "a"
+    tree.storage.check()  # a step later a is still waiting: b fetches for itself
+    assert tree.storage.ops["b"].blocked_by is None
+    assert tree.storage.ops["b"].host_indices is not None
+    assert tree.storage.ops["b"].finished.wait(10)
+    assert tree.storage.terminate("b") == 32
+    assert tree.storage.terminate("a") == 8  # the shared 24 tokens were in the tree by then
     tree.storage.wait_idle()
     tree.check_integrity()
     tree.storage.close()
