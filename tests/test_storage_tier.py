@@ -358,19 +358,25 @@ def restart_waiting(tree: HiRadixCache, keys: dict[str, list[int]]) -> None:
         tree.storage.prefetch(rid, m.last_host_node, keys[rid][hit:], resume=resume)
 
 
-def test_prefetches_of_a_shared_prefix_fetch_it_once(tmp_path) -> None:
-    """Two requests arriving together, 24 tokens in common: the second waits for the first's
-    fetch, is matched again once those pages are in the tree, and fetches only its tail."""
+def two_in_l3_sharing_24(tmp_path, seed: int):
+    """(tree, dev, a, b): 32-token sequences with 24 tokens in common, only in L3, and a
+    prefetch started for each ("a" first), as two requests arriving together."""
     tree, dev = make(lmdb(tmp_path / "db"))
-    a = seq_of(10)
-    b = a[:24] + seq_of(11, 8)
+    a = seq_of(seed)
+    b = a[:24] + seq_of(seed + 1, 8)
     for seq in (a, b):
         compute(tree, dev, seq)
     flush_l1_l2(tree)
+    for rid, seq in (("a", a), ("b", b)):
+        assert tree.storage.prefetch(rid, tree.match_prefix(seq).last_host_node, seq)
+    return tree, dev, a, b
+
+
+def test_prefetches_of_a_shared_prefix_fetch_it_once(tmp_path) -> None:
+    """Two requests arriving together, 24 tokens in common: the second waits for the first's
+    fetch, is matched again once those pages are in the tree, and fetches only its tail."""
+    tree, dev, a, b = two_in_l3_sharing_24(tmp_path, 10)
     keys = {"a": a, "b": b}
-    for rid in ("a", "b"):
-        assert tree.storage.prefetch(rid, tree.match_prefix(keys[rid]).last_host_node,
-                                     keys[rid])
     tree.storage.settle(10.0)
     tree.storage.check()
     assert tree.storage.ops["b"].blocked_by == "a"
@@ -434,14 +440,7 @@ def test_a_prefix_that_reached_the_tree_meanwhile_is_matched_again(tmp_path) -> 
 def test_a_prefetch_stops_waiting_for_one_whose_request_cannot_be_admitted(tmp_path) -> None:
     """The first request fetched the shared pages but is not admitted (no L1 room): one
     step later the second stops waiting for it and fetches the pages itself."""
-    tree, dev = make(lmdb(tmp_path / "db"))
-    a = seq_of(13)
-    b = a[:24] + seq_of(14, 8)
-    for seq in (a, b):
-        compute(tree, dev, seq)
-    flush_l1_l2(tree)
-    for rid, seq in (("a", a), ("b", b)):
-        assert tree.storage.prefetch(rid, tree.match_prefix(seq).last_host_node, seq)
+    tree, dev, a, b = two_in_l3_sharing_24(tmp_path, 13)
     tree.storage.settle(10.0)
     tree.storage.check()
     assert tree.storage.ops["b"].blocked_by == "a"
