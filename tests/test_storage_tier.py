@@ -440,7 +440,7 @@ def test_a_prefix_that_reached_the_tree_meanwhile_is_matched_again(tmp_path) -> 
 def test_a_prefetch_stops_waiting_for_one_whose_request_cannot_be_admitted(tmp_path) -> None:
     """The first request fetched the shared pages but is not admitted (no L1 room): one
     step later the second stops waiting for it and fetches the pages itself."""
-    tree, dev, a, b = two_in_l3_sharing_24(tmp_path, 13)
+    tree, *_ = two_in_l3_sharing_24(tmp_path, 13)
     tree.storage.settle(10.0)
     tree.storage.check()
     assert tree.storage.ops["b"].blocked_by == "a"
