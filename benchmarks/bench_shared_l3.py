@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_multiturn as bm
+import multiturn_report as mr
 import run_multiturn as rm
 
 NUM_SERVERS = 2
@@ -85,7 +86,7 @@ def run_pass(args: argparse.Namespace, sizing: rm.Sizing, label: str, rep: int
              ) -> dict[str, Any]:
     """One configuration on fresh storage: a new LMDB per server, or a new redis-server
     (started here, stopped when the pass ends)."""
-    hier = rm.configs(sizing, args.workdir, POLICY, shlex.split(args.server_args))[rm.HIER].flags
+    hier = rm.configs(sizing, args.workdir, POLICY, shlex.split(args.server_args))[mr.HIER].flags
     name = f"{label} #{rep + 1}"
     if label == PRIVATE:
         return run_config(args, name, [
@@ -162,16 +163,16 @@ def _round(p: dict[str, Any]) -> dict[str, Any]:
 def shared_vs_private(shared: dict[str, Any], private: dict[str, Any]) -> dict[str, Any]:
     """Ratios shared / private of two `config_summary` results: below 1 is faster for TTFT."""
     by_round = {p["round"]: p for p in private["per_round"]}
-    return {"ttft_mean": rm.ratio(shared["ttft_mean_s"], private["ttft_mean_s"]),
-            "ttft_p50": rm.ratio(shared["ttft_p50_s"], private["ttft_p50_s"]),
-            "pass_ttft_mean": [rm.ratio(s, p) for s, p in zip(shared["pass_ttft_mean_s"],
+    return {"ttft_mean": mr.ratio(shared["ttft_mean_s"], private["ttft_mean_s"]),
+            "ttft_p50": mr.ratio(shared["ttft_p50_s"], private["ttft_p50_s"]),
+            "pass_ttft_mean": [mr.ratio(s, p) for s, p in zip(shared["pass_ttft_mean_s"],
                                                               private["pass_ttft_mean_s"])],
-            "request_throughput": rm.ratio(shared["request_throughput"],
+            "request_throughput": mr.ratio(shared["request_throughput"],
                                            private["request_throughput"]),
             "per_round": [{"round": p["round"],
-                           "ttft_mean": rm.ratio(p["ttft_mean_s"],
+                           "ttft_mean": mr.ratio(p["ttft_mean_s"],
                                                  by_round.get(p["round"], {}).get("ttft_mean_s")),
-                           "ttft_p50": rm.ratio(p["ttft_p50_s"],
+                           "ttft_p50": mr.ratio(p["ttft_p50_s"],
                                                 by_round.get(p["round"], {}).get("ttft_p50_s"))}
                           for p in shared["per_round"]]}
 
@@ -183,14 +184,14 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     ref, *others = runs[PRIVATE]
     pooled = {"records": [r for run in [*others, *runs[SHARED]] for r in run["records"]]}
     return {"configs": cfgs, "shared_vs_private": shared_vs_private(cfgs[SHARED], cfgs[PRIVATE]),
-            "same_answers": rm.same_answers(pooled, ref)}
+            "same_answers": mr.same_answers(pooled, ref)}
 
 
 # -------------------------------------------------------------------------------- tables
 
 
 def _hits(h: dict[str, float | None]) -> str:
-    return " / ".join(rm._pct(h[t]) for t in bm.TIERS)
+    return " / ".join(mr._pct(h[t]) for t in bm.TIERS)
 
 
 def config_table(cmp: dict[str, Any]) -> str:
@@ -199,16 +200,16 @@ def config_table(cmp: dict[str, Any]) -> str:
     lines = [head, "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for label, c in cmp["configs"].items():
         h = c["hit_rate"]
-        passes = ", ".join(rm._ms(t) for t in c["pass_ttft_mean_s"])
-        lines.append(f"| {label} | {rm._ms(c['ttft_mean_s'])} | {rm._ms(c['ttft_p50_s'])} "
+        passes = ", ".join(mr._ms(t) for t in c["pass_ttft_mean_s"])
+        lines.append(f"| {label} | {mr._ms(c['ttft_mean_s'])} | {mr._ms(c['ttft_p50_s'])} "
                      f"| {passes} | {c['request_throughput']:.3f} "
-                     f"| {c['input_throughput']:,.0f} | {rm._pct(h['all'])} "
-                     f"| {rm._pct(h['device'])} | {rm._pct(h['host'])} "
-                     f"| {rm._pct(h['storage'])} | {rm._status(c)} |")
+                     f"| {c['input_throughput']:,.0f} | {mr._pct(h['all'])} "
+                     f"| {mr._pct(h['device'])} | {mr._pct(h['host'])} "
+                     f"| {mr._pct(h['storage'])} | {mr._status(c)} |")
     r = cmp["shared_vs_private"]
-    passes = ", ".join(rm._x(x) for x in r["pass_ttft_mean"])
-    lines.append(f"| shared / private | {rm._x(r['ttft_mean'])} | {rm._x(r['ttft_p50'])} "
-                 f"| {passes} | {rm._x(r['request_throughput'])} | | | | | | |")
+    passes = ", ".join(mr._x(x) for x in r["pass_ttft_mean"])
+    lines.append(f"| shared / private | {mr._x(r['ttft_mean'])} | {mr._x(r['ttft_p50'])} "
+                 f"| {passes} | {mr._x(r['request_throughput'])} | | | | | | |")
     return "\n".join(lines)
 
 
@@ -221,10 +222,10 @@ def rounds_table(cmp: dict[str, Any]) -> str:
     ratios = {p["round"]: p for p in cmp["shared_vs_private"]["per_round"]}
     for s in cmp["configs"][SHARED]["per_round"]:
         p, r = private.get(s["round"]), ratios[s["round"]]
-        p_ttft = f"{rm._ms(p['ttft_mean_s'])} / {rm._ms(p['ttft_p50_s'])}" if p else "—"
+        p_ttft = f"{mr._ms(p['ttft_mean_s'])} / {mr._ms(p['ttft_p50_s'])}" if p else "—"
         lines.append(f"| {s['round']} | {s['prompt_tokens_mean']:,.0f} | {p_ttft} "
-                     f"| {rm._ms(s['ttft_mean_s'])} / {rm._ms(s['ttft_p50_s'])} "
-                     f"| {rm._x(r['ttft_mean'])}, {rm._x(r['ttft_p50'])} "
+                     f"| {mr._ms(s['ttft_mean_s'])} / {mr._ms(s['ttft_p50_s'])} "
+                     f"| {mr._x(r['ttft_mean'])}, {mr._x(r['ttft_p50'])} "
                      f"| {_hits(p['hit_rate']) if p else '—'} | {_hits(s['hit_rate'])} |")
     return "\n".join(lines)
 
@@ -240,7 +241,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(config_table(report))
     print("\nPer round:\n")
     print(rounds_table(report))
-    print(f"\nSame answers in both configurations: {rm._pct(report['same_answers'])}")
+    print(f"\nSame answers in both configurations: {mr._pct(report['same_answers'])}")
     print(f"JSON: {report['out']}; per-request log: {report['log']}")
 
 

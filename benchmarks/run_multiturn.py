@@ -43,6 +43,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import bench_multiturn as bm
+from multiturn_report import (
+    BASELINE,
+    HIER,
+    NO_CACHE,
+    STORE,
+    compare,
+    goals,
+    no_reuse_cost,
+    print_report,
+    restarts,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -65,10 +76,6 @@ THREAD_DEATH = "Exception in thread"
 SERVER_METRICS = ("hicache:load_back_seconds_sum", "hicache:load_back_seconds_count",
                   "hicache:prefetch_seconds_sum", "hicache:prefetch_seconds_count",
                   "hicache:load_back_tokens_total", "hicache:prefetch_tokens_total")
-BASELINE = "L1 only"
-NO_CACHE = "no cache"
-HIER = "L1+L2"
-STORE = "L1+L2+L3"
 
 
 class Config(NamedTuple):
@@ -358,214 +365,6 @@ def run_no_reuse(args: argparse.Namespace, sizing: Sizing, policy: str) -> dict[
                 runs[label] = run
             runs[label]["repeat_throughputs"] = run["repeat_throughputs"]
     return runs
-
-
-# ------------------------------------------------------------------------------ analysis
-
-
-def ttft_after_first(run: dict[str, Any]) -> float | None:
-    """Mean TTFT over the requests of rounds >= 2 (every chat has a history to reuse)."""
-    vals = [r["ttft_s"] for r in run["records"] if r["round"] >= 2 and r["ttft_s"] is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
-def round_ttft(run: dict[str, Any], rnd: int) -> float | None:
-    rows = [p for p in run["per_round"] if p["round"] == rnd]
-    return rows[0]["ttft_s"]["mean"] if rows else None
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
-def same_answers(run: dict[str, Any], ref: dict[str, Any]) -> float | None:
-    """Share of requests whose greedy answer equals the no-cache run's (same chat, round)."""
-    ref_ids = {(r["client"], r["round"]): r["output_ids"] for r in ref["records"]}
-    pairs = [(r["output_ids"], ref_ids.get((r["client"], r["round"])))
-             for r in run["records"] if not r["error"]]
-    pairs = [(a, b) for a, b in pairs if b is not None]
-    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
-
-
-def compare(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per configuration: TTFT (rounds >= 2), throughput, hit rates, and ratios vs L1 only."""
-    base = runs[BASELINE]
-    out = {}
-    for label, run in runs.items():
-        if run["replay_round"] is not None:
-            continue
-        t = ttft_after_first(run)
-        out[label] = {"ttft_after_first_s": t, "request_throughput": run["request_throughput"],
-                      "hit_rate": run["hit_rate"], "errors": run["errors"],
-                      "server_died": run["server"]["fatal"],
-                      "ttft_ratio": ratio(t, ttft_after_first(base)),
-                      "throughput_ratio": ratio(run["request_throughput"],
-                                                base["request_throughput"]),
-                      "same_answers_as_no_cache": same_answers(run, runs[NO_CACHE])}
-    return out
-
-
-def restarts(runs: dict[str, Any], last: int) -> dict[str, dict[str, Any]]:
-    """Each replay of the last round after a restart against the same round uncached."""
-    in_run = round_ttft(runs[NO_CACHE], last)
-    replay = runs[f"{NO_CACHE} replay"]["ttft_s"]["mean"]
-    out = {}
-    for label, run in runs.items():
-        if run["replay_round"] is None or label.startswith(NO_CACHE):
-            continue
-        t = run["ttft_s"]["mean"]
-        out[label] = {"ttft_s": t, "no_cache_same_round_s": in_run,
-                      "no_cache_replay_s": replay, "ratio_vs_no_cache_round": ratio(t, in_run),
-                      "ratio_vs_no_cache_replay": ratio(t, replay),
-                      "hit_rate": run["hit_rate"], "errors": run["errors"],
-                      "server_died": run["server"]["fatal"]}
-    return out
-
-
-def no_reuse_cost(runs: dict[str, Any]) -> dict[str, Any]:
-    base = runs[BASELINE]
-    return {label: {"request_throughput": r["request_throughput"],
-                    "input_throughput": r["input_throughput"],
-                    "ttft_mean_s": r["ttft_s"]["mean"], "hit_rate": r["hit_rate"]["all"],
-                    "repeat_throughputs": r["repeat_throughputs"],
-                    "errors": r["errors"], "server_died": r["server"]["fatal"],
-                    "throughput_ratio": ratio(r["request_throughput"],
-                                              base["request_throughput"])}
-            for label, r in runs.items()}
-
-
-GOAL_TTFT = 0.35        # L1+L2 TTFT (rounds >= 2) at most this times L1 only
-GOAL_THROUGHPUT = 2.0   # L1+L2 request throughput at least this times L1 only
-GOAL_RESTART = 0.35     # replayed round after a restart at most this times uncached
-GOAL_NO_REUSE = 0.95    # no reuse: hierarchy keeps at least this share of the throughput
-
-
-def goals(cmp: dict[str, Any], rst: dict[str, Any], nor: dict[str, Any]) -> list[dict]:
-    """Each goal with its measured value; `met` is None when it could not be measured."""
-    def goal(name: str, value: float | None, ok: bool, ok_if: str, broken: bool) -> dict:
-        measurable = value is not None and not broken
-        return {"goal": name, "value": value, "target": ok_if, "met": ok if measurable else None}
-    hier = cmp[HIER]
-    rows = [goal("L1+L2 mean TTFT (rounds >= 2) / L1 only", hier["ttft_ratio"],
-                 (hier["ttft_ratio"] or math.inf) <= GOAL_TTFT, f"<= {GOAL_TTFT}",
-                 _broken(hier)),
-            goal("L1+L2 request throughput / L1 only", hier["throughput_ratio"],
-                 (hier["throughput_ratio"] or 0) >= GOAL_THROUGHPUT, f">= {GOAL_THROUGHPUT}",
-                 _broken(hier))]
-    for label, r in rst.items():
-        rows.append(goal(f"{label}: last-round TTFT / no cache (same round)",
-                         r["ratio_vs_no_cache_round"],
-                         (r["ratio_vs_no_cache_round"] or math.inf) <= GOAL_RESTART,
-                         f"<= {GOAL_RESTART}", _broken(r)))
-    for label, r in nor.items():
-        if label != BASELINE:
-            rows.append(goal(f"no reuse: {label} request throughput / L1 only",
-                             r["throughput_ratio"], (r["throughput_ratio"] or 0) >= GOAL_NO_REUSE,
-                             f">= {GOAL_NO_REUSE}", _broken(r) or _broken(nor[BASELINE])))
-    return rows
-
-
-def _broken(r: dict[str, Any]) -> bool:
-    return bool(r["errors"] or r["server_died"])
-
-
-# -------------------------------------------------------------------------------- tables
-
-
-def _x(v: float | None) -> str:
-    return "—" if v is None else f"{v:.2f}x"
-
-
-def _ms(v: float | None) -> str:
-    return "—" if v is None else f"{v * 1e3:,.0f}"
-
-
-def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{v:.1%}"
-
-
-def _status(r: dict[str, Any]) -> str:
-    if r["server_died"]:
-        return f"server died: {r['server_died']}"
-    return f"{r['errors']} errors" if r["errors"] else "ok"
-
-
-def config_table(cmp: dict[str, Any]) -> str:
-    head = ("| configuration | TTFT r>=2 (ms) | vs L1 only | req/s | vs L1 only | hit rate "
-            "| device | host | storage | same answers as no cache | status |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for label, r in cmp.items():
-        h = r["hit_rate"]
-        lines.append(f"| {label} | {_ms(r['ttft_after_first_s'])} | {_x(r['ttft_ratio'])} "
-                     f"| {r['request_throughput']:.3f} | {_x(r['throughput_ratio'])} "
-                     f"| {_pct(h['all'])} | {_pct(h['device'])} | {_pct(h['host'])} "
-                     f"| {_pct(h['storage'])} | {_pct(r['same_answers_as_no_cache'])} "
-                     f"| {_status(r)} |")
-    return "\n".join(lines)
-
-
-def rounds_table(runs: dict[str, Any]) -> str:
-    labels = [k for k, r in runs.items() if r["replay_round"] is None]
-    lines = ["| round | " + " | ".join(f"{k} TTFT (ms)" for k in labels) + " |",
-             "|---:|" + "---:|" * len(labels)]
-    rounds = sorted({p["round"] for r in runs.values() for p in r["per_round"]})
-    for rnd in rounds:
-        cells = [_ms(round_ttft(runs[k], rnd)) for k in labels]
-        lines.append(f"| {rnd} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def restart_table(rst: dict[str, Any], last: int) -> str:
-    head = (f"| replay of round {last} | TTFT (ms) | no cache, round {last} in the run (ms) "
-            "| ratio | no cache, same replay (ms) | ratio | hit rate | storage hits | status |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for label, r in rst.items():
-        lines.append(f"| {label} | {_ms(r['ttft_s'])} | {_ms(r['no_cache_same_round_s'])} "
-                     f"| {_x(r['ratio_vs_no_cache_round'])} | {_ms(r['no_cache_replay_s'])} "
-                     f"| {_x(r['ratio_vs_no_cache_replay'])} | {_pct(r['hit_rate']['all'])} "
-                     f"| {_pct(r['hit_rate']['storage'])} | {_status(r)} |")
-    return "\n".join(lines)
-
-
-def no_reuse_table(nor: dict[str, Any]) -> str:
-    head = ("| no reuse | req/s (best) | each pass | input tok/s | vs L1 only | TTFT mean (ms) "
-            "| hit rate | status |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---|"]
-    for label, r in nor.items():
-        passes = ", ".join(f"{t:.3f}" for t in r["repeat_throughputs"])
-        lines.append(f"| {label} | {r['request_throughput']:.3f} | {passes} "
-                     f"| {r['input_throughput']:,.0f} | {_x(r['throughput_ratio'])} "
-                     f"| {_ms(r['ttft_mean_s'])} | {_pct(r['hit_rate'])} | {_status(r)} |")
-    return "\n".join(lines)
-
-
-def goals_table(rows: list[dict]) -> str:
-    lines = ["| goal | measured | target | met |", "|---|---:|---|---|"]
-    for g in rows:
-        met = "not measured" if g["met"] is None else ("yes" if g["met"] else "no")
-        lines.append(f"| {g['goal']} | {_x(g['value'])} | {g['target']} | {met} |")
-    return "\n".join(lines)
-
-
-def print_report(report: dict[str, Any]) -> None:
-    s, m, w = report["sizing"], report["machine"], report["workload"]
-    last = w["num_rounds"]
-    print(f"\nMulti-turn benchmark, {report['date']}: {w['num_clients']} chats x {last} rounds, "
-          f"{w['request_length']}-token questions, {w['output_length']}-token answers, "
-          f"{w['system_prompt_length']}-token shared system prompt; working set "
-          f"{s['working_set']:,} tokens, L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x "
-          f"L1; {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}.\n")
-    print(config_table(report["configs"]))
-    print("\nMean TTFT per round:\n")
-    print(rounds_table(report["runs"]))
-    print(f"\nRestart on the same LMDB (cold L1 and L2), round {last} replayed:\n")
-    print(restart_table(report["restart"], last))
-    print(f"\nNo reuse (every prompt distinct, {report['no_reuse_workload']['num_rounds']} "
-          f"rounds, best of {report['no_reuse_workload']['repeats']} alternating passes):\n")
-    print(no_reuse_table(report["no_reuse"]))
-    print("\nGoals:\n")
-    print(goals_table(report["goals"]))
-    print(f"\nJSON: {report['out']}; plots: {', '.join(report['plots'])}")
 
 
 # ---------------------------------------------------------------------------------- main
