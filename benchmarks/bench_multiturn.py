@@ -447,11 +447,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # -------------------------------------------------------------------------------- report
 
 
-def _ms(x: float | None) -> str:
+def fmt_ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:,.0f}"
 
 
-def _pct(x: float | None) -> str:
+def fmt_pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.1%}"
 
 
@@ -460,8 +460,8 @@ def summary_table(s: dict[str, Any]) -> str:
     for key, label in (("ttft_s", "TTFT (ms)"), ("itl_s", "ITL (ms)"),
                        ("latency_s", "latency (ms)")):
         st = s[key]
-        lines.append(f"| {label} | {_ms(st['mean'])} | {_ms(st['median'])} | "
-                     f"{_ms(st['p90'])} | {_ms(st['p99'])} |")
+        lines.append(f"| {label} | {fmt_ms(st['mean'])} | {fmt_ms(st['median'])} | "
+                     f"{fmt_ms(st['p90'])} | {fmt_ms(st['p99'])} |")
     return "\n".join(lines)
 
 
@@ -472,9 +472,9 @@ def rounds_table(s: dict[str, Any]) -> str:
     for r in s["per_round"]:
         h = r["hit_rate"]
         lines.append(f"| {r['round']} | {r['requests']} | {r['prompt_tokens_mean']:,.0f} | "
-                     f"{_ms(r['ttft_s']['mean'])} | {_ms(r['ttft_s']['p90'])} | "
-                     f"{_pct(h['all'])} | {_pct(h['device'])} | {_pct(h['host'])} | "
-                     f"{_pct(h['storage'])} |")
+                     f"{fmt_ms(r['ttft_s']['mean'])} | {fmt_ms(r['ttft_s']['p90'])} | "
+                     f"{fmt_pct(h['all'])} | {fmt_pct(h['device'])} | {fmt_pct(h['host'])} | "
+                     f"{fmt_pct(h['storage'])} |")
     return "\n".join(lines)
 
 
@@ -482,9 +482,9 @@ def print_summary(s: dict[str, Any]) -> None:
     h = s["hit_rate"]
     print(f"{s['requests']} requests in {s['duration_s']:.1f} s ({s['errors']} errors): "
           f"{s['request_throughput']:.2f} req/s, {s['input_throughput']:,.0f} input tok/s, "
-          f"{s['output_throughput']:,.1f} output tok/s; hit rate {_pct(h['all'])} "
-          f"(device {_pct(h['device'])}, host {_pct(h['host'])}, storage "
-          f"{_pct(h['storage'])})\n")
+          f"{s['output_throughput']:,.1f} output tok/s; hit rate {fmt_pct(h['all'])} "
+          f"(device {fmt_pct(h['device'])}, host {fmt_pct(h['host'])}, storage "
+          f"{fmt_pct(h['storage'])})\n")
     print(summary_table(s))
     print()
     print(rounds_table(s))

@@ -191,7 +191,7 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def _hits(h: dict[str, float | None]) -> str:
-    return " / ".join(mr._pct(h[t]) for t in bm.TIERS)
+    return " / ".join(mr.fmt_pct(h[t]) for t in bm.TIERS)
 
 
 def config_table(cmp: dict[str, Any]) -> str:
@@ -200,16 +200,16 @@ def config_table(cmp: dict[str, Any]) -> str:
     lines = [head, "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for label, c in cmp["configs"].items():
         h = c["hit_rate"]
-        passes = ", ".join(mr._ms(t) for t in c["pass_ttft_mean_s"])
-        lines.append(f"| {label} | {mr._ms(c['ttft_mean_s'])} | {mr._ms(c['ttft_p50_s'])} "
+        passes = ", ".join(mr.fmt_ms(t) for t in c["pass_ttft_mean_s"])
+        lines.append(f"| {label} | {mr.fmt_ms(c['ttft_mean_s'])} | {mr.fmt_ms(c['ttft_p50_s'])} "
                      f"| {passes} | {c['request_throughput']:.3f} "
-                     f"| {c['input_throughput']:,.0f} | {mr._pct(h['all'])} "
-                     f"| {mr._pct(h['device'])} | {mr._pct(h['host'])} "
-                     f"| {mr._pct(h['storage'])} | {mr._status(c)} |")
+                     f"| {c['input_throughput']:,.0f} | {mr.fmt_pct(h['all'])} "
+                     f"| {mr.fmt_pct(h['device'])} | {mr.fmt_pct(h['host'])} "
+                     f"| {mr.fmt_pct(h['storage'])} | {mr.run_status(c)} |")
     r = cmp["shared_vs_private"]
-    passes = ", ".join(mr._x(x) for x in r["pass_ttft_mean"])
-    lines.append(f"| shared / private | {mr._x(r['ttft_mean'])} | {mr._x(r['ttft_p50'])} "
-                 f"| {passes} | {mr._x(r['request_throughput'])} | | | | | | |")
+    passes = ", ".join(mr.fmt_x(x) for x in r["pass_ttft_mean"])
+    lines.append(f"| shared / private | {mr.fmt_x(r['ttft_mean'])} | {mr.fmt_x(r['ttft_p50'])} "
+                 f"| {passes} | {mr.fmt_x(r['request_throughput'])} | | | | | | |")
     return "\n".join(lines)
 
 
@@ -222,10 +222,10 @@ def rounds_table(cmp: dict[str, Any]) -> str:
     ratios = {p["round"]: p for p in cmp["shared_vs_private"]["per_round"]}
     for s in cmp["configs"][SHARED]["per_round"]:
         p, r = private.get(s["round"]), ratios[s["round"]]
-        p_ttft = f"{mr._ms(p['ttft_mean_s'])} / {mr._ms(p['ttft_p50_s'])}" if p else "—"
+        p_ttft = f"{mr.fmt_ms(p['ttft_mean_s'])} / {mr.fmt_ms(p['ttft_p50_s'])}" if p else "—"
         lines.append(f"| {s['round']} | {s['prompt_tokens_mean']:,.0f} | {p_ttft} "
-                     f"| {mr._ms(s['ttft_mean_s'])} / {mr._ms(s['ttft_p50_s'])} "
-                     f"| {mr._x(r['ttft_mean'])}, {mr._x(r['ttft_p50'])} "
+                     f"| {mr.fmt_ms(s['ttft_mean_s'])} / {mr.fmt_ms(s['ttft_p50_s'])} "
+                     f"| {mr.fmt_x(r['ttft_mean'])}, {mr.fmt_x(r['ttft_p50'])} "
                      f"| {_hits(p['hit_rate']) if p else '—'} | {_hits(s['hit_rate'])} |")
     return "\n".join(lines)
 
@@ -241,7 +241,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(config_table(report))
     print("\nPer round:\n")
     print(rounds_table(report))
-    print(f"\nSame answers in both configurations: {mr._pct(report['same_answers'])}")
+    print(f"\nSame answers in both configurations: {mr.fmt_pct(report['same_answers'])}")
     print(f"JSON: {report['out']}; per-request log: {report['log']}")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from bench_multiturn import fmt_ms, fmt_pct
+
 # The configurations' labels: the keys of the driver's runs and the rows of the tables.
 BASELINE = "L1 only"
 NO_CACHE = "no cache"
@@ -126,19 +128,11 @@ def _broken(r: dict[str, Any]) -> bool:
 # -------------------------------------------------------------------------------- tables
 
 
-def _x(v: float | None) -> str:
+def fmt_x(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f}x"
 
 
-def _ms(v: float | None) -> str:
-    return "—" if v is None else f"{v * 1e3:,.0f}"
-
-
-def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{v:.1%}"
-
-
-def _status(r: dict[str, Any]) -> str:
+def run_status(r: dict[str, Any]) -> str:
     if r["server_died"]:
         return f"server died: {r['server_died']}"
     return f"{r['errors']} errors" if r["errors"] else "ok"
@@ -150,11 +144,11 @@ def config_table(cmp: dict[str, Any]) -> str:
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for label, r in cmp.items():
         h = r["hit_rate"]
-        lines.append(f"| {label} | {_ms(r['ttft_after_first_s'])} | {_x(r['ttft_ratio'])} "
-                     f"| {r['request_throughput']:.3f} | {_x(r['throughput_ratio'])} "
-                     f"| {_pct(h['all'])} | {_pct(h['device'])} | {_pct(h['host'])} "
-                     f"| {_pct(h['storage'])} | {_pct(r['same_answers_as_no_cache'])} "
-                     f"| {_status(r)} |")
+        lines.append(f"| {label} | {fmt_ms(r['ttft_after_first_s'])} | {fmt_x(r['ttft_ratio'])} "
+                     f"| {r['request_throughput']:.3f} | {fmt_x(r['throughput_ratio'])} "
+                     f"| {fmt_pct(h['all'])} | {fmt_pct(h['device'])} | {fmt_pct(h['host'])} "
+                     f"| {fmt_pct(h['storage'])} | {fmt_pct(r['same_answers_as_no_cache'])} "
+                     f"| {run_status(r)} |")
     return "\n".join(lines)
 
 
@@ -164,7 +158,7 @@ def rounds_table(runs: dict[str, Any]) -> str:
              "|---:|" + "---:|" * len(labels)]
     rounds = sorted({p["round"] for r in runs.values() for p in r["per_round"]})
     for rnd in rounds:
-        cells = [_ms(round_ttft(runs[k], rnd)) for k in labels]
+        cells = [fmt_ms(round_ttft(runs[k], rnd)) for k in labels]
         lines.append(f"| {rnd} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -174,10 +168,10 @@ def restart_table(rst: dict[str, Any], last: int) -> str:
             "| ratio | no cache, same replay (ms) | ratio | hit rate | storage hits | status |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for label, r in rst.items():
-        lines.append(f"| {label} | {_ms(r['ttft_s'])} | {_ms(r['no_cache_same_round_s'])} "
-                     f"| {_x(r['ratio_vs_no_cache_round'])} | {_ms(r['no_cache_replay_s'])} "
-                     f"| {_x(r['ratio_vs_no_cache_replay'])} | {_pct(r['hit_rate']['all'])} "
-                     f"| {_pct(r['hit_rate']['storage'])} | {_status(r)} |")
+        lines.append(f"| {label} | {fmt_ms(r['ttft_s'])} | {fmt_ms(r['no_cache_same_round_s'])} "
+                     f"| {fmt_x(r['ratio_vs_no_cache_round'])} | {fmt_ms(r['no_cache_replay_s'])} "
+                     f"| {fmt_x(r['ratio_vs_no_cache_replay'])} | {fmt_pct(r['hit_rate']['all'])} "
+                     f"| {fmt_pct(r['hit_rate']['storage'])} | {run_status(r)} |")
     return "\n".join(lines)
 
 
@@ -188,8 +182,8 @@ def no_reuse_table(nor: dict[str, Any]) -> str:
     for label, r in nor.items():
         passes = ", ".join(f"{t:.3f}" for t in r["repeat_throughputs"])
         lines.append(f"| {label} | {r['request_throughput']:.3f} | {passes} "
-                     f"| {r['input_throughput']:,.0f} | {_x(r['throughput_ratio'])} "
-                     f"| {_ms(r['ttft_mean_s'])} | {_pct(r['hit_rate'])} | {_status(r)} |")
+                     f"| {r['input_throughput']:,.0f} | {fmt_x(r['throughput_ratio'])} "
+                     f"| {fmt_ms(r['ttft_mean_s'])} | {fmt_pct(r['hit_rate'])} | {run_status(r)} |")
     return "\n".join(lines)
 
 
@@ -197,7 +191,7 @@ def goals_table(rows: list[dict]) -> str:
     lines = ["| goal | measured | target | met |", "|---|---:|---|---|"]
     for g in rows:
         met = "not measured" if g["met"] is None else ("yes" if g["met"] else "no")
-        lines.append(f"| {g['goal']} | {_x(g['value'])} | {g['target']} | {met} |")
+        lines.append(f"| {g['goal']} | {fmt_x(g['value'])} | {g['target']} | {met} |")
     return "\n".join(lines)
 
 
