@@ -239,10 +239,19 @@ class RadixCache:
     def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Tokens of `key` cached in any tier, without touching, splitting or counting a hit
         (for ranking waiting requests)."""
+        return self._peek(key, extra_key)[1]
+
+    def peek_path(self, key: Sequence[int], extra_key: str | None = None) -> list[TreeNode]:
+        """The nodes spelling `key`'s cached prefix in whole edges, root excluded, without
+        touching, splitting or counting a hit (right after `insert(key)`: all of `key`)."""
+        return self._peek(key, extra_key)[0]
+
+    def _peek(self, key: Sequence[int], extra_key: str | None) -> tuple[list[TreeNode], int]:
+        """(whole nodes of the cached prefix, tokens cached including a partial last edge)."""
         if self.disable:
-            return 0
+            return [], 0
         key = self._page_aligned(key)
-        node, pos = self.root, 0
+        node, pos, path = self.root, 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos, extra_key))
             if child is None:
@@ -252,7 +261,8 @@ class RadixCache:
             if n < len(child.key):
                 break
             node = child
-        return pos
+            path.append(node)
+        return path, pos
 
     def _on_path(self, path: list[TreeNode]) -> None:
         """Hook: called with the nodes a match or insert went through, root first."""

@@ -293,9 +293,12 @@ class Scheduler:
             return
         done = []
         for i, (req, n) in enumerate(zip(reqs, lens)):
+            was_prefilled = req.prefilled
             req.num_computed += n
             if req.prefilled:
                 done.append(i)
+                if not was_prefilled:
+                    self._cache_prompt(req)
         tokens = sample(logits[done], [reqs[i] for i in done]) if done else []
         for i, token in zip(done, tokens):
             self._append_token(reqs[i], token)
@@ -374,6 +377,27 @@ class Scheduler:
             self.tree.loading_check()
             if self.storage is not None:
                 self.storage.wait_idle()
+
+    def _cache_prompt(self, req: Request) -> None:
+        """Give the prompt's KV to the tree as soon as its prefill is done, not when the
+        request finishes: requests sharing the prompt hit it in L1 while this one decodes,
+        and its pages start down to L2 and L3 (where another server may look for them)
+        before the answer is out. The request keeps the path locked and reads the tree's
+        slots from here on (where the tree already had some, its own copies are freed)."""
+        aligned = req.num_computed // self.page_size * self.page_size
+        if self.tree.disable or aligned <= req.cached_len:
+            return
+        tokens = req.all_ids[:aligned]
+        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key)
+        if present > req.cached_len:  # the tree had these pages: ours are duplicates
+            self.pool.free(req.kv_slots[req.cached_len:present])
+        path = self.tree.peek_path(tokens, req.extra_key)  # no second hit for the policies
+        slots = torch.cat([node.value for node in path])
+        assert slots.numel() == aligned, "an inserted key is whole nodes on the device"
+        self.tree.inc_lock_ref(path[-1])
+        self.tree.dec_lock_ref(req.last_node)
+        req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
+        req.last_node, req.cached_len = path[-1], aligned
 
     def _release(self, req: Request, keep_cache: bool) -> None:
         """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""

@@ -344,3 +344,24 @@ def test_requests_sharing_a_prefix_in_l3_fetch_it_once(tmp_path, reference_outpu
     shared = 96  # the system prompt: six whole pages
     assert fetched == sum(cacheable) - shared
     assert [results[i]["output_ids"] for i in range(2)] == reference_outputs[6:8]
+
+
+def test_a_prompt_is_cached_once_prefilled_while_its_request_still_decodes(tmp_path) -> None:
+    """A second request with the same prompt, arriving while the first is still generating,
+    reads the prompt from L1 instead of recomputing it."""
+    prompt = conversations()[0][1]
+    long = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+    with engine(tmp_path) as e:
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(
+            e.generate(input_ids=prompt, sampling_params=long)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while e.stats()["counters"]["generated_tokens"] < 2:  # prefilled, now decoding
+            assert time.monotonic() < deadline, "the first request never started decoding"
+            time.sleep(0.005)
+        second = e.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert not first, "the first request finished too early for this test to mean much"
+        t.join()
+    assert second["meta_info"]["cached_tokens_details"]["device"] == (len(prompt) - 1) // 16 * 16
+    assert second["output_ids"] == first["output_ids"][:len(second["output_ids"])]

@@ -45,6 +45,20 @@ def keys_of(tree: RadixCache) -> set[tuple]:
 # ------------------------------------------------------------------------------ scenarios
 
 
+def test_peek_path_spells_an_inserted_key_without_touching_the_tree() -> None:
+    tree = RadixCache(page_size=2)
+    tree.insert([1, 2, 3, 4, 5, 6], torch.tensor([10, 11, 12, 13, 14, 15]))
+    tree.insert([1, 2, 3, 4, 7, 8], torch.tensor([10, 11, 12, 13, 16, 17]))
+    before = {n.id: (n.hit_count, n.last_access_time) for n in tree._iter_nodes()}
+    path = tree.peek_path([1, 2, 3, 4, 7, 8])
+    assert [n.key for n in path] == [(1, 2, 3, 4), (7, 8)]
+    assert torch.cat([n.value for n in path]).tolist() == [10, 11, 12, 13, 16, 17]
+    assert tree.peek_path([1, 2, 3, 9]) == []  # ends inside an edge: no whole node
+    assert tree.peek_prefix([1, 2, 3, 9]) == 2
+    assert {n.id: (n.hit_count, n.last_access_time) for n in tree._iter_nodes()} == before
+    tree.check_integrity()
+
+
 def test_split_in_the_middle_of_an_edge() -> None:
     tree = RadixCache(page_size=1)
     tree.insert([1, 2, 3, 4, 5, 6, 7, 8])
