@@ -6,8 +6,9 @@ Each step (`step`): drain the inbox, apply the cache's acks, then
                admit waiting requests longest-cached-prefix first: storage prefetch
                policy -> match -> load-back from L2 -> lock -> reserve L1 for the rest
     run        the model runner starts the loads and runs the batch
-    finish     sample; finished requests are inserted into the tree (duplicate slots
-               freed, write-through queued) and unlocked
+    finish     sample; a request whose prefill just ended has its prompt inserted into the
+               tree (it keeps the path locked); finished requests are inserted whole
+               (duplicate slots freed, write-through queued) and unlocked
 
 A request that does not fit waits in the queue; nothing ever exits for lack of memory.
 Every other thread talks to the scheduler through `submit` / `call` (the inbox).
