@@ -270,10 +270,12 @@ class RadixCache:
     # --------------------------------------------------------------------------- insert
 
     def insert(self, key: Sequence[int], value: torch.Tensor | None = None,
-               extra_key: str | None = None) -> int:
+               extra_key: str | None = None, *, count_hit: bool = True) -> int:
         """Add `key` -> `value`; return how many leading tokens were already present.
 
         The caller frees its own slots `value[:returned]`; the tree keeps the rest.
+        `count_hit=False` (a request caching its prompt before it finishes, and inserting
+        again then) leaves hit counts alone, so one request counts as one use.
         """
         key = self._page_aligned(key)
         if self.disable:
@@ -292,11 +294,12 @@ class RadixCache:
                 child = self._split(child, n)
             present += self._insert_hit(child, value, pos)
             child.last_access_time = now
-            child.hit_count += 1
+            child.hit_count += count_hit
             path.append(child)
             node, pos = child, pos + n
         if pos < len(key):
             path.append(self._add_leaf(node, key[pos:], value[pos:].clone(), extra_key, now))
+            path[-1].hit_count -= not count_hit  # its first use is counted at the next insert
         self._requeue(path)
         self._on_path(path)
         return present

@@ -389,7 +389,8 @@ class Scheduler:
         if self.tree.disable or aligned <= req.cached_len:
             return
         tokens = req.all_ids[:aligned]
-        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key)
+        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
+                                   count_hit=False)  # counted once, by `_release`
         if present > req.cached_len:  # the tree had these pages: ours are duplicates
             self.pool.free(req.kv_slots[req.cached_len:present])
         path = self.tree.peek_path(tokens, req.extra_key)  # no second hit for the policies
@@ -406,7 +407,8 @@ class Scheduler:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
         present = req.cached_len
-        if aligned > req.cached_len:
+        if aligned > req.cached_tokens:  # pages new since admission, maybe cached at prefill:
+            # insert (again) so that this request counts as one use and refreshes the path
             tokens = req.all_ids[:aligned]
             present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key)
         own = req.kv_slots[req.cached_len:]

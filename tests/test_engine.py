@@ -365,3 +365,19 @@ def test_a_prompt_is_cached_once_prefilled_while_its_request_still_decodes(tmp_p
         t.join()
     assert second["meta_info"]["cached_tokens_details"]["device"] == (len(prompt) - 1) // 16 * 16
     assert second["output_ids"] == first["output_ids"][:len(second["output_ids"])]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_one_request_counts_as_one_use_of_its_prompt(tmp_path, policy) -> None:
+    """The prompt enters the tree after prefill and again at finish; hit counts (LFU, and
+    write_through_selective's threshold) still see one use, so one request's prompt is not
+    copied to L2 under write_through_selective."""
+    prompt = conversations()[2][1]
+    answer = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}  # crosses pages
+    with tiered(tmp_path, **{"storage.backend": "none", "cache.eviction_policy": policy,
+                             "host.write_policy": "write_through_selective"}) as e:
+        e.generate(input_ids=prompt, sampling_params=answer)
+        stats = e.stats()
+        counts = e._call(lambda: [n.hit_count for n in e.cache.tree._iter_nodes()])
+    assert stats["tiers"]["host"]["written_tokens"] == 0
+    assert counts and all(c == 1 for c in counts)
