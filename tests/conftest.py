@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import NoReturn
 
 import pytest
 import torch
@@ -38,6 +39,14 @@ def cuda_available() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+
+
+def missing_tool(message: str) -> NoReturn:
+    """A tool the project's tests need is absent: fail under CI (.ci/run must provide it),
+    skip on a developer's machine."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}; CI must provide it", pytrace=False)
+    pytest.skip(message)
 
 
 def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:

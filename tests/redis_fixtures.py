@@ -14,7 +14,6 @@ variable `CI` is set (CI installs it, see .ci/run) and skips it otherwise.
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import shutil
 import signal
@@ -30,6 +29,7 @@ from typing import Any
 import pytest
 import redis
 import redis.connection
+from conftest import missing_tool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from typing_extensions import Self
@@ -49,11 +49,8 @@ def require_redis_server() -> str:
     path = shutil.which("redis-server")
     if path is not None and shutil.which("redis-cli") is not None:
         return path
-    message = ("redis-server / redis-cli not found on PATH: install the Debian package "
-               "redis-server (apt-get install -y redis-server)")
-    if os.environ.get("CI"):
-        pytest.fail(f"{message}; CI must provide it (.ci/run installs it)", pytrace=False)
-    pytest.skip(message)
+    missing_tool("redis-server / redis-cli not found on PATH: install the Debian package "
+                 "redis-server (apt-get install -y redis-server; .ci/run does)")
 
 
 def _port_free(port: int) -> bool:

@@ -119,7 +119,7 @@ def test_batched_requests_give_the_tokens_of_one_at_a_time(tmp_path, reference_o
 
 
 def test_matches_transformers_greedy_generation(tmp_path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the `test` extra
     prompt = conversations()[1][0]
     with engine(tmp_path) as e:
         ours = e.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]

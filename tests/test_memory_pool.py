@@ -504,8 +504,8 @@ def test_available_memory_bytes_is_positive() -> None:
     assert memory_pool_host.available_memory_bytes() > 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
-def test_host_pool_not_pinned_without_cuda() -> None:
+def test_host_pool_not_pinned_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only host
     pool = make_host_pool("page_first")
     assert pool.is_pinned is False
     with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import compile_cubin
+from conftest import compile_cubin, missing_tool
 
 from hicache.memory_pool import DeviceKVPool
 from kernels import cuda_utils, paged_attention
@@ -143,7 +143,7 @@ def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
 
 def test_nvrtc_compiles_without_headers() -> None:
     if cuda_utils.load_nvrtc() is None:
-        pytest.skip("no NVRTC library installed")
+        missing_tool("no NVRTC library installed (torch's CUDA wheels ship one)")
     ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source("paged_attention.cu"))
     for suffix in ("f32", "f16", "bf16"):
         assert f".entry paged_decode_attention_{suffix}(" in ptx

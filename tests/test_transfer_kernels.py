@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compile_cubin
+from conftest import compile_cubin, missing_tool
 
 from kernels import cuda_utils, transfer_kv, transfer_kv_cuda
 from kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages, page_runs
@@ -404,7 +404,7 @@ def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
 
 def test_nvrtc_compiles_without_headers() -> None:
     if cuda_utils.load_nvrtc() is None:
-        pytest.skip("no NVRTC library installed")
+        missing_tool("no NVRTC library installed (torch's CUDA wheels ship one)")
     ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source("transfer_kv.cu"))
     assert ".entry gather_kv_d2h" in ptx and ".entry scatter_kv_h2d" in ptx
     with pytest.raises(RuntimeError, match="undefined"):
