@@ -100,6 +100,23 @@ def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,
     return pages_of(host_indices, page_size).tolist()
 
 
+class Counters:
+    """Named event counts of a backend, added to from any thread."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._counts = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class RateLimitedLog:
     """Logs a warning per operation name at most once per `interval_s`; counts the rest.
 

@@ -58,6 +58,7 @@ from hicache.storage.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
+    Counters,
     RateLimitedLog,
     SharedExclusiveLock,
     StorageBackend,
@@ -100,10 +101,8 @@ class LmdbStore(StorageBackend):
         self.max_size_bytes = max_size_bytes - max_size_bytes % MIN_MAP_BYTES
         self._gate = SharedExclusiveLock()
         self._log = RateLimitedLog(logger)
-        self._counts = dict.fromkeys(
-            (STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN,
-             STAT_SKIPPED), 0)
-        self._counts_lock = threading.Lock()
+        self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED,
+                                 STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED))
         self._touches: dict[bytes, int] = {}  # page hash -> time_ns of its latest read
         self._touch_lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -168,10 +167,10 @@ class LmdbStore(StorageBackend):
 
         self._guard("batch_get", None, lambda: self._txn(False, body))
         hits = sum(served)
-        self._count(STAT_HITS, hits)
-        self._count(STAT_MISSES, len(keys) - hits)
+        self._counts.add(STAT_HITS, hits)
+        self._counts.add(STAT_MISSES, len(keys) - hits)
         if corrupt:
-            self._count(STAT_CORRUPT, len(corrupt))
+            self._counts.add(STAT_CORRUPT, len(corrupt))
             self._guard("delete_corrupt", 0, lambda: self._delete(corrupt))
         self._touch([key for key, ok in zip(keys, served) if ok])
         return served
@@ -196,8 +195,8 @@ class LmdbStore(StorageBackend):
         written = self._guard("batch_set", None, lambda: self._txn(True, body))
         if written is None:
             return [False] * len(keys)
-        self._count(STAT_WRITTEN, written)
-        self._count(STAT_SKIPPED, len(keys) - written)
+        self._counts.add(STAT_WRITTEN, written)
+        self._counts.add(STAT_SKIPPED, len(keys) - written)
         return [True] * len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -219,8 +218,7 @@ class LmdbStore(StorageBackend):
         return self._guard("clear", 0, lambda: self._txn(True, body))
 
     def stats(self) -> dict[str, Any]:
-        with self._counts_lock:
-            out: dict[str, Any] = dict(self._counts)
+        out = self._counts.snapshot()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
                     "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
         self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
@@ -277,7 +275,7 @@ class LmdbStore(StorageBackend):
         except _Closed:
             return fallback
         except lmdb.Error as err:
-            self._count(STAT_ERRORS, 1)
+            self._counts.add(STAT_ERRORS, 1)
             self._log.warning(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
                                   "treated as a miss / skipped write")
             return fallback
@@ -312,7 +310,7 @@ class LmdbStore(StorageBackend):
 
         victims = self._txn(False, oldest)
         removed = self._txn(True, lambda txn: self._delete_in(txn, victims), make_room=False)
-        self._count(STAT_EVICTED, removed)
+        self._counts.add(STAT_EVICTED, removed)
         return removed
 
     def _delete(self, keys: Sequence[bytes]) -> int:
@@ -370,7 +368,3 @@ class LmdbStore(StorageBackend):
             if txn.get(key, db=self._pages) is not None:  # not for pages deleted since
                 txn.put(key, _STAMP.pack(stamp), db=self._atime)
 
-    def _count(self, name: str, n: int) -> None:
-        if n:
-            with self._counts_lock:
-                self._counts[name] += n

@@ -64,6 +64,7 @@ from hicache.storage.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
+    Counters,
     RateLimitedLog,
     StorageBackend,
     check_batch,
@@ -166,9 +167,8 @@ class RedisStore(StorageBackend):
         self._gates = {_READ: Backoff(backoff_initial_s, backoff_max_s),
                        _WRITE: Backoff(backoff_initial_s, backoff_max_s)}
         self._log = RateLimitedLog(logger)
-        self._counts = dict.fromkeys((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_ERRORS,
-                                      STAT_WRITTEN, STAT_SKIPPED, STAT_BACKOFF), 0)
-        self._counts_lock = threading.Lock()
+        self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_ERRORS,
+                                 STAT_WRITTEN, STAT_SKIPPED, STAT_BACKOFF))
         self._client_lock = threading.Lock()
         self._client: Client | None = None
         self._closed = False
@@ -206,10 +206,10 @@ class RedisStore(StorageBackend):
         if keys:
             self._call("batch_get", _READ, None, body)
         hits = sum(served)
-        self._count(STAT_HITS, hits)
-        self._count(STAT_MISSES, len(keys) - hits)
+        self._counts.add(STAT_HITS, hits)
+        self._counts.add(STAT_MISSES, len(keys) - hits)
         if corrupt:
-            self._count(STAT_CORRUPT, len(corrupt))
+            self._counts.add(STAT_CORRUPT, len(corrupt))
             self._call("delete_corrupt", _READ, 0, lambda client: self._unlink(client, corrupt))
         return served
 
@@ -233,8 +233,8 @@ class RedisStore(StorageBackend):
                 refused = next((r for r in results if isinstance(r, Exception)), None)
                 for i, result in enumerate(results, start):
                     stored[i] = not isinstance(result, Exception)
-                self._count(STAT_WRITTEN, sum(r is True for r in results))
-                self._count(STAT_SKIPPED, sum(r is None for r in results))
+                self._counts.add(STAT_WRITTEN, sum(r is True for r in results))
+                self._counts.add(STAT_SKIPPED, sum(r is None for r in results))
                 if refused is not None:
                     raise refused
 
@@ -273,8 +273,7 @@ class RedisStore(StorageBackend):
         is `used_memory`, `capacity_bytes` `maxmemory` (0: unbounded), `evicted_pages`
         `evicted_keys` (every key Redis evicted since it started). All are 0 while Redis is
         unreachable."""
-        with self._counts_lock:
-            out: dict[str, Any] = dict(self._counts)
+        out = self._counts.snapshot()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: 0, STAT_EVICTED: 0,
                     "url": self.url, "cluster": self.cluster, "key_prefix": self.key_prefix,
                     "ttl_seconds": self.ttl_seconds})
@@ -326,7 +325,7 @@ class RedisStore(StorageBackend):
     def _call(self, op: str, side: str, fallback: T, body: Callable[[Client], T]) -> T:
         """`body(client)`, or `fallback` when closed, backing off, or Redis fails."""
         if not self._gates[side].ready():
-            self._count(STAT_BACKOFF, 1)
+            self._counts.add(STAT_BACKOFF, 1)
             return fallback
         try:
             result = body(self._connected())
@@ -344,7 +343,7 @@ class RedisStore(StorageBackend):
         refused = isinstance(err, ResponseError) and not isinstance(err, _UNREACHABLE)
         sides = (side,) if refused else (_READ, _WRITE)
         interval = max(self._gates[s].failed() for s in sides)
-        self._count(STAT_ERRORS, 1)
+        self._counts.add(STAT_ERRORS, 1)
         hint = (" (Redis is full: give it maxmemory-policy allkeys-lru)"
                 if "OOM" in str(err) else "")
         self._log.warning(op, f"Redis {self.url}: {type(err).__name__}: {err}{hint}; treated "
@@ -377,10 +376,6 @@ class RedisStore(StorageBackend):
             **options)
         return redis.Redis(connection_pool=pool)
 
-    def _count(self, name: str, n: int) -> None:
-        if n:
-            with self._counts_lock:
-                self._counts[name] += n
 
 
 def _primaries(client: Client) -> list[redis.Redis]:

@@ -25,7 +25,6 @@ own state is its counters (one lock).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from hicache.storage.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
+    Counters,
     StorageBackend,
 )
 
@@ -62,8 +62,7 @@ class TieredStore(StorageBackend):
 
     def __init__(self, local: StorageBackend, shared: StorageBackend) -> None:
         self.local, self.shared = local, shared
-        self._counts = dict.fromkeys((STAT_HITS, STAT_MISSES, STAT_PROMOTED), 0)
-        self._counts_lock = threading.Lock()
+        self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_PROMOTED))
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         found = self.local.batch_exists(keys)
@@ -83,10 +82,10 @@ class TieredStore(StorageBackend):
                 served[missed[j]] = True
             if hits:  # the pages are in host memory now: this copy costs no network
                 hit_keys, hit_slots = _pick(missed_keys, missed_slots, hits)
-                self._count(STAT_PROMOTED, sum(self.local.batch_set(hit_keys, host_pool,
+                self._counts.add(STAT_PROMOTED, sum(self.local.batch_set(hit_keys, host_pool,
                                                                     hit_slots)))
-        self._count(STAT_HITS, sum(served))
-        self._count(STAT_MISSES, len(keys) - sum(served))
+        self._counts.add(STAT_HITS, sum(served))
+        self._counts.add(STAT_MISSES, len(keys) - sum(served))
         return served
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
@@ -109,8 +108,7 @@ class TieredStore(StorageBackend):
         evictions and writes of the local part, `corrupt_pages` and `errors` of both; plus
         `promoted_pages` and each part's own stats under `"lmdb"` and `"redis"`."""
         local, shared = self.local.stats(), self.shared.stats()
-        with self._counts_lock:
-            out: dict[str, Any] = dict(self._counts)
+        out = self._counts.snapshot()
         out.update({key: local[key] for key in _LOCAL_STATS})
         out.update({key: local[key] + shared[key] for key in _SUMMED_STATS})
         out.update({LOCAL: local, SHARED: shared})
@@ -119,11 +117,6 @@ class TieredStore(StorageBackend):
     def close(self) -> None:
         self.local.close()
         self.shared.close()
-
-    def _count(self, name: str, n: int) -> None:
-        if n:
-            with self._counts_lock:
-                self._counts[name] += n
 
 
 def _pick(keys: Sequence[bytes], host_indices: torch.Tensor,
