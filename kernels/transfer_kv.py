@@ -10,7 +10,7 @@ In every layout one *chunk* (a page of one layer's K or V, `S * kv_heads * head_
 is contiguous, so a transfer is a list of chunk copies: for each selected layer, K and V,
 `device_pages[i]` <-> `host_pages[i]`.
 
-Backends, one signature (`d2h_pages_<backend>` / `h2d_pages_<backend>`):
+Backends (`backend=` of `d2h_pages` / `h2d_pages`, validated alike):
 
     reference  pure torch, per layer and K/V one gather and/or scatter of whole pages
     direct     torch `copy_` per maximal run of pages consecutive in both lists
@@ -30,7 +30,7 @@ synchronise), and the direct and reference backends must read them (one sync per
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -100,9 +100,9 @@ def d2h_pages(
     """Copy device pages into host pages (`device_pages[i]` -> `host_pages[i]`), K and V of
     `layers` (None = all). See the module docstring for layouts, backends and synchronisation.
     """
-    _D2H[_check_backend(backend)](
-        k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages, page_size,
-        layers, stream)
+    backend = _check_backend(backend)
+    _run(_validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                   page_size, layers, dst_is_host=True), backend, True, stream)
 
 
 def h2d_pages(
@@ -112,94 +112,20 @@ def h2d_pages(
     layers: Sequence[int] | None = None, backend: str = "reference", stream: Any = None,
 ) -> None:
     """Copy host pages into device pages (`host_pages[i]` -> `device_pages[i]`), K and V of
-    `layers` (None = all). See the module docstring for layouts, backends and synchronisation.
-    """
-    _H2D[_check_backend(backend)](
-        host_buffer, host_layout, k_buffers, v_buffers, host_pages, device_pages, page_size,
-        layers, stream)
+    `layers` (None = all); the cuda backend lands them in one launch, so pass one layer at a
+    time to land layer by layer. See the module docstring."""
+    backend = _check_backend(backend)
+    _run(_validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
+                   page_size, layers, dst_is_host=False), backend, False, stream)
 
 
-def d2h_pages_reference(
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_buffer: torch.Tensor, host_layout: str,
-    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`d2h_pages(..., backend="reference")`."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=True)
+def _run(t: _Transfer, backend: str, to_host: bool, stream: Any) -> None:
+    """One validated transfer through `backend`."""
+    if backend == "cuda":  # one gather_kv_d2h / scatter_kv_h2d launch for the selected layers
+        transfer_kv_cuda.launch(t, "gather_kv_d2h" if to_host else "scatter_kv_h2d", stream)
+        return
     with _torch_stream(stream, t):
-        _reference(t, to_host=True)
-
-
-def h2d_pages_reference(
-    host_buffer: torch.Tensor, host_layout: str,
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`h2d_pages(..., backend="reference")`."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=False)
-    with _torch_stream(stream, t):
-        _reference(t, to_host=False)
-
-
-def d2h_pages_direct(
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_buffer: torch.Tensor, host_layout: str,
-    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`d2h_pages(..., backend="direct")`."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=True)
-    with _torch_stream(stream, t):
-        _direct(t, to_host=True)
-
-
-def h2d_pages_direct(
-    host_buffer: torch.Tensor, host_layout: str,
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`h2d_pages(..., backend="direct")`."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=False)
-    with _torch_stream(stream, t):
-        _direct(t, to_host=False)
-
-
-def d2h_pages_cuda(
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_buffer: torch.Tensor, host_layout: str,
-    device_pages: torch.Tensor, host_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`d2h_pages(..., backend="cuda")`: one `gather_kv_d2h` launch for all selected layers."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=True)
-    transfer_kv_cuda.launch(t, "gather_kv_d2h", stream)
-
-
-def h2d_pages_cuda(
-    host_buffer: torch.Tensor, host_layout: str,
-    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-    host_pages: torch.Tensor, device_pages: torch.Tensor, page_size: int,
-    layers: Sequence[int] | None = None, stream: Any = None,
-) -> None:
-    """`h2d_pages(..., backend="cuda")`: one `scatter_kv_h2d` launch; pass one layer at a time
-    to land layer by layer."""
-    t = _validate(k_buffers, v_buffers, host_buffer, host_layout, device_pages, host_pages,
-                  page_size, layers, dst_is_host=False)
-    transfer_kv_cuda.launch(t, "scatter_kv_h2d", stream)
-
-
-_D2H: dict[str, Callable[..., None]] = {
-    "reference": d2h_pages_reference, "direct": d2h_pages_direct, "cuda": d2h_pages_cuda}
-_H2D: dict[str, Callable[..., None]] = {
-    "reference": h2d_pages_reference, "direct": h2d_pages_direct, "cuda": h2d_pages_cuda}
+        (_reference if backend == "reference" else _direct)(t, to_host)
 
 
 def _check_backend(backend: str) -> str:

@@ -361,13 +361,13 @@ def test_duplicate_destination_pages_rejected() -> None:
     assert torch.equal(ok["host_buffer"][3], ok["host_buffer"][4])
 
 
-def test_validation_is_shared_by_named_functions() -> None:
-    args = _valid_args()
-    args["page_size"] = 0
-    for fn in (transfer_kv.d2h_pages_reference, transfer_kv.d2h_pages_direct,
-               transfer_kv.d2h_pages_cuda):
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_validation_is_shared_by_every_backend(direction: str) -> None:
+    for backend in transfer_kv.BACKENDS:
+        args = _valid_args()
+        args["page_size"], args["backend"] = 0, backend
         with pytest.raises(ValueError, match="page_size"):
-            fn(*_positional("d2h", args))
+            _call(direction, args)
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
