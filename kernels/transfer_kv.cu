@@ -80,29 +80,9 @@ __device__ __forceinline__ ChunkAddr chunk_addr(
   return a;
 }
 
-// D->H: copy num_pages pages of the selected layers, K and V, from the device pool into the
-// pinned host pool. device_pages[i] lands in host_pages[i].
-extern "C" __global__ void gather_kv_d2h(
-    const u64* k_ptrs, const u64* v_ptrs,           // [num_layers] device addresses per layer
-    const i64* layer_ids, i64 first_layer, i64 num_sel_layers,
-    const i64* device_pages, const i64* host_pages, i64 num_pages,
-    u64 host_base, i64 chunk_bytes,
-    i64 host_page_stride, i64 host_layer_stride, i64 host_kv_stride) {
-  const int lane = threadIdx.x & (WARP_SIZE - 1);
-  const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) / WARP_SIZE;
-  const i64 num_warps = static_cast<i64>(gridDim.x) * blockDim.x / WARP_SIZE;
-  const i64 num_chunks = num_pages * num_sel_layers * 2;
-  for (i64 c = warp; c < num_chunks; c += num_warps) {
-    const ChunkAddr a = chunk_addr(c, k_ptrs, v_ptrs, layer_ids, first_layer, num_sel_layers,
-                                   device_pages, host_pages, host_base, chunk_bytes,
-                                   host_page_stride, host_layer_stride, host_kv_stride);
-    warp_copy(a.host, a.device, chunk_bytes, lane);
-  }
-}
-
-// H->D: the reverse. The wrapper launches it once per layer (num_sel_layers == 1) so that
-// layer i can be waited on by attention while layer i + 1 is still in flight.
-extern "C" __global__ void scatter_kv_h2d(
+// Both directions: one warp per chunk (a page of one layer's K or V), grid-stride.
+template <bool TO_HOST>
+__device__ __forceinline__ void copy_chunks(
     const u64* k_ptrs, const u64* v_ptrs,
     const i64* layer_ids, i64 first_layer, i64 num_sel_layers,
     const i64* device_pages, const i64* host_pages, i64 num_pages,
@@ -116,6 +96,36 @@ extern "C" __global__ void scatter_kv_h2d(
     const ChunkAddr a = chunk_addr(c, k_ptrs, v_ptrs, layer_ids, first_layer, num_sel_layers,
                                    device_pages, host_pages, host_base, chunk_bytes,
                                    host_page_stride, host_layer_stride, host_kv_stride);
-    warp_copy(a.device, a.host, chunk_bytes, lane);
+    if (TO_HOST) {
+      warp_copy(a.host, a.device, chunk_bytes, lane);
+    } else {
+      warp_copy(a.device, a.host, chunk_bytes, lane);
+    }
   }
+}
+
+// D->H: copy num_pages pages of the selected layers, K and V, from the device pool into the
+// pinned host pool. device_pages[i] lands in host_pages[i].
+extern "C" __global__ void gather_kv_d2h(
+    const u64* k_ptrs, const u64* v_ptrs,           // [num_layers] device addresses per layer
+    const i64* layer_ids, i64 first_layer, i64 num_sel_layers,
+    const i64* device_pages, const i64* host_pages, i64 num_pages,
+    u64 host_base, i64 chunk_bytes,
+    i64 host_page_stride, i64 host_layer_stride, i64 host_kv_stride) {
+  copy_chunks<true>(k_ptrs, v_ptrs, layer_ids, first_layer, num_sel_layers, device_pages,
+                    host_pages, num_pages, host_base, chunk_bytes, host_page_stride,
+                    host_layer_stride, host_kv_stride);
+}
+
+// H->D: the reverse, same arguments. The wrapper launches it once per layer
+// (num_sel_layers == 1) so that layer i can be waited on while layer i + 1 is in flight.
+extern "C" __global__ void scatter_kv_h2d(
+    const u64* k_ptrs, const u64* v_ptrs,
+    const i64* layer_ids, i64 first_layer, i64 num_sel_layers,
+    const i64* device_pages, const i64* host_pages, i64 num_pages,
+    u64 host_base, i64 chunk_bytes,
+    i64 host_page_stride, i64 host_layer_stride, i64 host_kv_stride) {
+  copy_chunks<false>(k_ptrs, v_ptrs, layer_ids, first_layer, num_sel_layers, device_pages,
+                     host_pages, num_pages, host_base, chunk_bytes, host_page_stride,
+                     host_layer_stride, host_kv_stride);
 }
