@@ -29,7 +29,8 @@ import torch
 from hicache.cache_controller import HiCacheController
 from hicache.hashing import PageHasher
 from hicache.hitree_node import HiCacheCounters, HiTreeNode, LoadBack
-from hicache.radix_cache import _EMPTY, LeafHeap, MatchResult, RadixCache, TreeNode, _concat
+from hicache.leaf_heap import LeafHeap
+from hicache.radix_cache import _EMPTY, MatchResult, RadixCache, TreeNode, _concat
 from hicache.storage_controller import StorageController
 from hicache.storage_tier import StorageTier
 

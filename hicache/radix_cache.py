@@ -13,13 +13,14 @@ Threading: the tree belongs to the scheduler thread; nothing else may call into 
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from hicache.leaf_heap import LeafHeap
 
 # Key and value types: a key is a tuple of token ids, a child key identifies an edge by its
 # namespace and first page (an int when page_size == 1, else a tuple of page_size ints).
@@ -83,45 +84,6 @@ class MatchResult(NamedTuple):
     last_device_node: TreeNode    # deepest node whose pages are on the device (root if none)
     last_host_node: TreeNode      # deepest node of the whole hit (== last_device_node without L2)
     host_hit_length: int = 0      # tokens hit in L2 beyond the device hit
-
-
-class LeafHeap:
-    """Lazy min-heap of eviction candidates.
-
-    An entry is pushed whenever a node may have become a candidate or its priority changed;
-    stale entries (node no longer a candidate, priority changed since) are dropped when they
-    surface. `evict` therefore never walks the whole tree.
-    """
-
-    def __init__(self, priority: Callable[[TreeNode], tuple], is_candidate:
-                 Callable[[TreeNode], bool]) -> None:
-        self._priority = priority
-        self._is_candidate = is_candidate
-        self._heap: list[tuple[tuple, int, TreeNode]] = []
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def push(self, node: TreeNode) -> None:
-        if self._is_candidate(node):
-            heapq.heappush(self._heap, (self._priority(node), next(self._seq), node))
-
-    def pop(self) -> TreeNode | None:
-        """The lowest-priority candidate, or None when there is none."""
-        while self._heap:
-            prio, _, node = heapq.heappop(self._heap)
-            if self._is_candidate(node) and prio == self._priority(node):
-                return node
-        return None
-
-    def rebuild(self, nodes: Iterator[TreeNode]) -> None:
-        self._heap = [(self._priority(n), next(self._seq), n) for n in nodes
-                      if self._is_candidate(n)]
-        heapq.heapify(self._heap)
-
-    def clear(self) -> None:
-        self._heap = []
 
 
 class RadixCache:
