@@ -10,6 +10,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from hicache.config import load_config
+from server.engine import Engine
+
 # CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
 settings.register_profile(
     "ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
@@ -39,6 +42,14 @@ def cuda_available() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+
+
+def tiered_engine(lmdb_dir) -> Engine:
+    """An engine on the CPU with all three tiers (LMDB in `lmdb_dir`), prefetches waited for."""
+    return Engine(load_config(None, {
+        "cache.max_total_tokens": 2048, "cache.hierarchical": True, "storage.backend": "lmdb",
+        "storage.lmdb.path": str(lmdb_dir), "storage.prefetch_policy": "wait_complete",
+        "storage.prefetch_threshold": 32, "model.device": "cpu"}))
 
 
 def missing_tool(message: str) -> NoReturn:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
+from conftest import tiered_engine
 
-from hicache.config import load_config
 from server.admin_api import AdminDenied, add_admin_routes, check_admin_access, is_loopback
 from server.engine import Engine
 from server.http_api import Handler, create_app
@@ -26,12 +26,7 @@ SETTLE_POLL_S = 0.05
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    lmdb = tmp_path_factory.mktemp("admin_lmdb")
-    cfg = load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
-                             "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
-                             "storage.prefetch_policy": "wait_complete",
-                             "storage.prefetch_threshold": 32, "model.device": "cpu"})
-    with Engine(cfg) as e:
+    with tiered_engine(tmp_path_factory.mktemp("admin_lmdb")) as e:
         yield e
 
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from conftest import tiered_engine
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.config import load_config
 from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
 from server.engine import Engine
 from server.http_api import create_app
@@ -40,12 +40,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    lmdb = tmp_path_factory.mktemp("metrics_lmdb")
-    cfg = load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
-                             "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
-                             "storage.prefetch_policy": "wait_complete",
-                             "storage.prefetch_threshold": 32, "model.device": "cpu"})
-    with Engine(cfg) as e:
+    with tiered_engine(tmp_path_factory.mktemp("metrics_lmdb")) as e:
         yield e
 
 
