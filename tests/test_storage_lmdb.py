@@ -380,6 +380,11 @@ def test_faults_become_counted_misses_never_exceptions(
 def test_close_is_idempotent_and_later_calls_are_misses(tmp_path: Path) -> None:
     store, pool = open_store(tmp_path / "l3"), filled_pool()
     write_range(store, pool, 0, 2)
+    assert_closed_twice_then_misses(store, pool)
+
+
+def assert_closed_twice_then_misses(store, pool) -> None:
+    """A store closed twice answers every later call with a miss, counting no error."""
     store.close()
     store.close()
     assert store.batch_exists(keys_of(0, 2)) == 0

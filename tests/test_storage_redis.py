@@ -31,6 +31,7 @@ from redis_fixtures import (
 from test_storage_lmdb import (
     GEOMETRY,
     NUM_PAGES,
+    assert_closed_twice_then_misses,
     filled_pool,
     keys_of,
     page_bytes,
@@ -335,12 +336,7 @@ def test_close_is_idempotent_and_later_calls_are_quiet_misses(redis_server: Redi
         filled_pool()
     write_range(store, pool, 0, 2)
     assert store.clear() == 2
-    store.close()
-    store.close()
-    assert store.batch_exists(keys_of(0, 2)) == 0
-    assert store.batch_get(keys_of(0, 2), pool, slots([0, 1])) == [False, False]
-    assert store.batch_set(keys_of(0, 2), pool, slots([0, 1])) == [False, False]
-    assert store.stats()["errors"] == 0
+    assert_closed_twice_then_misses(store, pool)
 
 
 def test_registry_and_arguments(redis_server: RedisServer) -> None:
