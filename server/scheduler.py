@@ -388,11 +388,7 @@ class Scheduler:
         aligned = req.num_computed // self.page_size * self.page_size
         if self.tree.disable or aligned <= req.cached_len:
             return
-        tokens = req.all_ids[:aligned]
-        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
-                                   count_hit=False)  # counted once, by `_release`
-        if present > req.cached_len:  # the tree had these pages: ours are duplicates
-            self.pool.free(req.kv_slots[req.cached_len:present])
+        tokens = self._insert_into_tree(req, aligned, count_hit=False)  # `_release` counts
         path = self.tree.peek_path(tokens, req.extra_key)  # no second hit for the policies
         slots = torch.cat([node.value for node in path])
         assert slots.numel() == aligned, "an inserted key is whole nodes on the device"
@@ -401,21 +397,28 @@ class Scheduler:
         req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
         req.last_node, req.cached_len = path[-1], aligned
 
+    def _insert_into_tree(self, req: Request, aligned: int, count_hit: bool = True
+                          ) -> list[int]:
+        """Insert the request's first `aligned` tokens with its slots; the request's copies
+        of pages the tree already held (beyond those it shares, `cached_len`) are freed.
+        Returns the tokens inserted."""
+        tokens = req.all_ids[:aligned]
+        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
+                                   count_hit=count_hit)
+        if present > req.cached_len:  # the tree had these pages: ours are duplicates
+            self.pool.free(req.kv_slots[req.cached_len:present])
+        return tokens
+
     def _release(self, req: Request, keep_cache: bool) -> None:
         """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""
         if req.last_node is None:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
-        present = req.cached_len
         if aligned > req.cached_tokens:  # pages new since admission, maybe cached at prefill:
-            # insert (again) so that this request counts as one use and refreshes the path
-            tokens = req.all_ids[:aligned]
-            present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key)
-        own = req.kv_slots[req.cached_len:]
-        dup = max(0, present - req.cached_len)
-        free = torch.cat([own[:dup], req.kv_slots[max(aligned, req.cached_len):]])
-        if free.numel():
-            self.pool.free(free)
+            self._insert_into_tree(req, aligned)  # (again): one use, and a fresh access time
+        rest = req.kv_slots[max(aligned, req.cached_len):]  # never the tree's
+        if rest.numel():
+            self.pool.free(rest)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.reserved = None, 0
         req.kv_slots = req.kv_slots[:0]
