@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hicache.config import TIERED_BACKEND, LmdbConfig
-from hicache.storage.base import StorageBackend
+from hicache.storage.base import StorageBackend, check_section_keys
 from hicache.storage.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.redis_store import redis_factory
@@ -70,10 +70,7 @@ _LMDB_KEYS = ("path", "max_size_gb", "sync")
 
 
 def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:
-    unknown = sorted(set(config) - set(_LMDB_KEYS))
-    if unknown:
-        raise ValueError(f"storage.lmdb: unknown key(s) {', '.join(unknown)}; allowed: "
-                         f"{', '.join(_LMDB_KEYS)}")
+    check_section_keys("storage.lmdb", config, _LMDB_KEYS)
     defaults = LmdbConfig()
     section = LmdbConfig(path=config.get("path", defaults.path),
                          max_size_gb=config.get("max_size_gb", defaults.max_size_gb))

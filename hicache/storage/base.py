@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -98,6 +98,14 @@ def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,
         raise ValueError(f"{len(keys)} keys need {len(keys) * page_size} host slot indices "
                          f"(page_size={page_size}), got shape {tuple(host_indices.shape)}")
     return pages_of(host_indices, page_size).tolist()
+
+
+def check_section_keys(section: str, config: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    """ValueError naming the keys of a backend's config `section` it does not take."""
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        raise ValueError(f"{section}: unknown key(s) {', '.join(unknown)}; allowed: "
+                         f"{', '.join(allowed)}")
 
 
 class Counters:

@@ -68,6 +68,7 @@ from hicache.storage.base import (
     RateLimitedLog,
     StorageBackend,
     check_batch,
+    check_section_keys,
 )
 from hicache.storage.page_format import PageCodec
 
@@ -398,10 +399,7 @@ REDIS_KEYS = ("url", "cluster", "key_prefix", "ttl_seconds", "socket_timeout_s",
 
 def redis_factory(config: Mapping[str, Any], codec: PageCodec) -> RedisStore:
     """`create_backend("redis", section, codec)`: the section's keys are `REDIS_KEYS`."""
-    unknown = sorted(set(config) - set(REDIS_KEYS))
-    if unknown:
-        raise ValueError(f"storage.redis: unknown key(s) {', '.join(unknown)}; allowed: "
-                         f"{', '.join(REDIS_KEYS)}")
+    check_section_keys("storage.redis", config, REDIS_KEYS)
     defaults = RedisConfig()
     return RedisStore(
         config.get("url", defaults.url), codec,
