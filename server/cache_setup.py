@@ -65,11 +65,20 @@ class CacheStack:
                 "evictable": sizes["evictable"], "protected": sizes["protected"],
                 "hits": counters["cached_host"], **vars(self.tree.counters)}
             if self.tree.storage is not None:
-                io = self.tree.storage.io
-                tiers["storage"] = {**io.backend.stats(), "hits": counters["cached_storage"],
-                                    "errors_by_op": dict(io.errors),
-                                    **self.tree.storage.counters}
+                tiers["storage"] = self._storage_stats(counters)
         return {"tiers": tiers, "counters": dict(counters)}
+
+    def _storage_stats(self, counters: dict[str, int]) -> dict[str, Any]:
+        """The backend's stats with the faults it caught (`errors_by_op`: "batch_get", ...)
+        and those its I/O threads caught ("exists", "get", "set": exceptions a backend let
+        through) in one per-operation count; `errors` is their total."""
+        io = self.tree.storage.io
+        backend = io.backend.stats()
+        faults = dict(backend.get("errors_by_op", {}))
+        for op, n in io.errors.items():
+            faults[op] = faults.get(op, 0) + n
+        return {**backend, "hits": counters["cached_storage"], "errors_by_op": faults,
+                "errors": sum(faults.values()), **self.tree.storage.counters}
 
     def close(self) -> None:
         if isinstance(self.tree, HiRadixCache):

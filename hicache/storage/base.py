@@ -27,8 +27,9 @@ STAT_EVICTED = "evicted_pages"        # pages removed by the capacity bound
 STAT_ERRORS = "errors"                # backend faults turned into misses / skipped writes
 STAT_WRITTEN = "written_pages"        # pages stored by batch_set
 STAT_SKIPPED = "skipped_pages"        # batch_set pages already present (not rewritten)
+STAT_ERRORS_BY_OP = "errors_by_op"   # {operation: faults}; the values sum to STAT_ERRORS
 STAT_KEYS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_HITS, STAT_MISSES, STAT_CORRUPT,
-             STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED)
+             STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED, STAT_ERRORS_BY_OP)
 
 # A failing backend logs each operation's fault at most this often (seconds): a dead disk
 # must not flood the log at the rate of prefetches.
@@ -52,8 +53,9 @@ class StorageBackend(ABC):
 
     Faults: a backend error (I/O, a full or unreachable store) is never raised to the caller:
     it becomes a miss (`batch_get` False, `batch_exists` stops counting) or a skipped write
-    (`batch_set` False), is added to `stats()["errors"]` and logged at most once a minute per
-    operation. A stored value that fails its integrity check is a miss, is deleted, and is
+    (`batch_set` False), is added to `stats()["errors"]` and to its operation's count in
+    `stats()["errors_by_op"]` (what `/metrics` and `/admin/tiers` report), and is logged at
+    most once a minute per operation (`FaultLog`). A stored value that fails its integrity check is a miss, is deleted, and is
     added to `stats()["corrupt_pages"]`. Wrong arguments (lengths that do not match, a pool
     of another geometry) are programming errors and raise ValueError.
     """
@@ -123,6 +125,32 @@ class Counters:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._counts)
+
+
+class FaultLog:
+    """A backend's faults: counted per operation and in total, logged rate-limited.
+
+    `record(op, message)` adds one fault of `op` to `counts` (under STAT_ERRORS) and to its
+    own per-operation counts, and logs `message` unless `op` logged within the interval.
+    Threading: any thread.
+    """
+
+    def __init__(self, logger: logging.Logger, counts: Counters,
+                 interval_s: float = FAULT_LOG_INTERVAL_S) -> None:
+        self._counts = counts
+        self._log = RateLimitedLog(logger, interval_s)
+        self._by_op: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, op: str, message: str) -> None:
+        self._counts.add(STAT_ERRORS, 1)
+        with self._lock:
+            self._by_op[op] = self._by_op.get(op, 0) + 1
+        self._log.warning(op, message)
+
+    def by_op(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_op)
 
 
 class RateLimitedLog:

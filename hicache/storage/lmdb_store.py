@@ -58,8 +58,9 @@ from hicache.storage.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
+    STAT_ERRORS_BY_OP,
     Counters,
-    RateLimitedLog,
+    FaultLog,
     SharedExclusiveLock,
     StorageBackend,
     check_batch,
@@ -100,9 +101,9 @@ class LmdbStore(StorageBackend):
         self.codec = codec
         self.max_size_bytes = max_size_bytes - max_size_bytes % MIN_MAP_BYTES
         self._gate = SharedExclusiveLock()
-        self._log = RateLimitedLog(logger)
         self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED,
                                  STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED))
+        self._faults = FaultLog(logger, self._counts)
         self._touches: dict[bytes, int] = {}  # page hash -> time_ns of its latest read
         self._touch_lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -219,6 +220,7 @@ class LmdbStore(StorageBackend):
 
     def stats(self) -> dict[str, Any]:
         out = self._counts.snapshot()
+        out[STAT_ERRORS_BY_OP] = self._faults.by_op()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
                     "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
         self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
@@ -275,8 +277,7 @@ class LmdbStore(StorageBackend):
         except _Closed:
             return fallback
         except lmdb.Error as err:
-            self._counts.add(STAT_ERRORS, 1)
-            self._log.warning(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
+            self._faults.record(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
                                   "treated as a miss / skipped write")
             return fallback
 

@@ -64,8 +64,9 @@ from hicache.storage.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
+    STAT_ERRORS_BY_OP,
     Counters,
-    RateLimitedLog,
+    FaultLog,
     StorageBackend,
     check_batch,
     check_section_keys,
@@ -167,9 +168,9 @@ class RedisStore(StorageBackend):
         self._round_pages = max(1, PIPELINE_MAX_BYTES // codec.value_bytes)
         self._gates = {_READ: Backoff(backoff_initial_s, backoff_max_s),
                        _WRITE: Backoff(backoff_initial_s, backoff_max_s)}
-        self._log = RateLimitedLog(logger)
         self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_ERRORS,
                                  STAT_WRITTEN, STAT_SKIPPED, STAT_BACKOFF))
+        self._faults = FaultLog(logger, self._counts)
         self._client_lock = threading.Lock()
         self._client: Client | None = None
         self._closed = False
@@ -275,6 +276,7 @@ class RedisStore(StorageBackend):
         `evicted_keys` (every key Redis evicted since it started). All are 0 while Redis is
         unreachable."""
         out = self._counts.snapshot()
+        out[STAT_ERRORS_BY_OP] = self._faults.by_op()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: 0, STAT_EVICTED: 0,
                     "url": self.url, "cluster": self.cluster, "key_prefix": self.key_prefix,
                     "ttl_seconds": self.ttl_seconds})
@@ -344,12 +346,11 @@ class RedisStore(StorageBackend):
         refused = isinstance(err, ResponseError) and not isinstance(err, _UNREACHABLE)
         sides = (side,) if refused else (_READ, _WRITE)
         interval = max(self._gates[s].failed() for s in sides)
-        self._counts.add(STAT_ERRORS, 1)
         hint = (" (Redis is full: give it maxmemory-policy allkeys-lru)"
                 if "OOM" in str(err) else "")
-        self._log.warning(op, f"Redis {self.url}: {type(err).__name__}: {err}{hint}; treated "
-                              f"as a miss / skipped write; {'/'.join(sides)} calls paused "
-                              f"for {interval:.1f} s")
+        self._faults.record(op, f"Redis {self.url}: {type(err).__name__}: {err}{hint}; "
+                                f"treated as a miss / skipped write; {'/'.join(sides)} calls "
+                                f"paused for {interval:.1f} s")
 
     def _connected(self) -> Client:
         with self._client_lock:

@@ -37,6 +37,7 @@ from hicache.storage.base import (
     STAT_CAPACITY,
     STAT_CORRUPT,
     STAT_ERRORS,
+    STAT_ERRORS_BY_OP,
     STAT_EVICTED,
     STAT_HITS,
     STAT_MISSES,
@@ -105,12 +106,15 @@ class TieredStore(StorageBackend):
 
     def stats(self) -> dict[str, Any]:
         """`STAT_KEYS` for the whole: `hits` / `misses` of this store, sizes, capacity,
-        evictions and writes of the local part, `corrupt_pages` and `errors` of both; plus
+        evictions and writes of the local part, `corrupt_pages` and `errors` of both (and
+        `errors_by_op` with each part's operations as "lmdb.<op>" / "redis.<op>"); plus
         `promoted_pages` and each part's own stats under `"lmdb"` and `"redis"`."""
         local, shared = self.local.stats(), self.shared.stats()
         out = self._counts.snapshot()
         out.update({key: local[key] for key in _LOCAL_STATS})
         out.update({key: local[key] + shared[key] for key in _SUMMED_STATS})
+        out[STAT_ERRORS_BY_OP] = {f"{name}.{op}": n for name, part in ((LOCAL, local),
+                                  (SHARED, shared)) for op, n in part[STAT_ERRORS_BY_OP].items()}
         out.update({LOCAL: local, SHARED: shared})
         return out
 
