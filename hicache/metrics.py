@@ -158,6 +158,9 @@ def _request_metrics(counters: Mapping[str, Any], tiers: Mapping[str, Any]
     yield _counter("requests", "Requests received", counters.get("requests", 0))
     yield _counter("prompt_tokens", "Prompt tokens received", prompt)
     yield _counter("generated_tokens", "Tokens generated", counters.get("generated_tokens", 0))
+    yield _counter("request_errors", "Requests the server failed while serving them (a fault "
+                   "on one request's behalf; the others went on)",
+                   counters.get("request_errors", 0))
     cached = _counter("cached_tokens", "Prompt tokens served from each tier instead of "
                       "being computed", label="tier")
     total = 0

@@ -2,6 +2,7 @@
 
     POST /admin/flush                     {"tiers": [...]} (default all three) -> {"freed": {...}}
     GET  /admin/tiers                     capacity / used / evictable / protected / hits, tokens
+                                          (storage also: errors, errors_by_op: faults)
     POST /flush_cache                     SGLang's alias: flush device and host
     POST /hicache/storage-backend/clear   SGLang's alias: flush storage
 
@@ -74,7 +75,10 @@ def check_admin_access(remote: str | None, authorization: str | None,
     if scheme.lower() != BEARER or not token.strip():
         raise AdminDenied(401, "admin routes need the header `Authorization: Bearer <admin "
                           "key>`")
-    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # aiohttp hands header bytes that are not UTF-8 over as lone surrogates (surrogateescape):
+    # encoding them back the same way compares the bytes the client sent.
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(sent, api_key.encode("utf-8")):
         raise AdminDenied(403, "the admin key in the Authorization header is wrong")
 
 
@@ -132,8 +136,13 @@ async def handle_tiers(request: web.Request) -> web.Response:
     stats = await asyncio.get_running_loop().run_in_executor(None, engine.stats)
     summaries = tier_summaries(stats, engine.config.cache.page_size,
                                storage_page_bytes(engine))
+    tiers = {t: s._asdict() for t, s in summaries.items()}
+    if "storage" in tiers:  # faults turned into misses / skipped writes, per operation
+        storage = stats["tiers"]["storage"]
+        tiers["storage"]["errors"] = int(storage.get("errors", 0))
+        tiers["storage"]["errors_by_op"] = dict(storage.get("errors_by_op", {}))
     return web.json_response({"unit": "tokens", "page_size": engine.config.cache.page_size,
-                              "tiers": {t: s._asdict() for t, s in summaries.items()}})
+                              "tiers": tiers})
 
 
 def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:

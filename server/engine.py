@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,7 +21,7 @@ from hicache.config import Config
 from server.cache_setup import CacheStack, build_cache
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
-from server.request import InvalidRequest, Request, SamplingParams
+from server.request import InvalidRequest, Request, SamplingParams, check_unicode
 from server.scheduler import TIERS, Scheduler
 from server.tokenizer import load_tokenizer
 
@@ -48,10 +48,32 @@ class Engine:
                                    max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS)
         self._accepting = True
+        self._cache_closed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,),
-                                        name="hicache-scheduler", daemon=True)
+        # Called (on the dying thread) with the exception if the scheduler loop ever dies:
+        # `hicache-server` exits non-zero then, so that a supervisor restarts it.
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.fatal_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_scheduler, name="hicache-scheduler",
+                                        daemon=True)
         self._thread.start()
+
+    def _run_scheduler(self) -> None:
+        """The scheduler loop. Per-request faults never reach here (the scheduler fails that
+        request alone); an exception that does is a broken invariant: it is logged with its
+        traceback, every pending request and call fails with it, and `on_fatal` runs."""
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException as exc:
+            self.fatal_error = exc
+            self._accepting = False
+            logger.critical("the scheduler thread died; the engine serves nothing more",
+                            exc_info=exc)
+            self.scheduler.fail_all(f"the server's scheduler stopped "
+                                    f"({type(exc).__name__}: {exc}); retry on a restarted "
+                                    "server")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
 
     def _init_model(self) -> None:
         m = self.config.model
@@ -79,6 +101,7 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise InvalidRequest(f"`text` must be a string, got {type(text).__name__}")
+            check_unicode("text", text)
             input_ids = self.tokenizer.encode(text)
         ids = self._check_ids(input_ids)
         params = SamplingParams.from_dict(sampling_params)
@@ -92,6 +115,10 @@ class Engine:
                                  "tokens); lower max_new_tokens or raise --max-total-tokens")
         if extra_key is not None and not isinstance(extra_key, str):
             raise InvalidRequest("`extra_key` must be a string")
+        if extra_key is not None:
+            check_unicode("extra_key", extra_key)
+        for stop in params.stop:
+            check_unicode("sampling_params.stop", stop)
         return Request(ids, params, extra_key)
 
     def _check_ids(self, ids: Any) -> list[int]:
@@ -153,6 +180,9 @@ class Engine:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def _submit(self, req: Request) -> None:
+        if self.fatal_error is not None:
+            raise EngineClosed("the server's scheduler has stopped; retry on a restarted "
+                               "server")
         if not self._accepting:
             raise EngineClosed("the server is shutting down")
         self.scheduler.submit(req)
@@ -183,6 +213,8 @@ class Engine:
         """Stop taking requests, let running ones finish (`drain`), write pending backups,
         close the storage tier. Idempotent."""
         if not self._thread.is_alive():
+            if self.fatal_error is not None:  # the loop died: still let the tiers go
+                self._close_cache_once()
             return
         self._accepting = False
         while drain and self.scheduler.call(self.scheduler.num_unfinished).result():
@@ -190,7 +222,12 @@ class Engine:
         self.scheduler.call(self.scheduler.quiesce).result()  # pending backups reach L3
         self._stop.set()
         self._thread.join()
-        self.cache.close()
+        self._close_cache_once()
+
+    def _close_cache_once(self) -> None:
+        if not self._cache_closed:
+            self._cache_closed = True
+            self.cache.close()
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self

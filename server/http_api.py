@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # under 1 MB for today's models (128k ids x ~7 bytes); 8 MiB leaves room and stops a client
 # from making the server buffer arbitrary amounts.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Longest wait for a request body once its headers are in (seconds): a body of the largest
+# size above arrives in well under a second on any link a server is reached over, so only a
+# stalled or hostile client waits this long (uvicorn and nginx use 60 s for their timeouts).
+DEFAULT_BODY_TIMEOUT_S = 30.0
 SSE_DONE = b"data: [DONE]\n\n"
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends with
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -47,7 +51,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "extra_key", "cache_salt")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 500: "internal_error", 503: "unavailable_error"}
+               408: "timeout_error", 413: "invalid_request_error", 500: "internal_error",
+               503: "unavailable_error"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,10 +65,15 @@ class ServerState:
     metrics: CacheMetrics
     max_body_bytes: int
     started: int  # Unix time the app was built (OpenAI's `created` of the model)
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     closing: bool = False
 
 
 STATE = web.AppKey("hicache_state", ServerState)
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (logged there with its traceback): an HTTP 500."""
 
 
 class HttpError(Exception):
@@ -78,12 +88,29 @@ class HttpError(Exception):
 # ------------------------------------------------------------------------------- errors
 
 
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
+                      "code": status}}
+
+
 def error_response(status: int, message: str,
                    headers: dict[str, str] | None = None) -> web.Response:
     """The one error shape every route answers with."""
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
-                      "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message), status=status, headers=headers)
+
+
+def request_failure(result: dict[str, Any]) -> str | None:
+    """Why the engine failed this request (finish_reason "error"), None when it did not."""
+    meta = result.get("meta_info", {})
+    if meta.get("finish_reason") != "error":
+        return None
+    return meta.get("error") or "the server failed while serving this request"
+
+
+def failure_response(message: str) -> web.Response:
+    """A request the server failed to serve (a fault on its behalf, logged with its
+    traceback; the server goes on with the others): 500 in the error shape."""
+    return error_response(500, message)
 
 
 @web.middleware
@@ -96,6 +123,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(400, str(e))
     except EngineClosed as e:
         return error_response(503, str(e))
+    except RequestFailed as e:
+        return failure_response(str(e))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -147,8 +176,15 @@ def begin_shutdown(app: web.Application) -> None:
 
 
 async def read_json(request: web.Request, *, empty: Any = None) -> Any:
-    """The body as JSON (`empty` when there is none); 400 when it is not valid JSON."""
-    raw = await request.read()  # 413 past client_max_size
+    """The body as JSON (`empty` when there is none); 400 when it is not valid JSON, 408 when
+    it does not arrive within the body timeout (a client sending a byte a minute must not
+    hold a handler forever)."""
+    timeout = request.app[STATE].body_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()  # 413 past client_max_size
+    except TimeoutError:
+        raise HttpError(408, f"the request body did not arrive within {timeout:g} s") from None
     if not raw.strip():
         if empty is None:
             raise HttpError(400, "the request body is empty; expected a JSON object")
@@ -212,6 +248,10 @@ async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
     comes out here, before a stream's headers are sent."""
     results = engine.stream(req)
     first = await anext(results)
+    failure = request_failure(first)
+    if failure is not None:  # failed before its first token: a plain error response
+        await results.aclose()
+        raise RequestFailed(failure)
 
     async def chained() -> AsyncIterator[dict]:
         try:
@@ -225,11 +265,11 @@ async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
 
 
 async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Write each event as `data: ...`, then `[DONE]`. A client that goes away ends the
-    stream quietly (its request still runs to completion in the engine)."""
+    """Write each event as `data: ...`, then `[DONE]`. A client that goes away, before the
+    headers or mid-stream, ends the stream quietly (closing `events` aborts its request)."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
     try:
+        await resp.prepare(request)
         async for payload in events:
             await resp.write(b"data: " + payload + b"\n\n")
         await resp.write(SSE_DONE)
@@ -238,6 +278,13 @@ async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.St
     finally:
         await events.aclose()
     return resp
+
+
+async def result_events(results: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """/generate's stream: each result as JSON; a failed request ends with an error event."""
+    async for result in results:
+        failure = request_failure(result)
+        yield dumps(result if failure is None else error_body(500, failure))
 
 
 def dumps(data: Any) -> bytes:
@@ -331,6 +378,10 @@ async def completion_chunks(results: AsyncIterator[dict], model: str, stop: tupl
     cid, hold, sent = f"cmpl-{uuid.uuid4().hex}", max(map(len, stop), default=1) - 1, ""
     meta: dict[str, Any] = {}
     async for result in results:
+        failure = request_failure(result)
+        if failure is not None:
+            yield error_body(500, failure)
+            return
         meta = result["meta_info"]
         final = meta["finish_reason"] is not None
         text = result["text"]
@@ -359,8 +410,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     req = engine.make_request(body.get("text"), body.get("input_ids"), params, extra_key)
     results = await start_stream(engine, req)
     if not stream:
-        return web.json_response(await _last(results))
-    return await send_sse(request, (dumps(r) async for r in results))
+        result = await _last(results)
+        failure = request_failure(result)
+        return web.json_response(result) if failure is None else failure_response(failure)
+    return await send_sse(request, result_events(results))
 
 
 async def _last(results: AsyncIterator[dict]) -> dict:
@@ -380,7 +433,11 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         raise HttpError(400, openai_message(str(e))) from None
     results = await start_stream(engine, req)
     if not parsed.stream:
-        return web.json_response(completion_response(await _last(results), model))
+        result = await _last(results)
+        failure = request_failure(result)
+        if failure is not None:
+            return failure_response(failure)
+        return web.json_response(completion_response(result, model))
     chunks = completion_chunks(results, model, req.params.stop, parsed.include_usage)
     return await send_sse(request, (dumps(c) async for c in chunks))
 
@@ -409,14 +466,17 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
     """The API over `engine`; without `metrics`, one is made and wired to the engine's hooks.
     Admin routes are added separately (`server.admin_api.add_admin_routes`)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     app[STATE] = ServerState(engine, metrics or attach_metrics(engine), max_body_bytes,
-                             int(time.time()))
+                             int(time.time()), body_timeout_s)
     app.router.add_post("/generate", handle_generate)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_get("/v1/models", handle_models)

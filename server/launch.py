@@ -4,7 +4,9 @@
 
 Exit codes: 0 after a clean shutdown (SIGINT or SIGTERM), 1 when start-up fails (the model
 folder is missing, the storage backend cannot open, not enough memory, the port is taken),
-2 for a bad flag or config value (`server.args`).
+2 for a bad flag or config value (`server.args`), 70 when the scheduler thread died (a bug,
+logged with its traceback; one request's fault fails only that request and never gets
+here), 130 after a second signal cut the drain short.
 
 Shutdown: on the first SIGINT/SIGTERM /health turns 503 and new requests are refused (503);
 requests in flight finish and their responses are sent; then the engine writes its pending
@@ -37,6 +39,7 @@ logger = logging.getLogger("hicache.server")
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
 EXIT_FORCED = 130  # the shell's code for an interrupted process (128 + SIGINT)
+EXIT_SCHEDULER_DIED = 70  # sysexits.h EX_SOFTWARE: an internal error; a supervisor restarts
 # What a bad environment raises while the engine is built: missing files and LMDB faults
 # (OSError), the host-memory check (MemoryError), unusable model folders (ValueError), torch
 # without the requested device (RuntimeError), a backend's missing client library
@@ -47,6 +50,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # finish writing their responses.
 HTTP_SHUTDOWN_TIMEOUT_S = 30.0
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A connection that sends no complete request within this long (seconds), at its start or
+# between keep-alive requests, is closed: idle and trickling clients cannot hold sockets
+# forever (aiohttp's own default is an hour; uvicorn's keep-alive is 5 s, nginx's 75 s).
+IDLE_CONNECTION_TIMEOUT_S = 75.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,15 +85,23 @@ def setup_logging(level: str) -> None:
 
 
 async def serve(engine: Engine, config: Config) -> int:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully; the exit code."""
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; the exit code.
+
+    The signal handlers go in before the listener opens: a SIGTERM sent the moment /health
+    first answers (a supervisor's quick restart) drains and exits 0 like any other."""
     from aiohttp import web
 
     from server.admin_api import add_admin_routes
     from server.http_api import attach_metrics, create_app
 
+    stop = Stop(asyncio.get_running_loop())
+    engine.on_fatal = stop.fatal
+    if engine.fatal_error is not None:  # died before the handler was in place
+        stop.fatal(engine.fatal_error)
     app = create_app(engine, metrics=attach_metrics(engine))
     add_admin_routes(app, engine, config.server.admin_api_key)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S,
+                           keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)
     await runner.setup()
     try:
         host, port = config.server.host, config.server.port
@@ -95,8 +110,17 @@ async def serve(engine: Engine, config: Config) -> int:
         except OSError as e:
             logger.error("hicache-server cannot listen on %s:%d: %s", host, port, e)
             return EXIT_STARTUP_FAILED
-        await asyncio.get_running_loop().run_in_executor(None, log_startup, engine, runner)
-        await wait_for_signal()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, log_startup, engine, runner)
+        except Exception:
+            if engine.fatal_error is None:
+                raise
+        await stop.wait()
+        if stop.error is not None:
+            logger.critical("hicache-server exits: its scheduler thread died (%s: %s); the "
+                            "traceback is above", type(stop.error).__name__, stop.error)
+            return EXIT_SCHEDULER_DIED
+        stop.force_on_next_signal()
         await drain(app, engine)
     finally:
         await runner.cleanup()
@@ -130,15 +154,34 @@ def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
     return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}
 
 
-async def wait_for_signal() -> None:
-    """Until the first SIGINT/SIGTERM; a second one ends the process at once (undrained)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in SHUTDOWN_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in SHUTDOWN_SIGNALS:
-        loop.add_signal_handler(sig, _force_exit)
+class Stop:
+    """Why serving ends: the first SIGINT/SIGTERM (handlers installed at construction), or
+    the scheduler thread's death (`fatal`, callable from any thread). After
+    `force_on_next_signal`, another signal ends the process at once (undrained)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+        self.error: BaseException | None = None
+        for sig in SHUTDOWN_SIGNALS:
+            loop.add_signal_handler(sig, self._event.set)
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def fatal(self, error: BaseException) -> None:
+        def record() -> None:
+            self.error = error
+            self._event.set()
+
+        try:
+            self._loop.call_soon_threadsafe(record)
+        except RuntimeError:  # the loop has closed: the process is exiting already
+            logger.debug("scheduler died after the event loop closed")
+
+    def force_on_next_signal(self) -> None:
+        for sig in SHUTDOWN_SIGNALS:
+            self._loop.add_signal_handler(sig, _force_exit)
 
 
 def _force_exit() -> None:

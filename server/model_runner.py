@@ -11,6 +11,8 @@ Threading: scheduler thread only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from server.models.forward_batch import ForwardBatch
@@ -58,14 +60,14 @@ def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """One token per row of `logits` `[n, vocab]`, by each request's sampling parameters."""
     greedy = logits.argmax(dim=-1).tolist()  # one sync for the whole batch
-    out = []
-    for i, req in enumerate(reqs):
-        p = req.params
-        out.append(greedy[i] if p.greedy else _sample_row(logits[i], p, req.generator))
-    return out
+    return [greedy[i] if req.params.greedy else sample_row(logits[i], req.params, req.generator)
+            for i, req in enumerate(reqs)]
 
 
-def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
+def sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
+    """One token of `row` `[vocab]` by temperature, top-k and top-p. Never fails on a finite
+    row: the most likely token is always kept, and a distribution that still comes out
+    unusable (non-finite logits) falls back to the argmax instead of raising."""
     probs = torch.softmax(row.float() / p.temperature, dim=-1)  # [vocab]
     if p.top_k > 0:
         k = min(p.top_k, probs.numel())
@@ -73,7 +75,11 @@ def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
         probs = torch.zeros_like(probs).scatter_(0, idx, top)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()  # always keeps one
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
+        keep[0] = True  # a top_p so small that `top_p * sum` underflows still keeps one
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    total = float(probs.sum())
+    if not (total > 0 and math.isfinite(total)) or not bool(torch.isfinite(probs).all()):
+        return int(row.argmax())
     token = torch.multinomial(probs.cpu(), 1, generator=generator)
     return int(token.item())

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+# Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32
+# (1e-40 and 1e-300 gave inf / NaN probabilities). vLLM's _SAMPLING_EPS is the same 1e-5.
+SAMPLING_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 _ids = itertools.count()
 
@@ -25,10 +28,22 @@ class InvalidRequest(ValueError):
     """A request the server will not run; the message says what and why (an HTTP 400)."""
 
 
+def check_unicode(name: str, text: str) -> None:
+    """InvalidRequest unless `text` is valid Unicode. JSON can carry a lone surrogate
+    (`"\\ud800"`), which is no character and has no UTF-8 form, so no tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"`{name}` is not valid Unicode: {e.reason} "
+                             f"(U+{ord(text[e.start]):04X} at character {e.start}); a "
+                             "\\uD800-\\uDBFF escape must be followed by its low "
+                             "surrogate") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0      # 0 = greedy
+    temperature: float = 1.0      # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = -1               # -1 = all tokens
     stop: tuple[str, ...] = ()
@@ -37,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -104,7 +119,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
-    error: str | None = None
+    error: str | None = None   # why it failed (finish_reason "error"), for its client
     arrival: float = 0.0
     first_token_at: float | None = None
     # KV cache state (scheduler thread)
@@ -136,7 +151,7 @@ class Request:
         return sum(self.cached_details.values())
 
     def meta_info(self) -> dict[str, Any]:
-        return {
+        meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(self.output_ids),
@@ -144,6 +159,9 @@ class Request:
             "cached_tokens_details": dict(self.cached_details),
             "finish_reason": self.finish_reason,
         }
+        if self.error is not None:
+            meta["error"] = self.error
+        return meta
 
     def result(self) -> dict[str, Any]:
         return {"text": self.text, "output_ids": list(self.output_ids),

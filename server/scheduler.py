@@ -29,7 +29,7 @@ import torch
 from hicache.hiradix_cache import HiRadixCache
 from hicache.radix_cache import RadixCache
 from hicache.storage_tier import Resume
-from server.model_runner import ModelRunner, sample
+from server.model_runner import ModelRunner, sample_row
 from server.request import Request
 from server.tokenizer import Tokenizer
 
@@ -65,7 +65,8 @@ class Scheduler:
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                         "cached_device": 0, "cached_host": 0, "cached_storage": 0}
+                         "cached_device": 0, "cached_host": 0, "cached_storage": 0,
+                         "request_errors": 0}
 
     # ------------------------------------------------------------------------- inbox
 
@@ -107,7 +108,10 @@ class Scheduler:
         self.waiting.append(req)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += req.prompt_len
-        self._start_prefetch(req)
+        try:
+            self._start_prefetch(req)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._fail_request(req, "starting its storage prefetch", exc)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -169,7 +173,7 @@ class Scheduler:
             for req in self._admission_order():
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
-                if self._admit(req):
+                if self._try_admit(req):
                     n = min(req.prompt_len - req.num_computed, budget)
                     reqs.append(req)
                     lens.append(n)
@@ -210,6 +214,14 @@ class Scheduler:
                 self._start_prefetch(waiting[rid], resume)
         return True
 
+    def _try_admit(self, req: Request) -> bool:
+        """`_admit`, with a failure failing `req` alone (its lock released by `_admit`)."""
+        try:
+            return self._admit(req)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._fail_request(req, "admission", exc)
+            return False
+
     def _admit(self, req: Request) -> bool:
         """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""
         if self.storage is not None and not self.storage.ready(req.rid):
@@ -222,23 +234,28 @@ class Scheduler:
         # Room first, loads second: a load queued for a request that then cannot be admitted
         # would hold its slots locked with no forward pass to launch it.
         self.tree.inc_lock_ref(last)
-        need = self._pages_up(req.prompt_len - m.device_indices.numel() - host_hit
-                              + req.params.max_new_tokens)
-        if not self._reserve_keeping(m, need + host_hit):
-            self.tree.dec_lock_ref(last)
-            return False
-        prefix, loaded = m.device_indices, 0
-        if host_hit:
-            lb = self.tree.init_load_back(m.last_host_node)
-            if lb.device_indices.numel():
-                prefix, loaded = torch.cat([prefix, lb.device_indices]), lb.device_indices.numel()
-                self.tree.inc_lock_ref(lb.last_node)
+        try:
+            need = self._pages_up(req.prompt_len - m.device_indices.numel() - host_hit
+                                  + req.params.max_new_tokens)
+            if not self._reserve_keeping(m, need + host_hit):
                 self.tree.dec_lock_ref(last)
-                last = lb.last_node
-        need = self._pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens)
-        if not self._reserve(need):  # cannot happen: the room was checked above
-            self.tree.dec_lock_ref(last)
-            return False
+                return False
+            prefix, loaded = m.device_indices, 0
+            if host_hit:
+                lb = self.tree.init_load_back(m.last_host_node)
+                if lb.device_indices.numel():
+                    prefix = torch.cat([prefix, lb.device_indices])
+                    loaded = lb.device_indices.numel()
+                    self.tree.inc_lock_ref(lb.last_node)
+                    self.tree.dec_lock_ref(last)
+                    last = lb.last_node
+            need = self._pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens)
+            if not self._reserve(need):  # cannot happen: the room was checked above
+                self.tree.dec_lock_ref(last)
+                return False
+        except BaseException:
+            self.tree.dec_lock_ref(last)  # the request never ran: nothing else to undo
+            raise
         req.kv_slots, req.last_node, req.reserved = prefix, last, need
         req.num_computed = req.cached_len = len(prefix)
         storage = min(req.from_storage, loaded)
@@ -289,7 +306,8 @@ class Scheduler:
         except Exception as exc:  # a failed forward fails its requests, not the server
             logger.exception("forward pass failed")
             for req in reqs:
-                req.error = f"forward pass failed: {exc}"
+                req.error = f"forward pass failed: {type(exc).__name__}: {exc}"
+                self.counters["request_errors"] += 1
                 self._finish(req, "error", keep_cache=False)
             return
         done = []
@@ -300,9 +318,15 @@ class Scheduler:
                 done.append(i)
                 if not was_prefilled:
                     self._cache_prompt(req)
-        tokens = sample(logits[done], [reqs[i] for i in done]) if done else []
-        for i, token in zip(done, tokens):
-            self._append_token(reqs[i], token)
+        greedy = logits[done].argmax(dim=-1).tolist() if done else []  # one sync for all
+        for i, token in zip(done, greedy):
+            req = reqs[i]
+            try:
+                if not req.params.greedy:
+                    token = sample_row(logits[i], req.params, req.generator)
+                self._append_token(req, token)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                self._fail_request(req, "sampling or detokenising its token", exc)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -335,10 +359,27 @@ class Scheduler:
             return "length"
         return None
 
+    def _fail_request(self, req: Request, stage: str, exc: Exception) -> None:
+        """Fail `req` alone after an exception while serving it (logged with its traceback,
+        counted in `request_errors`); its KV goes back to the pool, never into the tree."""
+        logger.error("request %s failed in %s; the others go on", req.rid, stage,
+                     exc_info=exc)
+        self.counters["request_errors"] += 1
+        req.error = f"the server failed in {stage}: {type(exc).__name__}: {exc}"
+        if self.storage is not None and req in self.waiting:
+            self.storage.terminate(req.rid)  # idempotent: a prefetch ends once
+        if req.finish_reason is None:
+            self._finish(req, "error", keep_cache=False)
+
     def _finish(self, req: Request, reason: str, keep_cache: bool = True) -> None:
         req.finish_reason = reason
         if reason == "error":
-            req.text = self.tokenizer.decode(req.output_ids)
+            try:
+                req.text = self.tokenizer.decode(req.output_ids)
+            except Exception:
+                logger.warning("request %s: its output cannot be decoded", req.rid,
+                               exc_info=True)
+                req.text = ""
         self._release(req, keep_cache)
         if req in self.running:
             self.running.remove(req)
@@ -369,6 +410,34 @@ class Scheduler:
                 self._finish(req, "abort")
                 return True
         return False
+
+    def fail_all(self, message: str) -> None:
+        """After the loop died: finish every request and command with `message`, touching
+        neither the tree nor the pools (their state is unknown). Any thread, once `run` has
+        returned; never raises."""
+        queued = self._drain_all()
+        arrived = [payload for kind, payload in queued if kind == "req"]
+        for req in (*self.waiting, *self.running, *arrived):
+            req.error, req.finish_reason = message, "error"
+            try:
+                if req.on_update is not None:
+                    req.on_update(req, True)
+            except Exception:  # noqa: BLE001 - its client is gone; tell the others
+                logger.debug("request %s: callback failed after the scheduler died", req.rid)
+        self.waiting, self.running = [], []
+        pending = [payload for kind, payload in queued if kind == "cmd"]
+        for _, fut, _ in (*self._commands, *pending):
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))
+        self._commands = []
+
+    def _drain_all(self) -> list[tuple[str, Any]]:
+        items = []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
 
     def quiesce(self) -> None:
         """Wait for every copy and backup in flight and apply their acks (flush, shutdown)."""

@@ -92,6 +92,8 @@ async def flush(client: TestClient, body: Any = None) -> dict[str, int]:
 async def test_tiers_shape(client: TestClient) -> None:
     shown = await tiers(client)
     assert set(shown) == {"device", "host", "storage"}
+    faults = shown["storage"].pop("errors_by_op")
+    assert isinstance(faults, dict) and shown["storage"].pop("errors") == sum(faults.values())
     for tier in shown.values():
         assert set(tier) == FIELDS and all(isinstance(v, int) and v >= 0 for v in tier.values())
         assert tier["used"] <= tier["capacity"]
