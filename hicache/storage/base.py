@@ -27,13 +27,22 @@ STAT_EVICTED = "evicted_pages"        # pages removed by the capacity bound
 STAT_ERRORS = "errors"                # backend faults turned into misses / skipped writes
 STAT_WRITTEN = "written_pages"        # pages stored by batch_set
 STAT_SKIPPED = "skipped_pages"        # batch_set pages already present (not rewritten)
-STAT_ERRORS_BY_OP = "errors_by_op"   # {operation: faults}; the values sum to STAT_ERRORS
 STAT_KEYS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_HITS, STAT_MISSES, STAT_CORRUPT,
-             STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED, STAT_ERRORS_BY_OP)
+             STAT_EVICTED, STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED)
+# Every backend's `stats()` also has this one, a dict {operation: faults} summing to STAT_ERRORS.
+STAT_ERRORS_BY_OP = "errors_by_op"
 
 # A failing backend logs each operation's fault at most this often (seconds): a dead disk
 # must not flood the log at the rate of prefetches.
 FAULT_LOG_INTERVAL_S = 60.0
+
+
+class StorageUnavailable(OSError):
+    """A backend found its store damaged and could not put a fresh one in its place.
+
+    Raised by a backend's constructor only. Unlike a plain OSError (a path that cannot be
+    used at all: a configuration error that stops start-up), the server starts without L3.
+    """
 
 
 class StorageBackend(ABC):

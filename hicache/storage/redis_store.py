@@ -24,6 +24,17 @@ timeouts per request; the first call after the interval probes it, and a success
 the interval: the store recovers by itself when Redis returns. A connection fault blocks
 reads and writes; a refused write (OOM, READONLY) blocks only writes.
 
+Junk: a reply of the wrong type (a misconfigured proxy or another service on the port,
+answering `+OK` or `:1` to every command) is such a fault too, a `BadReply`, at start-up
+and mid-run: every reply is checked where it is consumed (`redis_replies`), and what redis-py
+raises while parsing junk inside its calls counts the same (`asking`; this module's own
+code is never wrapped, so its bugs still raise). The client's connections are then closed
+(one whose replies may be out of step with its commands must not be reused), so the first
+call after the back-off connects afresh and finds a peer that behaves again. Junk that
+reads as an answer cannot be told apart (EXISTS answered `:1`, SET NX answered `+OK`); the
+RESP3 handshake (`RESP_PROTOCOL`: HELLO's reply must be a map) refuses most such peers at
+connect, before any command is sent.
+
 Threads: any mix of the `StorageBackend` callers. The connection pool holds
 `POOL_CONNECTIONS` per server: the query, fetch and backup threads plus the scheduler's admin
 calls each hold at most one connection per server at a time.
@@ -39,6 +50,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import redis
@@ -46,7 +58,13 @@ import torch
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
-from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    ClusterError,
+    InvalidResponse,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -58,13 +76,13 @@ from hicache.storage.base import (
     STAT_CAPACITY,
     STAT_CORRUPT,
     STAT_ERRORS,
+    STAT_ERRORS_BY_OP,
     STAT_EVICTED,
     STAT_HITS,
     STAT_MISSES,
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
-    STAT_ERRORS_BY_OP,
     Counters,
     FaultLog,
     StorageBackend,
@@ -72,6 +90,7 @@ from hicache.storage.base import (
     check_section_keys,
 )
 from hicache.storage.page_format import PageCodec
+from hicache.storage.redis_replies import BadReply, asking, checked, checked_one
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,16 +110,25 @@ PIPELINE_MAX_BYTES = 64 * 2**20  # values per pipeline round (memory held on bot
 SCAN_COUNT = 1000  # keys asked per SCAN step and deleted per pipeline in clear()
 HASH_HEX_DIGITS = 32  # a 16-byte page hash in hex
 STAT_BACKOFF = "backoff_calls"  # calls answered (miss / skipped) without asking Redis
+# RESP3, redis-py 8's default, pinned: a new connection's HELLO must be answered with a map
+# holding the protocol, which a peer that is not Redis does not send (Redis >= 6 does).
+RESP_PROTOCOL = 3
+# The figures stats() takes from the server, summed over the primaries (0 while unknown).
+_SERVER_STATS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_EVICTED)
+
+
+class _Closed(Exception):
+    """The store was closed: calls are quiet misses, not errors."""
+
+
 # Faults that say the server is unreachable or broken (block reads and writes), as opposed
 # to a server that answered and refused one command (a `ResponseError`: blocks that side).
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,
                 OSError)
 _FAULTS = (RedisError, RedisClusterException, OSError)
+# Faults after which a connection's replies may be out of step with its commands.
+_OUT_OF_STEP = (BadReply, InvalidResponse)
 _READ, _WRITE = "read", "write"
-
-
-class _Closed(Exception):
-    """The store was closed: calls are quiet misses, not errors."""
 
 
 class Backoff:
@@ -181,8 +209,8 @@ class RedisStore(StorageBackend):
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         def body(client: Client) -> int:
-            found = self._pipeline(client, lambda pipe: [pipe.exists(n) for n in
-                                                         self._names(keys)])
+            found = self._pipeline(client, "EXISTS", lambda pipe: [pipe.exists(n) for n in
+                                                                   self._names(keys)])
             return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
         return self._call("batch_exists", _READ, 0, body) if keys else 0
@@ -196,7 +224,8 @@ class RedisStore(StorageBackend):
 
         def body(client: Client) -> None:
             for start, names in self._rounds(keys):
-                values = self._pipeline(client, lambda pipe, n=names: [pipe.get(k) for k in n])
+                values = self._pipeline(client, "GET",
+                                        lambda pipe, n=names: [pipe.get(k) for k in n])
                 for i, (name, value) in enumerate(zip(names, values), start):
                     if value is None:
                         continue
@@ -230,8 +259,8 @@ class RedisStore(StorageBackend):
             for start, names in self._rounds(keys):
                 # raise_on_error=False: a refused SET (OOM) comes back as its exception, so
                 # the pages before it still count as stored.
-                results = self._pipeline(client, lambda pipe, s=start, n=names: queue_sets(
-                    pipe, s, n), raise_on_error=False)
+                results = self._pipeline(client, "SET", lambda pipe, s=start, n=names:
+                                         queue_sets(pipe, s, n), raise_on_error=False)
                 refused = next((r for r in results if isinstance(r, Exception)), None)
                 for i, result in enumerate(results, start):
                     stored[i] = not isinstance(result, Exception)
@@ -258,7 +287,7 @@ class RedisStore(StorageBackend):
             removed = 0
             for node in _primaries(client):
                 batch: list[bytes] = []
-                for name in node.scan_iter(match=pattern, count=SCAN_COUNT):
+                for name in _scan(node, pattern):
                     batch.append(name)
                     if len(batch) == SCAN_COUNT:
                         removed += self._unlink(node, batch)
@@ -274,31 +303,33 @@ class RedisStore(StorageBackend):
         pages (counting the prefix's keys would need a SCAN of the whole keyspace); `bytes`
         is `used_memory`, `capacity_bytes` `maxmemory` (0: unbounded), `evicted_pages`
         `evicted_keys` (every key Redis evicted since it started). All are 0 while Redis is
-        unreachable."""
+        unreachable or answers junk; the counters are read after asking, so they include
+        this call's own fault."""
+
+        def body(client: Client) -> dict[str, int]:
+            summed = dict.fromkeys(_SERVER_STATS, 0)
+            for node in _primaries(client):
+                # The default sections: memory and stats among them.
+                info = checked_one("INFO", asking(node.info))
+                summed[STAT_PAGES] += checked_one("DBSIZE", asking(node.dbsize))
+                summed[STAT_BYTES] += info["used_memory"]
+                summed[STAT_CAPACITY] += info.get("maxmemory", 0)
+                summed[STAT_EVICTED] += info.get("evicted_keys", 0)
+            return summed
+
+        server = self._call("stats", _READ, dict.fromkeys(_SERVER_STATS, 0), body)
         out = self._counts.snapshot()
         out[STAT_ERRORS_BY_OP] = self._faults.by_op()
-        out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: 0, STAT_EVICTED: 0,
-                    "url": self.url, "cluster": self.cluster, "key_prefix": self.key_prefix,
+        out.update(server)
+        out.update({"url": self.url, "cluster": self.cluster, "key_prefix": self.key_prefix,
                     "ttl_seconds": self.ttl_seconds})
-
-        def body(client: Client) -> None:
-            for node in _primaries(client):
-                info = node.info()  # the default sections: memory and stats among them
-                out[STAT_PAGES] += int(node.dbsize())
-                out[STAT_BYTES] += int(info.get("used_memory", 0))
-                out[STAT_CAPACITY] += int(info.get("maxmemory", 0))
-                out[STAT_EVICTED] += int(info.get("evicted_keys", 0))
-
-        self._call("stats", _READ, None, body)
         return out
 
     def close(self) -> None:
         with self._client_lock:
             client, self._client, self._closed = self._client, None, True
-        if isinstance(client, RedisCluster):
-            client.close()
-        elif client is not None:
-            client.connection_pool.disconnect()
+        if client is not None:
+            _disconnect(client)
 
     # ------------------------------------------------------------------ calls
 
@@ -311,33 +342,41 @@ class RedisStore(StorageBackend):
             yield start, self._names(keys[start:start + self._round_pages])
 
     @staticmethod
-    def _pipeline(client: Client, queue: Callable[[Any], object],
+    def _pipeline(client: Client, command: str, queue: Callable[[Any], object],
                   raise_on_error: bool = True) -> list[Any]:
-        """Queue commands with `queue(pipe)`, send them in one round trip per server."""
+        """Queue `command`s with `queue(pipe)`, send them in one round trip per server;
+        their replies, one per command, each checked (`redis_replies.checked`)."""
         with client.pipeline(transaction=False) as pipe:
             queue(pipe)
-            return pipe.execute(raise_on_error=raise_on_error)
+            sent = len(pipe)
+            replies = asking(partial(pipe.execute, raise_on_error=raise_on_error))
+        return checked(command, replies, sent)
 
     def _unlink(self, client: Client, names: Sequence[str | bytes]) -> int:
         """UNLINK (a DEL that frees the value off the server's main thread) one key per
         command: a Cluster refuses multi-key commands across slots."""
         if not names:
             return 0
-        return sum(self._pipeline(client, lambda pipe: [pipe.unlink(n) for n in names]))
+        return sum(self._pipeline(client, "UNLINK",
+                                  lambda pipe: [pipe.unlink(n) for n in names]))
 
     def _call(self, op: str, side: str, fallback: T, body: Callable[[Client], T]) -> T:
         """`body(client)`, or `fallback` when closed, backing off, or Redis fails."""
         if not self._gates[side].ready():
             self._counts.add(STAT_BACKOFF, 1)
             return fallback
+        client: Client | None = None
         try:
-            result = body(self._connected())
+            client = self._connected()
+            result = body(client)
         except _Closed:
             return fallback
         except _FAULTS as err:
             if self._closed:  # close() pulled the connections from under this call
                 return fallback
             self._fault(op, side, err)
+            if client is not None and isinstance(err, _OUT_OF_STEP):
+                self._drop(client)
             return fallback
         self._gates[side].succeeded()
         return result
@@ -346,11 +385,20 @@ class RedisStore(StorageBackend):
         refused = isinstance(err, ResponseError) and not isinstance(err, _UNREACHABLE)
         sides = (side,) if refused else (_READ, _WRITE)
         interval = max(self._gates[s].failed() for s in sides)
-        hint = (" (Redis is full: give it maxmemory-policy allkeys-lru)"
-                if "OOM" in str(err) else "")
-        self._faults.record(op, f"Redis {self.url}: {type(err).__name__}: {err}{hint}; "
+        self._faults.record(op, f"Redis {self.url}: {type(err).__name__}: {err}{_hint(err)}; "
                                 f"treated as a miss / skipped write; {'/'.join(sides)} calls "
                                 f"paused for {interval:.1f} s")
+
+    def _drop(self, client: Client) -> None:
+        """Close `client`'s connections after a reply that was junk or out of step: such a
+        connection must never be used again (its next reply may answer an older command).
+        The next call connects afresh. A call of another thread still using `client` may
+        fail on its closed connection (one more counted fault)."""
+        with self._client_lock:
+            if self._client is not client:  # another thread dropped it already
+                return
+            self._client = None
+        _disconnect(client)
 
     def _connected(self) -> Client:
         with self._client_lock:
@@ -363,7 +411,8 @@ class RedisStore(StorageBackend):
     def _connect(self) -> Client:
         socket_timeout, connect_timeout = self._timeouts
         options: dict[str, Any] = {"socket_timeout": socket_timeout,
-                                   "socket_connect_timeout": connect_timeout}
+                                   "socket_connect_timeout": connect_timeout,
+                                   "protocol": RESP_PROTOCOL}
         password = os.environ.get(PASSWORD_ENV)
         if password:
             options["password"] = password  # a password in the URL takes precedence
@@ -371,13 +420,41 @@ class RedisStore(StorageBackend):
         # restarted server reconnects at once; a dead server is left to the back-off.
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         if self.cluster:  # connects now, to learn the slot map (a fault when it is down)
-            return RedisCluster(url=self._url, retry=retry, max_connections=POOL_CONNECTIONS,
-                                **options)
+            return asking(partial(RedisCluster, url=self._url, retry=retry,
+                                   max_connections=POOL_CONNECTIONS, **options))
         pool = redis.BlockingConnectionPool.from_url(
             self._url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, retry=retry,
             **options)
         return redis.Redis(connection_pool=pool)
 
+
+def _disconnect(client: Client) -> None:
+    """Close every connection of `client`, in use or not."""
+    if isinstance(client, RedisCluster):
+        client.close()
+    else:
+        client.connection_pool.disconnect()
+
+
+def _hint(err: BaseException) -> str:
+    """What a fault's log line suggests to whoever runs the server."""
+    if isinstance(err, _OUT_OF_STEP):
+        return (" (not a Redis reply: is another service or a misconfigured proxy on that "
+                "port? its connections are closed and opened afresh)")
+    if "OOM" in str(err):
+        return " (Redis is full: give it maxmemory-policy allkeys-lru)"
+    return ""
+
+
+def _scan(node: redis.Redis, pattern: str) -> Iterator[bytes]:
+    """The names matching `pattern` on `node`, SCAN step by step, each step checked."""
+    cursor = 0
+    while True:
+        cursor, names = checked_one("SCAN", asking(partial(
+            node.scan, cursor, match=pattern, count=SCAN_COUNT)))
+        yield from names
+        if cursor == 0:
+            return
 
 
 def _primaries(client: Client) -> list[redis.Redis]:
