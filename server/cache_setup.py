@@ -21,6 +21,7 @@ from hicache.memory_pool import DeviceKVPool
 from hicache.memory_pool_host import HostKVPool, available_memory_bytes
 from hicache.radix_cache import RadixCache
 from hicache.storage import create_backend
+from hicache.storage.base import StorageUnavailable
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage_controller import StorageController
 from hicache.transfer import make_transfer_engine
@@ -153,7 +154,12 @@ def _attach_storage(config: Config, loaded: LoadedModel, tree: HiRadixCache,
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     codec = PageCodec(PageGeometry(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                    config.cache.page_size, loaded.dtype))
-    backend = create_backend(s.backend, s.backend_config, codec)
+    try:
+        backend = create_backend(s.backend, s.backend_config, codec)
+    except StorageUnavailable as err:  # a damaged store that could not be replaced
+        logger.error("L3 (%s) unavailable, serving without L3 until a restart: %s",
+                     s.backend, err)
+        return
     hasher = PageHasher(config.cache.page_size, model_fingerprint(loaded.path), dtype_name,
                         mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
     tree.enable_storage(StorageController(backend, host), hasher,

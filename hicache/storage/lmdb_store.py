@@ -12,11 +12,31 @@ time were seen to corrupt the file (a two-process test failed about one run in s
 store into a sparse file on a full disk would be SIGBUS instead of an error.
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
-`max_size_bytes`; past that (or when the disk has no room to grow), the least recently used
-~10% of the capacity is evicted and the write retried. The data file grows as pages are
-written and never past the map, so it never exceeds the bound. When another
-process grew the map, a transaction fails with `MapResizedError`: this process adopts the
-new size and retries.
+`max_size_bytes`; past that, the least recently used ~10% of the capacity is evicted and the
+write retried. The data file grows as pages are written and never past the map, so it never
+exceeds the bound. When another process grew the map, a transaction fails with
+`MapResizedError`: this process adopts the new size and retries.
+
+Full disk: a disk (or RLIMIT_FSIZE) that runs out before the map does fails the commit with
+a plain `lmdb.Error`, not `MapFullError`: LMDB turns the short pwrite into EIO (also seen for
+EFBIG). A write that failed with ENOSPC, EDQUOT or EFBIG, or with EIO while `room_bytes` of
+the path is below what the write needs plus `SPACE_MARGIN_BYTES`, is counted (op
+"disk_full"), evicts the least recently used pages, as many as the write needs or a tenth of
+those stored (not of `max_size_bytes`, which may be far above the disk), and is retried. The
+environment stays usable after such a failure (LMDB aborts the transaction); one LMDB does
+flag as fatal (`PanicError`) is closed and reopened.
+
+Damaged file: LMDB reads pages through the map, so a page past the end of a short data.mdb
+(a truncated copy, a half-written restore) is a SIGBUS, not an error. At open, before
+`lmdb.open`, the file is checked against its meta pages (`lmdb_file.damage`); a short or
+unreadable one is renamed aside with its lock.mdb (`*.corrupt-<UTC stamp>`, logged) and a
+fresh environment is created, or `StorageUnavailable` raised when that fails too (the server
+then runs without L3). Before each transaction the file must still hold the map's pages
+(`(last_pgno + 1) * psize`, one fstat and one `env.info()`, ~3 us); one that shrank is a
+counted fault and the call a miss, and the environment is closed, its file moved aside and a
+fresh one opened, under the exclusive side of the gate. What remains: a truncation between
+that check and the transaction's reads is still a SIGBUS; no cheap check closes it (only
+copying every page out of the map, or a SIGBUS handler, which Python cannot return from).
 
 Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
 of `SharedExclusiveLock`; changing the map size (which LMDB allows only with no transaction
@@ -34,6 +54,7 @@ pages, and a power loss may damage the file; checksums keep damaged pages from b
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import struct
@@ -47,22 +68,24 @@ import lmdb
 import torch
 
 from hicache.memory_pool_host import HostKVPool
+from hicache.storage import lmdb_file
 from hicache.storage.base import (
     STAT_BYTES,
     STAT_CAPACITY,
     STAT_CORRUPT,
     STAT_ERRORS,
+    STAT_ERRORS_BY_OP,
     STAT_EVICTED,
     STAT_HITS,
     STAT_MISSES,
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
-    STAT_ERRORS_BY_OP,
     Counters,
     FaultLog,
     SharedExclusiveLock,
     StorageBackend,
+    StorageUnavailable,
     check_batch,
 )
 from hicache.storage.page_format import PageCodec
@@ -73,6 +96,7 @@ T = TypeVar("T")
 INITIAL_MAP_BYTES = 64 * 2**20  # first map size; doubles on demand up to max_size_bytes
 MIN_MAP_BYTES = 2**20  # smallest capacity accepted: room for the tree and a few pages
 EVICT_FRACTION = 0.10  # share of the capacity freed per eviction round (LRU first)
+EVICT_FIRST_COMMIT = 4  # keys deleted by an eviction's first commit (see _delete_victims)
 # Access stamps of pages read are buffered and written in one transaction once this many are
 # pending or this many seconds have passed (checked on each read), and with every batch_set,
 # eviction and close: a read costs no write transaction (no fdatasync) of its own.
@@ -83,10 +107,22 @@ _DB_PAGES = b"pages"
 _DB_ATIME = b"atime"
 _STAMP = struct.Struct("<Q")
 _OVERFLOW_HEADER = 16  # bytes LMDB puts before a value stored in overflow pages
+# Write failures that mean the disk has no room, whatever the free space says. LMDB reports a
+# short pwrite as EIO, so EIO counts only when the free room is short too (see _out_of_space).
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Room a write needs beyond its values: B-tree pages it splits or copies and free-list
+# records, a few dozen LMDB pages for a batch; rounded up to 1 MiB.
+SPACE_MARGIN_BYTES = 2**20
+OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evicting for space
 
 
 class _Closed(Exception):
     """The store was closed: calls are quiet misses, not errors."""
+
+
+class _Replaced(Exception):
+    """The environment was unusable (its file shrank, LMDB gave up on it) and was replaced:
+    the call that found it so is a counted miss / skipped write."""
 
 
 class LmdbStore(StorageBackend):
@@ -107,14 +143,57 @@ class LmdbStore(StorageBackend):
         self._touches: dict[bytes, int] = {}  # page hash -> time_ns of its latest read
         self._touch_lock = threading.Lock()
         self._last_flush = time.monotonic()
-        self._open(min(initial_map_bytes, self.max_size_bytes), sync)
+        self._sync = sync
+        self._first_map_bytes = min(initial_map_bytes, self.max_size_bytes)
+        self._env: lmdb.Environment | None = None
+        self._file: lmdb_file.FileSize | None = None  # data.mdb of self._env, for its size
+        self._open()
 
-    def _open(self, map_bytes: int, sync: bool) -> None:
+    def _open(self) -> None:
+        """Open the environment at `path`, after moving a damaged data file aside.
+
+        Raises OSError when the path cannot hold a store at all (not a directory, no
+        permission), StorageUnavailable when a damaged file could not be replaced.
+        """
         self.path.mkdir(parents=True, exist_ok=True)
+        moved = self._move_aside_if_damaged()
+        try:
+            env = self._open_env()
+        except OSError as err:
+            if moved is None:
+                raise
+            raise StorageUnavailable(f"LMDB store {self.path}: the damaged data file was "
+                                     f"moved to {moved.name}, but no fresh store can be "
+                                     f"created: {err}") from err
+        self._env = env
+        self._psize = env.stat()["psize"]
+        self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER)
+                                   // self._psize) * self._psize
+        if env.info()["map_size"] > self.max_size_bytes:
+            logger.warning("LMDB store %s already maps %d bytes, over max_size_bytes=%d; it "
+                           "stays that size (LMDB files never shrink)", self.path,
+                           env.info()["map_size"], self.max_size_bytes)
+
+    def _move_aside_if_damaged(self) -> Path | None:
+        """Rename a data file LMDB must not map (see `lmdb_file.damage`); its new path."""
+        problem = lmdb_file.lasting_damage(self.path)
+        if problem is None:
+            return None
+        try:
+            moved = lmdb_file.move_aside(self.path)
+        except OSError as err:
+            raise StorageUnavailable(f"LMDB store {self.path}: {problem}, and it cannot be "
+                                     f"moved aside: {err}") from err
+        logger.error("LMDB store %s: %s (truncated or damaged); moved it to %s with its "
+                     "lock file, starting an empty store", self.path, problem, moved.name)
+        return moved
+
+    def _open_env(self) -> lmdb.Environment:
         try:
             # lock=True: other processes may open the same path (never open it lock=False).
-            env = lmdb.open(str(self.path), map_size=map_bytes, max_dbs=2, lock=True,
-                            sync=sync, metasync=False, readahead=True, writemap=False)
+            env = lmdb.open(str(self.path), map_size=self._first_map_bytes, max_dbs=2,
+                            lock=True, sync=self._sync, metasync=False, readahead=True,
+                            writemap=False)
             for _ in range(MAX_TXN_ATTEMPTS):
                 try:
                     self._pages = env.open_db(_DB_PAGES)
@@ -124,15 +203,19 @@ class LmdbStore(StorageBackend):
                     env.set_mapsize(0)
             else:
                 raise lmdb.MapResizedError("the map kept growing while it was opened")
+            self._file = lmdb_file.FileSize(self.path / lmdb_file.DATA_FILE)
         except lmdb.Error as err:
             raise OSError(f"cannot open the LMDB store at {str(self.path)!r}: {err}") from err
-        self._env: lmdb.Environment | None = env
-        psize = env.stat()["psize"]
-        self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER) // psize) * psize
-        if env.info()["map_size"] > self.max_size_bytes:
-            logger.warning("LMDB store %s already maps %d bytes, over max_size_bytes=%d; it "
-                           "stays that size (LMDB files never shrink)", self.path,
-                           env.info()["map_size"], self.max_size_bytes)
+        return env
+
+    def _close_env(self) -> None:
+        """Close the environment and its data file (exclusive side of the gate held)."""
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     # ------------------------------------------------------------------ StorageBackend
 
@@ -193,7 +276,8 @@ class LmdbStore(StorageBackend):
                 txn.put(key, stamp, db=self._atime)
             return written
 
-        written = self._guard("batch_set", None, lambda: self._txn(True, body))
+        written = self._guard("batch_set", None,
+                              lambda: self._txn(True, body, room_pages=len(keys)))
         if written is None:
             return [False] * len(keys)
         self._counts.add(STAT_WRITTEN, written)
@@ -229,9 +313,7 @@ class LmdbStore(StorageBackend):
     def close(self) -> None:
         self._guard("close", None, self._flush_touches)
         with self._gate.exclusive():
-            if self._env is not None:
-                self._env.close()
-                self._env = None
+            self._close_env()
 
     def sync_to_disk(self) -> None:
         """Flush every committed page to disk now (fdatasync); for `sync=False` stores."""
@@ -249,26 +331,77 @@ class LmdbStore(StorageBackend):
         return self._env
 
     def _txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
-             make_room: bool = True) -> T:
+             make_room: bool = True, room_pages: int = 1) -> T:
         """Run `body` in one transaction, committed when it returns; return its result.
 
         Retries after another process grew the map and, for writes with `make_room`, after
-        the map filled (grow it, or evict at the bound). Other lmdb.Error propagate.
+        the map filled (grow it, or evict at the bound) or the disk did (evict for
+        `room_pages` values). Raises `_Replaced` when the environment had to be replaced
+        (`_attempt`); other lmdb.Error propagate.
         """
         for _ in range(MAX_TXN_ATTEMPTS):
             try:
-                # The env is looked up after the gate is entered (close may have run).
-                with self._gate.shared(), self._require_env().begin(
-                        write=write, buffers=True) as txn:
-                    return body(txn)
+                return self._attempt(write, body)
             except lmdb.MapResizedError:
                 self._adopt_map_size()
             except lmdb.MapFullError:
                 if not (write and make_room):
                     raise
                 self._make_room()
+            except lmdb.Error as err:
+                if not (write and make_room and self._out_of_space(err, room_pages)):
+                    raise
+                self._faults.record(OP_DISK_FULL, f"LMDB store {self.path}: a commit found "
+                                    f"the disk full ({err}); evicting old pages, retrying")
+                if not self._evict_for_space(room_pages):
+                    raise
         raise lmdb.MapFullError(f"no room after {MAX_TXN_ATTEMPTS} attempts "
                                 f"(capacity {self.max_size_bytes} bytes)")
+
+    def _attempt(self, write: bool, body: Callable[[lmdb.Transaction], T]) -> T:
+        """One transaction of `_txn`, once the data file still holds what the map uses.
+
+        A file that shrank (a read past its end would be a SIGBUS) or an environment LMDB
+        flagged as fatal is replaced, outside the shared side of the gate, and `_Replaced`
+        raised.
+        """
+        with self._gate.shared():
+            env = self._require_env()  # looked up inside the gate: close may have run
+            problem = self._shrunk(env)
+            if problem is None:
+                try:
+                    with env.begin(write=write, buffers=True) as txn:
+                        return body(txn)
+                except lmdb.PanicError as err:
+                    problem = f"LMDB flagged the environment as unusable ({err})"
+        self._replace_env(env, problem)
+        raise _Replaced(f"{problem}; the environment was closed and reopened")
+
+    def _shrunk(self, env: lmdb.Environment) -> str | None:
+        """Why the data file no longer holds the pages the map uses, or None."""
+        if self._file is None:
+            raise _Closed
+        size = self._file.bytes()
+        # env.info() reads the meta pages through the map: they must be there first.
+        need = lmdb_file.NUM_METAS * self._psize
+        if size >= need:
+            need = (env.info()["last_pgno"] + 1) * self._psize
+        if size >= need:
+            return None
+        return f"the data file shrank to {size} bytes under the map, which needs {need}"
+
+    def _replace_env(self, env: lmdb.Environment, problem: str) -> None:
+        """Close `env` and open the path afresh (`_open` moves a short file aside), unless
+        another thread did already. If that fails the store stays closed: calls are misses."""
+        with self._gate.exclusive():
+            if self._env is not env:
+                return
+            self._close_env()
+            try:
+                self._open()
+            except OSError as err:
+                logger.error("LMDB store %s: %s, and it cannot be reopened (%s); the store "
+                             "stays closed until a restart", self.path, problem, err)
 
     def _guard(self, op: str, fallback: T, call: Callable[[], T]) -> T:
         """`call()`, or `fallback` when the store is closed or LMDB fails (counted, logged)."""
@@ -276,7 +409,7 @@ class LmdbStore(StorageBackend):
             return call()
         except _Closed:
             return fallback
-        except lmdb.Error as err:
+        except (lmdb.Error, _Replaced) as err:
             self._faults.record(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
                                   "treated as a miss / skipped write")
             return fallback
@@ -295,6 +428,26 @@ class LmdbStore(StorageBackend):
                 return
         self._evict(max(1, int(EVICT_FRACTION * self.max_size_bytes) // self._value_disk_bytes))
 
+    def _out_of_space(self, err: lmdb.Error, pages: int) -> bool:
+        """Whether a write of `pages` values failed for want of disk (or file-size) room."""
+        code = getattr(err, "code", 0)  # set by LMDB; absent on an Error built in Python
+        if code in _NO_SPACE_ERRNOS:
+            return True
+        if code != errno.EIO:
+            return False
+        try:
+            room = lmdb_file.room_bytes(self.path)
+        except OSError:  # the path itself is gone or unreadable: not a question of room
+            return False
+        return room < pages * self._value_disk_bytes + SPACE_MARGIN_BYTES
+
+    def _evict_for_space(self, pages: int) -> int:
+        """Evict for a write of `pages` that found the disk full: that many LRU pages, or a
+        tenth of those stored if more (the disk, not `max_size_bytes`, bounds the store
+        here); the number evicted."""
+        stored = self._txn(False, lambda txn: txn.stat(self._pages)["entries"])
+        return self._evict(max(pages, int(EVICT_FRACTION * stored), 1))
+
     def _evict(self, count: int) -> int:
         """Delete the `count` pages read or written longest ago; the number deleted."""
         with self._touch_lock:  # read recently, stamp not yet written: not a victim
@@ -309,8 +462,27 @@ class LmdbStore(StorageBackend):
                     values=False), range(count))]
             return victims
 
-        victims = self._txn(False, oldest)
-        removed = self._txn(True, lambda txn: self._delete_in(txn, victims), make_room=False)
+        return self._delete_victims(self._txn(False, oldest))
+
+    def _delete_victims(self, victims: list[bytes]) -> int:
+        """Delete `victims` in commits of EVICT_FIRST_COMMIT keys, doubling; the number deleted.
+
+        A delete copies the B-tree pages it changes into free pages, and with the map or the
+        disk full only the few pages the last commits freed are free. Small first commits fit
+        in those, and the value pages each one frees serve the larger commits after it.
+        A failed commit ends the eviction; it raises only when nothing was deleted.
+        """
+        removed, start, size = 0, 0, EVICT_FIRST_COMMIT
+        while start < len(victims):
+            chunk = victims[start:start + size]
+            try:
+                removed += self._txn(True, lambda txn, keys=chunk: self._delete_in(txn, keys),
+                                     make_room=False)
+            except lmdb.Error:
+                if not removed:
+                    raise
+                break
+            start, size = start + len(chunk), 2 * size
         self._counts.add(STAT_EVICTED, removed)
         return removed
 
