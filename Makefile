@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint serve bench bench-shared-l3 bench-radix gpu-check clean
+.PHONY: test install lint serve bench bench-shared-l3 bench-soak bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ bench: $(STAMP)
 # cores); tables and benchmarks/results/shared_l3.json.
 bench-shared-l3: $(STAMP)
 	$(BIN)/python benchmarks/bench_shared_l3.py $(ARGS)
+
+# One server (L1 + L2 + LMDB) under 8 multi-turn clients for 20 minutes, its heap and
+# file-backed RSS sampled every 10 s; table and benchmarks/results/soak.json.
+# e.g. `make bench-soak ARGS="--minutes 60"`.
+bench-soak: $(STAMP)
+	$(BIN)/python benchmarks/bench_soak.py $(ARGS)
 
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py
