@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import lmdb
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import tiered_engine
@@ -13,8 +14,9 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
+from server.admin_api import add_admin_routes
 from server.engine import Engine
-from server.http_api import create_app
+from server.http_api import attach_metrics, create_app
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16
@@ -169,3 +171,36 @@ def test_tier_summaries_and_bad_page_size() -> None:
     assert summaries["storage"] == TierSummary(160, 48, 48, 0, 32)
     with pytest.raises(ValueError, match="page_size"):
         CacheMetrics(lambda: L1_ONLY, page_size=0)
+
+
+def test_faults_a_backend_catches_itself_reach_metrics_and_admin_tiers(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend turns its own faults into misses; they used to stay inside its stats and
+    `storage_errors_total` said 0 while every L3 call failed."""
+    with tiered_engine(tmp_path / "lmdb") as e:
+        store = e.cache.tree.storage.io.backend
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise lmdb.Error("injected: Input/output error")
+
+        monkeypatch.setattr(store, "_txn", broken)
+        out = e.generate(input_ids=PROMPT, sampling_params=GREEDY)  # queries, then backs up
+        assert out["meta_info"]["finish_reason"] == "length"
+        e.flush_cache(["device"])  # waits for the backup, which fails
+        samples = parse(attach_render(e))
+        assert value(samples, "storage_errors_total", op="batch_exists") >= 1
+        assert value(samples, "storage_errors_total", op="batch_set") >= 1
+
+        async def tiers() -> dict[str, Any]:
+            app = create_app(e)
+            add_admin_routes(app, e, None)
+            async with TestClient(TestServer(app)) as client:
+                return (await (await client.get("/admin/tiers")).json())["tiers"]["storage"]
+
+        storage = asyncio.run(tiers())
+        assert storage["errors_by_op"]["batch_exists"] >= 1
+        assert storage["errors"] == sum(storage["errors_by_op"].values()) >= 2
+
+
+def attach_render(e: Engine) -> str:
+    return attach_metrics(e).render().decode()
