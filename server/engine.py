@@ -22,7 +22,7 @@ from server.cache_setup import CacheStack, build_cache
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
 from server.request import InvalidRequest, Request, SamplingParams, check_unicode
-from server.scheduler import TIERS, Scheduler
+from server.scheduler import TIERS, Scheduler, SchedulerStopped
 from server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class Engine:
 
     def alive(self) -> bool:
         """Whether the scheduler thread is running (health checks watch this)."""
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not self._stop.is_set() and self.fatal_error is None
 
     def _submit(self, req: Request) -> None:
         if self.fatal_error is not None:
@@ -185,7 +185,10 @@ class Engine:
                                "server")
         if not self._accepting:
             raise EngineClosed("the server is shutting down")
-        self.scheduler.submit(req)
+        try:
+            self.scheduler.submit(req)
+        except SchedulerStopped as e:
+            raise EngineClosed(f"the server's scheduler has stopped ({e})") from None
 
     # ----------------------------------------------------------------------------- admin
 
@@ -202,27 +205,44 @@ class Engine:
         return self._call(lambda: self.cache.stats(self.scheduler.counters))
 
     def _call(self, fn, when_idle: bool = False):
-        """Run `fn` on the scheduler thread and wait for its result."""
-        if self._stop.is_set() or not self._thread.is_alive():
+        """Run `fn` on the scheduler thread and wait for its result (EngineClosed once the
+        engine has shut down or its scheduler died, even while this call waited)."""
+        if self._stop.is_set() or not self._thread.is_alive() or self.fatal_error is not None:
             raise EngineClosed("the engine has shut down")
-        return self.scheduler.call(fn, when_idle=when_idle).result()
+        try:
+            return self.scheduler.call(fn, when_idle=when_idle).result()
+        except SchedulerStopped as e:
+            raise EngineClosed(f"the server's scheduler has stopped ({e})") from None
 
     # -------------------------------------------------------------------------- shutdown
 
     def shutdown(self, drain: bool = True) -> None:
         """Stop taking requests, let running ones finish (`drain`), write pending backups,
         close the storage tier. Idempotent."""
-        if not self._thread.is_alive():
-            if self.fatal_error is not None:  # the loop died: still let the tiers go
-                self._close_cache_once()
+        if self.fatal_error is not None or not self._thread.is_alive():
+            self._close_after_death()
             return
         self._accepting = False
-        while drain and self.scheduler.call(self.scheduler.num_unfinished).result():
-            self._stop.wait(DRAIN_POLL_S)
-        self.scheduler.call(self.scheduler.quiesce).result()  # pending backups reach L3
+        try:
+            while drain and self._call(self.scheduler.num_unfinished):
+                self._stop.wait(DRAIN_POLL_S)
+            self._call(self.scheduler.quiesce)  # pending backups reach L3
+        except EngineClosed:  # the scheduler died while draining
+            self._close_after_death()
+            return
         self._stop.set()
         self._thread.join()
         self._close_cache_once()
+
+    def _close_after_death(self) -> None:
+        """After the scheduler died: let the tiers go (their I/O threads, the backends), but
+        a failure there, on a tree in an unknown state, is only logged."""
+        if self.fatal_error is None:
+            return
+        try:
+            self._close_cache_once()
+        except Exception:
+            logger.exception("closing the cache tiers after the scheduler died failed")
 
     def _close_cache_once(self) -> None:
         if not self._cache_closed:

@@ -45,6 +45,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # stalled or hostile client waits this long (uvicorn and nginx use 60 s for their timeouts).
 DEFAULT_BODY_TIMEOUT_S = 30.0
 SSE_DONE = b"data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends with
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # nginx must not buffer a stream
@@ -125,6 +126,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(503, str(e))
     except RequestFailed as e:
         return failure_response(str(e))
+    except ConnectionError:  # the client left (mid-body, say): nobody reads an answer
+        logger.info("client of %s %s went away before its response", request.method,
+                    request.path)
+        return web.Response(status=CLIENT_CLOSED)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -181,9 +186,8 @@ async def read_json(request: web.Request, *, empty: Any = None) -> Any:
     hold a handler forever)."""
     timeout = request.app[STATE].body_timeout_s
     try:
-        async with asyncio.timeout(timeout):
-            raw = await request.read()  # 413 past client_max_size
-    except TimeoutError:
+        raw = await asyncio.wait_for(request.read(), timeout)  # 413 past client_max_size
+    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise HttpError(408, f"the request body did not arrive within {timeout:g} s") from None
     if not raw.strip():
         if empty is None:
@@ -282,9 +286,12 @@ async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.St
 
 async def result_events(results: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """/generate's stream: each result as JSON; a failed request ends with an error event."""
-    async for result in results:
-        failure = request_failure(result)
-        yield dumps(result if failure is None else error_body(500, failure))
+    try:
+        async for result in results:
+            failure = request_failure(result)
+            yield dumps(result if failure is None else error_body(500, failure))
+    finally:
+        await results.aclose()  # a client gone: its request is aborted now, not when GC'd
 
 
 def dumps(data: Any) -> bytes:
@@ -377,21 +384,33 @@ async def completion_chunks(results: AsyncIterator[dict], model: str, stop: tupl
     delta is never taken back."""
     cid, hold, sent = f"cmpl-{uuid.uuid4().hex}", max(map(len, stop), default=1) - 1, ""
     meta: dict[str, Any] = {}
-    async for result in results:
-        failure = request_failure(result)
-        if failure is not None:
-            yield error_body(500, failure)
-            return
-        meta = result["meta_info"]
-        final = meta["finish_reason"] is not None
-        text = result["text"]
-        visible = text if final else text[:len(text) - hold].rstrip(REPLACEMENT_CHAR)
-        delta = visible[len(sent):] if visible.startswith(sent) else ""
-        sent = visible if visible.startswith(sent) else sent
-        if delta or final:
-            yield _completion(model, [_choice(delta, meta["finish_reason"])], cid)
+    try:
+        async for result in results:
+            failure = request_failure(result)
+            if failure is not None:
+                yield error_body(500, failure)
+                return
+            meta = result["meta_info"]
+            final = meta["finish_reason"] is not None
+            text = result["text"]
+            visible = text if final else text[:len(text) - hold].rstrip(REPLACEMENT_CHAR)
+            delta = visible[len(sent):] if visible.startswith(sent) else ""
+            sent = visible if visible.startswith(sent) else sent
+            if delta or final:
+                yield _completion(model, [_choice(delta, meta["finish_reason"])], cid)
+    finally:
+        await results.aclose()  # a client gone: its request is aborted now
     if include_usage and meta:
         yield {**_completion(model, [], cid), "usage": _usage(meta)}
+
+
+async def json_events(items: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """Each item as JSON; closing this closes `items` (and so aborts their request)."""
+    try:
+        async for item in items:
+            yield dumps(item)
+    finally:
+        await items.aclose()
 
 
 # ----------------------------------------------------------------------------- handlers
@@ -439,7 +458,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             return failure_response(failure)
         return web.json_response(completion_response(result, model))
     chunks = completion_chunks(results, model, req.params.stop, parsed.include_usage)
-    return await send_sse(request, (dumps(c) async for c in chunks))
+    return await send_sse(request, json_events(chunks))
 
 
 async def handle_models(request: web.Request) -> web.Response:

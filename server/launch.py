@@ -124,6 +124,9 @@ async def serve(engine: Engine, config: Config) -> int:
         await drain(app, engine)
     finally:
         await runner.cleanup()
+    if engine.fatal_error is not None:  # died while draining
+        logger.critical("hicache-server exits: its scheduler thread died while draining")
+        return EXIT_SCHEDULER_DIED
     logger.info("hicache-server stopped")
     return EXIT_OK
 

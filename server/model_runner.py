@@ -78,8 +78,9 @@ def sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
         keep[0] = True  # a top_p so small that `top_p * sum` underflows still keeps one
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    probs = probs.cpu()  # the one copy (and sync) per sampled row; checked on the host
     total = float(probs.sum())
     if not (total > 0 and math.isfinite(total)) or not bool(torch.isfinite(probs).all()):
         return int(row.argmax())
-    token = torch.multinomial(probs.cpu(), 1, generator=generator)
+    token = torch.multinomial(probs, 1, generator=generator)
     return int(token.item())

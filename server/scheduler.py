@@ -47,6 +47,10 @@ QUERY_SETTLE_S = 0.005
 TIERS = ("device", "host", "storage")
 
 
+class SchedulerStopped(RuntimeError):
+    """The scheduler loop has died: work handed to it can never run (its message says why)."""
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, tree: RadixCache, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int) -> None:
@@ -67,18 +71,31 @@ class Scheduler:
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "cached_device": 0, "cached_host": 0, "cached_storage": 0,
                          "request_errors": 0}
+        # Set (with the reason) by `fail_all` when the loop has died; checked under the lock
+        # by submit / call, so nothing is queued after the inbox was drained for the last time.
+        self._stopped: str | None = None
+        self._inbox_lock = threading.Lock()
 
     # ------------------------------------------------------------------------- inbox
 
     def submit(self, req: Request) -> None:
-        """Queue a request (any thread); its `on_update` runs on the scheduler thread."""
-        self.inbox.put(("req", req))
+        """Queue a request (any thread); its `on_update` runs on the scheduler thread.
+        Raises SchedulerStopped once the loop has died (`fail_all`)."""
+        with self._inbox_lock:
+            if self._stopped is not None:
+                raise SchedulerStopped(self._stopped)
+            self.inbox.put(("req", req))
 
     def call(self, fn: Callable[[], Any], when_idle: bool = False) -> Future:
         """Run `fn` on the scheduler thread between steps (after the running requests
-        finish when `when_idle`); admissions pause while an idle call waits."""
+        finish when `when_idle`); admissions pause while an idle call waits. Once the loop
+        has died the future holds SchedulerStopped at once: nothing waits forever."""
         fut: Future = Future()
-        self.inbox.put(("cmd", (fn, fut, when_idle)))
+        with self._inbox_lock:
+            if self._stopped is not None:
+                fut.set_exception(SchedulerStopped(self._stopped))
+            else:
+                self.inbox.put(("cmd", (fn, fut, when_idle)))
         return fut
 
     def _drain_inbox(self) -> bool:
@@ -211,7 +228,10 @@ class Scheduler:
         for rid in restarts:
             resume = self.storage.restart(rid)
             if resume is not None and rid in waiting:
-                self._start_prefetch(waiting[rid], resume)
+                try:
+                    self._start_prefetch(waiting[rid], resume)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    self._fail_request(waiting[rid], "restarting its storage prefetch", exc)
         return True
 
     def _try_admit(self, req: Request) -> bool:
@@ -303,12 +323,9 @@ class Scheduler:
     def _run_batch(self, reqs: list[Request], lens: list[int]) -> None:
         try:
             logits = self.runner.forward(reqs, lens)
-        except Exception as exc:  # a failed forward fails its requests, not the server
-            logger.exception("forward pass failed")
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
             for req in reqs:
-                req.error = f"forward pass failed: {type(exc).__name__}: {exc}"
-                self.counters["request_errors"] += 1
-                self._finish(req, "error", keep_cache=False)
+                self._fail_request(req, "the forward pass", exc)
             return
         done = []
         for i, (req, n) in enumerate(zip(reqs, lens)):
@@ -317,7 +334,11 @@ class Scheduler:
             if req.prefilled:
                 done.append(i)
                 if not was_prefilled:
-                    self._cache_prompt(req)
+                    try:
+                        self._cache_prompt(req)
+                    except Exception as exc:  # noqa: BLE001 - fails this request only
+                        self._fail_request(req, "caching its prompt", exc)
+        done = [i for i in done if reqs[i].finish_reason is None]
         greedy = logits[done].argmax(dim=-1).tolist() if done else []  # one sync for all
         for i, token in zip(done, greedy):
             req = reqs[i]
@@ -367,25 +388,37 @@ class Scheduler:
         self.counters["request_errors"] += 1
         req.error = f"the server failed in {stage}: {type(exc).__name__}: {exc}"
         if self.storage is not None and req in self.waiting:
-            self.storage.terminate(req.rid)  # idempotent: a prefetch ends once
-        if req.finish_reason is None:
+            try:
+                self.storage.terminate(req.rid)  # idempotent: a prefetch ends once
+            except Exception:
+                logger.exception("request %s: ending its storage prefetch failed", req.rid)
+        if req in self.running or req in self.waiting:  # not finished (or half) already
             self._finish(req, "error", keep_cache=False)
 
     def _finish(self, req: Request, reason: str, keep_cache: bool = True) -> None:
+        """Release the request's KV and lock, take it off the queues, tell its client. The
+        last two happen even when the release raises (the request then reports an error and
+        the exception goes on to the caller): a request is never left half finished."""
         req.finish_reason = reason
-        if reason == "error":
-            try:
-                req.text = self.tokenizer.decode(req.output_ids)
-            except Exception:
-                logger.warning("request %s: its output cannot be decoded", req.rid,
-                               exc_info=True)
-                req.text = ""
-        self._release(req, keep_cache)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self._notify(req, True)
+        try:
+            self._release(req, keep_cache)
+        except BaseException as exc:
+            req.finish_reason = "error"
+            req.error = req.error or f"the server failed releasing its cache: {exc!r}"
+            raise
+        finally:
+            if req.finish_reason == "error":
+                try:
+                    req.text = self.tokenizer.decode(req.output_ids)
+                except Exception:
+                    logger.warning("request %s: its output cannot be decoded", req.rid,
+                                   exc_info=True)
+                    req.text = ""
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._notify(req, True)
 
     def _notify(self, req: Request, done: bool) -> None:
         """Run the request's callback; a callback that raises (its client went away) aborts
@@ -414,8 +447,10 @@ class Scheduler:
     def fail_all(self, message: str) -> None:
         """After the loop died: finish every request and command with `message`, touching
         neither the tree nor the pools (their state is unknown). Any thread, once `run` has
-        returned; never raises."""
-        queued = self._drain_all()
+        returned; never raises. From here on submit / call fail at once."""
+        with self._inbox_lock:
+            self._stopped = message
+            queued = self._drain_all()
         arrived = [payload for kind, payload in queued if kind == "req"]
         for req in (*self.waiting, *self.running, *arrived):
             req.error, req.finish_reason = message, "error"
@@ -428,7 +463,7 @@ class Scheduler:
         pending = [payload for kind, payload in queued if kind == "cmd"]
         for _, fut, _ in (*self._commands, *pending):
             if not fut.done():
-                fut.set_exception(RuntimeError(message))
+                fut.set_exception(SchedulerStopped(message))
         self._commands = []
 
     def _drain_all(self) -> list[tuple[str, Any]]:

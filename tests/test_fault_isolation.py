@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from server.engine import Engine, EngineClosed
 from server.http_api import create_app
 from server.model_runner import sample_row
 from server.request import SamplingParams
+from server.scheduler import SchedulerStopped
 from tests.conftest import tiered_engine
 
 PROMPT = "The fault of one request is its own. " * 4  # 148 byte tokens
@@ -202,6 +204,32 @@ def test_a_fault_mid_stream_ends_that_stream_with_an_error_event(
     assert_healthy(engine)
 
 
+def test_a_fault_while_finishing_still_ends_the_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that raises used to leave the request running, decoded every step past its
+    max_new_tokens (a reviewer saw 538 tokens for 4), and answered 200."""
+    cfg = load_config(None, {"cache.max_total_tokens": 1024, "model.device": "cpu"})
+    with Engine(cfg) as engine:
+        sched = engine.scheduler
+        real = sched._release
+        broken = {"left": 1}
+
+        def release(req: Any, keep_cache: bool) -> None:
+            if req.params.seed == POISON_SEED and broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("injected release fault")
+            real(req, keep_cache)
+
+        monkeypatch.setattr(sched, "_release", release)
+        out = engine.generate(PROMPT, sampling_params={**GREEDY, "seed": POISON_SEED})
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == "error" and "injected release fault" in meta["error"]
+        assert meta["completion_tokens"] <= GREEDY["max_new_tokens"]
+        assert sched.num_unfinished() == 0 and engine.alive()
+        assert engine.generate(PROMPT, sampling_params=GREEDY)["meta_info"][
+            "finish_reason"] == "length"
+
+
 def test_an_admission_fault_releases_its_locks(engine: Engine,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     engine.generate(PROMPT, sampling_params=GREEDY)
@@ -308,13 +336,18 @@ def test_a_dead_scheduler_fails_everything_pending_and_refuses_new_work() -> Non
     try:
         kill_scheduler(engine)
         assert died.wait(WAIT_S)
-        assert not engine.alive() and isinstance(engine.fatal_error, AssertionError)
+        assert not engine.alive()  # already while `on_fatal` runs
+        engine._thread.join(WAIT_S)
+        assert isinstance(engine.fatal_error, AssertionError)
         with pytest.raises(EngineClosed):
             engine.generate("hello", sampling_params=GREEDY)
         with pytest.raises(EngineClosed):
             engine.stats()
+        late = engine.scheduler.call(lambda: 1)  # nothing reads the inbox any more
+        with pytest.raises(SchedulerStopped):
+            late.result(timeout=WAIT_S)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # returns at once: no drain on a dead loop
 
 
 def test_a_request_waiting_when_the_scheduler_dies_gets_an_error() -> None:
@@ -334,11 +367,13 @@ def test_a_request_waiting_when_the_scheduler_dies_gets_an_error() -> None:
         t = threading.Thread(target=lambda: result.update(engine.generate(
             "hello", sampling_params=GREEDY)))
         t.start()
-        while engine.scheduler.inbox.empty():  # queued behind `hold`
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + WAIT_S
+        while engine.scheduler.inbox.empty() and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # until the request queues behind `hold`
         kill_scheduler(engine)
         release.set()
         t.join(WAIT_S)
+        assert "meta_info" in result, "generate raised instead of returning an error"
         assert result["meta_info"]["finish_reason"] == "error"
         assert "scheduler stopped" in result["meta_info"]["error"]
     finally:
@@ -366,8 +401,18 @@ def serve_in_process(engine: Engine, cfg: Any, after_listening: Any) -> int:
     catcher = ListeningPort()
     logging.getLogger("hicache.server").addHandler(catcher)
     logging.getLogger("hicache.server").setLevel(logging.INFO)
-    thread = threading.Thread(target=lambda: catcher.ready.wait(WAIT_S)
-                              and after_listening(catcher.port))
+
+    def run_after() -> None:
+        completed = False
+        try:
+            if catcher.ready.wait(WAIT_S):
+                after_listening(catcher.port)
+                completed = True
+        finally:
+            if not completed:  # never leave the server (and the test) running
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=run_after)
     thread.start()
     try:
         return asyncio.run(launch.serve(engine, cfg))

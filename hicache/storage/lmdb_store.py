@@ -114,6 +114,10 @@ _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # records, a few dozen LMDB pages for a batch; rounded up to 1 MiB.
 SPACE_MARGIN_BYTES = 2**20
 OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evicting for space
+# Evictions for space one write may cause before it gives up: each frees a tenth of the store
+# at least, so a write that still fails after this many is failing for another reason (an EIO
+# taken for a full disk must not empty the store 10% at a time).
+MAX_SPACE_EVICTIONS = 3
 
 
 class _Closed(Exception):
@@ -339,6 +343,7 @@ class LmdbStore(StorageBackend):
         `room_pages` values). Raises `_Replaced` when the environment had to be replaced
         (`_attempt`); other lmdb.Error propagate.
         """
+        space_evictions = 0
         for _ in range(MAX_TXN_ATTEMPTS):
             try:
                 return self._attempt(write, body)
@@ -351,6 +356,9 @@ class LmdbStore(StorageBackend):
             except lmdb.Error as err:
                 if not (write and make_room and self._out_of_space(err, room_pages)):
                     raise
+                space_evictions += 1
+                if space_evictions > MAX_SPACE_EVICTIONS:  # eviction does not help: a real
+                    raise                                   # I/O error, not a full disk
                 self._faults.record(OP_DISK_FULL, f"LMDB store {self.path}: a commit found "
                                     f"the disk full ({err}); evicting old pages, retrying")
                 if not self._evict_for_space(room_pages):
@@ -381,11 +389,15 @@ class LmdbStore(StorageBackend):
         """Why the data file no longer holds the pages the map uses, or None."""
         if self._file is None:
             raise _Closed
-        size = self._file.bytes()
         # env.info() reads the meta pages through the map: they must be there first.
         need = lmdb_file.NUM_METAS * self._psize
+        size = self._file.bytes()
         if size >= need:
             need = (env.info()["last_pgno"] + 1) * self._psize
+            # Sized again after the meta was read: a commit (of another thread or process)
+            # writes its pages before its meta page, so a file sized first could look short
+            # of the meta that a commit in between made current.
+            size = self._file.bytes()
         if size >= need:
             return None
         return f"the data file shrank to {size} bytes under the map, which needs {need}"
