@@ -89,6 +89,34 @@ def test_reference_matches_torch_attention_decode(ratio: int) -> None:
     torch.testing.assert_close(ref, torch_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ratio", GQA_RATIOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_causal_fast_path_is_bit_identical_to_the_masked_one(
+        ratio: int, dtype: torch.dtype) -> None:
+    """A prompt with no cached prefix takes SDPA's causal path on the CPU; it must give the
+    very bits of the masked call that a cached prefix goes through, or recomputation and
+    the cache would disagree on greedy tokens."""
+    lens = (2, 17, 64, 129, 300)  # (prefix 0, extend n): one prefill each
+    pool, decode, _ = decode_case(lens, KV_HEADS * ratio, KV_HEADS, HEAD_DIM, dtype, "cpu")
+    batch = ForwardBatch(
+        input_ids=torch.zeros(sum(lens), dtype=torch.int64),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        out_slots=torch.cat(decode.seq_slots), seq_slots=decode.seq_slots,
+        prefix_lens=[0] * len(lens), extend_lens=list(lens))
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn((sum(lens), KV_HEADS * ratio, HEAD_DIM), generator=gen).to(dtype)
+    fast = TorchAttention().forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, pool)
+    k_cache, v_cache = pool.get_kv(0)
+    for start, n, slots in zip(batch.extend_starts, lens, batch.seq_slots):
+        qs = q[start:start + n].transpose(0, 1)
+        ks = k_cache[slots].repeat_interleave(ratio, dim=1).transpose(0, 1)
+        vs = v_cache[slots].repeat_interleave(ratio, dim=1).transpose(0, 1)
+        keys = torch.arange(n)
+        masked = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=keys[None, :] <= keys[:, None])
+        assert torch.equal(fast[start:start + n], masked.transpose(0, 1))
+
+
 def test_reference_ignores_the_table_past_seq_len() -> None:
     pool, batch, q = decode_case((3, 9), 4, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
     k_cache, v_cache = pool.get_kv(0)

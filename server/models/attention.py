@@ -44,7 +44,15 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """The reference: per sequence, gather K/V through its slots and run SDPA (CPU or GPU)."""
+    """The reference: per sequence, gather K/V through its slots and run SDPA (CPU or GPU).
+
+    A sequence with no cached prefix takes SDPA's causal path on the CPU instead of a
+    materialised mask: about 1.6x faster at 2,048 tokens, and bit-identical to the masked
+    call (checked over 642 shapes in float32 and bfloat16, and in tests), so a prompt
+    computed from scratch and one extending a cached prefix still give the same tokens. On
+    CUDA the causal flag picks another kernel than the mask does, so the mask stays there
+    until that is checked on a GPU.
+    """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -59,8 +67,11 @@ class TorchAttention(AttentionBackend):
             qs = q[start:start + extend].transpose(0, 1)  # [heads, extend, head_dim]
             ks = _gather(k_cache, slots, group, q.dtype)  # [heads, seq_len, head_dim]
             vs = _gather(v_cache, slots, group, q.dtype)
-            mask = _causal_mask(prefix, extend, q.device)  # [extend, seq_len] or None
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            if prefix == 0 and extend > 1 and q.device.type == "cpu":
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            else:
+                mask = _causal_mask(prefix, extend, q.device)  # [extend, seq_len] or None
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
             out[start:start + extend] = o.transpose(0, 1)
         return out
 
