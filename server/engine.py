@@ -19,10 +19,11 @@ from typing import Any
 
 from hicache.config import Config
 from server.cache_setup import CacheStack, build_cache
+from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
 from server.request import InvalidRequest, Request, SamplingParams, check_unicode
-from server.scheduler import TIERS, Scheduler, SchedulerStopped
+from server.scheduler import TIERS, Scheduler
 from server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ class Engine:
             self.scheduler.run(self._stop)
         except BaseException as exc:
             self.fatal_error = exc
-            self._accepting = False
             logger.critical("the scheduler thread died; the engine serves nothing more",
                             exc_info=exc)
             self.scheduler.fail_all(f"the server's scheduler stopped "
@@ -180,15 +180,12 @@ class Engine:
         return self._thread.is_alive() and not self._stop.is_set() and self.fatal_error is None
 
     def _submit(self, req: Request) -> None:
-        if self.fatal_error is not None:
-            raise EngineClosed("the server's scheduler has stopped; retry on a restarted "
-                               "server")
         if not self._accepting:
             raise EngineClosed("the server is shutting down")
         try:
             self.scheduler.submit(req)
         except SchedulerStopped as e:
-            raise EngineClosed(f"the server's scheduler has stopped ({e})") from None
+            raise EngineClosed(str(e)) from None
 
     # ----------------------------------------------------------------------------- admin
 
@@ -212,7 +209,7 @@ class Engine:
         try:
             return self.scheduler.call(fn, when_idle=when_idle).result()
         except SchedulerStopped as e:
-            raise EngineClosed(f"the server's scheduler has stopped ({e})") from None
+            raise EngineClosed(str(e)) from None
 
     # -------------------------------------------------------------------------- shutdown
 

@@ -17,11 +17,11 @@ Every other thread talks to the scheduler through `submit` / `call` (the inbox).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from hicache.hiradix_cache import HiRadixCache
 from hicache.radix_cache import RadixCache
 from hicache.storage_tier import Resume
+from server.inbox import Inbox, SchedulerStopped
 from server.model_runner import ModelRunner, sample_row
 from server.request import Request
 from server.tokenizer import Tokenizer
@@ -47,10 +48,6 @@ QUERY_SETTLE_S = 0.005
 TIERS = ("device", "host", "storage")
 
 
-class SchedulerStopped(RuntimeError):
-    """The scheduler loop has died: work handed to it can never run (its message says why)."""
-
-
 class Scheduler:
     def __init__(self, runner: ModelRunner, tree: RadixCache, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int) -> None:
@@ -63,7 +60,7 @@ class Scheduler:
         self.max_running = max_running
         self.hi = isinstance(tree, HiRadixCache)
         self.storage = tree.storage if self.hi else None
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.inbox = Inbox()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
@@ -71,49 +68,35 @@ class Scheduler:
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "cached_device": 0, "cached_host": 0, "cached_storage": 0,
                          "request_errors": 0}
-        # Set (with the reason) by `fail_all` when the loop has died; checked under the lock
-        # by submit / call, so nothing is queued after the inbox was drained for the last time.
-        self._stopped: str | None = None
-        self._inbox_lock = threading.Lock()
 
     # ------------------------------------------------------------------------- inbox
 
     def submit(self, req: Request) -> None:
         """Queue a request (any thread); its `on_update` runs on the scheduler thread.
         Raises SchedulerStopped once the loop has died (`fail_all`)."""
-        with self._inbox_lock:
-            if self._stopped is not None:
-                raise SchedulerStopped(self._stopped)
-            self.inbox.put(("req", req))
+        self.inbox.put("req", req)
 
     def call(self, fn: Callable[[], Any], when_idle: bool = False) -> Future:
         """Run `fn` on the scheduler thread between steps (after the running requests
         finish when `when_idle`); admissions pause while an idle call waits. Once the loop
         has died the future holds SchedulerStopped at once: nothing waits forever."""
         fut: Future = Future()
-        with self._inbox_lock:
-            if self._stopped is not None:
-                fut.set_exception(SchedulerStopped(self._stopped))
-            else:
-                self.inbox.put(("cmd", (fn, fut, when_idle)))
+        try:
+            self.inbox.put("cmd", (fn, fut, when_idle))
+        except SchedulerStopped as e:
+            fut.set_exception(e)
         return fut
 
     def _drain_inbox(self) -> bool:
         """Accept what arrived (waiting for it when there is nothing else to do); whether
         anything did."""
-        timeout = None
+        timeout = 0.0
         if not (self.running or self._commands):
             timeout = BUSY_POLL_S if (self.waiting or self._transfers_pending()) else IDLE_WAIT_S
-        try:
-            item = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
-        except queue.Empty:
-            return False
-        while True:
+        items = self.inbox.take(timeout)
+        for item in items:
             self._accept(*item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return True
+        return bool(items)
 
     def _accept(self, kind: str, payload: Any) -> None:
         if kind == "cmd":
@@ -125,10 +108,8 @@ class Scheduler:
         self.waiting.append(req)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += req.prompt_len
-        try:
+        with self._alone(req, "starting its storage prefetch"):
             self._start_prefetch(req)
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            self._fail_request(req, "starting its storage prefetch", exc)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -228,19 +209,16 @@ class Scheduler:
         for rid in restarts:
             resume = self.storage.restart(rid)
             if resume is not None and rid in waiting:
-                try:
+                with self._alone(waiting[rid], "restarting its storage prefetch"):
                     self._start_prefetch(waiting[rid], resume)
-                except Exception as exc:  # noqa: BLE001 - fails this request only
-                    self._fail_request(waiting[rid], "restarting its storage prefetch", exc)
         return True
 
     def _try_admit(self, req: Request) -> bool:
         """`_admit`, with a failure failing `req` alone (its lock released by `_admit`)."""
-        try:
-            return self._admit(req)
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            self._fail_request(req, "admission", exc)
-            return False
+        admitted = False
+        with self._alone(req, "admission"):
+            admitted = self._admit(req)
+        return admitted
 
     def _admit(self, req: Request) -> bool:
         """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""
@@ -334,20 +312,16 @@ class Scheduler:
             if req.prefilled:
                 done.append(i)
                 if not was_prefilled:
-                    try:
+                    with self._alone(req, "caching its prompt"):
                         self._cache_prompt(req)
-                    except Exception as exc:  # noqa: BLE001 - fails this request only
-                        self._fail_request(req, "caching its prompt", exc)
         done = [i for i in done if reqs[i].finish_reason is None]
         greedy = logits[done].argmax(dim=-1).tolist() if done else []  # one sync for all
         for i, token in zip(done, greedy):
             req = reqs[i]
-            try:
+            with self._alone(req, "sampling or detokenising its token"):
                 if not req.params.greedy:
                     token = sample_row(logits[i], req.params, req.generator)
                 self._append_token(req, token)
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                self._fail_request(req, "sampling or detokenising its token", exc)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -379,6 +353,15 @@ class Scheduler:
             req.text = self.tokenizer.decode(req.output_ids)
             return "length"
         return None
+
+    @contextmanager
+    def _alone(self, req: Request, stage: str) -> Iterator[None]:
+        """Serve `req` in the block; an exception there fails `req` alone (`_fail_request`)
+        and the scheduler goes on with the others."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._fail_request(req, stage, exc)
 
     def _fail_request(self, req: Request, stage: str, exc: Exception) -> None:
         """Fail `req` alone after an exception while serving it (logged with its traceback,
@@ -448,9 +431,7 @@ class Scheduler:
         """After the loop died: finish every request and command with `message`, touching
         neither the tree nor the pools (their state is unknown). Any thread, once `run` has
         returned; never raises. From here on submit / call fail at once."""
-        with self._inbox_lock:
-            self._stopped = message
-            queued = self._drain_all()
+        queued = self.inbox.close(message)
         arrived = [payload for kind, payload in queued if kind == "req"]
         for req in (*self.waiting, *self.running, *arrived):
             req.error, req.finish_reason = message, "error"
@@ -465,14 +446,6 @@ class Scheduler:
             if not fut.done():
                 fut.set_exception(SchedulerStopped(message))
         self._commands = []
-
-    def _drain_all(self) -> list[tuple[str, Any]]:
-        items = []
-        while True:
-            try:
-                items.append(self.inbox.get_nowait())
-            except queue.Empty:
-                return items
 
     def quiesce(self) -> None:
         """Wait for every copy and backup in flight and apply their acks (flush, shutdown)."""

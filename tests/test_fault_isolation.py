@@ -27,9 +27,9 @@ from server import launch
 from server.admin_api import add_admin_routes
 from server.engine import Engine, EngineClosed
 from server.http_api import create_app
+from server.inbox import SchedulerStopped
 from server.model_runner import sample_row
 from server.request import SamplingParams
-from server.scheduler import SchedulerStopped
 from tests.conftest import tiered_engine
 
 PROMPT = "The fault of one request is its own. " * 4  # 148 byte tokens
