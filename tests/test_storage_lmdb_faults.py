@@ -24,6 +24,7 @@ from typing import Any
 import lmdb
 import pytest
 
+from tests.conftest import missing_tool
 from tests.test_storage_lmdb import (
     MIN_MAP_BYTES,
     NUM_PAGES,
@@ -95,15 +96,16 @@ def fresh_store_works(store: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def tmpfs(where: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of `size_bytes` mounted at `where`; skips where mounting is not permitted."""
+    """A tmpfs of `size_bytes` mounted at `where`. Where mounting is not permitted this is a
+    missing tool: a failure under CI (which runs as root and mounts), a skip elsewhere."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        missing_tool("mounting a tmpfs needs root")
     where.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
                            str(where)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         if "permission denied" in proc.stderr.lower() or "not permitted" in proc.stderr.lower():
-            pytest.skip(f"mount -t tmpfs is not permitted here: {proc.stderr.strip()}")
+            missing_tool(f"mount -t tmpfs is not permitted here: {proc.stderr.strip()}")
         pytest.fail(f"mount -t tmpfs failed: {proc.stderr.strip()}")
     try:
         yield where
