@@ -108,12 +108,6 @@ def request_failure(result: dict[str, Any]) -> str | None:
     return meta.get("error") or "the server failed while serving this request"
 
 
-def failure_response(message: str) -> web.Response:
-    """A request the server failed to serve (a fault on its behalf, logged with its
-    traceback; the server goes on with the others): 500 in the error shape."""
-    return error_response(500, message)
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -124,8 +118,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(400, str(e))
     except EngineClosed as e:
         return error_response(503, str(e))
-    except RequestFailed as e:
-        return failure_response(str(e))
+    except RequestFailed as e:  # logged with its traceback where it failed
+        return error_response(500, str(e))
     except ConnectionError:  # the client left (mid-body, say): nobody reads an answer
         logger.info("client of %s %s went away before its response", request.method,
                     request.path)
@@ -249,7 +243,9 @@ def _engine(request: web.Request) -> Engine:
 
 async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
     """The request's results, its first one already awaited: a refusal (503) or any error
-    comes out here, before a stream's headers are sent."""
+    comes out here, before a stream's headers are sent. A result saying the engine failed
+    the request raises RequestFailed instead of being yielded: the middleware answers a 500,
+    and a stream already under way ends with an error event (`send_sse`)."""
     results = engine.stream(req)
     first = await anext(results)
     failure = request_failure(first)
@@ -261,6 +257,9 @@ async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
         try:
             yield first
             async for result in results:
+                failure = request_failure(result)
+                if failure is not None:
+                    raise RequestFailed(failure)
                 yield result
         finally:
             await results.aclose()
@@ -274,24 +273,17 @@ async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.St
     resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
         await resp.prepare(request)
-        async for payload in events:
-            await resp.write(b"data: " + payload + b"\n\n")
+        try:
+            async for payload in events:
+                await resp.write(b"data: " + payload + b"\n\n")
+        except RequestFailed as e:  # the request failed mid-stream: its last event says so
+            await resp.write(b"data: " + dumps(error_body(500, str(e))) + b"\n\n")
         await resp.write(SSE_DONE)
     except ConnectionError:
         logger.info("client of %s went away mid-stream", request.path)
     finally:
         await events.aclose()
     return resp
-
-
-async def result_events(results: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """/generate's stream: each result as JSON; a failed request ends with an error event."""
-    try:
-        async for result in results:
-            failure = request_failure(result)
-            yield dumps(result if failure is None else error_body(500, failure))
-    finally:
-        await results.aclose()  # a client gone: its request is aborted now, not when GC'd
 
 
 def dumps(data: Any) -> bytes:
@@ -386,10 +378,6 @@ async def completion_chunks(results: AsyncIterator[dict], model: str, stop: tupl
     meta: dict[str, Any] = {}
     try:
         async for result in results:
-            failure = request_failure(result)
-            if failure is not None:
-                yield error_body(500, failure)
-                return
             meta = result["meta_info"]
             final = meta["finish_reason"] is not None
             text = result["text"]
@@ -429,10 +417,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     req = engine.make_request(body.get("text"), body.get("input_ids"), params, extra_key)
     results = await start_stream(engine, req)
     if not stream:
-        result = await _last(results)
-        failure = request_failure(result)
-        return web.json_response(result) if failure is None else failure_response(failure)
-    return await send_sse(request, result_events(results))
+        return web.json_response(await _last(results))  # RequestFailed: a 500
+    return await send_sse(request, json_events(results))
 
 
 async def _last(results: AsyncIterator[dict]) -> dict:
@@ -452,11 +438,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         raise HttpError(400, openai_message(str(e))) from None
     results = await start_stream(engine, req)
     if not parsed.stream:
-        result = await _last(results)
-        failure = request_failure(result)
-        if failure is not None:
-            return failure_response(failure)
-        return web.json_response(completion_response(result, model))
+        return web.json_response(completion_response(await _last(results), model))
     chunks = completion_chunks(results, model, req.params.stop, parsed.include_usage)
     return await send_sse(request, json_events(chunks))
 
