@@ -30,6 +30,7 @@ Threads: functions of paths, no state; any thread.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import struct
@@ -141,6 +142,29 @@ def move_aside(env_dir: Path) -> Path:
     if lock.exists():
         os.rename(lock, env_dir / f"{LOCK_FILE}{QUARANTINE_SUFFIX}{stamp}")
     return moved
+
+
+# Write failures that mean the disk has no room, whatever the free space says. LMDB reports a
+# short pwrite as EIO, so EIO counts only when the free room is short too (see out_of_space).
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Room a write needs beyond its values: B-tree pages it splits or copies and free-list
+# records, a few dozen LMDB pages for a batch; rounded up to 1 MiB.
+SPACE_MARGIN_BYTES = 2**20
+
+
+def out_of_space(err: Exception, env_dir: Path, need_bytes: int) -> bool:
+    """Whether a write needing `need_bytes` failed with `err` for want of disk (or
+    file-size) room under `env_dir`."""
+    code = getattr(err, "code", 0)  # set by LMDB; absent on an Error built in Python
+    if code in _NO_SPACE_ERRNOS:
+        return True
+    if code != errno.EIO:
+        return False
+    try:
+        room = room_bytes(env_dir)
+    except OSError:  # the path itself is gone or unreadable: not a question of room
+        return False
+    return room < need_bytes + SPACE_MARGIN_BYTES
 
 
 def room_bytes(env_dir: Path) -> int:

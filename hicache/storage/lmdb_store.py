@@ -20,7 +20,7 @@ exceeds the bound. When another process grew the map, a transaction fails with
 Full disk: a disk (or RLIMIT_FSIZE) that runs out before the map does fails the commit with
 a plain `lmdb.Error`, not `MapFullError`: LMDB turns the short pwrite into EIO (also seen for
 EFBIG). A write that failed with ENOSPC, EDQUOT or EFBIG, or with EIO while `room_bytes` of
-the path is below what the write needs plus `SPACE_MARGIN_BYTES`, is counted (op
+the path is below what the write needs plus `lmdb_file.SPACE_MARGIN_BYTES`, is counted (op
 "disk_full"), evicts the least recently used pages, as many as the write needs or a tenth of
 those stored (not of `max_size_bytes`, which may be far above the disk), and is retried. The
 environment stays usable after such a failure (LMDB aborts the transaction); one LMDB does
@@ -54,11 +54,9 @@ pages, and a power loss may damage the file; checksums keep damaged pages from b
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -88,6 +86,7 @@ from hicache.storage.base import (
     StorageUnavailable,
     check_batch,
 )
+from hicache.storage.lmdb_stamps import PendingStamps
 from hicache.storage.page_format import PageCodec
 
 logger = logging.getLogger(__name__)
@@ -97,22 +96,11 @@ INITIAL_MAP_BYTES = 64 * 2**20  # first map size; doubles on demand up to max_si
 MIN_MAP_BYTES = 2**20  # smallest capacity accepted: room for the tree and a few pages
 EVICT_FRACTION = 0.10  # share of the capacity freed per eviction round (LRU first)
 EVICT_FIRST_COMMIT = 4  # keys deleted by an eviction's first commit (see _delete_victims)
-# Access stamps of pages read are buffered and written in one transaction once this many are
-# pending or this many seconds have passed (checked on each read), and with every batch_set,
-# eviction and close: a read costs no write transaction (no fdatasync) of its own.
-TOUCH_FLUSH_PAGES = 1024
-TOUCH_FLUSH_S = 5.0
 MAX_TXN_ATTEMPTS = 16  # map grow / evict / resize retries of one call before it gives up
 _DB_PAGES = b"pages"
 _DB_ATIME = b"atime"
 _STAMP = struct.Struct("<Q")
 _OVERFLOW_HEADER = 16  # bytes LMDB puts before a value stored in overflow pages
-# Write failures that mean the disk has no room, whatever the free space says. LMDB reports a
-# short pwrite as EIO, so EIO counts only when the free room is short too (see _out_of_space).
-_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-# Room a write needs beyond its values: B-tree pages it splits or copies and free-list
-# records, a few dozen LMDB pages for a batch; rounded up to 1 MiB.
-SPACE_MARGIN_BYTES = 2**20
 OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evicting for space
 # Evictions for space one write may cause before it gives up: each frees a tenth of the store
 # at least, so a write that still fails after this many is failing for another reason (an EIO
@@ -144,9 +132,7 @@ class LmdbStore(StorageBackend):
         self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED,
                                  STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED))
         self._faults = FaultLog(logger, self._counts)
-        self._touches: dict[bytes, int] = {}  # page hash -> time_ns of its latest read
-        self._touch_lock = threading.Lock()
-        self._last_flush = time.monotonic()
+        self._stamps = PendingStamps()  # of pages read, written in batches (lmdb_stamps)
         self._sync = sync
         self._first_map_bytes = min(initial_map_bytes, self.max_size_bytes)
         self._env: lmdb.Environment | None = None
@@ -260,17 +246,19 @@ class LmdbStore(StorageBackend):
         if corrupt:
             self._counts.add(STAT_CORRUPT, len(corrupt))
             self._guard("delete_corrupt", 0, lambda: self._delete(corrupt))
-        self._touch([key for key, ok in zip(keys, served) if ok])
+        read = [key for key, ok in zip(keys, served) if ok]
+        if read and self._stamps.touch(read):
+            self._guard("touch", None, self._flush_stamps)
         return served
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:
         pages = check_batch(self.codec, keys, host_pool, host_indices)
         read_page = self.codec.payload_reader(host_pool)
-        touches = self._take_touches()  # lost if this write fails: only LRU order suffers
+        stamps = self._stamps.take()
 
         def body(txn: lmdb.Transaction) -> int:
-            self._put_stamps(txn, touches.items())
+            self._put_stamps(txn, stamps.items())
             stamp = _STAMP.pack(time.time_ns())
             written = 0
             for key, page in zip(keys, pages):
@@ -289,14 +277,11 @@ class LmdbStore(StorageBackend):
         return [True] * len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        with self._touch_lock:
-            for key in keys:
-                self._touches.pop(bytes(key), None)
+        self._stamps.discard(keys)
         return self._guard("delete", 0, lambda: self._delete(keys))
 
     def clear(self) -> int:
-        with self._touch_lock:
-            self._touches.clear()
+        self._stamps.clear()
 
         def body(txn: lmdb.Transaction) -> int:
             removed = txn.stat(self._pages)["entries"]
@@ -315,7 +300,7 @@ class LmdbStore(StorageBackend):
         return out
 
     def close(self) -> None:
-        self._guard("close", None, self._flush_touches)
+        self._guard("close", None, self._flush_stamps)
         with self._gate.exclusive():
             self._close_env()
 
@@ -354,7 +339,8 @@ class LmdbStore(StorageBackend):
                     raise
                 self._make_room()
             except lmdb.Error as err:
-                if not (write and make_room and self._out_of_space(err, room_pages)):
+                if not (write and make_room and lmdb_file.out_of_space(
+                        err, self.path, room_pages * self._value_disk_bytes)):
                     raise
                 space_evictions += 1
                 if space_evictions > MAX_SPACE_EVICTIONS:  # eviction does not help: a real
@@ -440,19 +426,6 @@ class LmdbStore(StorageBackend):
                 return
         self._evict(max(1, int(EVICT_FRACTION * self.max_size_bytes) // self._value_disk_bytes))
 
-    def _out_of_space(self, err: lmdb.Error, pages: int) -> bool:
-        """Whether a write of `pages` values failed for want of disk (or file-size) room."""
-        code = getattr(err, "code", 0)  # set by LMDB; absent on an Error built in Python
-        if code in _NO_SPACE_ERRNOS:
-            return True
-        if code != errno.EIO:
-            return False
-        try:
-            room = lmdb_file.room_bytes(self.path)
-        except OSError:  # the path itself is gone or unreadable: not a question of room
-            return False
-        return room < pages * self._value_disk_bytes + SPACE_MARGIN_BYTES
-
     def _evict_for_space(self, pages: int) -> int:
         """Evict for a write of `pages` that found the disk full: that many LRU pages, or a
         tenth of those stored if more (the disk, not `max_size_bytes`, bounds the store
@@ -462,8 +435,7 @@ class LmdbStore(StorageBackend):
 
     def _evict(self, count: int) -> int:
         """Delete the `count` pages read or written longest ago; the number deleted."""
-        with self._touch_lock:  # read recently, stamp not yet written: not a victim
-            recent = set(self._touches)
+        recent = self._stamps.recent()  # read recently, stamp not yet written: not a victim
 
         def oldest(txn: lmdb.Transaction) -> list[bytes]:
             stamps = ((_STAMP.unpack(v)[0], bytes(k)) for k, v in txn.cursor(self._atime)
@@ -521,32 +493,10 @@ class LmdbStore(StorageBackend):
 
     # ------------------------------------------------------------------ access times
 
-    # Stamps are wall-clock `time.time_ns()`, not monotonic: they are compared across the
-    # processes sharing this store and across restarts, where a monotonic clock means nothing.
-    # If the wall clock steps backwards, pages touched after the step look older and are
-    # evicted sooner; only the eviction order suffers, never what is served.
-
-    def _touch(self, keys: list[bytes]) -> None:
-        if not keys:
-            return
-        stamp = time.time_ns()
-        with self._touch_lock:
-            self._touches.update((bytes(key), stamp) for key in keys)
-            due = (len(self._touches) >= TOUCH_FLUSH_PAGES
-                   or time.monotonic() - self._last_flush >= TOUCH_FLUSH_S)
-        if due:
-            self._guard("touch", None, self._flush_touches)
-
-    def _take_touches(self) -> dict[bytes, int]:
-        with self._touch_lock:
-            taken, self._touches = self._touches, {}
-            self._last_flush = time.monotonic()
-        return taken
-
-    def _flush_touches(self) -> None:
-        touches = self._take_touches()
-        if touches:
-            self._txn(True, lambda txn: self._put_stamps(txn, touches.items()))
+    def _flush_stamps(self) -> None:
+        stamps = self._stamps.take()
+        if stamps:
+            self._txn(True, lambda txn: self._put_stamps(txn, stamps.items()))
 
     def _put_stamps(self, txn: lmdb.Transaction, stamps: Iterable[tuple[bytes, int]]) -> None:
         for key, stamp in stamps:
