@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hicache.radix_cache import MatchResult, RadixCache
+from hicache.tree.radix import MatchResult, RadixCache
 
 # Token ids are drawn uniformly from a Llama-2-sized vocabulary.
 VOCAB = 32_000

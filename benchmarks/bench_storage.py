@@ -46,9 +46,9 @@ import numpy as np
 import torch
 import xxhash
 
-from hicache.memory_pool import slots_of
-from hicache.memory_pool_host import HostKVPool
-from hicache.storage.lmdb_store import LmdbStore
+from hicache.memory.device import slots_of
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -439,7 +439,7 @@ def redis_results(args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO / "tests"))
     from redis_fixtures import RedisClusterNodes, RedisServer
 
-    from hicache.storage.redis_store import RedisStore
+    from hicache.storage.backends.redis_store import RedisStore
 
     tmp = Path(tempfile.mkdtemp(dir=args.tmp_dir))
     rows = []

@@ -24,16 +24,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
+from kernels.layouts import HOST_LAYOUTS as MEM_LAYOUTS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
-EVICTION_POLICIES = ("lru", "lfu")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-IO_BACKENDS = ("kernel", "direct")
-MEM_LAYOUTS = ("page_first", "layer_first")
 TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
 TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
 STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 
 MAX_PORT = 65535

@@ -7,9 +7,8 @@ Two kinds of samples:
     state      counters and gauges read from a stats snapshot (`Engine.stats()`'s shape) at
                scrape time, so nothing is counted twice and a scrape sees one consistent step
 
-The stats snapshot is `{"tiers": {"device": {...}, "host": {...}, "storage": {...}},
-"counters": {...}}`; a tier missing from it (an L1-only or L1+L2 configuration) simply yields
-no samples. Token counts are tokens; storage counts its own units in pages, converted here
+The stats snapshot is a typed `hicache.stats.CacheStats`, read by attribute; a tier missing
+from it (an L1-only or L1+L2 configuration) simply yields no samples. Token counts are tokens; storage counts its own units in pages, converted here
 with `page_size`.
 
 Threading: `observe` may be called from any thread (prometheus-client is thread-safe);
@@ -21,14 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from hicache.stats import CacheStats, DeviceStats, HostStats, StorageStats
+
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "storage")
 PREFIX = "hicache:"
 # The classic text format (what `generate_latest` writes for these names); every Prometheus
 # version scrapes it.
@@ -51,7 +51,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "prefetch_seconds": ("Time of one L3->L2 prefetch, started to stopped", PREFETCH_BUCKETS),
 }
 
-StatsFn = Callable[[], Mapping[str, Any]]
+StatsFn = Callable[[], CacheStats]
 
 
 class TierSummary(NamedTuple):
@@ -64,7 +64,7 @@ class TierSummary(NamedTuple):
     hits: int
 
 
-def tier_summaries(stats: Mapping[str, Any], page_size: int,
+def tier_summaries(stats: CacheStats, page_size: int,
                    storage_page_bytes: int | None = None) -> dict[str, TierSummary]:
     """Capacity / used / evictable / protected / hits per tier present in `stats`, in tokens.
 
@@ -72,19 +72,20 @@ def tier_summaries(stats: Mapping[str, Any], page_size: int,
     `storage_page_bytes` (one stored page, header included; an upper bound, since the store
     has its own overhead), 0 when that is not given. Every stored page is evictable.
     """
-    tiers = stats.get("tiers", {})
-    out = {name: _memory_tier(tiers[name]) for name in ("device", "host") if name in tiers}
-    if "storage" in tiers:
-        s = tiers["storage"]
-        used = int(s.get("pages", 0)) * page_size
-        pages_fit = int(s.get("capacity_bytes", 0)) // storage_page_bytes \
-            if storage_page_bytes else 0
-        out["storage"] = TierSummary(pages_fit * page_size, used, used, 0, int(s.get("hits", 0)))
+    out = {"device": _memory_tier(stats.device)}
+    if stats.host is not None:
+        out["host"] = _memory_tier(stats.host)
+    if stats.storage is not None:
+        s = stats.storage
+        used = s.stored_pages * page_size
+        pages_fit = s.capacity_bytes // storage_page_bytes if storage_page_bytes else 0
+        out["storage"] = TierSummary(pages_fit * page_size, used, used, 0, s.hit_tokens)
     return out
 
 
-def _memory_tier(t: Mapping[str, Any]) -> TierSummary:
-    return TierSummary(*(int(t.get(f, 0)) for f in TierSummary._fields))
+def _memory_tier(t: DeviceStats | HostStats) -> TierSummary:
+    return TierSummary(t.capacity_tokens, t.used_tokens, t.evictable_tokens, t.protected_tokens,
+                       t.hit_tokens)
 
 
 class CacheMetrics:
@@ -134,14 +135,12 @@ class _StatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_fn()
-        tiers: Mapping[str, Any] = stats.get("tiers", {})
-        counters: Mapping[str, Any] = stats.get("counters", {})
-        yield from _request_metrics(counters, tiers)
+        yield from _request_metrics(stats)
         yield from _tier_gauges(tier_summaries(stats, self._page_size,
                                                self._storage_page_bytes))
-        yield _evicted(tiers, self._page_size)
-        yield from _transfer_metrics(tiers)
-        yield from _storage_faults(tiers.get("storage"))
+        yield _evicted(stats, self._page_size)
+        yield from _transfer_metrics(stats)
+        yield from _storage_faults(stats.storage)
 
 
 def _counter(name: str, doc: str, value: float | None = None,
@@ -152,27 +151,24 @@ def _counter(name: str, doc: str, value: float | None = None,
     return CounterMetricFamily(PREFIX + name, doc, labels=[label])
 
 
-def _request_metrics(counters: Mapping[str, Any], tiers: Mapping[str, Any]
-                     ) -> Iterator[Metric]:
-    prompt = counters.get("prompt_tokens", 0)
-    yield _counter("requests", "Requests received", counters.get("requests", 0))
-    yield _counter("prompt_tokens", "Prompt tokens received", prompt)
-    yield _counter("generated_tokens", "Tokens generated", counters.get("generated_tokens", 0))
+def _request_metrics(stats: CacheStats) -> Iterator[Metric]:
+    r = stats.requests
+    yield _counter("requests", "Requests received", r.requests)
+    yield _counter("prompt_tokens", "Prompt tokens received", r.prompt_tokens)
+    yield _counter("generated_tokens", "Tokens generated", r.generated_tokens)
     yield _counter("request_errors", "Requests the server failed while serving them (a fault "
-                   "on one request's behalf; the others went on)",
-                   counters.get("request_errors", 0))
+                   "on one request's behalf; the others went on)", r.request_errors)
     cached = _counter("cached_tokens", "Prompt tokens served from each tier instead of "
                       "being computed", label="tier")
     total = 0
-    for tier in TIERS:
-        if tier in tiers:
-            n = counters.get(f"cached_{tier}", 0)
-            cached.add_metric([tier], n)
-            total += n
+    for tier in stats.tiers():
+        n = r.cached_tokens(tier)
+        cached.add_metric([tier], n)
+        total += n
     yield cached
     hit_rate = GaugeMetricFamily(PREFIX + "cache_hit_rate", "Cached prompt tokens / prompt "
                                  "tokens since start (0 before the first request)")
-    hit_rate.add_metric([], total / prompt if prompt else 0.0)
+    hit_rate.add_metric([], total / r.prompt_tokens if r.prompt_tokens else 0.0)
     yield hit_rate
 
 
@@ -189,44 +185,42 @@ def _tier_gauges(summaries: Mapping[str, TierSummary]) -> Iterator[Metric]:
     yield used
 
 
-def _evicted(tiers: Mapping[str, Any], page_size: int) -> Metric:
+def _evicted(stats: CacheStats, page_size: int) -> Metric:
     evicted = _counter("evicted_tokens", "Tokens evicted from each tier (an L1 eviction "
                        "with an L2 copy is a demotion)", label="tier")
-    host, storage = tiers.get("host", {}), tiers.get("storage", {})
-    if "device_evicted_tokens" in host:
-        evicted.add_metric(["device"], host["device_evicted_tokens"])
-    if "host_evicted_tokens" in host:
-        evicted.add_metric(["host"], host["host_evicted_tokens"])
-    if "evicted_pages" in storage:
-        evicted.add_metric(["storage"], storage["evicted_pages"] * page_size)
+    if stats.host is not None:
+        evicted.add_metric(["device"], stats.host.counters.device_evicted_tokens)
+        evicted.add_metric(["host"], stats.host.counters.host_evicted_tokens)
+    if stats.storage is not None:
+        evicted.add_metric(["storage"], stats.storage.evicted_pages * page_size)
     return evicted
 
 
-def _transfer_metrics(tiers: Mapping[str, Any]) -> Iterator[Metric]:
-    host, storage = tiers.get("host"), tiers.get("storage")
+def _transfer_metrics(stats: CacheStats) -> Iterator[Metric]:
+    host, storage = stats.host, stats.storage
     if host is not None:
         yield _counter("load_back_tokens", "Tokens loaded back from L2 to L1",
-                       host.get("load_back_tokens", 0))
+                       host.counters.load_back_tokens)
     backup = _counter("backup_tokens", "Tokens copied down to a lower tier", label="dest")
     if host is not None:
-        backup.add_metric(["host"], host.get("written_tokens", 0))
+        backup.add_metric(["host"], host.counters.written_tokens)
     if storage is not None:
-        backup.add_metric(["storage"], storage.get("backed_up_tokens", 0))
+        backup.add_metric(["storage"], storage.counters.backed_up_tokens)
         yield _counter("prefetch_tokens", "Tokens prefetched from L3 to L2",
-                       storage.get("prefetched_tokens", 0))
+                       storage.counters.prefetched_tokens)
         yield _counter("prefetch_restarts", "L3 prefetches started again after a fresh "
                        "match, their prefix brought into the tree by another one meanwhile",
-                       storage.get("prefetch_restarts", 0))
+                       storage.counters.prefetch_restarts)
     yield backup
 
 
-def _storage_faults(storage: Mapping[str, Any] | None) -> Iterator[Metric]:
+def _storage_faults(storage: StorageStats | None) -> Iterator[Metric]:
     if storage is None:
         return
     errors = _counter("storage_errors", "Storage backend faults (turned into misses or "
                       "skipped writes) by operation", label="op")
-    for op, n in sorted(storage.get("errors_by_op", {}).items()):
+    for op, n in sorted(storage.errors_by_op.items()):
         errors.add_metric([op], n)
     yield errors
     yield _counter("storage_corrupt_pages", "Stored pages that failed their integrity check "
-                   "(deleted, served as misses)", storage.get("corrupt_pages", 0))
+                   "(deleted, served as misses)", storage.corrupt_pages)

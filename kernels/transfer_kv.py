@@ -37,10 +37,9 @@ import torch
 
 from kernels import transfer_kv_cuda
 from kernels.cuda_utils import as_torch_stream
+from kernels.layouts import HOST_LAYOUTS, LAYER_FIRST, PAGE_FIRST
 
-PAGE_FIRST = "page_first"
-LAYER_FIRST = "layer_first"
-HOST_LAYOUTS = (PAGE_FIRST, LAYER_FIRST)
+__all__ = ["HOST_LAYOUTS", "LAYER_FIRST", "PAGE_FIRST", "d2h_pages", "h2d_pages", "page_runs"]
 BACKENDS = ("reference", "direct", "cuda")
 
 # The reference copies rows through a staging buffer of at most this size when both page lists

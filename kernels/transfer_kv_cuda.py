@@ -13,11 +13,10 @@ import numpy as np
 import torch
 
 from kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_device_async
+from kernels.layouts import PAGE_FIRST
 
 if TYPE_CHECKING:
     from kernels.transfer_kv import _Transfer
-
-PAGE_FIRST = "page_first"  # == transfer_kv.PAGE_FIRST (which imports this module)
 
 # CUDA launch shape: one warp per chunk, 8 warps per block, and at most this many blocks per SM
 # (enough 16-byte requests in flight to fill PCIe / C2C, leaving SMs to concurrent compute).

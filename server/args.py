@@ -15,17 +15,15 @@ from typing import Any, NoReturn
 from hicache.config import (
     DEVICES,
     DTYPES,
-    IO_BACKENDS,
     MEM_LAYOUTS,
-    PREFETCH_POLICIES,
     STORAGE_BACKENDS,
     TIERED_BACKEND,
     TIERED_PARTS,
-    WRITE_POLICIES,
     Config,
     ConfigError,
     load_config,
 )
+from hicache.policies import IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
 
 EXIT_BAD_CONFIG = 2  # argparse's own exit code for bad usage
 

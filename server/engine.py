@@ -18,12 +18,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.config import Config
-from server.cache_setup import CacheStack, build_cache
+from hicache.policies import TIERS
+from hicache.stack import CacheStack, ModelKV, build_stack
+from hicache.stats import CacheStats
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
 from server.request import InvalidRequest, Request, SamplingParams, check_unicode
-from server.scheduler import TIERS, Scheduler
+from server.scheduler import Scheduler
 from server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,12 @@ class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._init_model()
-        self.cache: CacheStack = build_cache(config, self.loaded)
-        runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.controller)
-        self.scheduler = Scheduler(runner, self.cache.tree, self.tokenizer,
+        mc = self.loaded.config
+        self.cache: CacheStack = build_stack(config, ModelKV(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.loaded.dtype,
+            self.loaded.device, self.loaded.path))
+        runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.tree)
+        self.scheduler = Scheduler(runner, self.cache, self.tokenizer,
                                    max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS)
         self._accepting = True
@@ -196,10 +201,15 @@ class Engine:
         if bad:
             raise InvalidRequest(f"unknown tier(s) {', '.join(map(str, bad))}; "
                                  f"allowed: {', '.join(TIERS)}")
-        return self._call(lambda: self.scheduler.flush(tiers), when_idle=True)
+        return self._call(lambda: self.cache.flush(tiers), when_idle=True)
+
+    def cache_stats(self) -> CacheStats:
+        """One typed snapshot of the tiers and the request counters (`hicache.stats`)."""
+        return self._call(lambda: self.cache.stats(self.scheduler.counters))
 
     def stats(self) -> dict:
-        return self._call(lambda: self.cache.stats(self.scheduler.counters))
+        """`cache_stats()` as plain data: `{"tiers": {tier: {...}}, "counters": {...}}`."""
+        return self.cache_stats().as_dict()
 
     def _call(self, fn, when_idle: bool = False):
         """Run `fn` on the scheduler thread and wait for its result (EngineClosed once the
@@ -223,7 +233,7 @@ class Engine:
         try:
             while drain and self._call(self.scheduler.num_unfinished):
                 self._stop.wait(DRAIN_POLL_S)
-            self._call(self.scheduler.quiesce)  # pending backups reach L3
+            self._call(self.cache.quiesce)  # pending backups reach L3
         except EngineClosed:  # the scheduler died while draining
             self._close_after_death()
             return

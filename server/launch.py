@@ -91,8 +91,7 @@ async def serve(engine: Engine, config: Config) -> int:
     first answers (a supervisor's quick restart) drains and exits 0 like any other."""
     from aiohttp import web
 
-    from server.admin_api import add_admin_routes
-    from server.http_api import attach_metrics, create_app
+    from server.http import add_admin_routes, attach_metrics, create_app
 
     stop = Stop(asyncio.get_running_loop())
     engine.on_fatal = stop.fatal
@@ -145,15 +144,14 @@ def log_startup(engine: Engine, runner: web.AppRunner) -> None:
 
 def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
     """Each tier's capacity as (tokens, bytes)."""
-    from server.http_api import storage_page_bytes
-
-    stats = engine.stats()
-    summaries = tier_summaries(stats, engine.config.cache.page_size, storage_page_bytes(engine))
+    stats = engine.cache_stats()
+    summaries = tier_summaries(stats, engine.config.cache.page_size,
+                               engine.cache.storage_page_bytes())
     size_bytes = {"device": engine.cache.device_pool.size_bytes}
     if engine.cache.host_pool is not None:
         size_bytes["host"] = engine.cache.host_pool.size_bytes
-    if "storage" in stats["tiers"]:
-        size_bytes["storage"] = int(stats["tiers"]["storage"].get("capacity_bytes", 0))
+    if stats.storage is not None:
+        size_bytes["storage"] = stats.storage.capacity_bytes
     return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}
 
 
@@ -196,7 +194,7 @@ def _force_exit() -> None:
 async def drain(app: web.Application, engine: Engine) -> None:
     """Refuse new work, let running requests finish, then close the engine (backups and
     storage) off the event loop, which keeps streaming the last tokens meanwhile."""
-    from server.http_api import begin_shutdown
+    from server.http import begin_shutdown
 
     logger.info("shutting down: refusing new requests, finishing the ones in flight")
     begin_shutdown(app)

@@ -15,22 +15,24 @@ import math
 
 import torch
 
+from hicache.memory import DeviceKVPool
+from hicache.tree import PrefixCache
 from server.models.forward_batch import ForwardBatch
 from server.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool, controller=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_pool: DeviceKVPool, tree: PrefixCache) -> None:
         self.model = model
         self.kv_pool = kv_pool
-        self.controller = controller  # HiCacheController, or None without L2
+        self.tree = tree  # launches the H->D loads admission queued (none without L2)
         self.device = kv_pool.device
 
     def forward(self, reqs: list[Request], extend_lens: list[int]) -> torch.Tensor:
         """Compute K/V for `extend_lens[i]` new tokens of each request; logits of the last
         new token of each, `[len(reqs), vocab]` float32."""
         batch = build_batch(reqs, extend_lens)
-        handle = self.controller.start_loading() if self.controller is not None else None
+        handle = self.tree.start_loading()
         if handle is not None:
             batch.layer_hook = handle.wait_layer
         return self.model.forward(batch, self.kv_pool)

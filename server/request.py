@@ -109,7 +109,21 @@ def _check_stop(stop: Any) -> tuple[str, ...]:
 
 @dataclass(eq=False)
 class Request:
-    """Owned by the scheduler thread once submitted (callbacks run on that thread)."""
+    """Owned by the scheduler thread once submitted (callbacks run on that thread).
+
+    Its device slots, from admission to finish (`kv_slots`, token positions):
+
+        [0, tree_len)              the tree's slots, locked through `last_node`; the tree
+                                   frees them (on eviction), never the request
+        [tree_len, num_computed)   KV this request computed; at its prefill's end
+                                   (`cache_prompt`) and at finish they go to the tree, which
+                                   hands back the duplicates of pages it already had
+        [num_computed, len)        allocated for the step in flight; the request frees them
+        + `reserved` tokens        promised by admission, not yet allocated
+
+    `tree_len` grows when the prompt is cached; `cache_hit_tokens` (what `cached_details`
+    adds up to) is fixed at admission: prompt tokens served from the cache, not computed.
+    """
 
     input_ids: list[int]
     params: SamplingParams
@@ -125,10 +139,9 @@ class Request:
     # KV cache state (scheduler thread)
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     num_computed: int = 0      # tokens whose K/V are in kv_slots
-    cached_len: int = 0        # leading slots owned by the tree (locked), not by the request
-    last_node: Any = None      # the locked tree node ending the cached prefix
+    tree_len: int = 0          # leading slots owned by the tree (locked), not by the request
+    last_node: Any = None      # the locked tree node ending `[0, tree_len)`
     reserved: int = 0          # L1 tokens set aside for the rest of this request
-    prefetch_started: bool = False
     from_storage: int = 0      # tokens its prefetch brought from L3 into L2
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
@@ -147,7 +160,7 @@ class Request:
         return self.num_computed >= self.prompt_len
 
     @property
-    def cached_tokens(self) -> int:
+    def cache_hit_tokens(self) -> int:
         return sum(self.cached_details.values())
 
     def meta_info(self) -> dict[str, Any]:
@@ -155,7 +168,7 @@ class Request:
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": self.cache_hit_tokens,
             "cached_tokens_details": dict(self.cached_details),
             "finish_reason": self.finish_reason,
         }

@@ -11,9 +11,15 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import tiered_engine
 
-from server.admin_api import AdminDenied, add_admin_routes, check_admin_access, is_loopback
 from server.engine import Engine
-from server.http_api import Handler, create_app
+from server.http import (
+    AdminDenied,
+    Handler,
+    add_admin_routes,
+    check_admin_access,
+    create_app,
+    is_loopback,
+)
 
 KEY = "s3cret-admin-key"
 PAGE = 16

@@ -10,7 +10,7 @@ from conftest import requires_cuda
 from test_engine import GREEDY, conversations, run_workload
 
 from hicache.config import load_config
-from hicache.transfer import CudaTransferEngine
+from hicache.transfer.engines import CudaTransferEngine
 from server.engine import Engine
 
 pytestmark = [requires_cuda, pytest.mark.cuda]

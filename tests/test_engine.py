@@ -378,6 +378,6 @@ def test_one_request_counts_as_one_use_of_its_prompt(tmp_path, policy) -> None:
                              "host.write_policy": "write_through_selective"}) as e:
         e.generate(input_ids=prompt, sampling_params=answer)
         stats = e.stats()
-        counts = e._call(lambda: [n.hit_count for n in e.cache.tree._iter_nodes()])
+        counts = e._call(lambda: [n.hit_count for n in e.cache.tree.iter_nodes()])
     assert stats["tiers"]["host"]["written_tokens"] == 0
     assert counts and all(c == 1 for c in counts)

@@ -21,12 +21,11 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-import server.scheduler as scheduler_module
+import server.scheduler.loop as scheduler_module
 from hicache.config import load_config
 from server import launch
-from server.admin_api import add_admin_routes
 from server.engine import Engine, EngineClosed
-from server.http_api import create_app
+from server.http import add_admin_routes, create_app
 from server.inbox import SchedulerStopped
 from server.model_runner import sample_row
 from server.request import SamplingParams
@@ -211,7 +210,7 @@ def test_a_fault_while_finishing_still_ends_the_request(
     cfg = load_config(None, {"cache.max_total_tokens": 1024, "model.device": "cpu"})
     with Engine(cfg) as engine:
         sched = engine.scheduler
-        real = sched._release
+        real = sched.kv.release
         broken = {"left": 1}
 
         def release(req: Any, keep_cache: bool) -> None:
@@ -220,7 +219,7 @@ def test_a_fault_while_finishing_still_ends_the_request(
                 raise RuntimeError("injected release fault")
             real(req, keep_cache)
 
-        monkeypatch.setattr(sched, "_release", release)
+        monkeypatch.setattr(sched.kv, "release", release)
         out = engine.generate(PROMPT, sampling_params={**GREEDY, "seed": POISON_SEED})
         meta = out["meta_info"]
         assert meta["finish_reason"] == "error" and "injected release fault" in meta["error"]
@@ -517,7 +516,7 @@ def test_a_client_that_leaves_before_the_first_token_is_no_error(
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], messages
         assert not any('" 500 ' in m for m in messages), messages
         # aborted at its first token, not run to its 200th
-        assert engine.scheduler.counters["generated_tokens"] < 200
+        assert engine.scheduler.counters.generated_tokens < 200
     finally:
         engine.shutdown()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -15,7 +15,7 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
-from hicache.hashing import (
+from hicache.storage.hashing import (
     DIGEST_BYTES,
     MAX_TOKEN_ID,
     PageHasher,
@@ -91,7 +91,7 @@ def test_tokens_outside_uint32_raise(bad: int) -> None:
 
 def test_same_hashes_in_another_process_with_another_hash_seed() -> None:
     code = (
-        "from hicache.hashing import PageHasher\n"
+        "from hicache.storage.hashing import PageHasher\n"
         f"h = PageHasher(**{FIELDS!r})\n"
         "print(h.root('x').hex(), *[k.hex() for k in h.hash_pages(list(range(40)), "
         "extra_key='x')])\n"

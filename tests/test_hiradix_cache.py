@@ -7,11 +7,11 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache.cache_controller import HiCacheController
-from hicache.hiradix_cache import LOAD_BACK_THRESHOLD, HiRadixCache
-from hicache.memory_pool import DeviceKVPool
-from hicache.memory_pool_host import HostKVPool
-from hicache.transfer import CpuTransferEngine, TransferEngine, TransferHandle
+from hicache.memory.device import DeviceKVPool
+from hicache.memory.host import HostKVPool
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import CpuTransferEngine, TransferEngine, TransferHandle
+from hicache.tree.hiradix import LOAD_BACK_THRESHOLD, HiRadixCache
 from kernels.transfer_kv import d2h_pages, h2d_pages
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -228,6 +228,52 @@ def test_a_failed_write_leaves_the_node_on_l1_only() -> None:
     handle = tree.controller.transfer.copy_d2h(torch.arange(2, 4), torch.arange(2))
     handle.wait()
     assert not handle.failed()
+    tree.controller.close()
+
+
+def test_a_split_cuts_the_host_copy_hashes_and_protection_with_the_edge() -> None:
+    ps = 2
+    dev, host = make_pools(16, 32, ps)
+    tree = make_tree(dev, host, ps)
+    tree.insert([1, 1, 2, 2, 3, 3], dev.alloc(6))
+    tree.writing_check(wait=True)
+    (node,) = tree.root.children.values()
+    host_slots = node.host_value.tolist()
+    node.hash_value, node.storage_backed = [b"a", b"b", b"c"], True
+    tree.protect_host(node)
+    upper = tree.match_prefix([1, 1, 9, 9]).last_device_node
+    assert node.parent is upper and upper.key == (1, 1) and node.key == (2, 2, 3, 3)
+    assert upper.host_value.tolist() + node.host_value.tolist() == host_slots
+    assert (upper.hash_value, node.hash_value) == ([b"a"], [b"b", b"c"])
+    assert upper.storage_backed and node.storage_backed
+    assert upper.host_ref_counter == node.host_ref_counter == 1
+    tree.release_host(node)
+    assert upper.host_ref_counter == node.host_ref_counter == 0
+    tree.check_integrity()
+    tree.controller.close()
+
+
+def test_pages_from_l3_hang_below_the_anchor_as_l2_only_nodes() -> None:
+    ps = 2
+    dev, host = make_pools(16, 32, ps)
+    tree = make_tree(dev, host, ps, "write_back")  # nothing reaches L2 by itself
+    tree.insert([1, 1, 2, 2], dev.alloc(4))
+    fetched, hashes = host.alloc(8), [b"p0", b"p1", b"p2", b"p3"]
+    assert tree.insert_host_pages(tree.root, (1, 1, 2, 2, 3, 3, 4, 4), fetched, hashes) == 8
+    on_device, leaf = tree.peek_path([1, 1, 2, 2, 3, 3, 4, 4])
+    assert not on_device.evicted and on_device.host_value.tolist() == fetched[:4].tolist()
+    assert leaf.evicted and leaf.host_value.tolist() == fetched[4:].tolist()
+    assert (on_device.hash_value, leaf.hash_value) == (hashes[:2], hashes[2:])
+    assert on_device.storage_backed and leaf.storage_backed and leaf.hit_count == 0
+    # fetched again with a different last page: the known pages are freed, [3, 3] is split off
+    assert tree.insert_host_pages(tree.root, [1, 1, 2, 2, 3, 3, 9, 9], host.alloc(8),
+                                  [b"p0", b"p1", b"p2", b"q3"]) == 2
+    assert tree.match_prefix([1, 1, 2, 2, 3, 3, 9, 9]).host_hit_length == 4
+    assert tree.insert_host_pages(on_device, (5, 5), host.alloc(2), [b"r"]) == 2
+    assert tree.peek_prefix([1, 1, 2, 2, 5, 5]) == 6
+    tree.check_integrity()  # the host pool holds exactly the tree's host slots: no leak
+    with pytest.raises(ValueError, match="3 tokens are not whole pages of 2"):
+        tree.insert_host_pages(tree.root, (1, 1, 2), torch.arange(3), [b"p0"])
     tree.controller.close()
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hicache.config import load_config
 from server.engine import Engine
-from server.http_api import begin_shutdown, create_app
+from server.http import begin_shutdown, create_app
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 LONG_PROMPT = "abc" * 40  # 120 byte tokens: 7 full pages of 16, cacheable

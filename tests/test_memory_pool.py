@@ -7,15 +7,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache import memory_pool_host
-from hicache.memory_pool import (
+from hicache.memory import host as memory_pool_host
+from hicache.memory.device import (
     DeviceKVPool,
     PageAllocator,
     ReqToTokenPool,
     pages_of,
     slots_of,
 )
-from hicache.memory_pool_host import HOST_LAYOUTS, HostKVPool
+from hicache.memory.host import HostKVPool
+from kernels.layouts import HOST_LAYOUTS
 
 SEED = 1234
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

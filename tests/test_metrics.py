@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import lmdb
@@ -14,9 +14,11 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
-from server.admin_api import add_admin_routes
+from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
+from hicache.storage.tier import StorageCounters
+from hicache.tree import HostCounters
 from server.engine import Engine
-from server.http_api import attach_metrics, create_app
+from server.http import add_admin_routes, attach_metrics, create_app
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16
@@ -92,22 +94,21 @@ async def test_every_metric_after_traffic_through_all_tiers(engine: Engine) -> N
 
 # ------------------------------------------------------------------ CacheMetrics alone
 
-L1_ONLY = {"tiers": {"device": {"capacity": 256, "used": 64, "evictable": 48, "protected": 16,
-                                "hits": 32}},
-           "counters": {"requests": 2, "prompt_tokens": 128, "generated_tokens": 10,
-                        "cached_device": 32, "cached_host": 0, "cached_storage": 0}}
-THREE_TIERS = {
-    "tiers": {**L1_ONLY["tiers"],
-              "host": {"capacity": 512, "used": 96, "evictable": 80, "protected": 0,
-                       "hits": 16, "written_tokens": 96, "device_evicted_tokens": 32,
-                       "host_evicted_tokens": 8, "load_back_tokens": 16},
-              "storage": {"pages": 3, "capacity_bytes": 10_000, "hits": 32, "evicted_pages": 2,
-                          "corrupt_pages": 1, "errors_by_op": {"get": 4, "set": 0},
-                          "prefetched_tokens": 32, "backed_up_tokens": 48}},
-    "counters": {**L1_ONLY["counters"], "cached_host": 16, "cached_storage": 32}}
+L1_ONLY = CacheStats(RequestCounters(requests=2, prompt_tokens=128, generated_tokens=10,
+                                     cached_device_tokens=32),
+                     DeviceStats(256, 64, 48, 16, 32))
+THREE_TIERS = CacheStats(
+    RequestCounters(requests=2, prompt_tokens=128, generated_tokens=10, cached_device_tokens=32,
+                    cached_host_tokens=16, cached_storage_tokens=32),
+    DeviceStats(256, 64, 48, 16, 32),
+    HostStats(512, 96, 80, 0, 16, HostCounters(written_tokens=96, device_evicted_tokens=32,
+                                               host_evicted_tokens=8, load_back_tokens=16)),
+    StorageStats.read({"pages": 3, "capacity_bytes": 10_000, "evicted_pages": 2,
+                       "corrupt_pages": 1, "errors_by_op": {"get": 4, "set": 0}}, {}, 32,
+                      StorageCounters(prefetched_tokens=32, backed_up_tokens=48)))
 
 
-def render(stats: Mapping[str, Any], **kwargs: Any) -> Samples:
+def render(stats: CacheStats, **kwargs: Any) -> Samples:
     metrics = CacheMetrics(lambda: stats, page_size=PAGE, **kwargs)
     return parse(metrics.render().decode())
 
@@ -139,7 +140,8 @@ def test_three_tiers_convert_storage_pages_to_tokens() -> None:
 
 
 def test_no_requests_is_a_zero_hit_rate() -> None:
-    assert value(render({"tiers": {}, "counters": {}}), "cache_hit_rate") == 0
+    assert value(render(CacheStats(RequestCounters(), DeviceStats(0, 0, 0, 0, 0))),
+                 "cache_hit_rate") == 0
 
 
 def test_observe_feeds_histograms_and_drops_unknown_names(
@@ -178,7 +180,7 @@ def test_faults_a_backend_catches_itself_reach_metrics_and_admin_tiers(
     """A backend turns its own faults into misses; they used to stay inside its stats and
     `storage_errors_total` said 0 while every L3 call failed."""
     with tiered_engine(tmp_path / "lmdb") as e:
-        store = e.cache.tree.storage.io.backend
+        store = e.cache.storage.io.backend
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise lmdb.Error("injected: Input/output error")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from hicache.memory_pool import DeviceKVPool
+from hicache.memory.device import DeviceKVPool
 from server.models import (
     EMBEDDED_TINY_LLAMA,
     ForwardBatch,

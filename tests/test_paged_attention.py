@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import compile_cubin, missing_tool
 
-from hicache.memory_pool import DeviceKVPool
+from hicache.memory.device import DeviceKVPool
 from kernels import cuda_utils, paged_attention
 from kernels.paged_attention import (
     MAX_HEAD_DIM,

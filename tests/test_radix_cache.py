@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache.radix_cache import RadixCache
+from hicache.tree.node import TreeNode
+from hicache.tree.radix import RadixCache
 
 
 def toks(s: str) -> list[int]:
@@ -49,13 +52,13 @@ def test_peek_path_spells_an_inserted_key_without_touching_the_tree() -> None:
     tree = RadixCache(page_size=2)
     tree.insert([1, 2, 3, 4, 5, 6], torch.tensor([10, 11, 12, 13, 14, 15]))
     tree.insert([1, 2, 3, 4, 7, 8], torch.tensor([10, 11, 12, 13, 16, 17]))
-    before = {n.id: (n.hit_count, n.last_access_time) for n in tree._iter_nodes()}
+    before = {n.id: (n.hit_count, n.last_access_time) for n in tree.iter_nodes()}
     path = tree.peek_path([1, 2, 3, 4, 7, 8])
     assert [n.key for n in path] == [(1, 2, 3, 4), (7, 8)]
     assert torch.cat([n.value for n in path]).tolist() == [10, 11, 12, 13, 16, 17]
     assert tree.peek_path([1, 2, 3, 9]) == []  # ends inside an edge: no whole node
     assert tree.peek_prefix([1, 2, 3, 9]) == 2
-    assert {n.id: (n.hit_count, n.last_access_time) for n in tree._iter_nodes()} == before
+    assert {n.id: (n.hit_count, n.last_access_time) for n in tree.iter_nodes()} == before
     tree.check_integrity()
 
 
@@ -248,6 +251,110 @@ def test_eviction_heap_stays_bounded_under_repeated_access() -> None:
     for _ in range(2000):
         tree.match_prefix([3, 103])
     assert len(tree._device_heap) < 4 * 11 + 64 + 2
+
+
+def test_hit_counts_and_access_times_follow_the_contract(monkeypatch) -> None:
+    ticks = itertools.count(1)
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(ticks)))
+    tree = RadixCache(page_size=2)
+    tree.insert([1, 2, 3, 4])
+    (leaf,) = tree.root.children.values()
+    assert leaf.hit_count == 1  # its creation is its first use
+    created = leaf.last_access_time
+    upper = tree.match_prefix([1, 2, 9, 9]).last_device_node  # splits; the hit is on [1, 2]
+    assert upper.key == (1, 2) and leaf.key == (3, 4) and leaf.parent is upper
+    assert (upper.hit_count, leaf.hit_count) == (2, 1)
+    assert upper.last_access_time > created == leaf.last_access_time
+    tree.insert([1, 2, 3, 4], count_hit=False)  # touches every node, counts no use
+    assert (upper.hit_count, leaf.hit_count) == (2, 1)
+    assert leaf.last_access_time == upper.last_access_time > created
+    tree.insert([1, 2, 3, 4])
+    assert (upper.hit_count, leaf.hit_count) == (3, 2)
+    tree.insert([1, 2, 5, 6], count_hit=False)
+    new = tree.peek_path([1, 2, 5, 6])[-1]
+    assert new.hit_count == 0 and upper.hit_count == 3  # counted at its next insert
+    tree.match_prefix([1, 2, 5, 6])
+    assert (upper.hit_count, new.hit_count) == (4, 1)
+
+
+def test_a_split_keeps_the_lock_of_the_node_it_cuts() -> None:
+    alloc = RecordingAllocator()
+    tree = RadixCache(alloc, page_size=1)
+    tree.insert([1, 2, 3, 4])
+    node = tree.match_prefix([1, 2, 3, 4]).last_device_node
+    tree.inc_lock_ref(node)
+    upper = tree.match_prefix([1, 2, 7]).last_device_node
+    assert upper.key == (1, 2) and node.parent is upper and upper.lock_ref == node.lock_ref == 1
+    assert tree.protected_size() == 4 and tree.evict(4) == 0
+    assert tree.dec_lock_ref(node) == 4 and tree.evict(4) == 4
+    tree.check_integrity()
+
+
+def test_bad_values_are_refused_with_the_lengths() -> None:
+    tree = RadixCache(page_size=2)
+    with pytest.raises(ValueError, match="3 slots.*need 4"):
+        tree.insert([1, 2, 3, 4, 5], torch.tensor([0, 1, 2]))
+    assert tree.total_size() == 0
+
+
+def reference_walk(start: TreeNode, key: list[int], extra_key: str | None, page_size: int
+                   ) -> tuple[list[TreeNode], int, TreeNode | None]:
+    """The walk written the slow, obvious way: children scanned, tokens compared one by one,
+    rounded down to whole pages. (whole nodes spelled, tokens matched, node ended inside)."""
+    end, node, pos, path = len(key) // page_size * page_size, start, 0, []
+    while pos < end:
+        first = key[pos:pos + page_size]
+        nxt = [c for c in node.children.values()
+               if c.extra_key == extra_key and list(c.key[:page_size]) == first]
+        if not nxt:
+            break
+        (child,) = nxt
+        n = 0
+        while n < len(child.key) and pos + n < end and child.key[n] == key[pos + n]:
+            n += 1
+        n = n // page_size * page_size
+        if n < len(child.key):
+            return path, pos + n, child
+        path.append(child)
+        node, pos = child, pos + n
+    return path, pos, None
+
+
+# Few distinct tokens: keys share prefixes, and pages differ in one token only.
+small_keys = st.lists(st.integers(0, 2), max_size=10)
+namespaces = st.sampled_from([None, "ns"])
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_walk_agrees_with_a_token_by_token_reference(page_size: int, data) -> None:
+    """peek_path, peek_prefix, reach_below (from the root and from a node below it),
+    match_prefix and insert against `reference_walk`, for list, tuple and tensor keys."""
+    tree = RadixCache(page_size=page_size)  # value=None: the slots are the tokens themselves
+    for key, extra in data.draw(st.lists(st.tuples(small_keys, namespaces), max_size=8)):
+        tree.insert(key, extra_key=extra)
+    for key, extra, write in data.draw(st.lists(st.tuples(small_keys, namespaces,
+                                                          st.booleans()), max_size=8)):
+        path, matched, inside = reference_walk(tree.root, key, extra, page_size)
+        deepest = inside if inside is not None else (path[-1] if path else tree.root)
+        for form in (key, tuple(key), torch.tensor(key, dtype=torch.int64)):
+            assert tree.peek_path(form, extra) == path
+            assert tree.peek_prefix(form, extra) == matched
+            assert tree.reach_below(tree.root, form, extra) == (deepest, matched)
+        if path:
+            skip = len(path[0].key)
+            sub, sub_matched, sub_inside = reference_walk(path[0], key[skip:], extra, page_size)
+            assert tree.reach_below(path[0], key[skip:], extra) == (
+                sub_inside if sub_inside is not None else (sub[-1] if sub else path[0]),
+                sub_matched)
+        if write:
+            assert tree.insert(key, extra_key=extra) == matched
+            end = len(key) // page_size * page_size
+            assert sum(len(n.key) for n in tree.peek_path(key, extra)) == end
+        else:
+            assert tree.match_prefix(key, extra).device_indices.tolist() == key[:matched]
+        tree.check_integrity()
 
 
 # ------------------------------------------------------------------- stateful model test

@@ -18,11 +18,12 @@ import xxhash
 from typing_extensions import Self
 
 from hicache.config import LmdbConfig
-from hicache.memory_pool import slots_of
-from hicache.memory_pool_host import LAYER_FIRST, PAGE_FIRST, HostKVPool
-from hicache.storage import create_backend, register_backend, registered_backends
-from hicache.storage.lmdb_store import MIN_MAP_BYTES, LmdbStore
+from hicache.memory.device import slots_of
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends import create_backend, register_backend, registered_backends
+from hicache.storage.backends.lmdb_store import MIN_MAP_BYTES, LmdbStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry, dtype_from_name
+from kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4  # 2 KiB of float32 payload per page
@@ -362,7 +363,7 @@ def test_faults_become_counted_misses_never_exceptions(
     store, pool = open_store(tmp_path / "l3"), filled_pool()
     write_range(store, pool, 0, 4)
     monkeypatch.setattr(store, "_env", _FaultyEnv(store._env, gets=2))
-    caplog.set_level(logging.WARNING, logger="hicache.storage.lmdb_store")
+    caplog.set_level(logging.WARNING, logger="hicache.storage.backends.lmdb_store")
     assert store.batch_exists(keys_of(0, 4)) == 2  # hits before the fault count
     assert store.batch_get(keys_of(0, 4), filled_pool(1), slots([0, 1, 2, 3]))[2:] == [False] * 2
     assert store.batch_get(keys_of(0, 4), filled_pool(1), slots([0, 1, 2, 3]))[2:] == [False] * 2

@@ -41,10 +41,11 @@ from test_storage_lmdb import (
 )
 
 from hicache.config import ConfigError, RedisConfig, load_config
-from hicache.memory_pool_host import LAYER_FIRST, PAGE_FIRST, HostKVPool
-from hicache.storage import create_backend
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends import create_backend
+from hicache.storage.backends.redis_store import PASSWORD_ENV, Backoff, RedisStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec
-from hicache.storage.redis_store import PASSWORD_ENV, Backoff, RedisStore
+from kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 __all__ = ["redis_cluster", "redis_server"]  # session fixtures, used by name below
 
@@ -315,7 +316,7 @@ def test_the_password_comes_from_the_url_or_the_environment_and_is_never_shown(
     with RedisServer.start(tmp_path / "redis", password=secret) as server:
         pool, where = filled_pool(), slots([0])
         url_with = f"redis://:{secret}@127.0.0.1:{server.port}/0"
-        caplog.set_level(logging.INFO, logger="hicache.storage.redis_store")
+        caplog.set_level(logging.INFO, logger="hicache.storage.backends.redis_store")
         in_url = RedisStore(url_with, PageCodec(GEOMETRY))
         assert in_url.batch_set(keys_of(0, 1), pool, where) == [True]
         assert in_url.stats()["url"] == f"redis://:***@127.0.0.1:{server.port}/0"

@@ -40,10 +40,10 @@ from test_storage_lmdb import (
 )
 
 from hicache.config import load_config
-from hicache.storage.lmdb_store import LmdbStore
+from hicache.storage.backends.lmdb_store import LmdbStore
+from hicache.storage.backends.redis_store import RedisStore
+from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
-from hicache.storage.redis_store import RedisStore
-from hicache.storage.tiered_store import TieredStore
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 

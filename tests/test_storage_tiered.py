@@ -29,12 +29,12 @@ from test_storage_lmdb import (
 )
 
 from hicache.config import STORAGE_BACKENDS, load_config
-from hicache.storage import create_backend
-from hicache.storage.base import STAT_KEYS
-from hicache.storage.lmdb_store import LmdbStore
+from hicache.storage.backends import create_backend
+from hicache.storage.backends.base import STAT_KEYS
+from hicache.storage.backends.lmdb_store import LmdbStore
+from hicache.storage.backends.redis_store import RedisStore
+from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
-from hicache.storage.redis_store import RedisStore
-from hicache.storage.tiered_store import TieredStore
 from server.args import EXIT_BAD_CONFIG, parse_config
 
 __all__ = ["redis_server"]  # session fixture, used by name below

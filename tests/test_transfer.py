@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from hicache import transfer
-from hicache.cache_controller import HiCacheController
-from hicache.memory_pool import DeviceKVPool
-from hicache.memory_pool_host import HostKVPool
-from hicache.transfer import CpuTransferEngine, CudaTransferEngine, make_transfer_engine
+from hicache.memory.device import DeviceKVPool
+from hicache.memory.host import HostKVPool
+from hicache.transfer import engines as transfer
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import CpuTransferEngine, CudaTransferEngine, make_transfer_engine
 
 LAYERS, HEADS, DIM, PS = 3, 2, 8, 4
 
@@ -317,7 +317,7 @@ def test_cuda_engine_without_cupy_falls_back_to_direct(
 
     monkeypatch.setattr(transfer, "import_cupy", missing)
     dev, host = pools()
-    with caplog.at_level("WARNING", logger="hicache.transfer"):
+    with caplog.at_level("WARNING", logger="hicache.transfer.engines"):
         engine = CudaTransferEngine(dev, host, "kernel")
     assert "CuPy" in caplog.text
     engine.copy_d2h(dev.alloc(PS), host.alloc(PS))

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from hicache.memory_pool_host import PAGE_FIRST, HostKVPool
+from hicache.memory.host import HostKVPool
+from kernels.layouts import PAGE_FIRST
 
 MAGIC = b"HKV1"
 FORMAT_VERSION = 1

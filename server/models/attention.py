@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from hicache.memory_pool import DeviceKVPool
+from hicache.memory.device import DeviceKVPool
 from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
 

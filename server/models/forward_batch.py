@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-INDEX_DTYPE = torch.int64
+from hicache.memory import INDEX_DTYPE
 
 
 @dataclass(eq=False)  # identity equality: tensors have no boolean ==

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.memory_pool import DeviceKVPool
+from hicache.memory.device import DeviceKVPool
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
 from server.models.forward_batch import ForwardBatch

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from hicache.memory_pool import resolve_device
+from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
 from server.models.llama import LlamaForCausalLM

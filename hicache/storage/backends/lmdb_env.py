@@ -1,15 +1,14 @@
-"""L3 on local disk: one LMDB environment, one value per KV page, bounded by LRU eviction.
+"""The LMDB environment under `LmdbStore`: opening it, transactions, size accounting, eviction.
 
-The environment at `path` (a directory holding data.mdb and lock.mdb) has two databases::
+`LmdbEnvironment` owns the environment at `path` and its two databases (`pages`, `atime`; see
+`lmdb_store`, whose `LmdbStore` adds the `StorageBackend` operations on top). Each operation
+is a body run in one transaction::
 
-    pages   page hash (16 B) -> stored page (`page_format`: 48-byte header + payload)
-    atime   page hash (16 B) -> last access, uint64 little-endian `time.time_ns()`
-
-Several processes may open one path at once: LMDB locks across processes (lock.mdb), so
-servers of one model on one machine share their L3. Readers never block writers. The map is
-not writable (`writemap=False`): with a writable map, processes growing the map at the same
-time were seen to corrupt the file (a two-process test failed about one run in six), and a
-store into a sparse file on a full disk would be SIGBUS instead of an error.
+    _txn(write, body)            run `body` in one transaction, committed when it returns;
+                                 retried after a map resize, a full map or a full disk
+    _guard(op, fallback, call)   `call()`, or `fallback` when closed or LMDB fails (counted)
+    _evict(count)                delete the `count` pages read or written longest ago
+    _sizes(txn, out)             the pages / bytes / map figures of `stats()`
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
 `max_size_bytes`; past that, the least recently used ~10% of the capacity is evicted and the
@@ -43,8 +42,8 @@ of `SharedExclusiveLock`; changing the map size (which LMDB allows only with no 
 open in the process) and `close` take its exclusive side. Writes are serialised by LMDB's
 writer lock.
 
-Buffers: reads use `buffers=True`: a value is a view of the mapped file, valid only until its
-transaction ends, so it is copied into the host page inside the transaction.
+Buffers: transactions are begun with `buffers=True`: a value a body reads is a view of the
+mapped file, valid only until its transaction ends; a body copies what it keeps.
 
 Durability: `sync=True` (default) flushes the data of each committed transaction (one
 msync per `batch_set`; metasync off: a crash may lose the last commit but never corrupts the
@@ -56,23 +55,17 @@ from __future__ import annotations
 
 import heapq
 import logging
-import struct
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
-import torch
 
-from hicache.memory_pool_host import HostKVPool
-from hicache.storage import lmdb_file
-from hicache.storage.base import (
+from hicache.storage.backends import lmdb_file
+from hicache.storage.backends.base import (
     STAT_BYTES,
-    STAT_CAPACITY,
     STAT_CORRUPT,
     STAT_ERRORS,
-    STAT_ERRORS_BY_OP,
     STAT_EVICTED,
     STAT_HITS,
     STAT_MISSES,
@@ -82,14 +75,14 @@ from hicache.storage.base import (
     Counters,
     FaultLog,
     SharedExclusiveLock,
-    StorageBackend,
     StorageUnavailable,
-    check_batch,
+    StoreClosed,
 )
-from hicache.storage.lmdb_stamps import PendingStamps
+from hicache.storage.backends.lmdb_stamps import STAMP, PendingStamps
 from hicache.storage.page_format import PageCodec
 
-logger = logging.getLogger(__name__)
+# The store's logger: every LMDB line keeps the name operators filter on (and the README shows).
+logger = logging.getLogger("hicache.storage.backends.lmdb_store")
 T = TypeVar("T")
 
 INITIAL_MAP_BYTES = 64 * 2**20  # first map size; doubles on demand up to max_size_bytes
@@ -99,7 +92,6 @@ EVICT_FIRST_COMMIT = 4  # keys deleted by an eviction's first commit (see _delet
 MAX_TXN_ATTEMPTS = 16  # map grow / evict / resize retries of one call before it gives up
 _DB_PAGES = b"pages"
 _DB_ATIME = b"atime"
-_STAMP = struct.Struct("<Q")
 _OVERFLOW_HEADER = 16  # bytes LMDB puts before a value stored in overflow pages
 OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evicting for space
 # Evictions for space one write may cause before it gives up: each frees a tenth of the store
@@ -108,17 +100,16 @@ OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evictin
 MAX_SPACE_EVICTIONS = 3
 
 
-class _Closed(Exception):
-    """The store was closed: calls are quiet misses, not errors."""
-
-
 class _Replaced(Exception):
     """The environment was unusable (its file shrank, LMDB gave up on it) and was replaced:
     the call that found it so is a counted miss / skipped write."""
 
 
-class LmdbStore(StorageBackend):
-    """`StorageBackend` over one LMDB environment (see the module docstring)."""
+class LmdbEnvironment:
+    """One LMDB environment and its transactions (see the module docstring): the base of
+    `LmdbStore`, whose constructor this is. It holds all of the store's state: the gate, the
+    environment and its data file, the counters and fault log of `stats()`, and the pending
+    access stamps."""
 
     def __init__(self, path: str | Path, max_size_bytes: int, codec: PageCodec, *,
                  sync: bool = True, initial_map_bytes: int = INITIAL_MAP_BYTES) -> None:
@@ -207,116 +198,11 @@ class LmdbStore(StorageBackend):
             self._file.close()
             self._file = None
 
-    # ------------------------------------------------------------------ StorageBackend
-
-    def batch_exists(self, keys: Sequence[bytes]) -> int:
-        found = [0]
-
-        def body(txn: lmdb.Transaction) -> None:
-            found[0] = 0
-            for key in keys:
-                if txn.get(key, db=self._pages) is None:
-                    return
-                found[0] += 1
-
-        self._guard("batch_exists", None, lambda: self._txn(False, body))
-        return found[0]
-
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
-        served = [False] * len(keys)
-        corrupt: list[bytes] = []
-        copy_in = self.codec.value_writer(host_pool)
-
-        def body(txn: lmdb.Transaction) -> None:
-            for i, (key, page) in enumerate(zip(keys, pages)):
-                value = txn.get(key, db=self._pages)
-                if value is None:
-                    continue
-                if copy_in(value, page):
-                    served[i] = True
-                else:
-                    corrupt.append(bytes(key))
-
-        self._guard("batch_get", None, lambda: self._txn(False, body))
-        hits = sum(served)
-        self._counts.add(STAT_HITS, hits)
-        self._counts.add(STAT_MISSES, len(keys) - hits)
-        if corrupt:
-            self._counts.add(STAT_CORRUPT, len(corrupt))
-            self._guard("delete_corrupt", 0, lambda: self._delete(corrupt))
-        read = [key for key, ok in zip(keys, served) if ok]
-        if read and self._stamps.touch(read):
-            self._guard("touch", None, self._flush_stamps)
-        return served
-
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
-        read_page = self.codec.payload_reader(host_pool)
-        stamps = self._stamps.take()
-
-        def body(txn: lmdb.Transaction) -> int:
-            self._put_stamps(txn, stamps.items())
-            stamp = _STAMP.pack(time.time_ns())
-            written = 0
-            for key, page in zip(keys, pages):
-                if txn.get(key, db=self._pages) is None:
-                    txn.put(key, self.codec.encode_into(read_page(page)), db=self._pages)
-                    written += 1
-                txn.put(key, stamp, db=self._atime)
-            return written
-
-        written = self._guard("batch_set", None,
-                              lambda: self._txn(True, body, room_pages=len(keys)))
-        if written is None:
-            return [False] * len(keys)
-        self._counts.add(STAT_WRITTEN, written)
-        self._counts.add(STAT_SKIPPED, len(keys) - written)
-        return [True] * len(keys)
-
-    def delete(self, keys: Sequence[bytes]) -> int:
-        self._stamps.discard(keys)
-        return self._guard("delete", 0, lambda: self._delete(keys))
-
-    def clear(self) -> int:
-        self._stamps.clear()
-
-        def body(txn: lmdb.Transaction) -> int:
-            removed = txn.stat(self._pages)["entries"]
-            txn.drop(self._pages, delete=False)
-            txn.drop(self._atime, delete=False)
-            return removed
-
-        return self._guard("clear", 0, lambda: self._txn(True, body))
-
-    def stats(self) -> dict[str, Any]:
-        out = self._counts.snapshot()
-        out[STAT_ERRORS_BY_OP] = self._faults.by_op()
-        out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
-                    "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
-        self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
-        return out
-
-    def close(self) -> None:
-        self._guard("close", None, self._flush_stamps)
-        with self._gate.exclusive():
-            self._close_env()
-
-    def sync_to_disk(self) -> None:
-        """Flush every committed page to disk now (fdatasync); for `sync=False` stores."""
-        def flush() -> None:
-            with self._gate.shared():
-                self._require_env().sync(True)
-
-        self._guard("sync", None, flush)
-
     # ------------------------------------------------------------------ transactions
 
     def _require_env(self) -> lmdb.Environment:
         if self._env is None:
-            raise _Closed
+            raise StoreClosed
         return self._env
 
     def _txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
@@ -374,7 +260,7 @@ class LmdbStore(StorageBackend):
     def _shrunk(self, env: lmdb.Environment) -> str | None:
         """Why the data file no longer holds the pages the map uses, or None."""
         if self._file is None:
-            raise _Closed
+            raise StoreClosed
         # env.info() reads the meta pages through the map: they must be there first.
         need = lmdb_file.NUM_METAS * self._psize
         size = self._file.bytes()
@@ -405,7 +291,7 @@ class LmdbStore(StorageBackend):
         """`call()`, or `fallback` when the store is closed or LMDB fails (counted, logged)."""
         try:
             return call()
-        except _Closed:
+        except StoreClosed:
             return fallback
         except (lmdb.Error, _Replaced) as err:
             self._faults.record(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
@@ -438,7 +324,7 @@ class LmdbStore(StorageBackend):
         recent = self._stamps.recent()  # read recently, stamp not yet written: not a victim
 
         def oldest(txn: lmdb.Transaction) -> list[bytes]:
-            stamps = ((_STAMP.unpack(v)[0], bytes(k)) for k, v in txn.cursor(self._atime)
+            stamps = ((STAMP.unpack(v)[0], bytes(k)) for k, v in txn.cursor(self._atime)
                       if bytes(k) not in recent)
             victims = [key for _, key in heapq.nsmallest(count, stamps)]
             if not victims:  # pages without a stamp (never the case for this writer)
@@ -501,5 +387,4 @@ class LmdbStore(StorageBackend):
     def _put_stamps(self, txn: lmdb.Transaction, stamps: Iterable[tuple[bytes, int]]) -> None:
         for key, stamp in stamps:
             if txn.get(key, db=self._pages) is not None:  # not for pages deleted since
-                txn.put(key, _STAMP.pack(stamp), db=self._atime)
-
+                txn.put(key, STAMP.pack(stamp), db=self._atime)

@@ -23,18 +23,11 @@ from typing import Any
 from aiohttp import web
 
 from hicache.metrics import tier_summaries
+from hicache.policies import TIERS
 from server.engine import Engine
-from server.http_api import (
-    STATE,
-    Handler,
-    HttpError,
-    brief,
-    check_fields,
-    error_response,
-    read_object,
-    storage_page_bytes,
-)
-from server.scheduler import TIERS
+from server.http.body import brief, check_fields, read_object
+from server.http.errors import HttpError, error_response
+from server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 SGLANG_FLUSH_TIERS = ("device", "host")  # SGLang's /flush_cache empties GPU and host memory
@@ -133,20 +126,19 @@ async def handle_storage_clear(request: web.Request) -> web.Response:
 
 async def handle_tiers(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    stats = await asyncio.get_running_loop().run_in_executor(None, engine.stats)
+    stats = await asyncio.get_running_loop().run_in_executor(None, engine.cache_stats)
     summaries = tier_summaries(stats, engine.config.cache.page_size,
-                               storage_page_bytes(engine))
+                               engine.cache.storage_page_bytes())
     tiers = {t: s._asdict() for t, s in summaries.items()}
-    if "storage" in tiers:  # faults turned into misses / skipped writes, per operation
-        storage = stats["tiers"]["storage"]
-        tiers["storage"]["errors"] = int(storage.get("errors", 0))
-        tiers["storage"]["errors_by_op"] = dict(storage.get("errors_by_op", {}))
+    if stats.storage is not None:  # faults turned into misses / skipped writes, per operation
+        tiers["storage"]["errors"] = stats.storage.errors
+        tiers["storage"]["errors_by_op"] = dict(stats.storage.errors_by_op)
     return web.json_response({"unit": "tokens", "page_size": engine.config.cache.page_size,
                               "tiers": tiers})
 
 
 def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:
-    """Add the admin routes to an app from `server.http_api.create_app(engine)`."""
+    """Add the admin routes to an app from `server.http.app.create_app(engine)`."""
     if STATE not in app or app[STATE].engine is not engine:
         raise ValueError("add_admin_routes needs the app that create_app built for this engine")
     routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),

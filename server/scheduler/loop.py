@@ -1,10 +1,11 @@
 """Continuous batching over the KV cache hierarchy, on one thread that owns the cache.
 
-Each step (`step`): drain the inbox, apply the cache's acks, then
+Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`), then
 
     schedule   decode every running request (1 token each), continue chunked prefills,
-               admit waiting requests longest-cached-prefix first: storage prefetch
-               policy -> match -> load-back from L2 -> lock -> reserve L1 for the rest
+               admit waiting requests longest-cached-prefix first, each asked then
+               committed (`admission.py`: prefetch policy -> match -> room? -> lock ->
+               evict -> load-back from L2 -> reserve L1 for the rest)
     run        the model runner starts the loads and runs the batch
     finish     sample; a request whose prefill just ended has its prompt inserted into the
                tree (it keeps the path locked); finished requests are inserted whole
@@ -26,48 +27,42 @@ from typing import Any
 
 import torch
 
-from hicache.hiradix_cache import HiRadixCache
-from hicache.radix_cache import RadixCache
-from hicache.storage_tier import Resume
+from hicache.stack import CacheStack
+from hicache.stats import RequestCounters
 from server.inbox import Inbox, SchedulerStopped
 from server.model_runner import ModelRunner, sample_row
 from server.request import Request
+from server.scheduler.admission import Admission
+from server.scheduler.kv import RequestKV
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Waiting requests ranked by cached prefix each step; past this many, first come first served
-# (matching every request every step would cost more than it saves; SGLang does the same).
-MAX_LPM_SCAN = 128
 IDLE_WAIT_S = 0.05     # inbox wait when there is nothing to do
 BUSY_POLL_S = 0.002    # inbox wait while prefetches or copies are in flight
 # After new requests arrive, the step waits up to this long for their L3 queries (a local
 # LMDB answers in microseconds, a Redis on the LAN in a round trip), so a request whose prefix
 # storage does not hold is admitted in this step instead of after the next forward pass.
 QUERY_SETTLE_S = 0.005
-TIERS = ("device", "host", "storage")
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tree: RadixCache, tokenizer: Tokenizer, *,
+    def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int) -> None:
         self.runner = runner
-        self.tree = tree
-        self.pool = runner.kv_pool
+        self.cache = cache
+        self.tree = cache.tree
         self.tokenizer = tokenizer
-        self.page_size = tree.page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.hi = isinstance(tree, HiRadixCache)
-        self.storage = tree.storage if self.hi else None
         self.inbox = Inbox()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.admission = Admission(cache, self.running)
+        self.kv = RequestKV(cache)
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                         "cached_device": 0, "cached_host": 0, "cached_storage": 0,
-                         "request_errors": 0}
+        self.counters = RequestCounters()
 
     # ------------------------------------------------------------------------- inbox
 
@@ -92,7 +87,7 @@ class Scheduler:
         anything did."""
         timeout = 0.0
         if not (self.running or self._commands):
-            timeout = BUSY_POLL_S if (self.waiting or self._transfers_pending()) else IDLE_WAIT_S
+            timeout = BUSY_POLL_S if (self.waiting or self.cache.busy()) else IDLE_WAIT_S
         items = self.inbox.take(timeout)
         for item in items:
             self._accept(*item)
@@ -106,17 +101,13 @@ class Scheduler:
         req.arrival = time.monotonic()
         req.generator = torch.Generator().manual_seed(req.params.seed or 0)
         self.waiting.append(req)
-        self.counters["requests"] += 1
-        self.counters["prompt_tokens"] += req.prompt_len
+        self.counters.requests += 1
+        self.counters.prompt_tokens += req.prompt_len
         with self._alone(req, "starting its storage prefetch"):
-            self._start_prefetch(req)
+            self.admission.start_prefetch(req)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
-
-    def _transfers_pending(self) -> bool:
-        return self.hi and (self.tree.controller.has_pending() or bool(self.storage and (
-            self.storage.ops or self.storage._backups)))
 
     # ---------------------------------------------------------------------------- loop
 
@@ -125,25 +116,18 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        if self._drain_inbox() and self.storage is not None:
-            self.storage.settle(QUERY_SETTLE_S)
-        self._cache_checks()
+        if self._drain_inbox():
+            self.cache.settle(QUERY_SETTLE_S)
+        self.cache.poll()
+        if self._restart_prefetches():  # their queries may answer in this step too
+            self.cache.settle(QUERY_SETTLE_S)
+            self.cache.poll()
         self._run_commands()
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
-        elif self.hi and self.tree.controller.has_pending():
-            self.tree.controller.start_loading()  # loads never wait for a forward pass
-
-    def _cache_checks(self) -> None:
-        if self.hi:
-            self.tree.writing_check()
-            self.tree.loading_check()
-            if self.storage is not None:
-                self.storage.check()
-                if self._restart_prefetches():  # their queries may answer in this step too
-                    self.storage.settle(QUERY_SETTLE_S)
-                    self.storage.check()
+        else:
+            self.cache.start_loading()  # loads never wait for a forward pass
 
     def _run_commands(self) -> None:
         keep = []
@@ -168,7 +152,7 @@ class Scheduler:
                 lens.append(n)
                 budget -= n
         if not any(when_idle for _, _, when_idle in self._commands):
-            for req in self._admission_order():
+            for req in self.admission.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
                 if self._try_admit(req):
@@ -177,124 +161,34 @@ class Scheduler:
                     lens.append(n)
                     budget -= n
         for req, n in zip(reqs, lens):
-            self._ensure_slots(req, req.num_computed + n)
+            self.kv.ensure_slots(req, req.num_computed + n)
         return (reqs, lens) if reqs else None
-
-    def _admission_order(self) -> list[Request]:
-        if len(self.waiting) > MAX_LPM_SCAN:
-            return list(self.waiting)
-        def hit(req: Request) -> int:
-            return self.tree.peek_prefix(self._cache_key(req), req.extra_key)
-        return sorted(self.waiting, key=hit, reverse=True)  # stable: FCFS among equals
-
-    def _cache_key(self, req: Request) -> list[int]:
-        return req.input_ids[:-1]  # at least one prompt token is computed, for its logits
-
-    def _start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
-        if self.storage is None:
-            return
-        key = self._cache_key(req)
-        m = self.tree.match_prefix(key, req.extra_key)
-        hit = m.device_indices.numel() + m.host_hit_length
-        req.prefetch_started = self.storage.prefetch(req.rid, m.last_host_node, key[hit:],
-                                                     req.extra_key, resume)
 
     def _restart_prefetches(self) -> bool:
         """Prefetches whose prefix reached the tree meanwhile (another prefetch brought it):
         match again and fetch only the rest. Whether any was restarted."""
-        restarts = self.storage.take_restarts()
+        restarts = self.cache.take_restarts()
         if not restarts:
             return False
         waiting = {req.rid: req for req in self.waiting}
-        for rid in restarts:
-            resume = self.storage.restart(rid)
-            if resume is not None and rid in waiting:
+        for rid, resume in restarts:
+            if rid in waiting:
                 with self._alone(waiting[rid], "restarting its storage prefetch"):
-                    self._start_prefetch(waiting[rid], resume)
+                    self.admission.start_prefetch(waiting[rid], resume)
         return True
 
     def _try_admit(self, req: Request) -> bool:
-        """`_admit`, with a failure failing `req` alone (its lock released by `_admit`)."""
+        """Ask, then commit; a failure fails `req` alone (see `admission.py`)."""
         admitted = False
         with self._alone(req, "admission"):
-            admitted = self._admit(req)
+            plan = self.admission.plan(req)
+            if plan is not None:
+                self.admission.commit(req, plan)
+                self.counters.add_cached(req.cached_details)
+                self.waiting.remove(req)
+                self.running.append(req)
+                admitted = True
         return admitted
-
-    def _admit(self, req: Request) -> bool:
-        """Match, load back, lock and reserve L1 for `req`; False leaves it waiting."""
-        if self.storage is not None and not self.storage.ready(req.rid):
-            return False
-        if self.storage is not None:  # kept on the request: this admission may still fail
-            req.from_storage += self.storage.terminate(req.rid)
-        m = self.tree.match_prefix(self._cache_key(req), req.extra_key)
-        host_hit = m.host_hit_length if self.hi else 0
-        last = m.last_device_node
-        # Room first, loads second: a load queued for a request that then cannot be admitted
-        # would hold its slots locked with no forward pass to launch it.
-        self.tree.inc_lock_ref(last)
-        try:
-            need = self._pages_up(req.prompt_len - m.device_indices.numel() - host_hit
-                                  + req.params.max_new_tokens)
-            if not self._reserve_keeping(m, need + host_hit):
-                self.tree.dec_lock_ref(last)
-                return False
-            prefix, loaded = m.device_indices, 0
-            if host_hit:
-                lb = self.tree.init_load_back(m.last_host_node)
-                if lb.device_indices.numel():
-                    prefix = torch.cat([prefix, lb.device_indices])
-                    loaded = lb.device_indices.numel()
-                    self.tree.inc_lock_ref(lb.last_node)
-                    self.tree.dec_lock_ref(last)
-                    last = lb.last_node
-            need = self._pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens)
-            if not self._reserve(need):  # cannot happen: the room was checked above
-                self.tree.dec_lock_ref(last)
-                return False
-        except BaseException:
-            self.tree.dec_lock_ref(last)  # the request never ran: nothing else to undo
-            raise
-        req.kv_slots, req.last_node, req.reserved = prefix, last, need
-        req.num_computed = req.cached_len = len(prefix)
-        storage = min(req.from_storage, loaded)
-        req.cached_details = {"device": m.device_indices.numel(), "host": loaded - storage,
-                              "storage": storage}
-        for tier, n in req.cached_details.items():
-            self.counters[f"cached_{tier}"] += n
-        self.waiting.remove(req)
-        self.running.append(req)
-        return True
-
-    def _reserve_keeping(self, m: Any, need: int) -> bool:
-        """`_reserve(need)` while the match's L2 pages are kept from eviction."""
-        if not m.host_hit_length:
-            return self._reserve(need)
-        self.tree.protect_host(m.last_host_node)
-        try:
-            return self._reserve(need)
-        finally:
-            self.tree.release_host(m.last_host_node)
-
-    def _pages_up(self, tokens: int) -> int:
-        return -(-tokens // self.page_size) * self.page_size
-
-    def _reserve(self, need: int) -> bool:
-        """Whether L1 can promise `need` more tokens, evicting unlocked pages if needed."""
-        outstanding = sum(r.reserved for r in self.running)
-        short = need - (self.pool.available_size() - outstanding)
-        if short > 0:
-            self.tree.evict(short)
-            short = need - (self.pool.available_size() - outstanding)
-        return short <= 0
-
-    def _ensure_slots(self, req: Request, upto: int) -> None:
-        missing = self._pages_up(upto - len(req.kv_slots))
-        if missing <= 0:
-            return
-        slots = self.pool.alloc(missing)  # reserved at admission, so this cannot fail
-        assert slots is not None, "L1 reservation broken"
-        req.reserved -= missing
-        req.kv_slots = torch.cat([req.kv_slots, slots])
 
     # ----------------------------------------------------------------------------- run
 
@@ -313,7 +207,7 @@ class Scheduler:
                 done.append(i)
                 if not was_prefilled:
                     with self._alone(req, "caching its prompt"):
-                        self._cache_prompt(req)
+                        self.kv.cache_prompt(req)
         done = [i for i in done if reqs[i].finish_reason is None]
         greedy = logits[done].argmax(dim=-1).tolist() if done else []  # one sync for all
         for i, token in zip(done, greedy):
@@ -325,7 +219,7 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
-        self.counters["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
             if self.observer is not None:
@@ -368,11 +262,11 @@ class Scheduler:
         counted in `request_errors`); its KV goes back to the pool, never into the tree."""
         logger.error("request %s failed in %s; the others go on", req.rid, stage,
                      exc_info=exc)
-        self.counters["request_errors"] += 1
+        self.counters.request_errors += 1
         req.error = f"the server failed in {stage}: {type(exc).__name__}: {exc}"
-        if self.storage is not None and req in self.waiting:
+        if req in self.waiting:
             try:
-                self.storage.terminate(req.rid)  # idempotent: a prefetch ends once
+                self.cache.end_prefetch(req.rid)  # idempotent: a prefetch ends once
             except Exception:
                 logger.exception("request %s: ending its storage prefetch failed", req.rid)
         if req in self.running or req in self.waiting:  # not finished (or half) already
@@ -384,7 +278,7 @@ class Scheduler:
         the exception goes on to the caller): a request is never left half finished."""
         req.finish_reason = reason
         try:
-            self._release(req, keep_cache)
+            self.kv.release(req, keep_cache)
         except BaseException as exc:
             req.finish_reason = "error"
             req.error = req.error or f"the server failed releasing its cache: {exc!r}"
@@ -421,8 +315,7 @@ class Scheduler:
         """Finish a waiting or running request now (its client left); False if unknown."""
         for req in (*self.waiting, *self.running):
             if req.rid == rid:
-                if self.storage is not None:
-                    self.storage.terminate(rid)
+                self.cache.end_prefetch(rid)
                 self._finish(req, "abort")
                 return True
         return False
@@ -446,70 +339,3 @@ class Scheduler:
             if not fut.done():
                 fut.set_exception(SchedulerStopped(message))
         self._commands = []
-
-    def quiesce(self) -> None:
-        """Wait for every copy and backup in flight and apply their acks (flush, shutdown)."""
-        if self.hi:  # copies first: their acks queue backups, which protect host pages
-            self.tree.controller.wait_all()
-            self.tree.writing_check()
-            self.tree.loading_check()
-            if self.storage is not None:
-                self.storage.wait_idle()
-
-    def _cache_prompt(self, req: Request) -> None:
-        """Give the prompt's KV to the tree as soon as its prefill is done, not when the
-        request finishes: requests sharing the prompt hit it in L1 while this one decodes,
-        and its pages start down to L2 and L3 (where another server may look for them)
-        before the answer is out. The request keeps the path locked and reads the tree's
-        slots from here on (where the tree already had some, its own copies are freed)."""
-        aligned = req.num_computed // self.page_size * self.page_size
-        if self.tree.disable or aligned <= req.cached_len:
-            return
-        tokens = self._insert_into_tree(req, aligned, count_hit=False)  # `_release` counts
-        path = self.tree.peek_path(tokens, req.extra_key)  # no second hit for the policies
-        slots = torch.cat([node.value for node in path])
-        assert slots.numel() == aligned, "an inserted key is whole nodes on the device"
-        self.tree.inc_lock_ref(path[-1])
-        self.tree.dec_lock_ref(req.last_node)
-        req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
-        req.last_node, req.cached_len = path[-1], aligned
-
-    def _insert_into_tree(self, req: Request, aligned: int, count_hit: bool = True
-                          ) -> list[int]:
-        """Insert the request's first `aligned` tokens with its slots; the request's copies
-        of pages the tree already held (beyond those it shares, `cached_len`) are freed.
-        Returns the tokens inserted."""
-        tokens = req.all_ids[:aligned]
-        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
-                                   count_hit=count_hit)
-        if present > req.cached_len:  # the tree had these pages: ours are duplicates
-            self.pool.free(req.kv_slots[req.cached_len:present])
-        return tokens
-
-    def _release(self, req: Request, keep_cache: bool) -> None:
-        """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""
-        if req.last_node is None:
-            return
-        aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
-        if aligned > req.cached_tokens:  # pages new since admission, maybe cached at prefill:
-            self._insert_into_tree(req, aligned)  # (again): one use, and a fresh access time
-        rest = req.kv_slots[max(aligned, req.cached_len):]  # never the tree's
-        if rest.numel():
-            self.pool.free(rest)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.reserved = None, 0
-        req.kv_slots = req.kv_slots[:0]
-
-    # --------------------------------------------------------------------------- admin
-
-    def flush(self, tiers: tuple[str, ...]) -> dict[str, int]:
-        """Empty the named tiers (scheduler thread, no request running). Tokens freed."""
-        out = dict.fromkeys(tiers, 0)
-        self.quiesce()
-        if "device" in tiers:
-            out["device"] = self.tree.evict(self.tree.total_size())
-        if "host" in tiers and self.hi:
-            out["host"] = self.tree.flush_host()
-        if "storage" in tiers and self.storage is not None:
-            out["storage"] = self.storage.clear() * self.page_size
-        return out

@@ -13,80 +13,39 @@ Threading: the tree belongs to the scheduler thread; nothing else may call into 
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from hicache.leaf_heap import LeafHeap
-
-# Key and value types: a key is a tuple of token ids, a child key identifies an edge by its
-# namespace and first page (an int when page_size == 1, else a tuple of page_size ints).
-Key = tuple[int, ...]
-ChildKey = tuple[Any, Any]
+from hicache.policies import EVICTION_POLICIES
+from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
+from hicache.tree.leaf_heap import LeafHeap
+from hicache.tree.node import Key, TreeNode
+from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 # Stale entries accumulate in the lazy eviction heap; rebuild it once it holds more than
 # this many times the number of nodes (amortised O(1) per push).
 _HEAP_SLACK = 4
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _concat(values: list[torch.Tensor]) -> torch.Tensor:
-    if len(values) == 1:
-        return values[0]
-    return torch.cat(values) if values else _EMPTY
+def _lru_priority(node: TreeNode) -> tuple[float]:
+    """Least recently used first (`time.monotonic()`: a clock step never reorders it)."""
+    return (node.last_access_time,)
 
 
-class TreeNode:
-    """One edge of the tree and the node it leads to.
-
-    `lock_ref` counts requests using this node (a lock covers the node and its ancestors);
-    `last_access_time` is `time.monotonic()` (a wall clock can go backwards, SGLang #6211).
-    """
-
-    __slots__ = (
-        "children",
-        "extra_key",
-        "hit_count",
-        "id",
-        "key",
-        "last_access_time",
-        "lock_ref",
-        "parent",
-        "value",
-    )
-    _ids = itertools.count()
-
-    def __init__(self, parent: TreeNode | None = None, key: Key = (),
-                 value: torch.Tensor | None = None, extra_key: str | None = None) -> None:
-        self.id = next(TreeNode._ids)
-        self.parent = parent
-        self.children: dict[ChildKey, TreeNode] = {}
-        self.key = key
-        self.value = value
-        self.extra_key = extra_key
-        self.lock_ref = 0
-        self.last_access_time = time.monotonic()
-        self.hit_count = 0
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
-                f"children={len(self.children)})")
+def _lfu_priority(node: TreeNode) -> tuple[int, float]:
+    """Least often hit first, least recently used among equals."""
+    return (node.hit_count, node.last_access_time)
 
 
-class MatchResult(NamedTuple):
-    device_indices: torch.Tensor  # int64 slot indices of the L1 hit, page-aligned, maybe empty
-    last_device_node: TreeNode    # deepest node whose pages are on the device (root if none)
-    last_host_node: TreeNode      # deepest node of the whole hit (== last_device_node without L2)
-    host_hit_length: int = 0      # tokens hit in L2 beyond the device hit
+# Eviction order per policy: the heap's key, lowest evicted first (one per EVICTION_POLICIES).
+_PRIORITIES: dict[str, Callable[[TreeNode], tuple]] = {"lru": _lru_priority,
+                                                       "lfu": _lfu_priority}
 
 
-class RadixCache:
+class RadixCache(PrefixCache):
     """Page-aligned radix tree over token ids; see DESIGN.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
@@ -99,12 +58,14 @@ class RadixCache:
                  eviction_policy: str = "lru") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"eviction_policy {eviction_policy!r} is not one of lru, lfu")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy {eviction_policy!r} is not one of "
+                             f"{', '.join(EVICTION_POLICIES)}")
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
         self.eviction_policy = eviction_policy
+        self._priority = _PRIORITIES[eviction_policy]  # a plain function: called per push
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -121,37 +82,17 @@ class RadixCache:
 
     # ----------------------------------------------------------------------------- keys
 
-    def _page_aligned(self, key: Sequence[int]) -> Key:
-        if isinstance(key, torch.Tensor):
-            key = key.tolist()
-        n = len(key) // self.page_size * self.page_size
-        if isinstance(key, tuple):
-            return key if n == len(key) else key[:n]  # no copy for an aligned tuple
-        return tuple(key[:n])
+    def page_aligned(self, key: Sequence[int]) -> Key:
+        """`key` as a tuple cut to whole pages (no copy for an aligned tuple)."""
+        key = as_key(key)
+        end = aligned_end(key, self.page_size)
+        return key if end == len(key) else key[:end]
 
-    def _child_key(self, key: Key, pos: int, extra_key: str | None) -> ChildKey:
-        if self.page_size == 1:
-            return (extra_key, key[pos])
-        return (extra_key, key[pos:pos + self.page_size])
-
-    def _common_pages(self, edge: Key, key: Key, pos: int) -> int:
-        """Tokens of `edge` equal to `key[pos:]`, in whole pages.
-
-        Compared at C speed: one tuple comparison when the whole edge matches, else a binary
-        search over page counts (log2(pages) slice comparisons, no per-token loop).
-        """
-        n = min(len(edge), len(key) - pos)
-        if key[pos:pos + n] == edge[:n]:
-            return n
-        lo, hi = 1, n // self.page_size  # the first page always matches (child lookup)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            m = mid * self.page_size
-            if key[pos:pos + m] == edge[:m]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * self.page_size
+    def _touch(self, path: list[TreeNode], now: float, hits: int) -> None:
+        """Mark the nodes a match or insert went through as used at `now`, `hits` times."""
+        for node in path:
+            node.last_access_time = now
+            node.hit_count += hits
 
     # ---------------------------------------------------------------------------- match
 
@@ -162,33 +103,20 @@ class RadixCache:
         a mismatch inside an edge ends the walk (it never continues into a grandchild).
         """
         if self.disable:
-            return MatchResult(_EMPTY, self.root, self.root, 0)
-        path = self._walk(self._page_aligned(key), extra_key)
-        self._on_path(path)
+            return MatchResult(EMPTY, self.root, self.root, 0)
+        path = self._match_path(key, extra_key)
         node = path[-1] if path else self.root
-        indices = _concat([n.value for n in path])
-        return MatchResult(indices, node, node, 0)
+        return MatchResult(concat([n.value for n in path]), node, node, 0)
 
-    def _walk(self, key: Key, extra_key: str | None) -> list[TreeNode]:
-        """The nodes spelling the longest prefix of `key`, root excluded (splits the last)."""
+    def _match_path(self, key: Sequence[int], extra_key: str | None) -> list[TreeNode]:
+        """The nodes spelling the longest prefix of `key`, root excluded (the last one split
+        to the hit), each touched and counted as one hit; then requeued and `_on_path`."""
+        path = descend(self.root, as_key(key), extra_key, self.page_size, self._split).path
         now = time.monotonic()
-        node, pos, path = self.root, 0, []
-        node.last_access_time = now
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos, extra_key))
-            if child is None:
-                break
-            n = self._common_pages(child.key, key, pos)
-            partial = n < len(child.key)
-            if partial:
-                child = self._split(child, n)
-            child.last_access_time = now
-            child.hit_count += 1
-            path.append(child)
-            node, pos = child, pos + n
-            if partial:
-                break
+        self.root.last_access_time = now
+        self._touch(path, now, 1)
         self._requeue(path)
+        self._on_path(path)
         return path
 
     def _requeue(self, path: list[TreeNode]) -> None:
@@ -201,30 +129,26 @@ class RadixCache:
     def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Tokens of `key` cached in any tier, without touching, splitting or counting a hit
         (for ranking waiting requests)."""
-        return self._peek(key, extra_key)[1]
+        if self.disable:
+            return 0
+        return descend(self.root, as_key(key), extra_key, self.page_size).matched
 
     def peek_path(self, key: Sequence[int], extra_key: str | None = None) -> list[TreeNode]:
         """The nodes spelling `key`'s cached prefix in whole edges, root excluded, without
         touching, splitting or counting a hit (right after `insert(key)`: all of `key`)."""
-        return self._peek(key, extra_key)[0]
-
-    def _peek(self, key: Sequence[int], extra_key: str | None) -> tuple[list[TreeNode], int]:
-        """(whole nodes of the cached prefix, tokens cached including a partial last edge)."""
         if self.disable:
-            return [], 0
-        key = self._page_aligned(key)
-        node, pos, path = self.root, 0, []
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos, extra_key))
-            if child is None:
-                break
-            n = self._common_pages(child.key, key, pos)
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-            path.append(node)
-        return path, pos
+            return []
+        return descend(self.root, as_key(key), extra_key, self.page_size).path
+
+    def reach_below(self, anchor: TreeNode, key: Sequence[int], extra_key: str | None = None
+                    ) -> tuple[TreeNode, int]:
+        """How far the tree spells `key` below `anchor`, touching nothing: the deepest node
+        reached (the one the walk ends inside, if it ends inside an edge) and the tokens
+        matched. `(anchor, 0)` when no child starts with `key`'s first page."""
+        walk = descend(anchor, as_key(key), extra_key, self.page_size)
+        if walk.inside is not None:
+            return walk.inside, walk.matched
+        return (walk.path[-1] if walk.path else anchor), walk.matched
 
     def _on_path(self, path: list[TreeNode]) -> None:
         """Hook: called with the nodes a match or insert went through, root first."""
@@ -235,52 +159,57 @@ class RadixCache:
                extra_key: str | None = None, *, count_hit: bool = True) -> int:
         """Add `key` -> `value`; return how many leading tokens were already present.
 
-        The caller frees its own slots `value[:returned]`; the tree keeps the rest.
-        `count_hit=False` (a request caching its prompt before it finishes, and inserting
-        again then) leaves hit counts alone, so one request counts as one use.
+        The caller frees its own slots `value[:returned]`; the tree keeps the rest (a copy of
+        `value[matched:end]` for the new leaf). `count_hit=False` (a request caching its
+        prompt before it finishes, and inserting again then) leaves hit counts alone, so one
+        request counts as one use.
         """
-        key = self._page_aligned(key)
+        key = as_key(key)
+        end = aligned_end(key, self.page_size)
         if self.disable:
-            return len(key)
+            return end
         if value is None:
-            value = torch.tensor(key, dtype=torch.int64)
-        value = value[:len(key)]
+            value = torch.tensor(key[:end], dtype=torch.int64)
+        elif value.shape[0] < end:
+            raise ValueError(f"insert: value has {value.shape[0]} slots, the key's whole "
+                             f"pages need {end}")
+        walk = descend(self.root, key, extra_key, self.page_size, self._split)
+        path, pos = walk.path, walk.matched
         now = time.monotonic()
-        node, pos, present, path = self.root, 0, 0, []
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos, extra_key))
-            if child is None:
-                break
-            n = self._common_pages(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            present += self._insert_hit(child, value, pos)
-            child.last_access_time = now
-            child.hit_count += count_hit
-            path.append(child)
-            node, pos = child, pos + n
-        if pos < len(key):
-            path.append(self._add_leaf(node, key[pos:], value[pos:].clone(), extra_key, now))
-            path[-1].hit_count -= not count_hit  # its first use is counted at the next insert
+        self._touch(path, now, int(count_hit))
+        present = self._insert_hits(path, value, pos)
+        if pos < end:
+            leaf = self._add_leaf(path[-1] if path else self.root, key[pos:end],
+                                  torch.narrow_copy(value, 0, pos, end - pos), extra_key, now)
+            leaf.hit_count -= not count_hit  # its first use is counted at the next insert
+            path.append(leaf)
         self._requeue(path)
         self._on_path(path)
         return present
 
-    def _insert_hit(self, node: TreeNode, value: torch.Tensor, pos: int) -> int:
-        """The inserted `value[pos:pos + len(node)]` met an existing node; return the tokens
-        the caller must free (the tree keeps its own slots)."""
-        return len(node.key)
+    def _insert_hits(self, path: list[TreeNode], value: torch.Tensor, matched: int) -> int:
+        """The inserted key's first `matched` tokens met the existing nodes of `path` (whose
+        slots `value[:matched]` would duplicate); return how many the caller must free:
+        here all of them, the tree keeps its own slots."""
+        return matched
 
     def _add_leaf(self, parent: TreeNode, key: Key, value: torch.Tensor,
                   extra_key: str | None, now: float) -> TreeNode:
-        leaf = self.node_cls(parent, key, value, extra_key)
+        """A new device leaf, used once at `now` (its creation is its first use). Not pushed
+        on the eviction heap: the caller's `_requeue` does that for the path's last node."""
+        leaf = self._attach(parent, key, value, extra_key)
         leaf.last_access_time = now
-        leaf.hit_count = 1  # its creation is its first use
-        parent.children[self._child_key(key, 0, extra_key)] = leaf
-        self._num_nodes += 1
+        leaf.hit_count = 1
         self._evictable += len(key)
-        self._device_heap.push(leaf)
         return leaf
+
+    def _attach(self, parent: TreeNode, key: Key, value: torch.Tensor | None,
+                extra_key: str | None) -> TreeNode:
+        """Link a new node under `parent` by its first page."""
+        node = self.node_cls(parent, key, value, extra_key)
+        parent.children[child_key(key, 0, extra_key, self.page_size)] = node
+        self._num_nodes += 1
+        return node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after `n` tokens; return the new upper node.
@@ -293,11 +222,12 @@ class RadixCache:
         new.last_access_time = child.last_access_time
         new.hit_count = child.hit_count
         self._split_extra(new, child, n)
-        child.parent.children[self._child_key(child.key, 0, child.extra_key)] = new
+        ps = self.page_size
+        child.parent.children[child_key(child.key, 0, child.extra_key, ps)] = new
         child.key = child.key[n:]
         child.value = child.value[n:] if child.value is not None else None
         child.parent = new
-        new.children[self._child_key(child.key, 0, child.extra_key)] = child
+        new.children[child_key(child.key, 0, child.extra_key, ps)] = child
         self._num_nodes += 1
         return new
 
@@ -305,11 +235,6 @@ class RadixCache:
         """Hook: split the subclass's per-node state (host values) the same way."""
 
     # ---------------------------------------------------------------------------- evict
-
-    def _priority(self, node: TreeNode) -> tuple:
-        if self.eviction_policy == "lfu":
-            return (node.hit_count, node.last_access_time)
-        return (node.last_access_time,)
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
         """An L1 eviction candidate: an unlocked, still attached leaf."""
@@ -335,14 +260,14 @@ class RadixCache:
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[self._child_key(node.key, 0, node.extra_key)]
+        del parent.children[child_key(node.key, 0, node.extra_key, self.page_size)]
         node.parent = None  # marks the node dead for stale heap entries
         self._num_nodes -= 1
         self._device_heap.push(parent)
 
     def _maybe_rebuild_heaps(self) -> None:
         if len(self._device_heap) > _HEAP_SLACK * self._num_nodes + 64:
-            self._device_heap.rebuild(self._iter_nodes())
+            self._device_heap.rebuild(self.iter_nodes())
 
     # ---------------------------------------------------------------------------- locks
 
@@ -376,6 +301,15 @@ class RadixCache:
             node = node.parent
         return delta
 
+    def unlocked_on_path(self, node: TreeNode) -> int:
+        """Device tokens on the path from the root to `node` that no lock holds: what
+        `inc_lock_ref(node)` would take out of `evictable_size()`. Changes nothing."""
+        n = 0
+        while node is not self.root and node.lock_ref == 0:  # a locked node's ancestors are
+            n += self._device_len(node)                       # locked too
+            node = node.parent
+        return n
+
     def _device_len(self, node: TreeNode) -> int:
         return len(node.key) if node.value is not None else 0
 
@@ -390,7 +324,7 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
-    def _iter_nodes(self) -> Iterator[TreeNode]:
+    def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
         stack = list(self.root.children.values())
         while stack:
@@ -400,15 +334,15 @@ class RadixCache:
 
     def all_values(self) -> torch.Tensor:
         """Every device slot the tree owns (for leak checks)."""
-        vals = [n.value for n in self._iter_nodes() if n.value is not None]
-        return torch.cat(vals) if vals else _EMPTY
+        vals = [n.value for n in self.iter_nodes() if n.value is not None]
+        return torch.cat(vals) if vals else EMPTY
 
     # ------------------------------------------------------------------------ integrity
 
     def check_integrity(self) -> None:
         """Raise AssertionError when any structural invariant is broken."""
         evictable = protected = nodes = 0
-        for node in self._iter_nodes():
+        for node in self.iter_nodes():
             nodes += 1
             self._check_node(node)
             n = self._device_len(node)
@@ -424,7 +358,7 @@ class RadixCache:
     def _check_node(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None, f"{node!r} has no parent"
-        ck = self._child_key(node.key, 0, node.extra_key)
+        ck = child_key(node.key, 0, node.extra_key, self.page_size)
         assert parent.children.get(ck) is node, f"{node!r} not linked under its first page"
         assert len(node.key) > 0, f"empty non-root node {node!r}"
         assert len(node.key) % self.page_size == 0, f"{node!r} not page-aligned"

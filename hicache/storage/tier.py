@@ -6,13 +6,15 @@
     admission  ready(req) per policy, then terminate(req): fetched pages become L2-only
                nodes under the anchor; the anchor is released
 
-Requests that arrive together with a common prefix (a burst after a restart, one system
-prompt) fetch it once: a prefetch whose first pages another one is already fetching waits
-for it (`blocked_by`); once those pages are in the tree (the other request was admitted), or
-whenever at least `threshold` of its tokens turn up in L2 under its anchor, it is handed back
-to the scheduler (`take_restarts`), which matches the request again and prefetches only what
-is still missing. A wait ends too when the other fetch finished a step ago but its request is
-still not admitted (no L1 room): then the waiting one fetches the pages itself.
+Each prefetch moves through the named states of `PrefetchState` (QUERYING, WAITING,
+FETCHING, RESTART, DONE). Requests that arrive together with a common prefix (a burst after a
+restart, one system prompt) fetch it once: a prefetch whose first pages another one is
+already fetching is WAITING for it; once those pages are in the tree (the other request was
+admitted), or whenever at least `threshold` of its tokens turn up in L2 under its anchor, it
+is RESTART: handed back to the scheduler (`take_restarts`), which matches the request again
+and prefetches only what is still missing. A wait ends too when the other fetch finished a
+step ago but its request is still not admitted (no L1 room): then the waiting one fetches
+the pages itself.
 
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
@@ -21,18 +23,31 @@ the `StorageController`'s threads.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hicache.hashing import PageHasher
-from hicache.storage_controller import PrefetchOp, StorageController
+from hicache.policies import PREFETCH_POLICIES
+from hicache.storage.hashing import PageHasher
+from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
 
 if TYPE_CHECKING:
-    from hicache.hiradix_cache import HiRadixCache, HiTreeNode
+    from hicache.tree.hiradix import HiRadixCache, HiTreeNode
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # In-flight prefetches may hold at most this share of the host pool, so L2 keeps room for
 # write-through and load-back (SGLang caps prefetch the same way).
 MAX_PREFETCH_HOST_FRACTION = 0.5
+
+
+@dataclass
+class StorageCounters:
+    """The storage tier's counts since start (scheduler thread; plain ints, one owner)."""
+
+    prefetched_tokens: int = 0
+    backed_up_tokens: int = 0
+    backup_failures: int = 0     # backups that failed (per node written)
+    prefetch_restarts: int = 0
+
 
 
 class Resume(NamedTuple):
@@ -57,15 +72,15 @@ class StorageTier:
         self.policy = prefetch_policy
         self.threshold = prefetch_threshold
         self.timeout = (timeout_base, timeout_per_ki_token, timeout_max)
-        self.ops: dict[str, PrefetchOp] = {}
-        self._querying: list[PrefetchOp] = []
-        self._draining: list[PrefetchOp] = []  # cancelled, pages freed once `finished`
-        self._backups: dict[int, HiTreeNode] = {}
-        self._restarts: list[str] = []
+        self.host_pool = io.host_pool
+        self.ops: dict[str, PrefetchOp] = {}   # by request: every prefetch not yet ended
+        self._draining: list[PrefetchOp] = []  # ended while FETCHING: pages freed once DONE
+        self._backups: dict[int, HiTreeNode] = {}  # node id -> node, backup in flight
         self._fresh: list[PrefetchOp] = []  # submitted since the last `settle`
         self._step = 0  # `check` calls, to tell a fetch that just finished from a stale one
-        self.counters = {"prefetched_tokens": 0, "backed_up_tokens": 0, "backup_failures": 0,
-                         "prefetch_restarts": 0}
+        self.counters = StorageCounters()
+        # observer(name, seconds): latency hook for metrics ("prefetch_seconds")
+        self.observer: Callable[[str, float], None] | None = None
 
     # ---------------------------------------------------------------------------- hashes
 
@@ -107,9 +122,9 @@ class StorageTier:
             self.tree.release_host(node)
             if ack.ok:
                 node.storage_backed = True
-                self.counters["backed_up_tokens"] += len(node.key)
+                self.counters.backed_up_tokens += len(node.key)
             else:
-                self.counters["backup_failures"] += 1
+                self.counters.backup_failures += 1
 
     # -------------------------------------------------------------------------- prefetch
 
@@ -119,7 +134,7 @@ class StorageTier:
         under namespace `extra_key`) from storage. False when shorter than the threshold,
         already running, or when the hit's last node has no L2 copy to hang pages under.
         `resume` (a restart) keeps the policy's clock and budget of the first attempt."""
-        tokens = self.tree._page_aligned(tokens)
+        tokens = self.tree.page_aligned(tokens)
         if len(tokens) < max(self.threshold, self.page_size) or req_id in self.ops:
             return False
         if not last_host_node.backuped:  # L2-only pages need a parent in L2 (no holes)
@@ -129,10 +144,9 @@ class StorageTier:
                         timeout_tokens=len(tokens))
         if resume is not None:
             op.started_at, op.timeout_tokens = resume
-            op.restarted = True
+            op.is_restart = True
         self.tree.protect_host(last_host_node)
         self.ops[req_id] = op
-        self._querying.append(op)
         self._fresh.append(op)
         self.io.submit(op)
         return True
@@ -149,109 +163,107 @@ class StorageTier:
                 return
 
     def check(self) -> None:
-        """Top of each scheduler step: start fetches whose query answered, free the pages
-        of cancelled prefetches the I/O thread has let go of, apply backup acks."""
+        """Top of each scheduler step, in this order: fetches the I/O thread finished become
+        DONE (stamped with this step); WAITING ops whose fetch went stale decide again; ops
+        whose query answered decide; ended ops' pages are freed once DONE; backup acks
+        release host pages. (A fetch DONE in this very step still counts as "about to be in
+        the tree" for the decisions that follow.)"""
         self._step += 1
         for op in self.ops.values():
-            if op.finished_step is None and op.finished.is_set():
-                op.finished_step = self._step
-        self._unblock_stale_waits()
-        still = []
-        for op in self._querying:
-            if op.queried.is_set():
-                self._start_fetch(op)
-            else:
-                still.append(op)
-        self._querying = still
+            if op.state is PrefetchState.FETCHING and op.finished.is_set():
+                self._done(op)
+        for op in list(self.ops.values()):
+            if op.state is PrefetchState.WAITING and self._wait_is_stale(op):
+                self._decide(op)
+        for op in list(self.ops.values()):
+            if op.state is PrefetchState.QUERYING and op.queried.is_set():
+                self._decide(op)
         self._draining = [op for op in self._draining if not self._free_if_finished(op)]
         self._backup_check()
 
-    def _start_fetch(self, op: PrefetchOp) -> None:
+    def _done(self, op: PrefetchOp) -> None:
+        op.state, op.done_step, op.waiting_for = PrefetchState.DONE, self._step, None
+        op.finished.set()  # the threads never started, or have let go of its pages
+
+    def _decide(self, op: PrefetchOp) -> None:
+        """A QUERYING op whose query answered, or a WAITING op whose wait ended: fetch, wait
+        for another fetch, hand back for a fresh match, or finish with nothing to fetch."""
         hit = op.hit_pages or 0
-        if op.cancelled or hit * self.page_size < self.threshold or hit == 0:
-            op.finished.set()  # nothing will be fetched
-            return
-        if not op.restarted and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
-            self._restarts.append(op.req_id)  # inserted since the match: match again
-            return
-        blocker = self._fetching_our_first_pages(op)
-        if blocker is not None:
-            op.blocked_by = blocker.req_id
-            return
+        if op.cancelled or hit == 0 or hit * self.page_size < self.threshold:
+            return self._done(op)
+        if not op.is_restart and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
+            op.state = PrefetchState.RESTART  # inserted since the match: match again
+            return None
+        other = self._fetching_our_first_pages(op)
+        if other is not None:
+            op.state, op.waiting_for = PrefetchState.WAITING, other.req_id
+            return None
+        op.waiting_for = None
         pages = min(hit, self._prefetch_budget_pages())
-        if pages * self.page_size < self.threshold or pages == 0:
-            op.finished.set()
-            return
-        host = self.tree.controller.host_pool.alloc(pages * self.page_size)
+        host = self._alloc_host(pages) if pages * self.page_size >= max(1, self.threshold) else None
         if host is None:
-            self.tree.evict_host(pages * self.page_size)
-            host = self.tree.controller.host_pool.alloc(pages * self.page_size)
-        if host is None:
-            op.finished.set()
-            return
-        op.host_indices = host
+            return self._done(op)
+        op.host_indices, op.state = host, PrefetchState.FETCHING
         self.io.fetch(op)
+        return None
+
+    def _alloc_host(self, pages: int) -> Any:
+        """Host slots for `pages` pages, evicting L2 once if needed; None when there is no
+        room even then."""
+        tokens = pages * self.page_size
+        host = self.host_pool.alloc(tokens)
+        if host is None:
+            self.tree.evict_host(tokens)
+            host = self.host_pool.alloc(tokens)
+        return host
 
     def _covered_in_l2(self, op: PrefetchOp) -> int:
         """Tokens of `op.tokens` the tree has gained below the anchor since the request
         matched (there were none, or the match would have gone further), counted only when
         the path ends in L2, so that a fresh match anchors a prefetch there."""
-        node, pos, tokens = op.anchor, 0, op.tokens
-        while pos < len(tokens):
-            child = node.children.get(self.tree._child_key(tokens, pos, op.extra_key))
-            n = 0 if child is None else self.tree._common_pages(child.key, tokens, pos)
-            if n == 0:
-                break
-            node, pos = child, pos + n
-            if n < len(child.key):
-                break
+        node, pos = self.tree.reach_below(op.anchor, op.tokens, op.extra_key)
         return pos if node is not op.anchor and node.backuped else 0
 
     def _fetching_our_first_pages(self, op: PrefetchOp) -> PrefetchOp | None:
         """A fetch below the same anchor whose pages begin with at least `threshold` tokens
-        of `op`'s (same anchor and hash: the same pages), still running or finished in this
-        step (its request is likely admitted in this step, inserting them)."""
+        of `op`'s (same anchor and hash: the same pages), FETCHING or DONE in this step (its
+        request is likely admitted in this step, inserting them)."""
         need = max(1, -(-self.threshold // self.page_size))
         for other in self.ops.values():
             if (other is not op and other.host_indices is not None
-                    and other.finished_step in (None, self._step)
+                    and (other.state is PrefetchState.FETCHING or other.done_step == self._step)
                     and other.anchor is op.anchor
                     and other.hashes[:need] == op.hashes[:need]):
                 return other
         return None
 
-    def _unblock_stale_waits(self) -> None:
-        """A prefetch waits for the one fetching its prefix until that one's request is
-        admitted (its pages enter the tree). If that request finished fetching a step ago
-        and still waits (for L1 room), stop waiting: fetch the pages ourselves."""
-        for op in list(self.ops.values()):
-            blocker = self.ops.get(op.blocked_by) if op.blocked_by is not None else None
-            if blocker is not None and blocker.finished_step not in (None, self._step):
-                op.blocked_by = None
-                self._start_fetch(op)
+    def _wait_is_stale(self, op: PrefetchOp) -> bool:
+        """The fetch `op` waits for finished before this step and its request is still not
+        admitted (no L1 room): stop waiting, fetch the pages ourselves."""
+        other = self.ops.get(op.waiting_for)
+        return other is not None and other.state is PrefetchState.DONE and \
+            other.done_step != self._step
 
     def take_restarts(self) -> list[str]:
-        """Requests whose prefetch must be started again after a fresh match (scheduler)."""
-        out, self._restarts = self._restarts, []
-        return out
+        """Requests whose prefetch is RESTART: the scheduler matches them again (`restart`,
+        then `prefetch(..., resume=)`)."""
+        return [rid for rid, op in self.ops.items() if op.state is PrefetchState.RESTART]
 
     def restart(self, req_id: str) -> Resume | None:
-        """Drop the request's waiting prefetch (it holds no host pages); returns its clock
-        and budget for `prefetch(..., resume=)`, or None if it is gone."""
+        """Drop the request's prefetch before it fetched anything (it holds no host pages);
+        returns its clock and budget for `prefetch(..., resume=)`, or None if it is gone."""
         op = self.ops.pop(req_id, None)
         if op is None:
             return None
-        assert op.host_indices is None, "a restarted prefetch never allocated host pages"
-        if op in self._querying:
-            self._querying.remove(op)
+        assert op.host_indices is None, f"a restarted prefetch ({op.state}) holds host pages"
         op.cancelled = True
         self.tree.release_host(op.anchor)
-        self.counters["prefetch_restarts"] += 1
+        self.counters.prefetch_restarts += 1
         return Resume(op.started_at, op.timeout_tokens)
 
     def _prefetch_budget_pages(self) -> int:
-        pool = self.tree.controller.host_pool
-        cap = int(pool.total_size() * MAX_PREFETCH_HOST_FRACTION) - self.held_host_tokens()
+        cap = int(self.host_pool.total_size() * MAX_PREFETCH_HOST_FRACTION) - \
+            self.held_host_tokens()
         return max(0, cap) // self.page_size
 
     def ready(self, req_id: str) -> bool:
@@ -272,8 +284,6 @@ class StorageTier:
         op = self.ops.pop(req_id, None)
         if op is None:
             return 0
-        if op in self._querying:
-            self._querying.remove(op)
         done = self.io.cancel(op)
         inserted = 0
         if op.host_indices is not None and done:
@@ -281,27 +291,32 @@ class StorageTier:
             inserted = self.tree.insert_host_pages(
                 op.anchor, op.tokens[:n], op.host_indices[:n], op.hashes[:done], op.extra_key)
             op.host_indices = op.host_indices[n:]
-            self.counters["prefetched_tokens"] += n
+            self.counters.prefetched_tokens += n
         for waiting in self.ops.values():  # its pages are in the tree now (or never will be)
-            if waiting.blocked_by == req_id:
-                waiting.blocked_by = None
-                self._restarts.append(waiting.req_id)
+            if waiting.state is PrefetchState.WAITING and waiting.waiting_for == req_id:
+                waiting.state, waiting.waiting_for = PrefetchState.RESTART, None
         self.tree.release_host(op.anchor)
-        if self.tree.observer is not None:
-            self.tree.observer("prefetch_seconds", time.monotonic() - op.started_at)
+        if self.observer is not None:
+            self.observer("prefetch_seconds", time.monotonic() - op.started_at)
+        if op.state is not PrefetchState.FETCHING:
+            op.finished.set()  # no thread will write its pages (none were handed out)
         if not self._free_if_finished(op):
             self._draining.append(op)
         return inserted
 
     def _free_if_finished(self, op: PrefetchOp) -> bool:
-        if not op.finished.is_set() and op.host_indices is not None:
+        if not op.finished.is_set():
             return False
         if op.host_indices is not None and len(op.host_indices):
-            self.tree.controller.host_pool.free(op.host_indices)
+            self.host_pool.free(op.host_indices)
         op.host_indices = None
         return True
 
     # ------------------------------------------------------------------------------ misc
+
+    def busy(self) -> bool:
+        """Whether a prefetch or a backup is in flight."""
+        return bool(self.ops or self._backups)
 
     def held_host_tokens(self) -> int:
         """Host slots held by prefetches (not yet in the tree)."""
@@ -321,7 +336,7 @@ class StorageTier:
         """Empty L3 (after in-flight backups land); returns the pages removed."""
         self.wait_idle()
         removed = self.io.backend.clear()
-        for node in self.tree._iter_nodes():
+        for node in self.tree.iter_nodes():
             node.storage_backed = False
         return removed
 

@@ -23,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
 
-from hicache.memory_pool_host import HostKVPool
-from hicache.storage.base import StorageBackend
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends.base import RateLimitedLog, StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -37,36 +38,49 @@ logger = logging.getLogger(__name__)
 STORAGE_BATCH_PAGES = 128
 # Backups queued together are written in one backend call of at most this many pages.
 BACKUP_BATCH_PAGES = 256
-# A failing backend is logged at most once per this many seconds per operation.
-LOG_INTERVAL_S = 60.0
+
+
+class PrefetchState(Enum):
+    """Where a prefetch stands, as the scheduler thread sees it (`StorageTier.check` moves it
+    on; only `StorageTier` writes it):
+
+        QUERYING --query answered--> FETCHING | WAITING | RESTART | DONE
+        WAITING  --the fetch it waits for ends, or went stale--> FETCHING | RESTART | DONE
+        FETCHING --the fetch thread sets `finished`--> DONE
+        RESTART  --the scheduler matches again--> a new op (this one is dropped)
+
+    Only FETCHING and DONE ops may hold host pages (`host_indices`)."""
+
+    QUERYING = "querying"  # storage asked how many of the pages it holds
+    WAITING = "waiting"    # another prefetch below the same anchor fetches our first pages
+    RESTART = "restart"    # our prefix reached L2 meanwhile: match again, fetch the rest
+    FETCHING = "fetching"  # host pages allocated, the fetch thread fills them
+    DONE = "done"          # nothing more will be written: fetched, failed, or not worth it
 
 
 @dataclass(eq=False)
 class PrefetchOp:
-    """One request's L3 -> L2 prefetch. Fields marked (thread) are written by the prefetch
-    thread under `lock`; the rest belong to the scheduler thread."""
+    """One request's L3 -> L2 prefetch. Fields marked (thread) are written by an I/O thread
+    under `lock`; the rest belong to the scheduler thread."""
 
     req_id: str
     hashes: list[bytes]                     # one per page beyond the L1+L2 hit
-    anchor: Any = None                      # tree node the pages extend (scheduler)
-    tokens: tuple[int, ...] = ()            # the pages' tokens (scheduler)
+    anchor: Any = None                      # tree node the pages extend
+    tokens: tuple[int, ...] = ()            # the pages' tokens
     extra_key: str | None = None            # the request's namespace
-    host_indices: torch.Tensor | None = None  # slots for exactly the hit (scheduler)
+    host_indices: torch.Tensor | None = None  # slots for exactly the pages fetched
     started_at: float = field(default_factory=time.monotonic)
+    state: PrefetchState = PrefetchState.QUERYING
+    waiting_for: str | None = None          # WAITING: the request whose fetch we wait for
+    done_step: int | None = None            # the `check` step it became DONE in
+    is_restart: bool = False                # started again after a fresh match
+    timeout_tokens: int = 0                 # what the timeout policy's limit is sized by
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
     completed_pages: int = 0                # (thread) consecutive pages fetched into L2
-    cancelled: bool = False
-    blocked_by: str | None = None           # a prefetch already fetching our first pages
-    restarted: bool = False                 # started again after a fresh match
-    timeout_tokens: int = 0                 # what the timeout policy's limit is sized by
-    finished_step: int | None = None        # scheduler step that first saw `finished`
+    cancelled: bool = False                 # (scheduler, read by the threads) stop now
     lock: threading.Lock = field(default_factory=threading.Lock)
-    queried: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
-
-    def progress(self) -> int:
-        with self.lock:
-            return self.completed_pages
+    queried: threading.Event = field(default_factory=threading.Event)   # hit_pages is set
+    finished: threading.Event = field(default_factory=threading.Event)  # no more writes
 
 
 class BackupAck(NamedTuple):
@@ -82,7 +96,7 @@ class StorageController:
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
         self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
-        self._last_log: dict[str, float] = {}
+        self._log = RateLimitedLog(logger)  # a failing backend: once a minute per operation
         self._query_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._prefetch_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._backup_q: queue.Queue[tuple[int, list[bytes], torch.Tensor] | None] = (
@@ -216,10 +230,7 @@ class StorageController:
             return fn()
         except Exception as exc:  # noqa: BLE001 - any storage fault is a miss, never a crash
             self.errors[op] += 1
-            now = time.monotonic()
-            if now - self._last_log.get(op, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
-                self._last_log[op] = now
-                logger.warning("storage %s failed (%d so far): %r", op, self.errors[op], exc)
+            self._log.warning(op, f"storage call failed ({self.errors[op]} so far): {exc!r}")
             return on_error
 
     def close(self) -> None:

@@ -1,17 +1,19 @@
 """Access stamps of the LMDB pages read, buffered so that a read costs no write transaction.
 
-A stamp is the wall-clock `time.time_ns()` of a page's latest read; the store writes the
-pending ones in one transaction once `due` (this many pages pending, or this long since the
-last write) and with every `batch_set`, eviction and close. Stamps are wall-clock, not
-monotonic: they are compared across the processes sharing a store and across restarts, where
-a monotonic clock means nothing. If the wall clock steps backwards, pages touched after the
-step look older and are evicted sooner; only the eviction order suffers, never what is served.
+A stamp is the wall-clock `time.time_ns()` of a page's latest read (or write), stored in the
+atime database as `STAMP` (uint64 little-endian); the store writes the pending ones in one
+transaction once `due` (this many pages pending, or this long since the last write) and with
+every `batch_set`, eviction and close. Stamps are wall-clock, not monotonic: they are compared
+across the processes sharing a store and across restarts, where a monotonic clock means
+nothing. If the wall clock steps backwards, pages touched after the step look older and are
+evicted sooner; only the eviction order suffers, never what is served.
 
 Threading: any thread (one lock).
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -21,6 +23,7 @@ from collections.abc import Iterable
 # at most a few seconds old.
 TOUCH_FLUSH_PAGES = 1024
 TOUCH_FLUSH_S = 5.0
+STAMP = struct.Struct("<Q")  # a stamp as the atime database stores it
 
 
 class PendingStamps:

@@ -11,18 +11,14 @@ import os
 
 import torch
 
-from hicache.memory_pool import INDEX_DTYPE, PageAllocator
-
-PAGE_FIRST = "page_first"
-LAYER_FIRST = "layer_first"
-HOST_LAYOUTS = (PAGE_FIRST, LAYER_FIRST)
+from hicache.config import BYTES_PER_GB
+from hicache.memory.device import INDEX_DTYPE, PageAllocator, PagedSlots
+from kernels.layouts import HOST_LAYOUTS, PAGE_FIRST
 
 # A host pool may take at most this share of MemAvailable. SGLang refuses to start past the
 # free host memory: an oversized pinned pool cannot be swapped out and gets the process
 # OOM-killed. The 10% margin leaves room for the rest of the process and the page cache.
 MAX_HOST_MEM_FRACTION = 0.9
-
-_BYTES_PER_GB = 1e9  # user-facing sizes are decimal GB, as `--hicache-size` takes them
 _MEMINFO = "/proc/meminfo"
 
 
@@ -43,14 +39,14 @@ def check_host_memory(requested_bytes: int) -> None:
     available = available_memory_bytes()
     if requested_bytes > MAX_HOST_MEM_FRACTION * available:
         raise MemoryError(
-            f"the host KV pool needs {requested_bytes / _BYTES_PER_GB:.2f} GB but only "
-            f"{available / _BYTES_PER_GB:.2f} GB of host memory is available (at most "
+            f"the host KV pool needs {requested_bytes / BYTES_PER_GB:.2f} GB but only "
+            f"{available / BYTES_PER_GB:.2f} GB of host memory is available (at most "
             f"{MAX_HOST_MEM_FRACTION:.0%} of it may be used); lower --hicache-size / "
             "host.size_gb or --hicache-ratio / host.ratio"
         )
 
 
-class HostKVPool:
+class HostKVPool(PagedSlots):
     """The L2 KV cache: one CPU tensor holding `num_pages` pages of K and V for all layers.
 
     Layouts (`layout`), `L` = num_layers, `P` = num_pages, `S` = page_size::
@@ -143,21 +139,6 @@ class HostKVPool:
         """Bytes of the whole pool."""
         return self.num_pages * self.page_bytes
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """See `PageAllocator.alloc`: host slot indices of whole pages, or None."""
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, indices: torch.Tensor) -> None:
-        """See `PageAllocator.free`."""
-        self.allocator.free(indices)
-
-    def available_size(self) -> int:
-        """Free tokens."""
-        return self.allocator.available_size()
-
-    def total_size(self) -> int:
-        """Tokens the pool holds."""
-        return self.allocator.total_size()
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer`, each `[num_pages, page_size, kv_heads, head_dim]` (views).

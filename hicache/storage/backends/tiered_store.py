@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from hicache.config import TIERED_PARTS
-from hicache.memory_pool_host import HostKVPool
-from hicache.storage.base import (
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends.base import (
     STAT_BYTES,
     STAT_CAPACITY,
     STAT_CORRUPT,

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.memory_pool import DeviceKVPool
-from hicache.memory_pool_host import HostKVPool
-from hicache.transfer import TransferEngine, TransferHandle
+from hicache.memory.device import DeviceKVPool
+from hicache.memory.host import HostKVPool
+from hicache.transfer.engines import TransferEngine, TransferHandle
 
 
 class Ack(NamedTuple):

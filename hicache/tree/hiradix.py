@@ -21,28 +21,38 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from hicache.cache_controller import HiCacheController
-from hicache.hashing import PageHasher
-from hicache.hitree_node import HiCacheCounters, HiTreeNode, LoadBack
-from hicache.leaf_heap import LeafHeap
-from hicache.radix_cache import _EMPTY, MatchResult, RadixCache, TreeNode, _concat
-from hicache.storage_controller import StorageController
-from hicache.storage_tier import StorageTier
-
-__all__ = ["LOAD_BACK_THRESHOLD", "WRITE_POLICIES", "HiRadixCache", "HiTreeNode", "LoadBack"]
+from hicache.policies import WRITE_POLICIES
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import TransferHandle
+from hicache.tree.base import EMPTY, HostSizes, LoadBack, MatchResult, concat
+from hicache.tree.leaf_heap import LeafHeap
+from hicache.tree.node import HiTreeNode, TreeNode
+from hicache.tree.radix import RadixCache
+from hicache.tree.walk import as_key, descend
 
 logger = logging.getLogger(__name__)
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 # Loading fewer tokens than this back from L2 costs more in launch and bookkeeping than
 # recomputing them (SGLang uses the same default for its load_back_threshold).
 LOAD_BACK_THRESHOLD = 10
+
+
+@dataclass
+class HostCounters:
+    """The L2 tree's token counts since start (scheduler thread; plain ints, one owner)."""
+
+    written_tokens: int = 0         # D->H copies acknowledged
+    write_dropped_tokens: int = 0   # writes skipped because L2 had no room
+    device_evicted_tokens: int = 0  # L1 evictions (a demotion when an L2 copy stays)
+    host_evicted_tokens: int = 0
+    load_back_tokens: int = 0
+    transfer_failures: int = 0      # copies that failed (counted per copy, not in tokens)
+
 
 
 class HiRadixCache(RadixCache):
@@ -61,28 +71,22 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold
         self.load_back_threshold = load_back_threshold
-        self.counters = HiCacheCounters()
-        self.storage: StorageTier | None = None
-        # observer(name, seconds): latency hook for metrics ("load_back_seconds", ...)
+        self.counters = HostCounters()
+        # observer(name, seconds): latency hook for metrics ("load_back_seconds")
         self.observer: Callable[[str, float], None] | None = None
         super().__init__(controller.device_pool, page_size, False, eviction_policy)
 
-    def enable_storage(self, io: StorageController, hasher: PageHasher, **policy: Any) -> None:
-        """Add the L3 tier; `policy` takes StorageTier's prefetch keyword arguments."""
-        self.storage = StorageTier(self, io, hasher, **policy)
-
     def _init_tree(self) -> None:
         super()._init_tree()
-        self.root.value = _EMPTY
-        self.root.host_value = _EMPTY
+        self.root.value = EMPTY
+        self.root.host_value = EMPTY
         self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
         self._ongoing_writes: dict[int, HiTreeNode] = {}
         self._ongoing_loads: dict[int, tuple[list[HiTreeNode], float]] = {}
 
     def reset(self) -> None:
-        """Wait for copies in flight, then forget everything (the caller resets the pools)."""
-        if self.storage is not None:
-            self.storage.wait_idle()
+        """Wait for copies in flight, then forget everything (the caller resets the pools and
+        has let every L3 backup and prefetch go first: they hold host pages)."""
         self.controller.wait_all()
         self.controller.poll_writes()
         self.controller.poll_loads()
@@ -90,15 +94,14 @@ class HiRadixCache(RadixCache):
 
     # ---------------------------------------------------------------------------- match
 
-    def match_prefix(self, key, extra_key: str | None = None) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
         """The device hit, plus the L2-only nodes below it (`host_hit_length` tokens)."""
-        path = self._walk(self._page_aligned(key), extra_key)
-        self._on_path(path)
+        path = self._match_path(key, extra_key)
         on_device = 0
         while on_device < len(path) and not path[on_device].evicted:
             on_device += 1
         device = path[:on_device]
-        indices = _concat([n.value for n in device])
+        indices = concat([n.value for n in device])
         last_device = device[-1] if device else self.root
         last_host = path[-1] if path else self.root
         host_hit = sum(len(n.key) for n in path[on_device:])
@@ -114,13 +117,19 @@ class HiRadixCache(RadixCache):
             self._host_heap.push(path[-1])
         self._maybe_rebuild_heaps()
 
-    def _insert_hit(self, node: HiTreeNode, value: torch.Tensor, pos: int) -> int:
-        if not node.evicted:
-            return len(node.key)
-        node.value = value[pos:pos + len(node.key)].clone()  # recomputed KV of an L2-only
-        # node: adopt the caller's slots instead of freeing them
-        self._evictable += len(node.key)
-        return 0
+    def _insert_hits(self, path: list[HiTreeNode], value: torch.Tensor, matched: int) -> int:
+        """Like the base tree, except that an L2-only node on the path adopts the caller's
+        slots `value[pos:pos + n]` for its recomputed KV: those are not the caller's to free."""
+        present = pos = 0
+        for node in path:
+            n = len(node.key)
+            if node.evicted:
+                node.value = torch.narrow_copy(value, 0, pos, n)
+                self._evictable += n
+            else:
+                present += n
+            pos += n
+        return present
 
     def _split_extra(self, new: HiTreeNode, child: HiTreeNode, n: int) -> None:
         if child.host_value is not None:
@@ -169,21 +178,21 @@ class HiRadixCache(RadixCache):
             node = node.parent
         return all(self._write_backup(n) for n in reversed(chain))
 
-    def writing_check(self, wait: bool = False) -> int:
-        """Apply finished D->H acks: release the locks. Returns the acks applied."""
+    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
+        """Apply finished D->H acks: release the locks. Returns the nodes that reached L2
+        (the tier owner backs them up to L3)."""
         if wait:
             self.controller.wait_writes()
-        acks = self.controller.poll_writes()
-        for ack in acks:
+        written = []
+        for ack in self.controller.poll_writes():
             node = self._ongoing_writes.pop(ack.node_id)
             self.dec_lock_ref(node)
             if not ack.ok:
                 self._drop_backup(node)
                 continue
             self.counters.written_tokens += len(node.key)
-            if self.storage is not None:
-                self.storage.backup(node)
-        return len(acks)
+            written.append(node)
+        return written
 
     def _drop_backup(self, node: HiTreeNode) -> None:
         """A failed write: forget the (garbage) host copies of `node` and its descendants.
@@ -286,7 +295,7 @@ class HiRadixCache(RadixCache):
         still on L1. Call with no write in flight. Returns the host tokens freed."""
         assert not self._ongoing_writes, "flush_host with D->H copies in flight"
         freed = self.evict_host(self.controller.host_pool.total_size())
-        for node in self._iter_nodes():  # parents first: a kept copy's parent is kept too
+        for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
             if node.host_value is not None and node.host_ref_counter == 0:
                 self.controller.host_pool.free(node.host_value)
                 freed += len(node.key)
@@ -296,7 +305,7 @@ class HiRadixCache(RadixCache):
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
         if len(self._host_heap) > 4 * self._num_nodes + 64:
-            self._host_heap.rebuild(self._iter_nodes())
+            self._host_heap.rebuild(self.iter_nodes())
 
     # ------------------------------------------------------------------------ load back
 
@@ -313,14 +322,14 @@ class HiRadixCache(RadixCache):
             nodes.append(node)
             node = node.parent
         if not nodes:
-            return LoadBack(_EMPTY, last_host_node)
+            return LoadBack(EMPTY, last_host_node)
         nodes.reverse()
         host_indices = torch.cat([n.host_value for n in nodes])
         if len(host_indices) < self.load_back_threshold:
-            return LoadBack(_EMPTY, node)
+            return LoadBack(EMPTY, node)
         device = self._alloc_for_load(node, last_host_node, host_indices)
         if device is None:
-            return LoadBack(_EMPTY, node)
+            return LoadBack(EMPTY, node)
         offset = 0
         for n in nodes:
             n.value = device[offset:offset + len(n.key)]
@@ -367,26 +376,26 @@ class HiRadixCache(RadixCache):
                           extra_key: str | None = None) -> int:
         """Attach pages fetched from L3 below `anchor` (which must be in L2) as L2-only
         nodes. Pages the tree already holds in L2 are freed; a device-only node on the way
-        adopts the fetched copy. Returns the tokens that were new to L2."""
-        node, pos, ps, extra = anchor, 0, self.page_size, extra_key
-        new_tokens = 0
-        while pos < len(tokens):
-            child = node.children.get(self._child_key(tokens, pos, extra))
-            if child is None:
-                break
-            n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.backuped:
+        adopts the fetched copy. Returns the tokens that were new to L2. Touches nothing.
+
+        `tokens` (whole pages), `host_indices` (one slot per token) and `hashes` (one per
+        page) are aligned with each other."""
+        tokens, ps = as_key(tokens), self.page_size
+        if len(tokens) % ps:
+            raise ValueError(f"insert_host_pages: {len(tokens)} tokens are not whole pages "
+                             f"of {ps}")
+        path = descend(anchor, tokens, extra_key, ps, self._split).path
+        pos = new_tokens = 0
+        for node in path:
+            n = len(node.key)
+            if node.backuped:
                 self.controller.host_pool.free(host_indices[pos:pos + n])
             else:
-                self._set_l3_copy(child, host_indices[pos:pos + n], hashes[pos // ps:])
+                self._set_l3_copy(node, host_indices[pos:pos + n], hashes[pos // ps:])
                 new_tokens += n
-            node, pos = child, pos + n
+            pos += n
         if pos < len(tokens):
-            leaf = self.node_cls(node, tokens[pos:], None, extra)
-            node.children[self._child_key(tokens, pos, extra)] = leaf
-            self._num_nodes += 1
+            leaf = self._attach(path[-1] if path else anchor, tokens[pos:], None, extra_key)
             self._set_l3_copy(leaf, host_indices[pos:], hashes[pos // ps:])
             self._host_heap.push(leaf)
             new_tokens += len(tokens) - pos
@@ -397,12 +406,21 @@ class HiRadixCache(RadixCache):
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
 
+    def copies_pending(self) -> bool:
+        return self.controller.has_pending()
+
+    def start_loading(self) -> TransferHandle | None:
+        return self.controller.start_loading()
+
+    def wait_copies(self) -> None:
+        self.controller.wait_all()
+
     # -------------------------------------------------------------------------- sizes
 
-    def host_sizes(self) -> dict[str, int]:
+    def host_sizes(self) -> HostSizes:
         """L2 tokens held by the tree: total, evictable (L2-only leaves), protected."""
         total = evictable = protected = 0
-        for node in self._iter_nodes():
+        for node in self.iter_nodes():
             if node.host_value is None:
                 continue
             total += len(node.key)
@@ -410,11 +428,11 @@ class HiRadixCache(RadixCache):
                 protected += len(node.key)
             elif self._is_host_leaf(node):
                 evictable += len(node.key)
-        return {"total": total, "evictable": evictable, "protected": protected}
+        return HostSizes(total, evictable, protected)
 
     def all_host_values(self) -> torch.Tensor:
-        vals = [n.host_value for n in self._iter_nodes() if n.host_value is not None]
-        return torch.cat(vals) if vals else _EMPTY
+        vals = [n.host_value for n in self.iter_nodes() if n.host_value is not None]
+        return torch.cat(vals) if vals else EMPTY
 
     # ---------------------------------------------------------------------- integrity
 
@@ -433,14 +451,16 @@ class HiRadixCache(RadixCache):
             assert parent.backuped, f"backup hole: {node!r} backed up, its parent not"
             assert len(node.host_value) == len(node.key), f"{node!r} host length mismatch"
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, held_host_tokens: int = 0) -> None:
+        """The base invariants, the tiers' invariants, and the host pool's count: the tree's
+        host slots plus `held_host_tokens` (what in-flight L3 prefetches hold)."""
         super().check_integrity()
         dev = self.all_values().tolist()
         host = self.all_host_values().tolist()
         assert len(set(dev)) == len(dev), "a device slot is owned twice"
         assert len(set(host)) == len(host), "a host slot is owned twice"
         pool = self.controller.host_pool
-        held = self.storage.held_host_tokens() if self.storage is not None else 0
-        assert pool.total_size() - pool.available_size() == len(host) + held, (
-            f"host pool uses {pool.total_size() - pool.available_size()} slots, "
-            f"the tree owns {len(host)} and prefetches hold {held}")
+        used = pool.total_size() - pool.available_size()
+        assert used == len(host) + held_host_tokens, (
+            f"host pool uses {used} slots, the tree owns {len(host)} and prefetches hold "
+            f"{held_host_tokens}")

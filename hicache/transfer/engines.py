@@ -30,12 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from hicache.memory_pool import DeviceKVPool, pages_of
-from hicache.memory_pool_host import HostKVPool
+from hicache.memory.device import DeviceKVPool, pages_of
+from hicache.memory.host import HostKVPool
+from hicache.policies import IO_BACKENDS
 from kernels.cuda_utils import import_cupy, to_device_async
 from kernels.transfer_kv import d2h_pages, h2d_pages
-
-IO_BACKENDS = ("kernel", "direct")
 
 
 class TransferHandle(ABC):

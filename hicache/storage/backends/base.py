@@ -1,4 +1,5 @@
-"""The L3 contract: `StorageBackend`, its stats keys, and a rate-limited log for its faults."""
+"""The L3 contract: `StorageBackend`, its stats keys and exceptions, and a rate-limited log for
+its faults."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 
 import torch
 
-from hicache.memory_pool import pages_of
-from hicache.memory_pool_host import HostKVPool
+from hicache.memory.device import pages_of
+from hicache.memory.host import HostKVPool
 from hicache.storage.page_format import PageCodec
 
 # Keys every backend's `stats()` returns (ints; a backend may add its own).
@@ -45,10 +46,18 @@ class StorageUnavailable(OSError):
     """
 
 
+class StoreClosed(Exception):
+    """The store was closed (`StorageBackend.close`): a call found no environment or client.
+
+    Raised and caught inside a backend, never raised to its caller: the call is a quiet miss
+    or skipped write, not a fault (nothing counted in `errors`, nothing logged).
+    """
+
+
 class StorageBackend(ABC):
     """An L3 page store: page hash -> one KV page, shared across restarts (and processes).
 
-    Units: a key is a 16-byte page hash (`hicache.hashing`), one per page; `host_indices`
+    Units: a key is a 16-byte page hash (`hicache.storage.hashing`), one per page; `host_indices`
     are host pool slot indices of whole pages, `len(keys) * page_size` of them, key i going
     with the i-th page of `host_indices`.
 

@@ -201,7 +201,30 @@ class PageAllocator:
         return pages
 
 
-class DeviceKVPool:
+class PagedSlots:
+    """A pool's slot bookkeeping, delegated to its `allocator` (the device and host KV pools
+    both hand out whole pages of token slots the same way)."""
+
+    allocator: PageAllocator
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """See `PageAllocator.alloc`: slot indices of whole pages, or None."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """See `PageAllocator.free`."""
+        self.allocator.free(indices)
+
+    def available_size(self) -> int:
+        """Free tokens."""
+        return self.allocator.available_size()
+
+    def total_size(self) -> int:
+        """Tokens the pool holds."""
+        return self.allocator.total_size()
+
+
+class DeviceKVPool(PagedSlots):
     """The L1 KV cache: per layer a K and a V buffer `[num_slots, kv_heads, head_dim]`.
 
     Page 0 is the padding page (`PADDING_PAGE`): it exists in the buffers but the allocator
@@ -333,18 +356,6 @@ class DeviceKVPool:
         k, v = self.get_kv(layer)
         shape = (self.num_pages + 1, self.page_size, self.kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
-
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """See `PageAllocator.alloc`; never returns a slot of the padding page."""
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, indices: torch.Tensor) -> None:
-        """See `PageAllocator.free`."""
-        self.allocator.free(indices)
-
-    def available_size(self) -> int:
-        """Free tokens."""
-        return self.allocator.available_size()
 
 
 class ReqToTokenPool:

@@ -1,0 +1,298 @@
+"""The tier owner: builds L1 / L2 / L3 from the config and the model's KV shape, then runs them
+as one `CacheStack` for the scheduler.
+
+    L1  cache.max_total_tokens, else a share of free GPU memory (or of host RAM on CPU)
+    L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
+    L3  storage.backend through the registry, keyed by the model's page hashes
+
+Each scheduler step starts with `poll()`, which applies the tiers' acknowledgements in one
+fixed order: D->H writes (nodes reach L2), their L3 backups, H->D loads, then the storage
+tier's prefetch and backup acks. The scheduler calls the stack and the `PrefixCache`
+interface only; a tier the configuration lacks answers with a harmless default (no L3: no
+prefetch, always ready, nothing to restart).
+
+Threading: scheduler thread only, like the tree it owns (`close` once the loop has stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hicache.config import BYTES_PER_GB, Config
+from hicache.memory.device import DeviceKVPool
+from hicache.memory.host import HostKVPool, available_memory_bytes
+from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
+from hicache.storage.backends import create_backend
+from hicache.storage.backends.base import StorageUnavailable
+from hicache.storage.hashing import PageHasher, model_fingerprint
+from hicache.storage.io import StorageController
+from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry
+from hicache.storage.tier import Resume, StorageTier
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import make_transfer_engine
+from hicache.tree.base import PrefixCache
+from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.radix import RadixCache
+
+logger = logging.getLogger(__name__)
+
+# Share of the GPU memory left free after loading the weights that L1 takes (the rest is
+# activations and the CUDA context; SGLang's mem_fraction_static plays the same role).
+GPU_KV_FRACTION = 0.85
+# On the CPU, L1 defaults to this share of available RAM, capped at CPU_MAX_L1_TOKENS: a CPU
+# serves small models, and a huge L1 only hides the hierarchy.
+CPU_KV_FRACTION = 0.1
+CPU_MAX_L1_TOKENS = 65536
+# When both L1 and L2 are sized automatically (cache.max_total_tokens and host.size_gb unset),
+# L2 = host.ratio x L1 may take at most this share of the available host memory: L1 is made
+# smaller rather than asking for more pinned memory than the machine has (a GPU can hold more
+# KV than the host can pin twice over).
+HOST_AUTO_FRACTION = 0.5
+
+
+
+
+class ModelKV(NamedTuple):
+    """What the tiers need to know of the model: its KV geometry and where its weights are
+    (the page hashes' model fingerprint)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    path: Path
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.kv_heads, self.head_dim)
+
+
+@dataclass(eq=False)
+class CacheStack:
+    """The tree, the pools, the L1<->L2 controller and the storage tier, run as one.
+    `host_pool` and `controller` are None without L2, `storage` None without L3."""
+
+    device_pool: DeviceKVPool
+    tree: PrefixCache
+    host_pool: HostKVPool | None = None
+    controller: HiCacheController | None = None
+    storage: StorageTier | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.tree.page_size
+
+    def storage_page_bytes(self) -> int | None:
+        """Bytes of one stored L3 page (header + payload), None without L3."""
+        if self.storage is None or self.host_pool is None:
+            return None
+        return HEADER_BYTES + self.host_pool.page_bytes
+
+    def set_observer(self, observe: Callable[[str, float], None]) -> None:
+        """Latency hook for metrics: the tree's load-backs, the storage tier's prefetches."""
+        self.tree.observer = observe
+        if self.storage is not None:
+            self.storage.observer = observe
+
+    # ------------------------------------------------------------------------- each step
+
+    def poll(self) -> None:
+        """Apply the acks in their fixed order: writes -> backups -> loads -> prefetches."""
+        self._backup(self.tree.writing_check())
+        self.tree.loading_check()
+        if self.storage is not None:
+            self.storage.check()
+
+    def _backup(self, written: Sequence) -> None:
+        if self.storage is not None:
+            for node in written:
+                self.storage.backup(node)
+
+    def busy(self) -> bool:
+        """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
+        return self.tree.copies_pending() or (self.storage is not None and self.storage.busy())
+
+    def start_loading(self) -> None:
+        """Launch queued H->D loads when no forward pass will (they never wait for one)."""
+        if self.tree.copies_pending():
+            self.tree.start_loading()
+
+    # ---------------------------------------------------------------------- L3 prefetch
+
+    def prefetch(self, req_id: str, key: Sequence[int], extra_key: str | None,
+                 resume: Resume | None = None) -> bool:
+        """Match `key` and start fetching from L3 what it has beyond its L1+L2 hit; False
+        when there is no L3 (then nothing is matched: the match would count a use) or
+        nothing worth fetching."""
+        if self.storage is None:
+            return False
+        m = self.tree.match_prefix(key, extra_key)
+        hit = m.device_indices.numel() + m.host_hit_length
+        return self.storage.prefetch(req_id, m.last_host_node, key[hit:], extra_key, resume)
+
+    def settle(self, timeout_s: float) -> None:
+        """Give fresh L3 queries up to `timeout_s` to answer (see `StorageTier.settle`)."""
+        if self.storage is not None:
+            self.storage.settle(timeout_s)
+
+    def prefetch_ready(self, req_id: str) -> bool:
+        """Whether the prefetch policy lets the request be admitted now."""
+        return self.storage is None or self.storage.ready(req_id)
+
+    def end_prefetch(self, req_id: str) -> int:
+        """End the request's prefetch (idempotent); the tokens it brought into L2."""
+        return 0 if self.storage is None else self.storage.terminate(req_id)
+
+    def take_restarts(self) -> list[tuple[str, Resume]]:
+        """Prefetches to start again after a fresh match, with the clock each keeps."""
+        if self.storage is None:
+            return []
+        out = []
+        for rid in self.storage.take_restarts():
+            resume = self.storage.restart(rid)
+            if resume is not None:
+                out.append((rid, resume))
+        return out
+
+    # --------------------------------------------------------------------------- admin
+
+    def quiesce(self) -> None:
+        """Wait for every copy and backup in flight and apply their acks (flush, shutdown).
+        Copies first: their acks queue backups, which protect host pages."""
+        self.tree.wait_copies()
+        self._backup(self.tree.writing_check())
+        self.tree.loading_check()
+        if self.storage is not None:
+            self.storage.wait_idle()
+
+    def flush(self, tiers: Sequence[str]) -> dict[str, int]:
+        """Empty the named tiers (names from `TIERS`, no request running); tokens freed per
+        tier asked (0 for a tier the configuration lacks)."""
+        out = dict.fromkeys(tiers, 0)
+        self.quiesce()
+        if "device" in tiers:
+            out["device"] = self.tree.evict(self.tree.total_size())
+        if "host" in tiers:
+            out["host"] = self.tree.flush_host()
+        if "storage" in tiers and self.storage is not None:
+            out["storage"] = self.storage.clear() * self.page_size
+        return out
+
+    def stats(self, requests: RequestCounters) -> CacheStats:
+        """One snapshot of every tier, in tokens (storage: its pages and bytes too); the
+        counters are copies, so another thread may read it while the scheduler goes on."""
+        alloc = self.device_pool.allocator
+        device = DeviceStats(alloc.total_size(), alloc.used_size(), self.tree.evictable_size(),
+                             self.tree.protected_size(), requests.cached_device_tokens)
+        host = storage = None
+        if self.host_pool is not None:
+            sizes = self.tree.host_sizes()
+            host = HostStats(self.host_pool.total_size(),
+                             self.host_pool.total_size() - self.host_pool.available_size(),
+                             sizes.evictable, sizes.protected, requests.cached_host_tokens,
+                             replace(self.tree.counters))
+        if self.storage is not None:
+            io = self.storage.io
+            storage = StorageStats.read(io.backend.stats(), io.errors,
+                                        requests.cached_storage_tokens,
+                                        replace(self.storage.counters))
+        return CacheStats(replace(requests), device, host, storage)
+
+    def check_integrity(self) -> None:
+        """The tree's invariants, counting the host pages in-flight prefetches hold."""
+        if self.storage is not None:
+            self.tree.check_integrity(held_host_tokens=self.storage.held_host_tokens())
+        else:
+            self.tree.check_integrity()
+
+    def close(self) -> None:
+        """Let every prefetch and backup finish, stop the I/O and copy threads."""
+        if self.storage is not None:
+            self.storage.close()
+        if self.controller is not None:
+            self.controller.close()
+
+
+def build_stack(config: Config, model: ModelKV) -> CacheStack:
+    """Size and build every tier the config asks for."""
+    c = config.cache
+    pages = _l1_pages(config, model)
+    pool = DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
+    logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
+                pool.size_bytes / BYTES_PER_GB)
+    if not c.enable_radix_cache:
+        return CacheStack(pool, RadixCache(pool, c.page_size, disable=True))
+    if not c.hierarchical:
+        return CacheStack(pool, RadixCache(pool, c.page_size,
+                                           eviction_policy=c.eviction_policy))
+    host = _host_pool(config, pool, model)
+    controller = HiCacheController(pool, host, make_transfer_engine(pool, host,
+                                                                    config.host.io_backend))
+    tree = HiRadixCache(controller, c.page_size, write_policy=config.host.write_policy,
+                        write_through_threshold=config.host.write_through_threshold,
+                        eviction_policy=c.eviction_policy)
+    return CacheStack(pool, tree, host, controller, _storage_tier(config, model, tree, host))
+
+
+def _l1_pages(config: Config, model: ModelKV) -> int:
+    c = config.cache
+    if c.max_total_tokens is not None:
+        return -(-c.max_total_tokens // c.page_size)
+    per_token = DeviceKVPool.bytes_per_token(*model.geometry, model.dtype)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        budget_tokens = int(free * GPU_KV_FRACTION) // per_token
+    else:
+        budget_tokens = min(int(available_memory_bytes() * CPU_KV_FRACTION) // per_token,
+                            CPU_MAX_L1_TOKENS)
+    if c.hierarchical and c.enable_radix_cache and config.host.size_gb is None:
+        host_tokens = int(available_memory_bytes() * HOST_AUTO_FRACTION) // per_token
+        if budget_tokens * config.host.ratio > host_tokens:
+            logger.info("L1 sized to %d tokens so that L2 (host.ratio %.1f x L1) fits in %.0f%% "
+                        "of the available host memory", int(host_tokens / config.host.ratio),
+                        config.host.ratio, HOST_AUTO_FRACTION * 100)
+            budget_tokens = int(host_tokens / config.host.ratio)
+    return max(1, budget_tokens // c.page_size)
+
+
+def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool:
+    h, ps = config.host, config.cache.page_size
+    if h.size_gb is not None:
+        pages = int(h.size_gb * BYTES_PER_GB) // pool.page_bytes
+    else:
+        pages = int(pool.allocator.total_size() * h.ratio) // ps
+    host = HostKVPool(max(1, pages), ps, *model.geometry, model.dtype, h.mem_layout)
+    logger.info("L2 (host, %s%s): %d tokens, %.2f GB", h.mem_layout,
+                ", pinned" if host.is_pinned else "", host.total_size(),
+                host.size_bytes / BYTES_PER_GB)
+    return host
+
+
+def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool
+                  ) -> StorageTier | None:
+    s, ps = config.storage, config.cache.page_size
+    if not s.enabled:
+        return None
+    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
+    try:
+        backend = create_backend(s.backend, s.backend_config, codec)
+    except StorageUnavailable as err:  # a damaged store that could not be replaced
+        logger.error("L3 (%s) unavailable, serving without L3 until a restart: %s",
+                     s.backend, err)
+        return None
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    hasher = PageHasher(ps, model_fingerprint(model.path), dtype_name, *model.geometry)
+    logger.info("L3 (%s): %s", s.backend, backend.stats())
+    return StorageTier(tree, StorageController(backend, host), hasher,
+                       prefetch_policy=s.prefetch_policy,
+                       prefetch_threshold=s.prefetch_threshold,
+                       timeout_base=s.prefetch_timeout_base,
+                       timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
+                       timeout_max=s.prefetch_timeout_max)

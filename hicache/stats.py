@@ -1,0 +1,166 @@
+"""Typed statistics: one record per tier, units in the field names, read by attribute.
+
+    CacheStats
+      requests   RequestCounters   the scheduler's counts since start
+      device     DeviceStats       L1 occupancy
+      host       HostStats | None  L2 occupancy and copy counts (None without L2)
+      storage    StorageStats | None  L3: the backend's stats and the storage tier's counts
+
+`CacheStack.stats(requests)` builds one snapshot on the scheduler thread; `metrics.py` reads
+it by attribute; `as_dict()` is the shape `Engine.stats()` returns (DESIGN.md: per tier
+`capacity / used / evictable / protected / hits` in tokens, plus each tier's own counts).
+A storage backend's own `stats()` stays a dict (the `StorageBackend` contract); it is read
+into `StorageStats` once, here, and its page counts keep their unit: `hit_pages` (pages
+served by the backend) never shares a name with `hit_tokens` (prompt tokens served to
+requests from L3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hicache.storage.backends.base import (
+    STAT_BYTES,
+    STAT_CAPACITY,
+    STAT_CORRUPT,
+    STAT_ERRORS_BY_OP,
+    STAT_EVICTED,
+    STAT_HITS,
+    STAT_MISSES,
+    STAT_PAGES,
+    STAT_SKIPPED,
+    STAT_WRITTEN,
+)
+from hicache.storage.tier import StorageCounters
+from hicache.tree.hiradix import HostCounters
+
+
+@dataclass
+class RequestCounters:
+    """The scheduler's counts since start (scheduler thread; plain ints, one owner)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_device_tokens: int = 0    # prompt tokens served from each tier, not computed
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
+    request_errors: int = 0          # requests failed by a fault while serving them
+
+    def cached_tokens(self, tier: str) -> int:
+        return getattr(self, f"cached_{tier}_tokens")
+
+    def add_cached(self, details: dict[str, int]) -> None:
+        """Count one admission's `cached_details` (tokens per tier)."""
+        for tier, n in details.items():
+            setattr(self, f"cached_{tier}_tokens", self.cached_tokens(tier) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        """`Engine.stats()["counters"]`: the names clients have read since the start."""
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens,
+                "cached_device": self.cached_device_tokens,
+                "cached_host": self.cached_host_tokens,
+                "cached_storage": self.cached_storage_tokens,
+                "request_errors": self.request_errors}
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    capacity_tokens: int
+    used_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    hit_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return _occupancy(self)
+
+
+@dataclass(frozen=True)
+class HostStats:
+    capacity_tokens: int
+    used_tokens: int               # the pool's view: the tree's pages and in-flight prefetches
+    evictable_tokens: int
+    protected_tokens: int
+    hit_tokens: int
+    counters: HostCounters
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**_occupancy(self), **asdict(self.counters)}
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    stored_pages: int
+    stored_bytes: int
+    capacity_bytes: int          # 0: unbounded (a Redis without maxmemory)
+    hit_tokens: int              # prompt tokens served to requests from L3
+    hit_pages: int               # pages the backend served (batch_get)
+    miss_pages: int              # pages asked of the backend and not served
+    corrupt_pages: int
+    evicted_pages: int
+    written_pages: int
+    skipped_pages: int
+    errors_by_op: dict[str, int]  # faults turned into misses or skipped writes
+    counters: StorageCounters
+    backend: dict[str, Any] = field(default_factory=dict)  # the backend's own stats, whole
+
+    @property
+    def errors(self) -> int:
+        return sum(self.errors_by_op.values())
+
+    @classmethod
+    def read(cls, backend: Mapping[str, Any], io_errors: Mapping[str, int], hit_tokens: int,
+             counters: StorageCounters) -> StorageStats:
+        """From a backend's `stats()` and the I/O threads' fault counts ("exists", "get",
+        "set": exceptions a backend let through), summed per operation."""
+        faults = dict(backend.get(STAT_ERRORS_BY_OP, {}))
+        for op, n in io_errors.items():
+            faults[op] = faults.get(op, 0) + n
+        n = lambda key: int(backend.get(key, 0))
+        return cls(stored_pages=n(STAT_PAGES), stored_bytes=n(STAT_BYTES),
+                   capacity_bytes=n(STAT_CAPACITY), hit_tokens=hit_tokens,
+                   hit_pages=n(STAT_HITS), miss_pages=n(STAT_MISSES),
+                   corrupt_pages=n(STAT_CORRUPT), evicted_pages=n(STAT_EVICTED),
+                   written_pages=n(STAT_WRITTEN), skipped_pages=n(STAT_SKIPPED),
+                   errors_by_op=faults, counters=counters, backend=dict(backend))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The backend's keys (`pages`, `bytes`, `capacity_bytes`, ... and its own extras),
+        except its page counts `hits` / `misses`, shown as `hit_pages` / `miss_pages`:
+        `hits` is the tier's token count, as for the other tiers."""
+        extras = {k: v for k, v in self.backend.items() if k not in (STAT_HITS, STAT_MISSES)}
+        return {**extras, "hits": self.hit_tokens, "hit_pages": self.hit_pages,
+                "miss_pages": self.miss_pages, "errors_by_op": dict(self.errors_by_op),
+                "errors": self.errors, **asdict(self.counters)}
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    requests: RequestCounters
+    device: DeviceStats
+    host: HostStats | None = None
+    storage: StorageStats | None = None
+
+    def tiers(self) -> dict[str, DeviceStats | HostStats | StorageStats]:
+        """The tiers present, L1 first."""
+        out: dict[str, Any] = {"device": self.device}
+        if self.host is not None:
+            out["host"] = self.host
+        if self.storage is not None:
+            out["storage"] = self.storage
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """`Engine.stats()`: `{"tiers": {tier: {...}}, "counters": {...}}`."""
+        return {"tiers": {name: t.as_dict() for name, t in self.tiers().items()},
+                "counters": self.requests.as_dict()}
+
+
+def _occupancy(t: DeviceStats | HostStats) -> dict[str, int]:
+    return {"capacity": t.capacity_tokens, "used": t.used_tokens,
+            "evictable": t.evictable_tokens, "protected": t.protected_tokens,
+            "hits": t.hit_tokens}

@@ -1,0 +1,168 @@
+"""L3 on local disk: one LMDB environment, one value per KV page, bounded by LRU eviction.
+
+The environment at `path` (a directory holding data.mdb and lock.mdb) has two databases::
+
+    pages   page hash (16 B) -> stored page (`page_format`: 48-byte header + payload)
+    atime   page hash (16 B) -> last access, uint64 little-endian `time.time_ns()`
+
+Several processes may open one path at once: LMDB locks across processes (lock.mdb), so
+servers of one model on one machine share their L3. Readers never block writers. The map is
+not writable (`writemap=False`): with a writable map, processes growing the map at the same
+time were seen to corrupt the file (a two-process test failed about one run in six), and a
+store into a sparse file on a full disk would be SIGBUS instead of an error.
+
+This module holds the `StorageBackend` operations, each a body run in one transaction. The
+environment under them is `LmdbEnvironment` (`lmdb_env`), which `LmdbStore` extends and whose
+constructor it takes: opening the environment and moving a damaged file aside, transactions
+retried for the map size and a full disk, size accounting, LRU eviction, the durability of
+`sync`. The access stamps of pages read are kept in memory and written in batches
+(`lmdb_stamps`).
+
+Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
+of the environment's gate (a `SharedExclusiveLock`; resizing the map and `close` take its
+exclusive side). Writes are serialised by LMDB's writer lock.
+
+Buffers: reads use `buffers=True`: a value is a view of the mapped file, valid only until its
+transaction ends, so it is copied into the host page inside the transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import lmdb
+import torch
+
+from hicache.memory.host import HostKVPool
+from hicache.storage.backends.base import (
+    STAT_BYTES,
+    STAT_CAPACITY,
+    STAT_CORRUPT,
+    STAT_ERRORS_BY_OP,
+    STAT_HITS,
+    STAT_MISSES,
+    STAT_PAGES,
+    STAT_SKIPPED,
+    STAT_WRITTEN,
+    StorageBackend,
+    check_batch,
+)
+from hicache.storage.backends.lmdb_env import MIN_MAP_BYTES, LmdbEnvironment
+from hicache.storage.backends.lmdb_stamps import STAMP
+
+__all__ = ["MIN_MAP_BYTES", "LmdbStore"]
+
+
+class LmdbStore(LmdbEnvironment, StorageBackend):
+    """`StorageBackend` over one LMDB environment (see the module docstring).
+
+    `LmdbStore(path, max_size_bytes, codec, *, sync=True, initial_map_bytes=...)`: the
+    constructor is `LmdbEnvironment`'s.
+    """
+
+    # ------------------------------------------------------------------ StorageBackend
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        found = [0]
+
+        def body(txn: lmdb.Transaction) -> None:
+            found[0] = 0
+            for key in keys:
+                if txn.get(key, db=self._pages) is None:
+                    return
+                found[0] += 1
+
+        self._guard("batch_exists", None, lambda: self._txn(False, body))
+        return found[0]
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        pages = check_batch(self.codec, keys, host_pool, host_indices)
+        served = [False] * len(keys)
+        corrupt: list[bytes] = []
+        copy_in = self.codec.value_writer(host_pool)
+
+        def body(txn: lmdb.Transaction) -> None:
+            for i, (key, page) in enumerate(zip(keys, pages)):
+                value = txn.get(key, db=self._pages)
+                if value is None:
+                    continue
+                if copy_in(value, page):
+                    served[i] = True
+                else:
+                    corrupt.append(bytes(key))
+
+        self._guard("batch_get", None, lambda: self._txn(False, body))
+        hits = sum(served)
+        self._counts.add(STAT_HITS, hits)
+        self._counts.add(STAT_MISSES, len(keys) - hits)
+        if corrupt:
+            self._counts.add(STAT_CORRUPT, len(corrupt))
+            self._guard("delete_corrupt", 0, lambda: self._delete(corrupt))
+        read = [key for key, ok in zip(keys, served) if ok]
+        if read and self._stamps.touch(read):
+            self._guard("touch", None, self._flush_stamps)
+        return served
+
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        pages = check_batch(self.codec, keys, host_pool, host_indices)
+        read_page = self.codec.payload_reader(host_pool)
+        stamps = self._stamps.take()
+
+        def body(txn: lmdb.Transaction) -> int:
+            self._put_stamps(txn, stamps.items())
+            stamp = STAMP.pack(time.time_ns())
+            written = 0
+            for key, page in zip(keys, pages):
+                if txn.get(key, db=self._pages) is None:
+                    txn.put(key, self.codec.encode_into(read_page(page)), db=self._pages)
+                    written += 1
+                txn.put(key, stamp, db=self._atime)
+            return written
+
+        written = self._guard("batch_set", None,
+                              lambda: self._txn(True, body, room_pages=len(keys)))
+        if written is None:
+            return [False] * len(keys)
+        self._counts.add(STAT_WRITTEN, written)
+        self._counts.add(STAT_SKIPPED, len(keys) - written)
+        return [True] * len(keys)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._stamps.discard(keys)
+        return self._guard("delete", 0, lambda: self._delete(keys))
+
+    def clear(self) -> int:
+        self._stamps.clear()
+
+        def body(txn: lmdb.Transaction) -> int:
+            removed = txn.stat(self._pages)["entries"]
+            txn.drop(self._pages, delete=False)
+            txn.drop(self._atime, delete=False)
+            return removed
+
+        return self._guard("clear", 0, lambda: self._txn(True, body))
+
+    def stats(self) -> dict[str, Any]:
+        out = self._counts.snapshot()
+        out[STAT_ERRORS_BY_OP] = self._faults.by_op()
+        out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
+                    "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
+        self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
+        return out
+
+    def close(self) -> None:
+        self._guard("close", None, self._flush_stamps)
+        with self._gate.exclusive():
+            self._close_env()
+
+    def sync_to_disk(self) -> None:
+        """Flush every committed page to disk now (fdatasync); for `sync=False` stores."""
+        def flush() -> None:
+            with self._gate.shared():
+                self._require_env().sync(True)
+
+        self._guard("sync", None, flush)

@@ -1,0 +1,158 @@
+"""The prefix-cache contract the scheduler calls, whatever tiers the tree spans.
+
+`PrefixCache` is the L1 contract of DESIGN.md ("Contracts") plus the L2 hooks with harmless
+defaults for a tree without a host tier (SGLang's `BasePrefixCache` does the same): no host
+hit, nothing to load back, nothing to protect, zero host sizes, no copies in flight. The
+scheduler and the tier owner (`hicache.stack.CacheStack`) call this one interface and never
+ask which tree they hold.
+
+Sizes are tokens. Threading: the scheduler thread owns the tree; nothing else calls it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from hicache.memory.device import INDEX_DTYPE
+from hicache.tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.transfer.engines import TransferHandle
+
+EMPTY = torch.empty(0, dtype=INDEX_DTYPE)  # no slots (never written to: slices, cats only)
+
+
+def concat(values: list[torch.Tensor]) -> torch.Tensor:
+    """The slot tensors of a path, end to end (no copy for one node)."""
+    if len(values) == 1:
+        return values[0]
+    return torch.cat(values) if values else EMPTY
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor  # int64 slot indices of the L1 hit, page-aligned, maybe empty
+    last_device_node: TreeNode    # deepest node whose pages are on the device (root if none)
+    last_host_node: TreeNode      # deepest node of the whole hit (== last_device_node without L2)
+    host_hit_length: int = 0      # tokens hit in L2 beyond the device hit
+
+
+class LoadBack(NamedTuple):
+    device_indices: torch.Tensor  # slots the H->D copy fills (empty when nothing was loaded)
+    last_node: TreeNode           # deepest node now on the device
+
+
+class HostSizes(NamedTuple):
+    """L2 tokens held by the tree (the host pool's own count adds in-flight prefetches)."""
+
+    total: int = 0
+    evictable: int = 0   # L2-only leaves, unlocked and unprotected
+    protected: int = 0   # host-protected (a backup or prefetch reads them) or locked
+
+
+class PrefixCache(ABC):
+    """A page-aligned prefix tree over token ids; see DESIGN.md "Contracts".
+
+    Keys are cut to whole pages of `page_size` tokens; `extra_key` is a namespace. Locks
+    (`inc_lock_ref`) cover a node and its ancestors. Invariant:
+    `evictable_size() + protected_size() == total_size()` (device tokens).
+    """
+
+    page_size: int
+    disable: bool
+    root: TreeNode
+    # observer(name, seconds): latency hook for metrics, set by the tier owner
+    observer: Callable[[str, float], None] | None = None
+
+    # ------------------------------------------------------------------------- L1 (all trees)
+
+    @abstractmethod
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix; touches, counts a hit, splits the last edge if needed."""
+
+    @abstractmethod
+    def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Tokens of `key` cached in any tier, touching nothing (for ranking)."""
+
+    @abstractmethod
+    def peek_path(self, key: Sequence[int], extra_key: str | None = None) -> list[TreeNode]:
+        """The whole nodes spelling `key`'s cached prefix, root excluded, touching nothing."""
+
+    @abstractmethod
+    def insert(self, key: Sequence[int], value: torch.Tensor | None = None,
+               extra_key: str | None = None, *, count_hit: bool = True) -> int:
+        """Add `key` -> `value`; the leading tokens already present (the caller frees those)."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` device tokens if possible; the tokens freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock `node` and its ancestors; the change of evictable size (<= 0)."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release an `inc_lock_ref`; the change of evictable size (>= 0)."""
+
+    @abstractmethod
+    def unlocked_on_path(self, node: TreeNode) -> int:
+        """Device tokens `inc_lock_ref(node)` would take out of `evictable_size()`."""
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def total_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything (the caller owns the pools and resets them)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError when a structural invariant is broken."""
+
+    # ------------------------------------------------- L2 hooks: harmless without a host tier
+
+    def init_load_back(self, last_host_node: TreeNode) -> LoadBack:
+        """Queue the H->D copy of the L2-only path ending at `last_host_node` (none here)."""
+        return LoadBack(EMPTY, last_host_node)
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep `node`'s and its ancestors' host pages until `release_host` (none here)."""
+
+    def release_host(self, node: TreeNode) -> None:
+        """End a `protect_host`."""
+
+    def host_sizes(self) -> HostSizes:
+        return HostSizes()
+
+    def flush_host(self) -> int:
+        """Free every unprotected host page; the host tokens freed."""
+        return 0
+
+    def writing_check(self, wait: bool = False) -> list[TreeNode]:
+        """Apply finished D->H acks; the nodes that reached L2 (for their L3 backup)."""
+        return []
+
+    def loading_check(self, wait: bool = False) -> int:
+        """Apply finished H->D acks; how many."""
+        return 0
+
+    def copies_pending(self) -> bool:
+        """Whether a D->H or H->D copy is queued or in flight."""
+        return False
+
+    def start_loading(self) -> TransferHandle | None:
+        """Launch the queued H->D copies (the model runner does this before a forward)."""
+        return None
+
+    def wait_copies(self) -> None:
+        """Block until every copy queued so far has finished (flush, shutdown)."""

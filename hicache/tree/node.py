@@ -1,0 +1,91 @@
+"""Tree nodes: `TreeNode` (one edge of the L1 tree and the node it leads to) and
+`HiTreeNode` (the same with host slots, host protection and L3 bookkeeping)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+# Key and value types: a key is a tuple of token ids, a child key identifies an edge by its
+# namespace and first page (an int when page_size == 1, else a tuple of page_size ints).
+Key = tuple[int, ...]
+ChildKey = tuple[Any, Any]
+
+
+class TreeNode:
+    """One edge of the tree and the node it leads to.
+
+    `lock_ref` counts requests using this node (a lock covers the node and its ancestors);
+    `last_access_time` is `time.monotonic()` (a wall clock can go backwards, SGLang #6211).
+    """
+
+    __slots__ = (
+        "children",
+        "extra_key",
+        "hit_count",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "parent",
+        "value",
+    )
+    _ids = itertools.count()
+
+    def __init__(self, parent: TreeNode | None = None, key: Key = (),
+                 value: torch.Tensor | None = None, extra_key: str | None = None) -> None:
+        self.id = next(TreeNode._ids)
+        self.parent = parent
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.extra_key = extra_key
+        self.lock_ref = 0
+        self.last_access_time = time.monotonic()
+        self.hit_count = 0
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
+                f"children={len(self.children)})")
+
+
+class HiTreeNode(TreeNode):
+    __slots__ = ("hash_value", "host_ref_counter", "host_value", "storage_backed")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_value: torch.Tensor | None = None
+        self.host_ref_counter = 0
+        self.hash_value: list[bytes] | None = None  # page hashes, computed when L3 needs them
+        self.storage_backed = False  # known to be in L3
+
+    @property
+    def evicted(self) -> bool:
+        """Not on the device (the root never is)."""
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        """Has a copy in L2 (the root always counts as backed up)."""
+        return self.host_value is not None
+
+    def protect_host(self) -> None:
+        """Keep this node's and its ancestors' host pages until `release_host`."""
+        node: HiTreeNode | None = self
+        while node is not None:
+            node.host_ref_counter += 1
+            node = node.parent
+
+    def release_host(self) -> None:
+        node: HiTreeNode | None = self
+        if self.host_ref_counter <= 0:
+            raise AssertionError(f"release_host on unprotected {self!r}")
+        while node is not None:
+            node.host_ref_counter -= 1
+            node = node.parent

@@ -1,0 +1,10 @@
+"""The scheduler: one thread that owns the cache and runs continuous batching over it.
+
+    loop.py       Scheduler: the inbox, each step (poll the tiers, admit, run, finish)
+    admission.py  which waiting request next (LPM) and whether it fits: ask, then commit
+    kv.py         a request's device slots: allocated, handed to the tree, released
+"""
+
+from server.scheduler.loop import Scheduler
+
+__all__ = ["Scheduler"]
