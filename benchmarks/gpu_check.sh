@@ -21,7 +21,7 @@ status=0
 per_test=()  # a hung test fails with its traceback instead of eating the whole run
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
 tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_transfer.py
-       tests/test_model.py tests/test_cuda_engine.py tests/test_cache_setup.py
+       tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
        tests/test_server_process.py)
 # The server-process tests start `python -m server.launch` with `model.device: cuda`.
 HICACHE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-400}" "$PY" -m pytest -q -rs \

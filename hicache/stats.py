@@ -21,18 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hicache.storage.backends.base import (
-    STAT_BYTES,
-    STAT_CAPACITY,
-    STAT_CORRUPT,
-    STAT_ERRORS_BY_OP,
-    STAT_EVICTED,
-    STAT_HITS,
-    STAT_MISSES,
-    STAT_PAGES,
-    STAT_SKIPPED,
-    STAT_WRITTEN,
-)
+from hicache.storage.backends import base as backend_stats
 from hicache.storage.tier import StorageCounters
 from hicache.tree.hiradix import HostCounters
 
@@ -117,22 +106,29 @@ class StorageStats:
              counters: StorageCounters) -> StorageStats:
         """From a backend's `stats()` and the I/O threads' fault counts ("exists", "get",
         "set": exceptions a backend let through), summed per operation."""
-        faults = dict(backend.get(STAT_ERRORS_BY_OP, {}))
+        faults = dict(backend.get(backend_stats.STAT_ERRORS_BY_OP, {}))
         for op, n in io_errors.items():
             faults[op] = faults.get(op, 0) + n
-        n = lambda key: int(backend.get(key, 0))
-        return cls(stored_pages=n(STAT_PAGES), stored_bytes=n(STAT_BYTES),
-                   capacity_bytes=n(STAT_CAPACITY), hit_tokens=hit_tokens,
-                   hit_pages=n(STAT_HITS), miss_pages=n(STAT_MISSES),
-                   corrupt_pages=n(STAT_CORRUPT), evicted_pages=n(STAT_EVICTED),
-                   written_pages=n(STAT_WRITTEN), skipped_pages=n(STAT_SKIPPED),
+        def count(key: str) -> int:
+            return int(backend.get(key, 0))
+
+        return cls(stored_pages=count(backend_stats.STAT_PAGES),
+                   stored_bytes=count(backend_stats.STAT_BYTES),
+                   capacity_bytes=count(backend_stats.STAT_CAPACITY), hit_tokens=hit_tokens,
+                   hit_pages=count(backend_stats.STAT_HITS),
+                   miss_pages=count(backend_stats.STAT_MISSES),
+                   corrupt_pages=count(backend_stats.STAT_CORRUPT),
+                   evicted_pages=count(backend_stats.STAT_EVICTED),
+                   written_pages=count(backend_stats.STAT_WRITTEN),
+                   skipped_pages=count(backend_stats.STAT_SKIPPED),
                    errors_by_op=faults, counters=counters, backend=dict(backend))
 
     def as_dict(self) -> dict[str, Any]:
         """The backend's keys (`pages`, `bytes`, `capacity_bytes`, ... and its own extras),
         except its page counts `hits` / `misses`, shown as `hit_pages` / `miss_pages`:
         `hits` is the tier's token count, as for the other tiers."""
-        extras = {k: v for k, v in self.backend.items() if k not in (STAT_HITS, STAT_MISSES)}
+        paged = (backend_stats.STAT_HITS, backend_stats.STAT_MISSES)
+        extras = {k: v for k, v in self.backend.items() if k not in paged}
         return {**extras, "hits": self.hit_tokens, "hit_pages": self.hit_pages,
                 "miss_pages": self.miss_pages, "errors_by_op": dict(self.errors_by_op),
                 "errors": self.errors, **asdict(self.counters)}

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hicache.policies import PREFETCH_POLICIES
+from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
 
@@ -62,9 +62,7 @@ class StorageTier:
                  prefetch_policy: str = "timeout", prefetch_threshold: int = 256,
                  timeout_base: float = 2.0, timeout_per_ki_token: float = 0.1,
                  timeout_max: float = 30.0) -> None:
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch_policy {prefetch_policy!r} is not one of "
-                             f"{', '.join(PREFETCH_POLICIES)}")
+        check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         self.tree = tree
         self.io = io
         self.hasher = hasher

@@ -32,7 +32,7 @@ import torch
 
 from hicache.memory.device import DeviceKVPool, pages_of
 from hicache.memory.host import HostKVPool
-from hicache.policies import IO_BACKENDS
+from hicache.policies import IO_BACKENDS, check_choice
 from kernels.cuda_utils import import_cupy, to_device_async
 from kernels.transfer_kv import d2h_pages, h2d_pages
 
@@ -73,8 +73,7 @@ class TransferEngine(ABC):
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
                  io_backend: str = "kernel") -> None:
-        if io_backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend {io_backend!r} is not one of {', '.join(IO_BACKENDS)}")
+        check_choice("io_backend", io_backend, IO_BACKENDS)
         if device_pool.page_size != host_pool.page_size:
             raise ValueError(f"device page_size {device_pool.page_size} != host page_size "
                              f"{host_pool.page_size}")

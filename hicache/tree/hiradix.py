@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.policies import WRITE_POLICIES
+from hicache.policies import WRITE_POLICIES, check_choice
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
 from hicache.tree.base import EMPTY, HostSizes, LoadBack, MatchResult, concat
@@ -64,9 +64,7 @@ class HiRadixCache(RadixCache):
                  write_policy: str = "write_through", write_through_threshold: int = 2,
                  eviction_policy: str = "lru", load_back_threshold: int = LOAD_BACK_THRESHOLD,
                  ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy {write_policy!r} is not one of "
-                             f"{', '.join(WRITE_POLICIES)}")
+        check_choice("write_policy", write_policy, WRITE_POLICIES)
         self.controller = controller
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold

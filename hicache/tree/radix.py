@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hicache.policies import EVICTION_POLICIES
+from hicache.policies import EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
@@ -58,9 +58,7 @@ class RadixCache(PrefixCache):
                  eviction_policy: str = "lru") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy {eviction_policy!r} is not one of "
-                             f"{', '.join(EVICTION_POLICIES)}")
+        check_choice("eviction_policy", eviction_policy, EVICTION_POLICIES)
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
