@@ -2,6 +2,7 @@
 
     engine = Engine.from_cli(["--enable-hierarchical-cache"])
     out = engine.generate("Hello", sampling_params={"temperature": 0, "max_new_tokens": 8})
+    outs = engine.generate("Hello", sampling_params={"n": 4, "seed": 1}, return_logprob=True)
     engine.flush_cache(["device", "host"]); engine.stats(); engine.shutdown()
 
 Threading: any thread may call the public methods; they hand work to the scheduler thread
@@ -11,6 +12,7 @@ Threading: any thread may call the public methods; they hand work to the schedul
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,7 +26,13 @@ from hicache.stats import CacheStats
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
-from server.request import InvalidRequest, Request, SamplingParams, check_unicode
+from server.request import (
+    MAX_TOP_LOGPROBS,
+    InvalidRequest,
+    Request,
+    SamplingParams,
+    check_unicode,
+)
 from server.scheduler import Scheduler
 from server.tokenizer import load_tokenizer
 
@@ -39,6 +47,57 @@ DRAIN_POLL_S = 0.02
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+def _choice(first: Request, index: int) -> Request:
+    """Choice `index` >= 1 of `first`'s request: the same prompt and options, seed
+    `seed + index` when seeded, waiting for `first`'s prompt (`Scheduler._held`)."""
+    p = first.params
+    params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + index)
+    return Request(list(first.input_ids), params, first.extra_key, prompt_leader=first,
+                   return_logprob=first.return_logprob,
+                   logprob_start_len=first.logprob_start_len,
+                   top_logprobs_num=first.top_logprobs_num,
+                   return_text_in_logprobs=first.return_text_in_logprobs)
+
+
+def _flag(name: str, value: object) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"`{name}` must be a boolean, got {value!r:.40}")
+    return value
+
+
+def _integer(name: str, value: object, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"`{name}` must be an integer, got {value!r:.40}")
+    return value
+
+
+def _logprob_options(return_logprob: object, logprob_start_len: object,
+                     top_logprobs_num: object, return_text_in_logprobs: object
+                     ) -> dict[str, Any]:
+    """The logprob options checked (None = the default, as a JSON null means);
+    `logprob_start_len` against the prompt by `_check_logprob_start`."""
+    start = _integer("logprob_start_len", logprob_start_len, -1)
+    top = _integer("top_logprobs_num", top_logprobs_num, 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"`top_logprobs_num` must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {top}")
+    return {"return_logprob": _flag("return_logprob", return_logprob),
+            "logprob_start_len": start, "top_logprobs_num": top,
+            "return_text_in_logprobs": _flag("return_text_in_logprobs",
+                                             return_text_in_logprobs)}
+
+
+def _check_logprob_start(start: int, prompt_len: int) -> None:
+    if not (start == -1 or 0 <= start < prompt_len):
+        raise InvalidRequest(f"`logprob_start_len` must be -1 (no prompt logprobs) or a "
+                             f"position of the {prompt_len}-token prompt, in "
+                             f"[0, {prompt_len - 1}]; got {start}")
 
 
 class Engine:
@@ -98,9 +157,23 @@ class Engine:
     # -------------------------------------------------------------------------- generate
 
     def make_request(self, text: str | None = None, input_ids: list[int] | None = None,
-                     sampling_params: dict | None = None, extra_key: str | None = None
+                     sampling_params: dict | None = None, extra_key: str | None = None, *,
+                     return_logprob: bool = False, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
                      ) -> Request:
-        """Validate a generation request; raises InvalidRequest with what was wrong."""
+        """Validate a one-choice generation request; raises InvalidRequest with what was
+        wrong (for `sampling_params.n` > 1, `make_requests` gives the n choices). The logprob
+        options are SGLang's (`Request`); the results land in `meta_info`."""
+        req = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
+            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs))
+        if req.params.n > 1:
+            raise InvalidRequest(f"sampling_params.n = {req.params.n}: several choices are "
+                                 "made by make_requests (or generate), not make_request")
+        return req
+
+    def _build(self, text: str | None, input_ids: list[int] | None,
+               sampling_params: dict | None, extra_key: str | None,
+               options: dict[str, Any]) -> Request:
         if (text is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of `text` or `input_ids`")
         if text is not None:
@@ -109,22 +182,43 @@ class Engine:
             check_unicode("text", text)
             input_ids = self.tokenizer.encode(text)
         ids = self._check_ids(input_ids)
-        params = SamplingParams.from_dict(sampling_params)
-        room = self.context_len - len(ids)
-        if params.max_new_tokens > room:  # as OpenAI servers do: cut to the context
-            params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
-        need = len(ids) + params.max_new_tokens
-        if need > self.cache.device_pool.allocator.total_size():
-            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
-                                 f"cache ({self.cache.device_pool.allocator.total_size()} "
-                                 "tokens); lower max_new_tokens or raise --max-total-tokens")
+        params = self._check_params(SamplingParams.from_dict(sampling_params), len(ids))
         if extra_key is not None and not isinstance(extra_key, str):
             raise InvalidRequest("`extra_key` must be a string")
         if extra_key is not None:
             check_unicode("extra_key", extra_key)
+        _check_logprob_start(options["logprob_start_len"], len(ids))
+        return Request(ids, params, extra_key, **options)
+
+    def make_requests(self, text: str | None = None, input_ids: list[int] | None = None,
+                      sampling_params: dict | None = None, extra_key: str | None = None, *,
+                      return_logprob: bool = False, logprob_start_len: int = -1,
+                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
+                      ) -> list[Request]:
+        """`make_request`, as its `sampling_params.n` choices (one for n = 1). Choice i has
+        seed `seed + i` when seeded; choices 1.. wait in the scheduler until choice 0 has
+        prefilled the prompt, then read it from the tree (one prefill for all). Submit
+        choice 0 first (`generate` and `async_generate` do); the others never wait for a
+        choice 0 that was not submitted, they only share nothing then."""
+        first = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
+            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs))
+        return [first, *(_choice(first, i) for i in range(1, first.params.n))]
+
+    def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`params` checked against this model (vocabulary, context, L1 size, tokenizer)."""
+        params.check_vocab(self.vocab_size)
         for stop in params.stop:
             check_unicode("sampling_params.stop", stop)
-        return Request(ids, params, extra_key)
+        room = self.context_len - prompt_len
+        if params.max_new_tokens > room:  # as OpenAI servers do: cut to the context
+            params = dataclasses.replace(params, max_new_tokens=room,
+                                         min_new_tokens=min(params.min_new_tokens, room))
+        need = prompt_len + params.max_new_tokens
+        if need > self.cache.device_pool.allocator.total_size():
+            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
+                                 f"cache ({self.cache.device_pool.allocator.total_size()} "
+                                 "tokens); lower max_new_tokens or raise --max-total-tokens")
+        return params
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, list) or not all(
@@ -142,20 +236,47 @@ class Engine:
         return ids
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
-                 sampling_params: dict | None = None, extra_key: str | None = None) -> dict:
-        req = self.make_request(text, input_ids, sampling_params, extra_key)
+                 sampling_params: dict | None = None, extra_key: str | None = None, *,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
+                 ) -> dict | list[dict]:
+        """The result; a list of n results for `sampling_params.n` > 1 (`make_requests`)."""
+        reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
+                                  return_logprob=return_logprob,
+                                  logprob_start_len=logprob_start_len,
+                                  top_logprobs_num=top_logprobs_num,
+                                  return_text_in_logprobs=return_text_in_logprobs)
+        futures = [self._submit_for_result(req) for req in reqs]  # choice 0 first
+        results = [fut.result() for fut in futures]
+        return results if len(reqs) > 1 else results[0]
+
+    def _submit_for_result(self, req: Request) -> Future:
         fut: Future = Future()
         req.on_update = lambda r, done: done and fut.set_result(r.result())
         self._submit(req)
-        return fut.result()
+        return fut
 
     async def async_generate(self, text: str | None = None,
                              input_ids: list[int] | None = None,
                              sampling_params: dict | None = None,
-                             extra_key: str | None = None) -> dict:
-        result = None
-        async for chunk in self.stream(self.make_request(text, input_ids, sampling_params,
-                                                         extra_key)):
+                             extra_key: str | None = None, *,
+                             return_logprob: bool = False, logprob_start_len: int = -1,
+                             top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
+                             ) -> dict | list[dict]:
+        """`generate` on an event loop: the same arguments and results."""
+        reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
+                                  return_logprob=return_logprob,
+                                  logprob_start_len=logprob_start_len,
+                                  top_logprobs_num=top_logprobs_num,
+                                  return_text_in_logprobs=return_text_in_logprobs)
+        # gather starts the streams in order: choice 0 is submitted first
+        results = await asyncio.gather(*(self._final(self.stream(req)) for req in reqs))
+        return results if len(reqs) > 1 else results[0]
+
+    @staticmethod
+    async def _final(results: AsyncIterator[dict]) -> dict:
+        result: dict = {}
+        async for chunk in results:
             result = chunk
         return result
 

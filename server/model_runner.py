@@ -1,17 +1,18 @@
-"""Builds the forward batch, pulls misses upward, runs the model, samples.
+"""Builds the forward batch, pulls misses upward, runs the model.
 
     ForwardBatch  <- the scheduled requests' new tokens and slot tables
     loads         <- every H->D copy queued at admission, launched as one transfer; the
                      model waits for layer i's pages just before layer i's attention
-    logits        -> one token per request (greedy, or temperature / top-k / top-p with the
-                     request's own seeded generator)
+    logits        -> the last new token's of each request (`server.sampling` turns them into
+                     tokens and logprobs), and, for a request that wants prompt logprobs,
+                     those of every prompt position from its `logprob_start_len`
 
 Threading: scheduler thread only.
 """
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,28 @@ from hicache.memory import DeviceKVPool
 from hicache.tree import PrefixCache
 from server.models.forward_batch import ForwardBatch
 from server.request import Request
+from server.sampling import sample_row
+
+__all__ = ["ForwardOutput", "LogitRows", "ModelRunner", "build_batch", "sample_row"]
+
+
+class LogitRows(NamedTuple):
+    """One request's rows of a forward's logits: `count` rows from row `first`, the logits
+    after its positions `[first_pos, first_pos + count)`; the last row is its newest token's
+    (the one a token is sampled from once the prompt is in)."""
+
+    first: int
+    first_pos: int
+    count: int
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor   # [sum of counts, vocab] float32
+    rows: list[LogitRows]  # per request, in batch order
 
 
 class ModelRunner:
@@ -28,14 +51,17 @@ class ModelRunner:
         self.tree = tree  # launches the H->D loads admission queued (none without L2)
         self.device = kv_pool.device
 
-    def forward(self, reqs: list[Request], extend_lens: list[int]) -> torch.Tensor:
-        """Compute K/V for `extend_lens[i]` new tokens of each request; logits of the last
-        new token of each, `[len(reqs), vocab]` float32."""
+    def forward(self, reqs: list[Request], extend_lens: list[int]) -> ForwardOutput:
+        """Compute K/V for `extend_lens[i]` new tokens of each request; the logits of the
+        last new token of each, and of the prompt positions a request wants logprobs of."""
         batch = build_batch(reqs, extend_lens)
+        rows = logit_rows(reqs, extend_lens)
+        if any(r.count > 1 for r in rows):  # else the model's own last-token path
+            batch.output_rows = _output_rows(rows, reqs, batch.extend_starts)
         handle = self.tree.start_loading()
         if handle is not None:
             batch.layer_hook = handle.wait_layer
-        return self.model.forward(batch, self.kv_pool)
+        return ForwardOutput(self.model.forward(batch, self.kv_pool), rows)
 
 
 def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
@@ -59,30 +85,25 @@ def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
     )
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """One token per row of `logits` `[n, vocab]`, by each request's sampling parameters."""
-    greedy = logits.argmax(dim=-1).tolist()  # one sync for the whole batch
-    return [greedy[i] if req.params.greedy else sample_row(logits[i], req.params, req.generator)
-            for i, req in enumerate(reqs)]
+def logit_rows(reqs: list[Request], extend_lens: list[int]) -> list[LogitRows]:
+    """Which positions each request needs logits of this pass: its last new one, and in a
+    prefill chunk of a request that wants prompt logprobs, every one from `logprob_start_len`
+    (admission never served those from the cache, so they are all computed here)."""
+    out, row = [], 0
+    for req, n in zip(reqs, extend_lens):
+        start = req.num_computed
+        last = start + n - 1
+        first = last
+        if req.wants_prompt_logprobs and start < req.prompt_len:
+            first = min(max(start, req.logprob_start_len), last)
+        out.append(LogitRows(row, first, last - first + 1))
+        row += last - first + 1
+    return out
 
 
-def sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
-    """One token of `row` `[vocab]` by temperature, top-k and top-p. Never fails on a finite
-    row: the most likely token is always kept, and a distribution that still comes out
-    unusable (non-finite logits) falls back to the argmax instead of raising."""
-    probs = torch.softmax(row.float() / p.temperature, dim=-1)  # [vocab]
-    if p.top_k > 0:
-        k = min(p.top_k, probs.numel())
-        top, idx = probs.topk(k)
-        probs = torch.zeros_like(probs).scatter_(0, idx, top)
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
-        keep[0] = True  # a top_p so small that `top_p * sum` underflows still keeps one
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-    probs = probs.cpu()  # the one copy (and sync) per sampled row; checked on the host
-    total = float(probs.sum())
-    if not (total > 0 and math.isfinite(total)) or not bool(torch.isfinite(probs).all()):
-        return int(row.argmax())
-    token = torch.multinomial(probs, 1, generator=generator)
-    return int(token.item())
+def _output_rows(rows: list[LogitRows], reqs: list[Request],
+                 extend_starts: list[int]) -> torch.Tensor:
+    """`ForwardBatch.output_rows` for `rows`: offsets into the batch's `[T]` new tokens."""
+    picks = [torch.arange(r.count) + (s + r.first_pos - req.num_computed)
+             for r, req, s in zip(rows, reqs, extend_starts)]
+    return torch.cat(picks).to(torch.int64)

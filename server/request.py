@@ -7,15 +7,25 @@ import math
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # server.sampling imports this module
+    from server.sampling import LogitsShaper
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32
 # (1e-40 and 1e-300 gave inf / NaN probabilities). vLLM's _SAMPLING_EPS is the same 1e-5.
 SAMPLING_EPS = 1e-5
 MAX_STOP_STRINGS = 16
+# SGLang's SamplingParams.verify bounds: repetition_penalty in (0, 2], the OpenAI penalties in
+# [-2, 2]; logit_bias values in [-100, 100] are OpenAI's.
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_CHOICES = 128  # `n`: OpenAI's documented maximum
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs; OpenAI's chat top_logprobs limit
 _ids = itertools.count()
 
 
@@ -42,57 +52,111 @@ def check_unicode(name: str, text: str) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One choice's sampling, as SGLang's `sampling_params` spells it (defaults = off).
+
+    Logits are shaped in vLLM's order before any sampling: `logit_bias` and the
+    `min_new_tokens` mask, then `repetition_penalty` (prompt and output tokens), then
+    `frequency_penalty` and `presence_penalty` (output tokens); then greedy argmax, or
+    temperature, top-k, top-p, min-p and a draw.
+    """
+
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0      # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = -1               # -1 = all tokens
+    min_p: float = 0.0            # drop tokens below min_p * the top token's probability
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # stop on these too (unless ignore_eos, as SGLang)
     ignore_eos: bool = False
-    seed: int | None = None       # per-request generator; None = derived from the request id
+    min_new_tokens: int = 0       # no stop (EOS, stop ids, stop strings) before this many
+    repetition_penalty: float = 1.0   # HF/vLLM: seen logits > 0 divided, < 0 multiplied
+    frequency_penalty: float = 0.0    # OpenAI: minus penalty * count in the output
+    presence_penalty: float = 0.0     # OpenAI: minus penalty once a token is in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    n: int = 1                    # choices; the engine runs each as its own request
+    seed: int | None = None       # per-request generator; None = a fresh random seed
+    skip_special_tokens: bool = True  # special ids are not in the text
+    no_stop_trim: bool = False    # keep the stop string / stop token's text in the text
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether any logit is changed before sampling (False: the plain fast path)."""
+        return bool(self.logit_bias or self.min_new_tokens or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Validate a user's `sampling_params`; raises InvalidRequest naming the field."""
+        """Validate a user's `sampling_params`; raises InvalidRequest naming the field.
+        Token ids are checked against a vocabulary by `check_vocab`."""
         d = dict(d or {})
         unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
         if unknown:
             raise InvalidRequest(f"sampling_params: unknown field(s) {', '.join(unknown)}; "
                                  f"allowed: {', '.join(cls.__dataclass_fields__)}")
-        stop = d.pop("stop", None)
-        params = {k: _check_field(k, v) for k, v in d.items() if v is not None}
-        return cls(stop=_check_stop(stop), **params)
+        special = {"stop": _check_stop(d.pop("stop", None)),
+                   "stop_token_ids": _check_token_ids(d.pop("stop_token_ids", None)),
+                   "logit_bias": _check_logit_bias(d.pop("logit_bias", None))}
+        params = cls(**special, **{k: _check_field(k, v) for k, v in d.items() if v is not None})
+        if params.min_new_tokens > params.max_new_tokens:
+            raise InvalidRequest(f"sampling_params.min_new_tokens: must be <= max_new_tokens "
+                                 f"({params.max_new_tokens}), got {params.min_new_tokens}")
+        return params
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequest for a token id (stop_token_ids, logit_bias) outside the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", [t for t, _ in self.logit_bias])):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"sampling_params.{name}: token id {bad} is outside the "
+                                     f"vocabulary [0, {vocab_size})")
 
 
+_BOOLEANS = frozenset({"ignore_eos", "skip_special_tokens", "no_stop_trim"})
 _RANGES: dict[str, tuple[type, float, float]] = {
     "max_new_tokens": (int, 1, 1 << 20),
+    "min_new_tokens": (int, 0, 1 << 20),
     "temperature": (float, 0.0, 100.0),
     "top_p": (float, 0.0, 1.0),
     "top_k": (int, -1, 1 << 20),
+    "min_p": (float, 0.0, 1.0),
+    "repetition_penalty": (float, 0.0, MAX_REPETITION_PENALTY),
+    "frequency_penalty": (float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "presence_penalty": (float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "n": (int, 1, MAX_CHOICES),
     "seed": (int, 0, 2**63 - 1),
 }
+# Fields whose range excludes its lower end: (the value refused, why)
+_OPEN_BELOW = {"top_p": (0, "> 0"), "top_k": (0, "-1 (all) or >= 1"),
+               "repetition_penalty": (0, "> 0 (1 = no penalty)")}
 
 
 def _check_field(name: str, value: Any) -> Any:
-    if name == "ignore_eos":
+    if name in _BOOLEANS:
         if not isinstance(value, bool):
-            raise InvalidRequest(f"sampling_params.ignore_eos: expected a boolean, got {_short(value)}")
+            raise InvalidRequest(f"sampling_params.{name}: expected a boolean, got {_short(value)}")
         return value
     kind, low, high = _RANGES[name]
+    _check_number(f"sampling_params.{name}", value, kind, low, high)
+    if name in _OPEN_BELOW and value == _OPEN_BELOW[name][0]:
+        raise InvalidRequest(f"sampling_params.{name}: must be {_OPEN_BELOW[name][1]}, "
+                             f"got {value}")
+    return kind(value)
+
+
+def _check_number(name: str, value: Any, kind: type, low: float, high: float) -> None:
+    """InvalidRequest unless `value` is a finite number of `kind` (int, or float = any
+    number) in [low, high]."""
     ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok_type:
-        raise InvalidRequest(f"sampling_params.{name}: expected "
+        raise InvalidRequest(f"{name}: expected "
                              f"{'a number' if kind is float else 'an integer'}, got {_short(value)}")
     if not (low <= value <= high) or (kind is float and not math.isfinite(value)):
-        raise InvalidRequest(f"sampling_params.{name}: must be in [{low}, {high}], got {value}")
-    if name == "top_p" and value == 0:
-        raise InvalidRequest("sampling_params.top_p: must be > 0, got 0")
-    if name == "top_k" and value == 0:
-        raise InvalidRequest("sampling_params.top_k: must be -1 (all) or >= 1, got 0")
-    return kind(value)
+        raise InvalidRequest(f"{name}: must be in [{low}, {high}], got {value}")
 
 
 def _check_stop(stop: Any) -> tuple[str, ...]:
@@ -105,6 +169,75 @@ def _check_stop(stop: Any) -> tuple[str, ...]:
         raise InvalidRequest(f"sampling_params.stop: expected a non-empty string or a list of "
                              f"at most {MAX_STOP_STRINGS} non-empty strings, got {_short(stop)}")
     return tuple(stop)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise InvalidRequest(f"sampling_params.stop_token_ids: expected a list of token ids "
+                             f"(integers), got {_short(ids)}")
+    return tuple(sorted(set(ids)))
+
+
+def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """`{token id: bias}`; ids may be strings of digits, as JSON object keys always are."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"sampling_params.logit_bias: expected an object of token id -> "
+                             f"bias, got {_short(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_key(key)
+        if token is None:
+            raise InvalidRequest(f"sampling_params.logit_bias: key {_short(key)} is not a "
+                                 "token id (an integer)")
+        _check_number(f"sampling_params.logit_bias[{token}]", value, float,
+                      -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _token_key(key: Any) -> int | None:
+    """A logit_bias key as a token id: an integer, or a string of one ("50256")."""
+    if _is_int(key):
+        return key
+    if not isinstance(key, str):
+        return None
+    try:
+        return int(key)
+    except ValueError:
+        return None
+
+
+@dataclass
+class Logprobs:
+    """What a `return_logprob` request has collected, each entry SGLang's
+    `[logprob, token_id, text or None]` (text only with `return_text_in_logprobs`).
+
+    `input_token` covers the prompt from `logprob_start_len` on; its first entry has logprob
+    None (SGLang pads the first position so), and so has `input_top`'s first position.
+    """
+
+    input_token: list[list[Any]] = field(default_factory=list)
+    input_top: list[list[list[Any]] | None] = field(default_factory=list)
+    output_token: list[list[Any]] = field(default_factory=list)
+    output_top: list[list[list[Any]]] = field(default_factory=list)
+
+    def meta(self, with_top: bool) -> dict[str, list]:
+        """meta_info's logprob keys (copies: the scheduler keeps appending to these lists);
+        the top lists only when asked, as SGLang."""
+        meta = {"input_token_logprobs": list(self.input_token),
+                "output_token_logprobs": list(self.output_token)}
+        if with_top:
+            meta["input_top_logprobs"] = list(self.input_top)
+            meta["output_top_logprobs"] = list(self.output_top)
+        return meta
 
 
 @dataclass(eq=False)
@@ -123,6 +256,12 @@ class Request:
 
     `tree_len` grows when the prompt is cached; `cache_hit_tokens` (what `cached_details`
     adds up to) is fixed at admission: prompt tokens served from the cache, not computed.
+    A request that wants prompt logprobs from position k is served at most its first k
+    tokens from the cache (`cacheable_len`): the logits of every later position are computed.
+
+    The logprob options are SGLang's `GenerateReqInput` fields, outside `sampling_params`
+    as there: `return_logprob`, `logprob_start_len` (-1: no prompt logprobs; k >= 0: those
+    of the prompt from position k on), `top_logprobs_num`, `return_text_in_logprobs`.
     """
 
     input_ids: list[int]
@@ -146,10 +285,31 @@ class Request:
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     generator: torch.Generator | None = None
+    logits_shaper: LogitsShaper | None = None  # made at its first shaped token
+    # n > 1: the first choice, whose prompt this one waits for (then reads from the tree)
+    prompt_leader: Request | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    logprobs: Logprobs = field(default_factory=Logprobs)
 
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def cacheable_len(self) -> int:
+        """Prompt tokens the cache may serve: all but the last (whose logits pick the first
+        output token), and none from `logprob_start_len` on when prompt logprobs are asked
+        (their logits must be computed; the tree cuts this to whole pages)."""
+        if self.wants_prompt_logprobs:
+            return min(self.prompt_len - 1, self.logprob_start_len)
+        return self.prompt_len - 1
 
     @property
     def all_ids(self) -> list[int]:
@@ -174,6 +334,8 @@ class Request:
         }
         if self.error is not None:
             meta["error"] = self.error
+        if self.return_logprob:
+            meta.update(self.logprobs.meta(with_top=self.top_logprobs_num > 0))
         return meta
 
     def result(self) -> dict[str, Any]:

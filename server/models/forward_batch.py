@@ -6,7 +6,10 @@ Token regions of one batch of `num_seqs` sequences (extend = the new tokens of t
     seq_slots[i]                        [prefix_lens[i] + extend_lens[i]]
                                         = cached prefix slots | seq i's part of out_slots
 
-A decode batch is the case `extend_lens == [1] * num_seqs`. Index tensors may live on the CPU
+A decode batch is the case `extend_lens == [1] * num_seqs`. The model returns the logits of
+each sequence's last new token, or with `output_rows` set, of exactly those rows of `[T]`
+(a request that wants prompt logprobs needs every position from its `logprob_start_len`).
+Index tensors may live on the CPU
 or on the model's device; the model calls `to(device)` once per forward, never per layer.
 
 Threading: built and consumed by the scheduler thread (the one that owns the KV pool).
@@ -35,6 +38,9 @@ class ForwardBatch:
     prefix_lens: list[int]  # tokens already in the KV cache, per sequence
     extend_lens: list[int]  # new tokens per sequence (1 for decode)
     layer_hook: Callable[[int], None] | None = None
+    # [R] int64 rows of `[T]` whose logits the model returns, ascending; None = each
+    # sequence's last new token (`last_token_indices`), the normal path
+    output_rows: torch.Tensor | None = None
     # Lazily built padded slot table for decode kernels; see `slot_table`.
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False
@@ -57,6 +63,8 @@ class ForwardBatch:
                     f"sequence {i}: prefix_len must be >= 0 and extend_len >= 1, got {p} and {e}"
                 )
             _check_index(f"seq_slots[{i}]", s, p + e)
+        if self.output_rows is not None:
+            _check_index("output_rows", self.output_rows, self.output_rows.numel())
 
     @property
     def num_seqs(self) -> int:
@@ -93,6 +101,13 @@ class ForwardBatch:
         """[num_seqs] int64 rows of each sequence's last new token, on `device`."""
         ends = [s + e - 1 for s, e in zip(self.extend_starts, self.extend_lens)]
         return torch.tensor(ends, dtype=INDEX_DTYPE).to(self.device, non_blocking=True)
+
+    def logit_rows(self) -> torch.Tensor:
+        """[R] int64 rows whose logits the model returns (`output_rows`, else the last new
+        token of each sequence), on `device`."""
+        if self.output_rows is None:
+            return self.last_token_indices()
+        return self.output_rows.to(self.device, INDEX_DTYPE, non_blocking=True)
 
     def to(self, device: torch.device) -> ForwardBatch:
         """This batch with every index tensor on `device` (self when already there).

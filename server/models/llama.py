@@ -193,7 +193,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder. `forward` -> float32 logits of each sequence's last
-    new token; K/V of the new tokens land in `kv_pool` at `batch.out_slots`, every layer."""
+    new token (or of `batch.output_rows`); K/V of the new tokens land in `kv_pool` at
+    `batch.out_slots`, every layer."""
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -211,10 +212,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
-        """`[num_seqs, vocab]` float32 logits of each sequence's last new token."""
+        """`[num_seqs, vocab]` float32 logits of each sequence's last new token, or
+        `[len(output_rows), vocab]` of those rows when the batch names them. Only the rows
+        returned go through the LM head."""
         batch = batch.to(kv_pool.device)
         h = self.model(batch, kv_pool)  # [T, hidden]
-        return self._logits(h.index_select(0, batch.last_token_indices()))
+        return self._logits(h.index_select(0, batch.logit_rows()))
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:

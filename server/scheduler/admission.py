@@ -3,8 +3,10 @@
     order    longest cached prefix first (LPM: a peek that touches nothing), first come
              first served among equals and past MAX_LPM_SCAN waiting requests
     ask      `plan(req)`: the prefetch policy lets it in (its prefetch then ends, the pages it
-             fetched join the tree); its match; whether L1 can promise what it needs from
-             free slots plus what eviction can free beyond its own hit. Changes no room.
+             fetched join the tree); its match (of `cache_key`: a request that wants prompt
+             logprobs from position k matches its first k tokens only); whether L1 can
+             promise what it needs from free slots plus what eviction can free beyond its
+             own hit. Changes no room.
     commit   `commit(req, plan)`: lock the hit, evict what the plan counted on, load the L2
              hit back, reserve the rest. Nothing here fails for lack of room, so nothing is
              undone; an exception (a bug) fails the request alone, and `RequestKV.release`

@@ -19,8 +19,11 @@ def pages_up(tokens: int, page_size: int) -> int:
 
 
 def cache_key(req: Request) -> list[int]:
-    """What the tree is asked for: at least one prompt token is computed, for its logits."""
-    return req.input_ids[:-1]
+    """What the tree is asked for (match, prefetch, LPM rank): at least one prompt token is
+    computed, for its logits; a request that wants prompt logprobs from position k asks for
+    its first k tokens only (`Request.cacheable_len`). A longer cached prefix stays the
+    tree's: the request computes its own copies, which `_insert` frees as duplicates."""
+    return req.input_ids[:req.cacheable_len]
 
 
 class RequestKV:

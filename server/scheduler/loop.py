@@ -7,8 +7,10 @@ Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`),
                committed (`admission.py`: prefetch policy -> match -> room? -> lock ->
                evict -> load-back from L2 -> reserve L1 for the rest)
     run        the model runner starts the loads and runs the batch
-    finish     sample; a request whose prefill just ended has its prompt inserted into the
-               tree (it keeps the path locked); finished requests are inserted whole
+    finish     a request whose prefill just ended has its prompt inserted into the tree (it
+               keeps the path locked); choose tokens (`server.sampling`: shaped logits for
+               the requests that ask, one argmax for all greedy rows, `sample_row` for the
+               rest) and read the logprobs asked for; finished requests are inserted whole
                (duplicate slots freed, write-through queued) and unlocked
 
 A request that does not fit waits in the queue; nothing ever exits for lack of memory.
@@ -30,10 +32,12 @@ import torch
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
 from server.inbox import Inbox, SchedulerStopped
-from server.model_runner import ModelRunner, sample_row
+from server.model_runner import ForwardOutput, ModelRunner, sample_row
 from server.request import Request
+from server.sampling import LogitsShaper, logprob_reads, record_logprob, token_logprobs
 from server.scheduler.admission import Admission
 from server.scheduler.kv import RequestKV
+from server.scheduler.text import OutputText
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ class Scheduler:
         self.cache = cache
         self.tree = cache.tree
         self.tokenizer = tokenizer
+        self.text = OutputText(tokenizer)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.inbox = Inbox()
@@ -99,7 +104,11 @@ class Scheduler:
             return
         req: Request = payload
         req.arrival = time.monotonic()
-        req.generator = torch.Generator().manual_seed(req.params.seed or 0)
+        req.generator = torch.Generator()
+        if req.params.seed is None:
+            req.generator.seed()  # fresh entropy, as SGLang and vLLM do without a seed
+        else:
+            req.generator.manual_seed(req.params.seed)
         self.waiting.append(req)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.prompt_len
@@ -155,7 +164,7 @@ class Scheduler:
             for req in self.admission.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
-                if self._try_admit(req):
+                if not self._held(req) and self._try_admit(req):
                     n = min(req.prompt_len - req.num_computed, budget)
                     reqs.append(req)
                     lens.append(n)
@@ -163,6 +172,15 @@ class Scheduler:
         for req, n in zip(reqs, lens):
             self.kv.ensure_slots(req, req.num_computed + n)
         return (reqs, lens) if reqs else None
+
+    def _held(self, req: Request) -> bool:
+        """A later choice of an `n > 1` request waits while the first one prefills, then
+        finds the prompt in the tree (`cache_prompt` runs at the end of that prefill): the
+        prompt is computed once. Never held without a tree, nor behind a first choice that
+        has not arrived (it would go unshared, never stuck) or has finished."""
+        lead = req.prompt_leader
+        return (lead is not None and not self.tree.disable and lead.arrival > 0
+                and lead.finish_reason is None and not lead.prefilled)
 
     def _restart_prefetches(self) -> bool:
         """Prefetches whose prefix reached the tree meanwhile (another prefetch brought it):
@@ -194,7 +212,7 @@ class Scheduler:
 
     def _run_batch(self, reqs: list[Request], lens: list[int]) -> None:
         try:
-            logits = self.runner.forward(reqs, lens)
+            out = self.runner.forward(reqs, lens)
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
             for req in reqs:
                 self._fail_request(req, "the forward pass", exc)
@@ -209,13 +227,62 @@ class Scheduler:
                     with self._alone(req, "caching its prompt"):
                         self.kv.cache_prompt(req)
         done = [i for i in done if reqs[i].finish_reason is None]
-        greedy = logits[done].argmax(dim=-1).tolist() if done else []  # one sync for all
-        for i, token in zip(done, greedy):
+        tokens = self._choose_tokens(reqs, done, out)
+        self._record_logprobs(reqs, out, tokens)
+        for i, token in tokens.items():
+            if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
+                with self._alone(reqs[i], "detokenising its token"):
+                    self._append_token(reqs[i], token)
+
+    def _choose_tokens(self, reqs: list[Request], done: list[int],
+                       out: ForwardOutput) -> dict[int, int]:
+        """The next token of each `reqs[i]`, i in `done`: logits shaped for the requests
+        that ask, then one argmax over all rows (the one sync of a greedy batch; a plain
+        greedy row is exactly today's argmax) or `sample_row`. A failure fails its request
+        alone; the others' tokens come back (request index -> token)."""
+        if not done:
+            return {}
+        logits = out.logits[[out.rows[i].last for i in done]]  # [len(done), vocab], a copy
+        for j, i in enumerate(done):
+            if reqs[i].params.shapes_logits:
+                with self._alone(reqs[i], "shaping its logits"):
+                    self._shaper(reqs[i], logits[j]).apply(logits[j], reqs[i].output_ids)
+        greedy = logits.argmax(dim=-1).tolist()  # one sync for all
+        tokens = {}
+        for j, i in enumerate(done):
             req = reqs[i]
-            with self._alone(req, "sampling or detokenising its token"):
-                if not req.params.greedy:
-                    token = sample_row(logits[i], req.params, req.generator)
-                self._append_token(req, token)
+            if req.finish_reason is None:
+                with self._alone(req, "sampling its token"):
+                    tokens[i] = greedy[j] if req.params.greedy else sample_row(
+                        logits[j], req.params, req.generator)
+        return tokens
+
+    def _shaper(self, req: Request, row: torch.Tensor) -> LogitsShaper:
+        if req.logits_shaper is None:
+            req.logits_shaper = LogitsShaper(req.params, req.input_ids, self.text.stop_ids(req),
+                                             row.shape[-1], row.device)
+        return req.logits_shaper
+
+    def _record_logprobs(self, reqs: list[Request], out: ForwardOutput,
+                         tokens: dict[int, int]) -> None:
+        """The logprobs this pass gives the requests that asked (prompt positions, new
+        tokens), read in one batch; a failure fails the requests that asked."""
+        reads = logprob_reads(reqs, out.rows, tokens)
+        if not reads:
+            return
+        try:
+            found = token_logprobs(out.logits, [r.row for r in reads],
+                                   [r.target for r in reads],
+                                   [r.req.top_logprobs_num for r in reads])
+        except Exception as exc:  # noqa: BLE001 - fails the requests that asked only
+            for req in dict.fromkeys(r.req for r in reads):
+                self._fail_request(req, "reading its logprobs", exc)
+            return
+        for read, lp in zip(reads, found):
+            req = read.req
+            if req.finish_reason is None:
+                with self._alone(req, "recording its logprobs"):
+                    record_logprob(read, lp, lambda t, r=req: self.text.token_text(r, t))
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -224,29 +291,12 @@ class Scheduler:
             req.first_token_at = time.monotonic()
             if self.observer is not None:
                 self.observer("ttft_seconds", req.first_token_at - req.arrival)
-        reason = self._stop_reason(req, token)
+        reason = self.text.stop_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
         elif req.on_update is not None:
-            req.text = self.tokenizer.decode(req.output_ids)
+            req.text = self.text.decode(req, req.output_ids)
             self._notify(req, False)
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        """"stop" (EOS or a stop string, `req.text` cut before it), "length", or None."""
-        p = req.params
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            req.text = self.tokenizer.decode(req.output_ids[:-1])  # EOS is not text
-            return "stop"
-        if p.stop:
-            req.text = self.tokenizer.decode(req.output_ids)
-            cuts = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
-            if cuts:
-                req.text = req.text[:min(cuts)]
-                return "stop"
-        if len(req.output_ids) >= p.max_new_tokens:
-            req.text = self.tokenizer.decode(req.output_ids)
-            return "length"
-        return None
 
     @contextmanager
     def _alone(self, req: Request, stage: str) -> Iterator[None]:
@@ -286,7 +336,7 @@ class Scheduler:
         finally:
             if req.finish_reason == "error":
                 try:
-                    req.text = self.tokenizer.decode(req.output_ids)
+                    req.text = self.text.decode(req, req.output_ids)
                 except Exception:
                     logger.warning("request %s: its output cannot be decoded", req.rid,
                                    exc_info=True)
