@@ -143,12 +143,16 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 30000  # 0 = let the OS pick a free port
     admin_api_key: str | None = None  # None: admin routes answer loopback clients only
+    # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
+    # --served-model-name). None: derived from model.path (server.http.discovery).
+    served_model_name: str | None = None
 
     def _validate(self) -> None:
         self._non_empty("host")
         if not 0 <= self.port <= MAX_PORT:
             self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
         self._non_empty("admin_api_key")
+        self._non_empty("served_model_name")
 
 
 @dataclass(frozen=True)

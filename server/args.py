@@ -43,6 +43,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--port", "server.port", {"type": int}, "TCP port (0 = any free port)"),
     ("--admin-api-key", "server.admin_api_key", {},
      "bearer token for /admin routes (without one they answer loopback clients only)"),
+    ("--served-model-name", "server.served_model_name", {},
+     ("model id of OpenAI responses and /v1/models (default: --model-path as given; for "
+      "the embedded model its local folder)")),
     ("--disable-radix-cache", "cache.enable_radix_cache", {"action": "store_const",
                                                            "const": False},
      "recompute every prompt (no prefix reuse)"),

@@ -3,19 +3,33 @@ embedded model.
 
 The embedded model's vocabulary (ids)::
 
-    0 .. 255    the UTF-8 bytes
+    0 .. 255    the bytes; byte b is id b
     256 257     bos eos
     258 259     pad unk
 
+Its text is printable: `ByteTokenizer.decode` shows each byte id as one visible character of
+GPT-2's byte-to-character table (`bytes_to_unicode`: printable ASCII as itself, space as "Ġ",
+newline as "Ċ", 0xE6 as "æ", ...), so any id sequence decodes to one character per byte and a
+stream shows a character for every token, never a U+FFFD mark. `encode` inverts that table:
+a character of the table's image becomes its byte, and every other character its UTF-8 bytes.
+Hence encode(decode(ids)) == ids for every sequence of byte ids (what a multi-turn chat
+relies on: an answer sent back as text re-encodes to the tokens that were generated), and
+plain ASCII text encodes to its UTF-8 bytes as before. The price is paid by text holding
+the table's non-ASCII characters: "é" (U+00E9, in the image) encodes to the single byte 0xE9,
+not to UTF-8's C3 A9, and text round-trips as text only through the table, so
+decode(encode("a b")) == "aĠb".
+
 Its folder also carries a `tokenizer.json` (built by `byte_tokenizer_json`) that encodes and
-decodes exactly like `ByteTokenizer`, so other tools can load the folder; the one difference is
-that `tokenizers` turns a literal special-token string ("<|eos|>") in the text into its id,
-while `ByteTokenizer` encodes every character as bytes.
+decodes exactly like `ByteTokenizer`, so other tools (transformers' AutoTokenizer) load the
+folder and agree with the server; the one difference is that `tokenizers` turns a literal
+special-token string ("<|eos|>") in the text into its id, while `ByteTokenizer` encodes every
+character as bytes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -29,12 +43,17 @@ BYTE_VOCAB_SIZE = 260
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>")  # ids 256..259, in order
 # config.json key that marks a folder written by server/models/loader.py's embedded model.
 EMBEDDED_MARKER_KEY = "hicache_embedded"
+# GPT-2's byte-to-character table (`bytes_to_unicode`) shows bytes outside these ranges as
+# chr(REMAPPED_BASE + n): U+0100..U+0143 for the 68 control, space and non-printing bytes.
+PRINTABLE_BYTE_RANGES = ((ord("!"), ord("~")), (ord("¡"), ord("¬")), (ord("®"), ord("ÿ")))
+REMAPPED_BASE = NUM_BYTES
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text <-> token ids. `encode` adds what the model's tokenizer adds by default (the
-    embedded model: nothing); `decode` drops special tokens."""
+    embedded model: nothing), or nothing with `add_special_tokens=False` (for text that already
+    holds its specials, as a rendered chat template does); `decode` drops special tokens."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -45,13 +64,14 @@ class Tokenizer(Protocol):
     @property
     def eos_token_ids(self) -> set[int]: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are the tokens; ids 256..259 are bos, eos, pad, unk."""
+    """Bytes are the tokens, shown as GPT-2's printable characters; ids 256..259 are bos,
+    eos, pad, unk (see the module docstring for what encode and decode promise)."""
 
     vocab_size = BYTE_VOCAB_SIZE
     bos_token_id = BOS_ID
@@ -61,18 +81,32 @@ class ByteTokenizer:
     def eos_token_ids(self) -> set[int]:
         return {EOS_ID}
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A table character -> its byte; any other character -> its UTF-8 bytes. Adds no
+        specials either way. Plain runs are encoded in bulk: only the table's non-ASCII
+        characters (rare in real text) are looked up one by one."""
+        ids: list[int] = []
+        start = 0
+        for match in _MAPPED_CHAR.finditer(text):
+            ids += text[start:match.start()].encode("utf-8")
+            ids.append(_CHAR_BYTES[match.group()])
+            start = match.end()
+        ids += text[start:].encode("utf-8")
+        return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Bytes of `ids` as UTF-8 (invalid sequences become U+FFFD); specials are dropped.
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """One printable character per byte id (`bytes_to_unicode`); specials are dropped,
+        or written as their names (`<|bos|>`, ...) with `skip_special_tokens=False`.
 
         ValueError for an id outside [0, vocab_size).
         """
         bad = [i for i in ids if not 0 <= i < BYTE_VOCAB_SIZE]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {BYTE_VOCAB_SIZE})")
-        return bytes(i for i in ids if i < NUM_BYTES).decode("utf-8", errors="replace")
+        if skip_special_tokens:
+            return "".join([_BYTE_CHARS[i] for i in ids if i < NUM_BYTES])
+        return "".join([_BYTE_CHARS[i] if i < NUM_BYTES else SPECIAL_TOKENS[i - NUM_BYTES]
+                        for i in ids])
 
 
 class HFTokenizer:
@@ -101,14 +135,14 @@ class HFTokenizer:
     def eos_token_ids(self) -> set[int]:
         return set(self._eos)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -159,22 +193,44 @@ def _read_json(path: Path) -> dict:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet of the ByteLevel pre-tokenizer."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [b for lo, hi in PRINTABLE_BYTE_RANGES for b in range(lo, hi + 1)]
     table = {b: chr(b) for b in printable}
     extra = (b for b in range(NUM_BYTES) if b not in table)
     for n, b in enumerate(extra):
-        table[b] = chr(NUM_BYTES + n)
+        table[b] = chr(REMAPPED_BASE + n)
     return table
+
+
+def mapped_chars() -> dict[str, int]:
+    """The table's characters that are not their byte's UTF-8 spelling (everything but
+    printable ASCII): 162 characters in U+00A1..U+0143, each -> its byte."""
+    return {c: b for b, c in bytes_to_unicode().items() if c.encode("utf-8") != bytes([b])}
+
+
+_BYTE_CHARS = tuple(bytes_to_unicode()[b] for b in range(NUM_BYTES))  # indexed by byte
+_CHAR_BYTES = mapped_chars()
+# Matches every character of `_CHAR_BYTES` and nothing else (the tests check it): the
+# Latin-1 letters and signs U+00A1..U+00FF but the soft hyphen, then U+0100..U+0143.
+_MAPPED_CHAR = re.compile("[\u00a1-\u00ac\u00ae-\u0143]")
 
 
 def byte_tokenizer_json() -> str:
     """tokenizer.json text equivalent to ByteTokenizer: BPE without merges over the 256
-    ByteLevel characters (byte b -> id b), then the 4 specials; no prefix space, no BOS."""
+    ByteLevel characters (byte b -> id b), then the 4 specials; no prefix space, no BOS.
+
+    Encoding: the table's non-ASCII characters are added tokens (not special) matched in the
+    raw text before the ByteLevel pre-tokenizer runs; `tokenizers` gives an added token that
+    the vocabulary already holds its vocabulary id, so each becomes its byte and the
+    vocabulary stays 260. The rest of the text goes through ByteLevel as UTF-8 bytes.
+    Decoding concatenates the tokens' table characters (`Fuse`), which ByteLevel's own
+    decoder would turn back into bytes and then into UTF-8 with U+FFFD marks.
+    """
     chars = bytes_to_unicode()
     tok = _HFTokenizerImpl(models.BPE(vocab={chars[b]: b for b in range(NUM_BYTES)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
                             for s in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(c, special=False, normalized=False)
+                    for c in sorted(_CHAR_BYTES, key=_CHAR_BYTES.__getitem__)])
     return tok.to_str(pretty=True)

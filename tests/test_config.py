@@ -28,7 +28,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # DESIGN.md "Configuration", copied by hand: a change to a default must change both.
 DESIGN_DEFAULTS: dict[str, Any] = {
     "model": {"path": "embedded:tiny-llama", "dtype": "auto", "device": "auto"},
-    "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None},
+    "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,
+               "served_model_name": None},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
               "max_total_tokens": None, "eviction_policy": "lru"},
     "host": {"ratio": 2.0, "size_gb": None, "write_policy": "write_through",
@@ -241,6 +242,21 @@ def test_paths_and_sizes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert ModelConfig().is_embedded and not ModelConfig(path="/models/x").is_embedded
 
 
+def test_served_model_name_flag_and_key(tmp_path: Path) -> None:
+    """`--served-model-name` (SGLang's and vLLM's flag) sets server.served_model_name over
+    the YAML; left out it stays null (the name is derived from the model)."""
+    from server.args import parse_config
+
+    yaml = write(tmp_path, "server:\n  served_model_name: from-yaml\n")
+    assert parse_config([])[0].server.served_model_name is None
+    assert parse_config(["--config", str(yaml)])[0].server.served_model_name == "from-yaml"
+    cfg, _ = parse_config(["--config", str(yaml), "--served-model-name", "org/llama-3"])
+    assert cfg.server.served_model_name == "org/llama-3"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--served-model-name", ""])
+    assert exit_info.value.code == 2
+
+
 def test_config_to_dict_redacts_secrets_on_request() -> None:
     cfg = load_config(overrides={"server.admin_api_key": "s3cret",
                                  "storage.redis.url": "redis://user:pw@db:6379/1"})
@@ -297,6 +313,7 @@ def test_bad_enum_value(key: str, allowed: str) -> None:
     ("storage.redis.cluster", 1, "expected a boolean, got 1 (int)"),
     ("model.path", 5, "expected a string, got 5 (int)"),
     ("server.admin_api_key", 1234, "expected a string or null, got 1234 (int)"),
+    ("server.served_model_name", ["m"], "expected a string or null, got ['m'] (list)"),
     ("storage", [1, 2], "expected a mapping, got list"),
     ("storage.lmdb", "/data", "expected a mapping, got str"),
     ("cache", 16, "expected a mapping, got int"),
@@ -320,7 +337,8 @@ def test_null_where_not_allowed(key: str, message: str) -> None:
 
 
 def test_null_where_allowed() -> None:
-    nulls = {"server.admin_api_key": None, "cache.max_total_tokens": None,
+    nulls = {"server.admin_api_key": None, "server.served_model_name": None,
+             "cache.max_total_tokens": None,
              "host.size_gb": None, "storage.redis.ttl_seconds": None}
     assert load_config(overrides=nulls) == Config()
 
@@ -344,6 +362,7 @@ def test_null_where_allowed() -> None:
     ("model.path", "", "must be a non-empty string, got ''", "/models/m"),
     ("server.host", " ", "must be a non-empty string, got ' '", "0.0.0.0"),
     ("server.admin_api_key", "", "must be a non-empty string, got ''", "k"),
+    ("server.served_model_name", " ", "must be a non-empty string, got ' '", "my-model"),
     ("storage.lmdb.path", "", "must be a non-empty string, got ''", "l3"),
     ("storage.redis.url", "", "must be a non-empty string, got ''", "unix:///tmp/redis.sock"),
     ("storage.redis.url", "127.0.0.1:6379",

@@ -3,8 +3,10 @@
 A model path is either `embedded:tiny-llama` or a local Hugging Face folder holding
 `config.json` and `model.safetensors` (or shards listed in `model.safetensors.index.json`).
 The embedded model is written once under `hicache_home()/models/tiny-llama` as an ordinary
-Hugging Face folder (transformers loads it too); its weights come from a fixed seed, so every
-machine generates byte-identical files (for a given torch version).
+Hugging Face folder (transformers loads it too, model and tokenizer); its weights come from a
+fixed seed, so every machine generates byte-identical files (for a given torch version).
+A folder written by an older version is kept (its weights and config.json key every stored
+page); only its tokenizer files are brought up to date when it is opened.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,6 +37,7 @@ from server.tokenizer import (
     EMBEDDED_MARKER_KEY,
     EOS_ID,
     PAD_ID,
+    SPECIAL_TOKENS,
     byte_tokenizer_json,
 )
 
@@ -69,6 +73,20 @@ EMBEDDED_CONFIG: dict[str, Any] = {
     "pad_token_id": PAD_ID,
     EMBEDDED_MARKER_KEY: EMBEDDED_NAME,
 }
+# tokenizer_config.json of the embedded folder, so that transformers' AutoTokenizer loads
+# tokenizer.json with the special tokens the server uses (ids 256..259). The tokenizer adds
+# no BOS (tokenizer.json has no post-processor) and decoding must not touch spaces.
+EMBEDDED_TOKENIZER_CONFIG: dict[str, Any] = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": SPECIAL_TOKENS[0],
+    "eos_token": SPECIAL_TOKENS[1],
+    "pad_token": SPECIAL_TOKENS[2],
+    "unk_token": SPECIAL_TOKENS[3],
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": EMBEDDED_CONFIG["max_position_embeddings"],
+}
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHTS_FILE = "model.safetensors"
@@ -104,10 +122,16 @@ def resolve_model_path(path: str) -> Path:
 
 
 def _ensure_embedded(final: Path) -> Path:
+    """The embedded folder, written when missing; its tokenizer files brought up to date."""
+    if not final.is_dir():
+        _write_embedded_folder(final)
+    refresh_embedded_tokenizer(final)
+    return final
+
+
+def _write_embedded_folder(final: Path) -> None:
     """Write the embedded model into a temporary sibling, then rename it into place: rename is
     atomic, so a process that sees `final` sees it whole, and of two writers one wins."""
-    if final.is_dir():
-        return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
@@ -118,7 +142,42 @@ def _ensure_embedded(final: Path) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename won
-    return final
+
+
+def embedded_tokenizer_files() -> dict[str, str]:
+    """File name -> text of the embedded folder's tokenizer files."""
+    config = json.dumps(EMBEDDED_TOKENIZER_CONFIG, indent=2, sort_keys=True) + "\n"
+    return {TOKENIZER_FILE: byte_tokenizer_json(), TOKENIZER_CONFIG_FILE: config}
+
+
+def refresh_embedded_tokenizer(folder: Path) -> None:
+    """Rewrite the tokenizer files of an embedded folder that lacks them or holds an older
+    version (a folder written before tokenizer_config.json existed, or before the printable
+    decoding). Each file is replaced atomically, so a reader never sees half of one and two
+    processes doing this at once both leave the same text. A folder that cannot be written
+    (a read-only $HICACHE_HOME) still serves: the server's own tokenizer is built in, only
+    other tools loading the folder would see the old files, which the warning says."""
+    for name, text in embedded_tokenizer_files().items():
+        path = folder / name
+        try:
+            if path.is_file() and path.read_text(encoding="utf-8") == text:
+                continue
+            _replace_text(path, text)
+        except OSError as e:
+            logger.warning("cannot update %s (%s); tools that load the embedded folder's "
+                           "tokenizer may disagree with the server", path, e)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write a uniquely named sibling, then rename it over `path` (atomic). Not mkstemp: its
+    0600 mode would hide the file from the other users of a shared $HICACHE_HOME."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def embedded_weights(seed: int = EMBEDDED_SEED,
@@ -159,7 +218,8 @@ def write_embedded_model(directory: str | Path) -> None:
     _write_json(directory / "config.json", EMBEDDED_CONFIG)
     _write_json(directory / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
-    (directory / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+    for name, text in embedded_tokenizer_files().items():
+        (directory / name).write_text(text, encoding="utf-8")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
