@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import NoReturn
 
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, settings
 
 from hicache.config import load_config
 from server.engine import Engine
+from server.http import create_app
 
 # CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
 settings.register_profile(
@@ -75,3 +79,21 @@ def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     return cubin.read_bytes()
+
+
+def small_engine(**overrides: object) -> Iterator[Engine]:
+    """A CPU engine with a 2,048-token L1, for module-scoped fixtures (`yield from`)."""
+    cfg = load_config(None, {"cache.max_total_tokens": 2048, "model.device": "cpu",
+                             **overrides})
+    with Engine(cfg) as e:
+        yield e
+
+
+@asynccontextmanager
+async def app_client(engine: Engine, *, wait_idle: bool = True) -> AsyncIterator[TestClient]:
+    """The engine's app on loopback; then (`wait_idle`) waits until no request runs, so the
+    next test starts on an idle engine."""
+    async with TestClient(TestServer(create_app(engine))) as c:
+        yield c
+    if wait_idle:
+        engine.flush_cache(())

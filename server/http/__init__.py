@@ -1,16 +1,26 @@
-"""The HTTP API (aiohttp): SGLang's /generate, OpenAI's /v1/completions, admin, health, metrics.
+"""The HTTP API (aiohttp): SGLang's /generate, OpenAI's /v1/completions and
+/v1/chat/completions, admin, health, metrics.
 
     app.py        create_app, the error middleware, /health, /metrics, attach_metrics,
                   begin_shutdown
-    native.py     POST /generate (SGLang's shape)
-    openai.py     POST /v1/completions, GET /v1/models
+    native.py     POST /generate (SGLang's shape: one prompt or a batch, logprobs, n)
+    openai.py     POST /v1/completions (logprobs, echo, n, best_of, lists of prompts)
+    openai_logprobs.py  OpenAI's `logprobs` object from the engine's SGLang-shaped entries
+    openai_shapes.py    completion choices, `usage`, stream chunks
+    chat.py       POST /v1/chat/completions: messages through the model's chat template
+    discovery.py  /get_model_info, /get_server_info, /tokenize, /detokenize, /v1/models[/{id}];
+                  served_model_name, the model id every OpenAI route answers with
     admin.py      /admin/flush, /admin/tiers, SGLang's aliases; bearer-key or loopback access
-    streaming.py  a request's results as routes read them; server-sent events
+    generation.py parsed prompts -> engine requests (all validated before any runs)
+    prompts.py    one prompt or a batch, per-prompt values
+    fields.py     the field policy: unknown fields ignored (one warning per name), unsupported
+                  ones a 400 naming them
+    streaming.py  a request's results as routes read them (one chunk per token); SSE
     body.py       the request body as JSON, its fields' shapes checked
     errors.py     the JSON error shape, HttpError, RequestFailed
     state.py      ServerState (STATE): what every handler shares; the body limits
 
-Imports run one way: app -> routes (native, openai; admin is added by the caller) ->
+Imports run one way: app -> routes (native, openai, chat; admin is added by the caller) ->
 streaming, body -> errors, state. No route module imports app.
 
 Threading: handlers run on the event loop; the engine's blocking calls go to the default

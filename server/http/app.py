@@ -20,9 +20,18 @@ from aiohttp import web
 
 from hicache.metrics import CacheMetrics
 from server.engine import Engine, EngineClosed
+from server.http.chat import chat_route
+from server.http.discovery import (
+    handle_detokenize,
+    handle_model,
+    handle_model_info,
+    handle_models,
+    handle_server_info,
+    handle_tokenize,
+)
 from server.http.errors import HttpError, RequestFailed, error_response
 from server.http.native import handle_generate
-from server.http.openai import handle_completions, handle_models
+from server.http.openai import handle_completions
 from server.http.state import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -124,7 +133,15 @@ def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
                              int(time.time()), body_timeout_s)
     app.router.add_post("/generate", handle_generate)
     app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", chat_route(engine))
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{id:.+}", handle_model)  # an id may hold slashes
+    for path in ("/get_model_info", "/model_info"):  # SGLang's old and new names
+        app.router.add_get(path, handle_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, handle_server_info)
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     return app

@@ -1,35 +1,186 @@
 """SGLang's native route.
 
-    POST /generate    {"text" | "input_ids", "sampling_params", "stream", "extra_key"}
+    POST /generate    {"text" | "input_ids", "sampling_params", "stream", "rid",
+                       "return_logprob", "logprob_start_len", "top_logprobs_num",
+                       "return_text_in_logprobs", "extra_key" | "cache_salt", ...}
 
-The answer is the engine's result as is (`text`, `output_ids`, `meta_info`); with
-`"stream": true`, one such result per event, each carrying the text so far.
+The answer is the engine's result (`text`, `output_ids`, `meta_info`); with
+`"stream": true`, one such result per generated token, each carrying the text so far. A batch
+(`text` as a list of strings, `input_ids` as a list of id lists) or `sampling_params.n > 1`
+answers a list of results, prompt-major (prompt i's j-th sample at `i * n + j`); streamed,
+each event is one of them with its place in that list as `index`, as SGLang streams a batch.
+
+`rid` names the request in `meta_info.id` (a list: one per prompt; a string for a batch:
+`{rid}_{i}` for prompt i, as SGLang expands it; n > 1: `{id}_{j}` for sample j). Inside the
+engine each request keeps a unique id of its own, so two clients sending the same `rid`
+never abort or mix up each other's requests. docs/http.md has the table of every field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
 from aiohttp import web
 
-from server.http.body import check_fields, check_type, read_object
+from server.http.body import check_type, read_object
 from server.http.errors import HttpError
+from server.http.fields import Only, known_fields, refuse_unsupported
+from server.http.generation import LogprobOptions, Submitted, start_all, submit
+from server.http.prompts import (
+    Prompts,
+    check_batch_size,
+    id_prompts,
+    per_prompt,
+    text_prompts,
+)
 from server.http.state import live_engine
-from server.http.streaming import json_events, last_result, send_sse, start_stream
+from server.http.streaming import json_events, last_results, merged, send_sse
+from server.request import SamplingParams
 
-GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "extra_key", "cache_salt")
+ROUTE = "POST /generate"
+GENERATE_UNSUPPORTED = {
+    "lora_path": Only(None, "a LoRA adapter"), "lora_id": Only(None, "a LoRA adapter"),
+    "input_embeds": Only(None, "a prompt given as embeddings"),
+    "image_data": Only(None, "image input"), "video_data": Only(None, "video input"),
+    "audio_data": Only(None, "audio input"),
+    "return_hidden_states": Only(False, "returning hidden states"),
+    "return_routed_experts": Only(False, "returning routed experts (a mixture of experts')"),
+    "custom_logit_processor": Only(None, "a custom logit processor"),
+    "session_params": Only(None, "sessions"),
+    "token_ids_logprob": Only(None, "logprobs of chosen token ids"),
+    "return_entropy": Only(False, "returning the entropy"),
+}
+SAMPLING_UNSUPPORTED = {name: Only(None, "constrained decoding (a grammar, schema or regex)")
+                        for name in ("regex", "json_schema", "ebnf", "structural_tag",
+                                     "stop_regex")}
+LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
+                  "return_text_in_logprobs")
+GENERATE_FIELDS = frozenset({
+    "text", "input_ids", "sampling_params", "stream", "stream_options", "rid", "extra_key",
+    "cache_salt", "return_cached_tokens_details", *LOGPROB_FIELDS, *GENERATE_UNSUPPORTED})
+# Accepted and without effect: every event's meta_info already carries the token counts.
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
-async def handle_generate(request: web.Request) -> web.StreamResponse:
-    body = await read_object(request)
-    check_fields(body, GENERATE_FIELDS)
-    stream = check_type(body, "stream", (bool,), "a boolean")
-    params = check_type(body, "sampling_params", (dict,), "an object")
+def sampling_fields() -> frozenset[str]:
+    """The engine's `sampling_params` fields (read from it: a field it adds is known here)."""
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class Generate(NamedTuple):
+    prompts: Prompts
+    sampling_params: list[dict[str, Any]]  # one per prompt
+    rids: list[str | None]  # the client's id of each prompt
+    extra_keys: list[str | None]
+    logprobs: list[LogprobOptions]
+    stream: bool
+
+
+def parse_generate(body: dict[str, Any]) -> Generate:
+    body = known_fields(body, GENERATE_FIELDS, ROUTE)
+    refuse_unsupported(body, GENERATE_UNSUPPORTED)
+    stream = bool(check_type(body, "stream", (bool,), "a boolean"))
+    options = check_type(body, "stream_options", (dict,), "an object") or {}
+    known_fields(options, STREAM_OPTIONS, ROUTE, "stream_options.")
+    prompts = _prompts(body)
+    count, batch = len(prompts.items), prompts.batch
+    params = [_sampling_params(p) for p in per_prompt("sampling_params",
+                                                      body.get("sampling_params"), count, batch)]
+    check_batch_size(count, max(_choices(p) for p in params))
+    return Generate(prompts, params, _rids(body.get("rid"), count, batch),
+                    _extra_keys(body, count, batch), _logprobs(body, count, batch), stream)
+
+
+def _prompts(body: dict[str, Any]) -> Prompts:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise HttpError(400, "give exactly one of `text` or `input_ids`")
+    return text_prompts("text", text) if text is not None else id_prompts("input_ids", ids)
+
+
+def _sampling_params(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise HttpError(400, "`sampling_params` must be an object (or, for a batch, an array "
+                        "of one object per prompt)")
+    refuse_unsupported(params, SAMPLING_UNSUPPORTED, "sampling_params.")
+    return known_fields(params, sampling_fields(), ROUTE, "sampling_params.")
+
+
+def _choices(params: dict[str, Any]) -> int:
+    n = params.get("n")
+    return n if isinstance(n, int) and n > 0 else 1  # the engine checks n itself
+
+
+def _rids(rid: Any, count: int, batch: bool) -> list[str | None]:
+    if batch and isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)]
+    rids = per_prompt("rid", rid, count, batch)
+    if not all(r is None or isinstance(r, str) for r in rids):
+        raise HttpError(400, "`rid` must be a string (or, for a batch, an array of one string "
+                        "per prompt)")
+    return rids
+
+
+def _extra_keys(body: dict[str, Any], count: int, batch: bool) -> list[str | None]:
     if body.get("extra_key") is not None and body.get("cache_salt") is not None:
         raise HttpError(400, "give at most one of `extra_key` or `cache_salt` (both name "
                         "the cache namespace)")
-    extra_key = body.get("extra_key", body.get("cache_salt"))
+    name = "extra_key" if body.get("extra_key") is not None else "cache_salt"
+    return per_prompt(name, body.get(name), count, batch)
+
+
+def _logprobs(body: dict[str, Any], count: int, batch: bool) -> list[LogprobOptions]:
+    """Each prompt's logprob options (the engine checks their values)."""
+    columns = {name: per_prompt(name, body.get(name), count, batch) for name in LOGPROB_FIELDS}
+    return [LogprobOptions.of({name: columns[name][i] for name in LOGPROB_FIELDS})
+            for i in range(count)]
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    generate = parse_generate(await read_object(request))
     engine = live_engine(request)
-    req = engine.make_request(body.get("text"), body.get("input_ids"), params, extra_key)
-    results = await start_stream(engine, req)
-    if not stream:
-        return web.json_response(await last_result(results))  # RequestFailed: a 500
-    return await send_sse(request, json_events(results))
+    submitted = submit(engine, generate.prompts, generate.sampling_params,
+                       generate.extra_keys, generate.logprobs)
+    streams = [_renamed(s, rid) for s, rid in
+               zip(await start_all(engine, submitted), _choice_ids(generate, submitted))]
+    one = not generate.prompts.batch and len(streams) == 1
+    if not generate.stream:
+        results = await last_results(streams)
+        return web.json_response(results[0] if one else results)
+    events = streams[0] if one else _indexed(streams)
+    return await send_sse(request, json_events(events))
+
+
+def _choice_ids(generate: Generate, submitted: Submitted) -> list[str | None]:
+    """The client's id of each choice, in `submitted.choices()` order."""
+    out = []
+    for i, group in enumerate(submitted.groups):
+        rid = generate.rids[i]
+        out += [rid if rid is None or len(group) == 1 else f"{rid}_{j}"
+                for j in range(len(group))]
+    return out
+
+
+async def _renamed(results: AsyncIterator[dict], rid: str | None) -> AsyncIterator[dict]:
+    """The results with the client's `rid` as meta_info.id (when it sent one)."""
+    try:
+        async for result in results:
+            if rid is not None:
+                result = {**result, "meta_info": {**result["meta_info"], "id": rid}}
+            yield result
+    finally:
+        await results.aclose()  # type: ignore[attr-defined]
+
+
+async def _indexed(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """A batch's events as they come, each with its place in the batch's answer."""
+    events = merged(streams)
+    try:
+        async for i, result in events:
+            yield {**result, "index": i}
+    finally:
+        await events.aclose()

@@ -1,146 +1,192 @@
-"""OpenAI-compatible routes.
+"""OpenAI's completions route.
 
-    POST /v1/completions    {"prompt", "max_tokens", "temperature", "top_p", "stop", ...}
-    GET  /v1/models         the one model served
+    POST /v1/completions    {"prompt", "max_tokens", "temperature", "logprobs", "echo", "n",
+                             "best_of", "stream", "stream_options", ...}
 
-A completion's OpenAI fields map onto `sampling_params` (`OPENAI_PARAMS`); the engine's
-messages about them are answered in the OpenAI names (`openai_message`). Streams are
-`text_completion` chunks carrying text deltas, with a usage chunk last when asked for.
+docs/http.md has the table of every accepted field. The renamed sampling fields map onto
+`sampling_params` (`OPENAI_PARAMS`); the engine's messages about them are answered in the
+OpenAI names (`openai_message`). The field policy (`server.http.fields`) covers the rest:
+unknown fields are ignored with one warning, the known ones this server cannot honour
+(`COMPLETION_UNSUPPORTED`) are a 400.
+
+A list of prompts answers `n` choices per prompt, indexed prompt-major (choice
+`i * n + j` is prompt i's j-th), as OpenAI does. `best_of > n` samples `best_of` per prompt
+(one prefill, shared through the tree) and keeps the `n` of highest cumulative logprob; it
+cannot be streamed (the best are known only at the end), as in OpenAI.
+The answers' shapes are built in `server.http.openai_shapes`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from server.http.body import check_fields, check_type, json_type, read_object
+from server.http.body import check_type, read_object
+from server.http.discovery import served_model_name
 from server.http.errors import HttpError
-from server.http.state import STATE, live_engine
-from server.http.streaming import json_events, last_result, send_sse, start_stream
-from server.request import InvalidRequest
+from server.http.fields import Only, check_int, known_fields, refuse_unsupported
+from server.http.generation import LogprobOptions, start_all, submit
+from server.http.openai_shapes import (
+    CompletionShape,
+    completion_chunks,
+    completion_response,
+)
+from server.http.prompts import Prompts, any_prompts, check_batch_size
+from server.http.state import live_engine
+from server.http.streaming import json_events, last_results, send_sse
+from server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest
 
+ROUTE = "POST /v1/completions"
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop",
-                     "seed", "ignore_eos", "stream", "stream_options", "n", "user")
-# OpenAI field -> sampling_params field (top_k and ignore_eos: the vLLM/SGLang extensions)
-OPENAI_PARAMS = {"max_tokens": "max_new_tokens", "temperature": "temperature",
-                 "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
-                 "ignore_eos": "ignore_eos"}
-REPLACEMENT_CHAR = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends with
+# OpenAI (or vLLM / SGLang extension) field -> sampling_params field, for fields that are
+# passed on as they are (the engine checks their values).
+OPENAI_PARAMS = {
+    "max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+    "top_k": "top_k", "min_p": "min_p", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "seed": "seed", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias",
+    "skip_special_tokens": "skip_special_tokens",
+    "include_stop_str_in_output": "no_stop_trim",  # vLLM's name of SGLang's no_stop_trim
+    "no_stop_trim": "no_stop_trim",
+}
+# How engine messages name a sampling field on this route (the first OpenAI name of each).
+_OPENAI_NAMES = {ours: theirs for theirs, ours in reversed(OPENAI_PARAMS.items())}
+CONSTRAINED = "constrained decoding (a grammar, schema or regex)"
+COMPLETION_UNSUPPORTED = {
+    "suffix": Only(None, "a suffix (text inserted after the completion)"),
+    "response_format": Only({"type": "text"}, "a response format other than text"),
+    "lora_path": Only(None, "a LoRA adapter"),
+    "prompt_logprobs": Only(None, "vLLM's prompt_logprobs (send echo with logprobs)"),
+    "use_beam_search": Only(False, "beam search"),
+    "logits_processors": Only(None, "custom logits processors"),
+    **{name: Only(None, CONSTRAINED) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+        "regex", "json_schema", "ebnf")},
+}
+COMPLETION_FIELDS = frozenset({
+    *OPENAI_PARAMS, *COMPLETION_UNSUPPORTED, "model", "prompt", "max_completion_tokens",
+    "stream", "stream_options", "n", "best_of", "user", "logprobs", "echo", "return_token_ids",
+    "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 class Completion(NamedTuple):
-    text: str | None
-    input_ids: list[int] | None
-    sampling_params: dict[str, Any]
+    prompts: Prompts
+    sampling_params: dict[str, Any]  # its `n` is best_of: the samples run per prompt
+    n: int  # the choices returned per prompt
+    logprobs: int | None  # top-k per position, None: no logprobs object
+    echo: bool
     stream: bool
-    include_usage: bool
+    shape: CompletionShape
+    cache_salt: str | None
+    limit_field: str  # the field that set max_new_tokens, for error messages
 
 
 def parse_completion(body: dict[str, Any]) -> Completion:
-    """Check the OpenAI fields' shapes; the engine checks the values' ranges."""
-    check_fields(body, COMPLETION_FIELDS)
-    check_type(body, "model", (str,), "a string")  # any name: one model is served (SGLang)
-    check_type(body, "user", (str,), "a string")
-    if check_type(body, "n", (int,), "an integer") not in (None, 1):
-        raise HttpError(400, f"`n` must be 1 (one choice per request), got {body['n']}")
-    stream = bool(check_type(body, "stream", (bool,), "a boolean"))
+    """Check the OpenAI fields' shapes and what this server supports; the engine checks the
+    sampling values' ranges."""
+    body = known_fields(body, COMPLETION_FIELDS, ROUTE)
+    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+    for name in ("model", "user", "cache_salt"):  # any model name: one model is served
+        check_type(body, name, (str,), "a string")
+    prompts = any_prompts("prompt", body.get("prompt"))
+    n, best_of = _choices(body)
+    check_batch_size(len(prompts.items), best_of)
+    logprobs = check_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    stream = flag(body, "stream")
+    if stream and best_of > n:
+        raise HttpError(400, f"`best_of` ({best_of}) > `n` ({n}) cannot be streamed: the best "
+                        "choices are known only once all are done; drop `stream` or `best_of`")
+    params, limit_field = openai_sampling_params(body)
+    shape = _shape(body, stream)
+    return Completion(prompts, {**params, "n": best_of}, n, logprobs, flag(body, "echo"),
+                      stream, shape, body.get("cache_salt"), limit_field)
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    return bool(check_type(body, name, (bool,), "a boolean"))
+
+
+def _choices(body: dict[str, Any]) -> tuple[int, int]:
+    """(n, best_of): best_of defaults to n and must not be below it."""
+    n = check_int(body, "n", 1, MAX_CHOICES) or 1
+    best_of = check_int(body, "best_of", 1, MAX_CHOICES)
+    if best_of is None:
+        return n, n
+    if best_of < n:
+        raise HttpError(400, f"`best_of` must be >= `n` ({n}), got {best_of}")
+    return n, best_of
+
+
+def usage_options(body: dict[str, Any], stream: bool, route: str) -> tuple[bool, bool]:
+    """`stream_options` as (a usage chunk ends the stream, usage on every chunk): both only
+    when streaming, and continuous stats only with include_usage (as vLLM). Shared with chat
+    so that both routes read the options, and warn about unknown ones, the same way."""
     options = check_type(body, "stream_options", (dict,), "an object") or {}
-    check_fields(options, ("include_usage",))
-    usage = check_type(options, "include_usage", (bool,), "a boolean")
-    text, ids = _prompt(body.get("prompt"))
+    options = known_fields(options, STREAM_OPTIONS, route, "stream_options.")
+    usage = bool(check_type(options, "include_usage", (bool,), "a boolean"))
+    continuous = bool(check_type(options, "continuous_usage_stats", (bool,), "a boolean"))
+    return stream and usage, stream and usage and continuous
+
+
+def _shape(body: dict[str, Any], stream: bool) -> CompletionShape:
+    usage, continuous = usage_options(body, stream, ROUTE)
+    return CompletionShape(
+        include_usage=usage, continuous_usage=continuous,
+        token_ids=flag(body, "return_token_ids"),
+        tokens_as_ids=flag(body, "return_tokens_as_token_ids"))
+
+
+def openai_sampling_params(body: dict[str, Any],
+                           default_max_tokens: int | None = OPENAI_DEFAULT_MAX_TOKENS
+                           ) -> tuple[dict[str, Any], str]:
+    """`sampling_params` of an OpenAI body (completions' or chat's), and the field that set
+    the token limit: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`, as
+    in vLLM. `default_max_tokens` None leaves the engine's default (chat: SGLang's 128)."""
     params = {OPENAI_PARAMS[k]: v for k, v in body.items() if k in OPENAI_PARAMS and v is not None}
-    params.setdefault("max_new_tokens", OPENAI_DEFAULT_MAX_TOKENS)
-    return Completion(text, ids, params, stream, bool(usage))
+    if default_max_tokens is not None:
+        params.setdefault("max_new_tokens", default_max_tokens)
+    if body.get("max_completion_tokens") is None:
+        return params, "max_tokens"
+    return {**params, "max_new_tokens": body["max_completion_tokens"]}, "max_completion_tokens"
 
 
-def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise HttpError(400, "`prompt`: a batch of prompts is not supported; send one "
-                        "request per prompt")
-    raise HttpError(400, f"`prompt` must be a string or an array of token ids (integers), "
-                    f"got {json_type(prompt)}")
-
-
-def openai_message(message: str) -> str:
+def openai_message(message: str, limit_field: str = "max_tokens") -> str:
     """An engine message about `sampling_params.X`, in the OpenAI field's name."""
-    for openai, ours in OPENAI_PARAMS.items():
-        message = message.replace(f"sampling_params.{ours}", openai)
-    return message.replace("`input_ids`", "`prompt`")
+    message = message.replace("sampling_params.max_new_tokens", limit_field)
+    for ours, theirs in _OPENAI_NAMES.items():
+        message = message.replace(f"sampling_params.{ours}", theirs)
+    return message.replace("sampling_params.", "").replace("`input_ids`", "`prompt`")
 
 
-def _usage(meta: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": meta["cached_tokens"]}}
-
-
-def _completion(model: str, choices: list[dict[str, Any]], cid: str | None = None
-                ) -> dict[str, Any]:
-    return {"id": cid or f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices}
-
-
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-
-def completion_response(result: dict[str, Any], model: str) -> dict[str, Any]:
-    meta = result["meta_info"]
-    out = _completion(model, [_choice(result["text"], meta["finish_reason"])])
-    return {**out, "usage": _usage(meta)}
-
-
-async def completion_chunks(results: AsyncIterator[dict], model: str, stop: tuple[str, ...],
-                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI chunks carrying text deltas. Until the end, the tail that could still become a
-    stop string (cut from the final text) or an unfinished UTF-8 character is held back, so a
-    delta is never taken back."""
-    cid, hold, sent = f"cmpl-{uuid.uuid4().hex}", max(map(len, stop), default=1) - 1, ""
-    meta: dict[str, Any] = {}
-    try:
-        async for result in results:
-            meta = result["meta_info"]
-            final = meta["finish_reason"] is not None
-            text = result["text"]
-            visible = text if final else text[:len(text) - hold].rstrip(REPLACEMENT_CHAR)
-            delta = visible[len(sent):] if visible.startswith(sent) else ""
-            sent = visible if visible.startswith(sent) else sent
-            if delta or final:
-                yield _completion(model, [_choice(delta, meta["finish_reason"])], cid)
-    finally:
-        await results.aclose()  # a client gone: its request is aborted now
-    if include_usage and meta:
-        yield {**_completion(model, [], cid), "usage": _usage(meta)}
+def logprob_options(completion: Completion) -> LogprobOptions:
+    """What the engine must collect: output logprobs (and the prompt's, from its first token,
+    for `echo`) when asked for, or to rank `best_of`'s samples."""
+    wanted = completion.logprobs is not None
+    if not wanted and completion.sampling_params["n"] == completion.n:
+        return LogprobOptions()
+    return LogprobOptions(return_logprob=True,
+                          logprob_start_len=0 if completion.echo and wanted else -1,
+                          top_logprobs_num=completion.logprobs or 0,
+                          return_text_in_logprobs=True)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion(await read_object(request))
+    completion = parse_completion(await read_object(request))
     engine = live_engine(request)
-    model = engine.config.model.path
+    count = len(completion.prompts.items)  # every prompt is asked the same
     try:
-        req = engine.make_request(parsed.text, parsed.input_ids, parsed.sampling_params)
+        submitted = submit(engine, completion.prompts, [completion.sampling_params] * count,
+                           [completion.cache_salt] * count, [logprob_options(completion)] * count)
     except InvalidRequest as e:
-        raise HttpError(400, openai_message(str(e))) from None
-    results = await start_stream(engine, req)
-    if not parsed.stream:
-        return web.json_response(completion_response(await last_result(results), model))
-    chunks = completion_chunks(results, model, req.params.stop, parsed.include_usage)
+        raise HttpError(400, openai_message(str(e), completion.limit_field)) from None
+    streams = await start_all(engine, submitted)
+    model = served_model_name(engine)
+    if not completion.stream:
+        results = await last_results(streams)
+        return web.json_response(completion_response(completion, submitted, results, model,
+                                                     engine.tokenizer))
+    chunks = completion_chunks(completion, submitted, streams, model, engine.tokenizer)
     return await send_sse(request, json_events(chunks))
-
-
-async def handle_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    card = {"id": state.engine.config.model.path, "object": "model", "created": state.started,
-            "owned_by": "hicache", "max_model_len": state.engine.context_len}
-    return web.json_response({"object": "list", "data": [card]})

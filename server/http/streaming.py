@@ -4,14 +4,19 @@ A stream is `data: {json}\\n\\n` per event, then `data: [DONE]\\n\\n`. A request
 fails before its first result is a plain 500 (`start_stream` raises RequestFailed before any
 header is sent); one failing mid-stream ends with an error event in the JSON error shape.
 Closing a results iterator aborts its request: every iterator here closes the one it wraps.
+
+Several requests (a batch, `n` choices) start together (`start_streams`) and are read as one
+stream of `(index, result)` as their tokens come (`merged`), or for their final results
+(`last_results`). `TextDeltas` turns a growing text into deltas that are never taken back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -21,7 +26,10 @@ from server.request import Request
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 SSE_DONE = b"data: [DONE]\n\n"
+REPLACEMENT_CHAR = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends with
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # nginx must not buffer a stream
 
@@ -50,6 +58,57 @@ async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
             await results.aclose()
 
     return chained()
+
+
+async def start_streams(engine: Engine, reqs: Sequence[Request]) -> list[AsyncIterator[dict]]:
+    """`start_stream` for each request, all submitted at once (a batch's prompts are
+    prefilled together, not one after another's first token), in the order given: asyncio
+    runs the tasks in creation order, and each submits before its first await (choice 0 of
+    an `n` must be submitted before the choices that wait for its prompt). When one fails to
+    start, the others are closed (so aborted) before the error goes on."""
+    tasks = [asyncio.ensure_future(start_stream(engine, req)) for req in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for started in outcomes:
+            if not isinstance(started, BaseException):
+                await started.aclose()
+        raise
+
+
+async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """`(i, item)` for every item of every stream, as they arrive (ties in stream order).
+    An error in any stream ends this one with it; closing this closes every stream (so
+    aborts the requests still running)."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def last_results(streams: Sequence[AsyncIterator[dict]]) -> list[dict]:
+    """The final result of each stream, in order (requests that are not streamed)."""
+    last: list[dict] = [{} for _ in streams]
+    async for i, result in merged(streams):
+        last[i] = result
+    return last
 
 
 async def last_result(results: AsyncIterator[dict]) -> dict:
@@ -90,3 +149,21 @@ async def json_events(items: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 
 def dumps(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
+
+
+class TextDeltas:
+    """The new text of each result of a growing answer, never taken back. Until the end,
+    the tail that could still become a stop string (cut from the final text) or an
+    unfinished UTF-8 character (decoded as U+FFFD) is held back; a result that adds nothing
+    that settled yields "" (its stream chunk still goes out: one chunk per token)."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self._hold = max(map(len, stop), default=1) - 1
+        self._sent = ""
+
+    def next(self, text: str, final: bool) -> str:
+        visible = text if final else text[:len(text) - self._hold].rstrip(REPLACEMENT_CHAR)
+        if not visible.startswith(self._sent):
+            return ""
+        delta, self._sent = visible[len(self._sent):], visible
+        return delta

@@ -1,0 +1,327 @@
+"""OpenAI's chat route.
+
+    POST /v1/chat/completions    {"messages", "max_tokens" | "max_completion_tokens", "n",
+                                  "temperature", "top_p", "stop", "seed", "logprobs",
+                                  "top_logprobs", "stream", "stream_options", ...}
+
+docs/http.md has the table of every accepted field. The messages are rendered with the
+model's chat template (`server.chat_template`, read once when the route is built by
+`chat_route`) and tokenized without added specials, so BOS comes from the template alone.
+The rest is /v1/completions' machinery, not a copy of it: the same field policy
+(`server.http.fields`: unknown fields, also inside a message, ignored with one warning; the
+known ones this server cannot honour, `CHAT_UNSUPPORTED`, a 400), the same sampling fields
+(`OPENAI_PARAMS`), `n` choices built by `Engine.make_requests` (one prefill, shared through
+the tree) and started together, and the same `usage` / `sglext` (`usage_fields`).
+
+A stream is `chat.completion.chunk`s: each choice's role chunk first, then one content delta
+per generated token (often "" while a character or a possible stop string is unfinished,
+`TextDeltas`), with that token's `logprobs.content`; the finish reason on its last; then the
+usage chunk when `stream_options.include_usage` asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NamedTuple
+
+from aiohttp import web
+
+from server.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate, load_chat_template
+from server.engine import Engine
+from server.http.body import brief, check_type, json_type, read_object
+from server.http.discovery import served_model_name
+from server.http.errors import HttpError
+from server.http.fields import Only, check_int, known_fields, refuse_unsupported
+from server.http.generation import LogprobOptions, start_all, submit
+from server.http.openai import (
+    COMPLETION_UNSUPPORTED,
+    OPENAI_PARAMS,
+    flag,
+    openai_message,
+    openai_sampling_params,
+    usage_options,
+)
+from server.http.openai_logprobs import Entry, Namer, token_namer
+from server.http.openai_shapes import finished_sglext, usage_fields
+from server.http.prompts import Prompt, Prompts, check_batch_size
+from server.http.state import Handler, live_engine
+from server.http.streaming import TextDeltas, json_events, last_results, merged, send_sse
+from server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest, check_unicode
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "POST /v1/chat/completions"
+TOOLS = "tool (function) calling"
+# What completions refuses that a chat can ask for too (a suffix cannot be; prompt_logprobs'
+# completions hint, "send echo", does not apply), and chat's own.
+CHAT_UNSUPPORTED = {
+    **{k: v for k, v in COMPLETION_UNSUPPORTED.items() if k not in ("suffix", "prompt_logprobs")},
+    "prompt_logprobs": Only(None, "vLLM's prompt_logprobs"),
+    "tools": Only(None, TOOLS), "tool_choice": Only("none", TOOLS),
+    "functions": Only(None, TOOLS), "function_call": Only("none", TOOLS),
+    "audio": Only(None, "audio output"),
+    "modalities": Only(["text"], "an output modality other than text"),
+    "prediction": Only(None, "predicted outputs"),
+}
+CHAT_FIELDS = frozenset({
+    *OPENAI_PARAMS, *CHAT_UNSUPPORTED, "model", "messages", "max_completion_tokens", "stream",
+    "stream_options", "n", "user", "logprobs", "top_logprobs", "return_token_ids",
+    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls"})
+ROLES = ("system", "user", "assistant")
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+PART_FIELDS = frozenset({"type", "text"})
+TEXT_PART = "text"
+# A message's text parts become one string, joined as vLLM joins them for string templates.
+PART_SEPARATOR = "\n"
+CHAT_OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+
+
+class Chat(NamedTuple):
+    messages: list[dict[str, str]]  # role, content (a string), name when given
+    sampling_params: dict[str, Any]  # its `n`: the choices
+    logprobs: int | None  # top-k per token with `logprobs: true`; None: no logprobs
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
+    token_ids: bool  # vLLM's return_token_ids: the prompt's and each choice's ids
+    cache_salt: str | None
+    limit_field: str  # the field that set max_new_tokens, for error messages
+
+
+def parse_chat(body: dict[str, Any]) -> Chat:
+    """Check the fields' shapes and what this server supports; the engine checks the
+    sampling values' ranges."""
+    body = known_fields(body, CHAT_FIELDS, ROUTE)
+    refuse_unsupported(body, CHAT_UNSUPPORTED)
+    for name in ("model", "user", "cache_salt"):  # any model name: one model is served
+        check_type(body, name, (str,), "a string")
+    n = check_int(body, "n", 1, MAX_CHOICES) or 1
+    check_batch_size(1, n)
+    stream = flag(body, "stream")
+    usage, continuous = usage_options(body, stream, ROUTE)
+    messages = parse_messages(body.get("messages"))
+    params, limit_field = openai_sampling_params(body, default_max_tokens=None)
+    return Chat(messages, {**params, "n": n}, _logprobs(body), stream, usage, continuous,
+                flag(body, "return_token_ids"), body.get("cache_salt"), limit_field)
+
+
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """OpenAI's pair: `logprobs` (a boolean) turns them on, `top_logprobs` (0..20) is k."""
+    wanted = flag(body, "logprobs")
+    top = check_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise HttpError(400, f"`top_logprobs` ({top}) needs `logprobs: true`")
+    return (top or 0) if wanted else None
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise HttpError(400, "`messages` is required: a non-empty array of messages "
+                        '({"role": ..., "content": ...})')
+    if not isinstance(value, list) or not value:
+        got = "an empty array" if value == [] else json_type(value)
+        raise HttpError(400, f"`messages` must be a non-empty array of messages, got {got}")
+    return [_message(f"messages[{i}]", m) for i, m in enumerate(value)]
+
+
+def _message(where: str, message: Any) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise HttpError(400, f"`{where}` must be an object with `role` and `content`, got "
+                        f"{json_type(message)}")
+    message = known_fields(message, MESSAGE_FIELDS, ROUTE, "messages[].")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise HttpError(400, f"`{where}.role` must be one of {', '.join(ROLES)}, got "
+                        f"{brief(role)}")
+    content = _content(where, message.get("content"))
+    check_unicode(f"{where}.content", content)
+    out = {"role": role, "content": content}
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise HttpError(400, f"`{where}.name` must be a string, got {json_type(name)}")
+    return out if name is None else {**out, "name": name}
+
+
+def _content(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = (_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
+        return PART_SEPARATOR.join(parts)
+    raise HttpError(400, f"`{where}.content` must be a string or an array of text parts "
+                    f'({{"type": "text", "text": ...}}), got {json_type(content)}')
+
+
+def _text_part(where: str, part: Any) -> str:
+    if not isinstance(part, dict):
+        raise HttpError(400, f'`{where}` must be a text part {{"type": "text", "text": ...}}, '
+                        f"got {json_type(part)}")
+    if part.get("type") != TEXT_PART:
+        raise HttpError(400, f"`{where}.type`: content parts of type {brief(part.get('type'))} "
+                        f'are not supported; only "{TEXT_PART}" parts are')
+    part = known_fields(part, PART_FIELDS, ROUTE, "messages[].content[].")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise HttpError(400, f"`{where}.text` must be a string, got {json_type(text)}")
+    return text
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer,
+                    messages: list[dict[str, str]]) -> list[int]:
+    """The prompt of `messages` as token ids: rendered with the generation prompt, then
+    tokenized with no specials added (the template writes its own BOS, as HF's
+    `apply_chat_template(tokenize=True)` assumes)."""
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise HttpError(400, str(e)) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_message(message: str, limit_field: str) -> str:
+    """An engine message in the chat route's field names."""
+    message = openai_message(message).replace("`prompt`", "`messages`")
+    return message.replace("max_tokens", limit_field).replace("max_new_tokens", limit_field)
+
+
+def logprob_options(chat: Chat) -> LogprobOptions:
+    if chat.logprobs is None:
+        return LogprobOptions()
+    return LogprobOptions(return_logprob=True, top_logprobs_num=chat.logprobs,
+                          return_text_in_logprobs=True)
+
+
+def _token(entry: Entry, name: Namer) -> dict[str, Any]:
+    token = name(entry)
+    return {"token": token, "logprob": entry[0], "bytes": list(token.encode("utf-8"))}
+
+
+def logprobs_content(meta: dict[str, Any], name: Namer, start: int = 0) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content` for output tokens `start..` (a stream sends each
+    token's once): the token, and the engine's k most likely there in order. A list, not
+    completions' dict, so two tokens of one text (byte pieces both shown as U+FFFD) both
+    appear."""
+    tokens = (meta.get("output_token_logprobs") or [])[start:]
+    tops = (meta.get("output_top_logprobs") or [])[start:]
+    return [{**_token(entry, name),
+             "top_logprobs": [_token(alt, name) for alt in (tops[i] if i < len(tops) else None)
+                              or ()]}
+            for i, entry in enumerate(tokens)]
+
+
+def _chat_object(kind: str, model: str, choices: list[dict[str, Any]], cid: str | None = None
+                 ) -> dict[str, Any]:
+    return {"id": cid or f"chatcmpl-{uuid.uuid4().hex}", "object": kind,
+            "created": int(time.time()), "model": model, "choices": choices}
+
+
+def chat_response(chat: Chat, results: list[dict], prompt_ids: list[int], model: str,
+                  name: Namer) -> dict[str, Any]:
+    """The plain answer: one choice per result; `usage` counts the prompt once (its cached
+    tokens: choice 0's, whose prefill the others share), as /v1/completions does for `n`."""
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        logprobs = None
+        if chat.logprobs is not None:
+            logprobs = {"content": logprobs_content(meta, name)}
+        choice = {"index": index, "message": {"role": "assistant", "content": result["text"]},
+                  "logprobs": logprobs, "finish_reason": meta["finish_reason"]}
+        if chat.token_ids:
+            choice["token_ids"] = list(result["output_ids"])
+        choices.append(choice)
+    out = _chat_object(CHAT_OBJECT, model, choices)
+    if chat.token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return {**out, **usage_fields([[r["meta_info"] for r in results]])}
+
+
+async def chat_chunks(chat: Chat, streams: list[AsyncIterator[dict]],
+                      stops: Sequence[tuple[str, ...]], prompt_ids: list[int], model: str,
+                      name: Namer) -> AsyncIterator[dict[str, Any]]:
+    """Each choice's role chunk when its first result comes, then one chunk per token of it
+    (choices interleave, each chunk naming its `index`), the finish reason on its last; then
+    the usage chunk (`choices: []`) when asked for. With `continuous_usage`, every chunk
+    carries the usage so far (a role chunk: none of its choice's tokens yet). Closing this
+    closes the streams (so aborts their requests)."""
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    deltas = [TextDeltas(stop) for stop in stops]
+    sent = [0] * len(streams)  # output tokens already sent, per choice
+    latest: list[dict[str, Any] | None] = [None] * len(streams)
+
+    def chunk(k: int, delta: dict[str, str], logprobs: dict[str, Any] | None,
+              finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                  **extra}
+        out = _chat_object(CHUNK_OBJECT, model, [choice], cid)
+        if chat.continuous_usage:
+            out |= usage_fields([[m for m in latest if m is not None]])
+        return out
+
+    events = merged(streams)
+    try:
+        async for k, result in events:
+            meta = result["meta_info"]
+            if latest[k] is None:
+                latest[k] = {**meta, "completion_tokens": 0}
+                role = chunk(k, {"role": "assistant", "content": ""}, None, None, {})
+                yield role | ({"prompt_token_ids": prompt_ids} if chat.token_ids else {})
+            latest[k] = meta
+            final = meta["finish_reason"] is not None
+            logprobs = None
+            if chat.logprobs is not None:
+                logprobs = {"content": logprobs_content(meta, name, sent[k])}
+            ids = list(result["output_ids"])
+            extra = {"token_ids": ids[sent[k]:]} if chat.token_ids else {}
+            sent[k] = len(ids)
+            yield chunk(k, {"content": deltas[k].next(result["text"], final)}, logprobs,
+                        meta["finish_reason"], extra) | finished_sglext(meta)
+    finally:
+        await events.aclose()  # a client gone: its requests are aborted now
+    if chat.include_usage:
+        yield {**_chat_object(CHUNK_OBJECT, model, [], cid),
+               **usage_fields([[m for m in latest if m is not None]])}
+
+
+def chat_route(engine: Engine) -> Handler:
+    """The POST /v1/chat/completions handler for `engine`'s model. Its chat template is read
+    here, once; a model without one (or with one that does not compile) answers every chat
+    request with a 400 saying so, and the other routes serve as usual."""
+    try:
+        template: ChatTemplate | None = load_chat_template(engine.loaded.path)
+        missing = ""
+    except NoChatTemplate as e:
+        template, missing = None, str(e)
+        logger.warning("POST /v1/chat/completions will answer 400: %s", missing)
+
+    async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+        chat = parse_chat(await read_object(request))
+        if template is None:
+            raise HttpError(400, missing)
+        return await serve_chat(request, chat, template)
+
+    return handle_chat_completions
+
+
+async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
+                     ) -> web.StreamResponse:
+    engine = live_engine(request)
+    ids = chat_prompt_ids(template, engine.tokenizer, chat.messages)
+    prompts = Prompts([Prompt(None, ids)], False)
+    try:
+        submitted = submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
+                           [logprob_options(chat)])
+    except InvalidRequest as e:
+        raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
+    streams = await start_all(engine, submitted)
+    model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
+    if not chat.stream:
+        results = await last_results(streams)
+        return web.json_response(chat_response(chat, results, ids, model, name))
+    stops = [req.params.stop for _, req in submitted.choices()]
+    chunks = chat_chunks(chat, streams, stops, ids, model, name)
+    return await send_sse(request, json_events(chunks))
