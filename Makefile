@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install lint serve bench bench-shared-l3 bench-soak bench-radix gpu-check clean
+.PHONY: test compat install lint serve bench bench-shared-l3 bench-soak bench-radix gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The client software people already run (LiteLLM, lm-eval) against a real server on
+# loopback; heavier installs than `make test` wants (tests/compat/, ~2 min once installed).
+compat: $(STAMP)
+	$(BIN)/pip install -q -e '.[test,compat]'
+	$(BIN)/python -m pytest -q -m compat tests/compat
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff
