@@ -31,15 +31,16 @@ from aiohttp import web
 
 from server.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate, load_chat_template
 from server.engine import Engine
-from server.http.body import brief, check_type, json_type, read_object
+from server.http.body import brief, json_type, read_object
 from server.http.discovery import served_model_name
 from server.http.errors import HttpError
-from server.http.fields import Only, check_int, known_fields, refuse_unsupported
+from server.http.fields import Only, check_int, known_fields
 from server.http.generation import LogprobOptions, start_all, submit
 from server.http.openai import (
     COMPLETION_UNSUPPORTED,
     OPENAI_PARAMS,
     flag,
+    openai_body,
     openai_message,
     openai_sampling_params,
     usage_options,
@@ -95,10 +96,7 @@ class Chat(NamedTuple):
 def parse_chat(body: dict[str, Any]) -> Chat:
     """Check the fields' shapes and what this server supports; the engine checks the
     sampling values' ranges."""
-    body = known_fields(body, CHAT_FIELDS, ROUTE)
-    refuse_unsupported(body, CHAT_UNSUPPORTED)
-    for name in ("model", "user", "cache_salt"):  # any model name: one model is served
-        check_type(body, name, (str,), "a string")
+    body = openai_body(body, CHAT_FIELDS, CHAT_UNSUPPORTED, ROUTE)
     n = check_int(body, "n", 1, MAX_CHOICES) or 1
     check_batch_size(1, n)
     stream = flag(body, "stream")

@@ -84,13 +84,21 @@ class Completion(NamedTuple):
     limit_field: str  # the field that set max_new_tokens, for error messages
 
 
+def openai_body(body: dict[str, Any], allowed: tuple[str, ...], unsupported: dict[str, Only],
+                route: str) -> dict[str, Any]:
+    """What both OpenAI routes check first: the field policy (`server.http.fields`), then
+    the string fields every OpenAI body may carry (any model name: one model is served)."""
+    body = known_fields(body, allowed, route)
+    refuse_unsupported(body, unsupported)
+    for name in ("model", "user", "cache_salt"):
+        check_type(body, name, (str,), "a string")
+    return body
+
+
 def parse_completion(body: dict[str, Any]) -> Completion:
     """Check the OpenAI fields' shapes and what this server supports; the engine checks the
     sampling values' ranges."""
-    body = known_fields(body, COMPLETION_FIELDS, ROUTE)
-    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
-    for name in ("model", "user", "cache_salt"):  # any model name: one model is served
-        check_type(body, name, (str,), "a string")
+    body = openai_body(body, COMPLETION_FIELDS, COMPLETION_UNSUPPORTED, ROUTE)
     prompts = any_prompts("prompt", body.get("prompt"))
     n, best_of = _choices(body)
     check_batch_size(len(prompts.items), best_of)
