@@ -6,6 +6,7 @@ from __future__ import annotations
 from server.models.attention import (
     AttentionBackend,
     CudaPagedAttention,
+    ReferenceAttention,
     TorchAttention,
     make_attention_backend,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelArchConfig",
+    "ReferenceAttention",
     "TorchAttention",
     "hicache_home",
     "load_model",

@@ -3,6 +3,22 @@
 Every backend computes, for sequence i of a ForwardBatch and its new token t (0-based within
 the extend), causal attention over the keys at positions `0 .. prefix_lens[i] + t`, read from
 the pool through `seq_slots[i]`. GQA: query head h reads KV head `h // (heads // kv_heads)`.
+
+`TorchAttention` batches a layer's work instead of looping over sequences in Python:
+
+    decode sequences     one gather of every decode sequence's K/V through a padded slot
+                         table, one SDPA call; GQA by folding each KV head's query heads
+                         into the query length (`[S, kv_heads, group, head_dim]`), so K/V
+                         are never repeated
+    prefill sequences    one gather of all their K/V; per sequence one SDPA call with K/V
+                         broadcast over the query heads of each KV head (a stride-0 view, no
+                         copy); SDPA's causal path when nothing is cached (CPU), otherwise
+                         the offset-causal mask `j <= prefix + t`, built once per batch and
+                         shared by every layer
+
+What a batch needs for this (tables, masks, index tensors) is built at the first layer and
+kept on the ForwardBatch (`ForwardBatch.memo`). `ReferenceAttention` is the plain per-sequence
+loop, kept as the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -10,10 +26,12 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
 from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
@@ -43,15 +61,78 @@ class AttentionBackend(ABC):
         """
 
 
+# ------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One sequence with more than one new token."""
+
+    rows: slice                # its new tokens in `[T]`
+    keys: slice                # its keys in the plan's prefill gather
+    mask: torch.Tensor | None  # [extend, seq_len] bool, None: SDPA's causal path
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one batch's attention runs, the same at every layer (built once, `_plan`)."""
+
+    decode_rows: torch.Tensor | None   # [Sd] rows of `[T]` of the decode sequences
+    decode_table: torch.Tensor | None  # [Sd, max_len] slots, padded with the row's first
+    decode_mask: torch.Tensor | None   # [Sd, 1, 1, max_len] bool, True: a key of the row
+    all_decode: bool                   # every sequence is a decode one (rows in order)
+    prefill_slots: torch.Tensor | None  # [sum of prefill seq_lens] slots, one gather
+    prefills: tuple[_Prefill, ...]
+
+
+def _plan(batch: ForwardBatch, causal_flag: bool) -> _Plan:
+    device = batch.device
+    decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+    prefill = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+    starts = batch.extend_starts
+    rows = table = mask = None
+    if decode:
+        lens = [batch.prefix_lens[i] + 1 for i in decode]
+        slots = [batch.seq_slots[i] for i in decode]
+        width = max(lens)
+        # Padding repeats the row's first slot: a finite key of its own, weighted 0 by the
+        # mask (a padding-page read could be anything, and 0 * NaN is NaN).
+        table = torch.stack([torch.cat([s, s[:1].expand(width - s.numel())])
+                             for s in slots])  # [Sd, width]
+        length = torch.tensor(lens, dtype=INDEX_DTYPE).to(device)
+        mask = (torch.arange(width, device=device)[None, :] < length[:, None])[:, None, None, :]
+        rows = torch.tensor([starts[i] for i in decode], dtype=INDEX_DTYPE).to(device)
+    parts, offset = [], 0
+    gather = []
+    for i in prefill:
+        prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
+        m = None if (prefix == 0 and causal_flag) else _causal_mask(prefix, extend, device)
+        parts.append(_Prefill(slice(starts[i], starts[i] + extend),
+                              slice(offset, offset + prefix + extend), m))
+        gather.append(batch.seq_slots[i])
+        offset += prefix + extend
+    return _Plan(rows, table, mask, not prefill,
+                 torch.cat(gather) if gather else None, tuple(parts))
+
+
+def _causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor:
+    """True where new token t may attend key j: `j <= prefix + t`; `[extend, prefix + extend]`."""
+    keys = torch.arange(prefix + extend, device=device)  # [seq_len]
+    queries = torch.arange(extend, device=device) + prefix  # [extend]
+    return keys[None, :] <= queries[:, None]
+
+
+# ---------------------------------------------------------------------------- backends
+
+
 class TorchAttention(AttentionBackend):
-    """The reference: per sequence, gather K/V through its slots and run SDPA (CPU or GPU).
+    """Batched attention through SDPA on any device (see the module docstring).
 
     A sequence with no cached prefix takes SDPA's causal path on the CPU instead of a
-    materialised mask: about 1.6x faster at 2,048 tokens, and bit-identical to the masked
-    call (checked over 642 shapes in float32 and bfloat16, and in tests), so a prompt
-    computed from scratch and one extending a cached prefix still give the same tokens. On
-    CUDA the causal flag picks another kernel than the mask does, so the mask stays there
-    until that is checked on a GPU.
+    materialised mask: bit-identical to the masked call (checked over 642 shapes in float32
+    and bfloat16, and in tests), so a prompt computed from scratch and one extending a cached
+    prefix give the same tokens. On CUDA the causal flag picks another kernel than the mask
+    does, so the mask stays there until that is checked on a GPU.
     """
 
     def forward(
@@ -59,42 +140,77 @@ class TorchAttention(AttentionBackend):
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)  # each [num_slots, kv_heads, head_dim]
-        group = q.shape[1] // k_cache.shape[1]
+        plan = batch.memo("torch_attention", lambda: _plan(batch, q.device.type == "cpu"))
+        if plan.all_decode:
+            return _decode(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)  # [T, heads, head_dim]
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = _decode(q.index_select(0, plan.decode_rows),
+                                            k_cache, v_cache, plan)
+        keys = k_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum seq_len, kvh, d]
+        values = v_cache.index_select(0, plan.prefill_slots).to(q.dtype)
+        for p in plan.prefills:
+            out[p.rows] = _prefill(q[p.rows], keys[p.keys], values[p.keys], p.mask)
+        return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            plan: _Plan) -> torch.Tensor:
+    """One query token per sequence: `q` `[Sd, heads, d]` -> `[Sd, heads, d]`."""
+    s, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    # [Sd, width, kvh, d] -> [Sd, kvh, width, d]; the group's heads are the query length
+    keys = k_cache[plan.decode_table].to(q.dtype).transpose(1, 2)
+    values = v_cache[plan.decode_table].to(q.dtype).transpose(1, 2)
+    queries = q.view(s, kv_heads, heads // kv_heads, dim)  # [Sd, kvh, group, d]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask)
+    return o.reshape(s, heads, dim)
+
+
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's new tokens: `q` `[extend, heads, d]`, keys/values `[seq_len, kvh, d]`."""
+    extend, heads, dim = q.shape
+    seq_len, kv_heads = keys.shape[:2]
+    group = heads // kv_heads
+    queries = q.view(extend, kv_heads, group, dim).permute(1, 2, 0, 3)  # [kvh, group, ext, d]
+    shape = (kv_heads, group, seq_len, dim)  # each KV head seen by its group: stride 0
+    ks = keys.permute(1, 0, 2)[:, None].expand(shape)
+    vs = values.permute(1, 0, 2)[:, None].expand(shape)
+    if mask is None:
+        o = F.scaled_dot_product_attention(queries, ks, vs, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(queries, ks, vs, attn_mask=mask)
+    return o.permute(2, 0, 1, 3).reshape(extend, heads, dim)
+
+
+class ReferenceAttention(AttentionBackend):
+    """The per-sequence reference: gather K/V through its slots, repeat KV heads, SDPA with
+    the offset-causal mask (none for one query token). Slow; tests compare against it."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+        batch: ForwardBatch, kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_pool.get_kv(layer)
+        group = q.shape[1] // k_cache.shape[1]
+        out = torch.empty_like(q)
         for start, prefix, extend, slots in zip(
             batch.extend_starts, batch.prefix_lens, batch.extend_lens, batch.seq_slots
         ):
             qs = q[start:start + extend].transpose(0, 1)  # [heads, extend, head_dim]
-            ks = _gather(k_cache, slots, group, q.dtype)  # [heads, seq_len, head_dim]
-            vs = _gather(v_cache, slots, group, q.dtype)
-            if prefix == 0 and extend > 1 and q.device.type == "cpu":
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            else:
-                mask = _causal_mask(prefix, extend, q.device)  # [extend, seq_len] or None
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            ks = k_cache.index_select(0, slots).to(q.dtype).repeat_interleave(group, dim=1)
+            vs = v_cache.index_select(0, slots).to(q.dtype).repeat_interleave(group, dim=1)
+            mask = None if extend == 1 else _causal_mask(prefix, extend, q.device)
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1), vs.transpose(0, 1),
+                                               attn_mask=mask)
             out[start:start + extend] = o.transpose(0, 1)
         return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, group: int,
-            dtype: torch.dtype) -> torch.Tensor:
-    """K or V of one sequence, KV heads repeated for GQA: `[heads, seq_len, head_dim]`."""
-    kv = cache.index_select(0, slots).to(dtype)  # [seq_len, kv_heads, head_dim]
-    return kv.repeat_interleave(group, dim=1).transpose(0, 1)
-
-
-def _causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor | None:
-    """True where new token t may attend key j: `j <= prefix + t`. None for one query token."""
-    if extend == 1:
-        return None
-    keys = torch.arange(prefix + extend, device=device)  # [seq_len]
-    queries = torch.arange(extend, device=device) + prefix  # [extend]
-    return keys[None, :] <= queries[:, None]  # [extend, seq_len]
-
-
 class CudaPagedAttention(AttentionBackend):
     """Decode batches through the CuPy paged kernel; prefill and mixed batches, and decode
-    shapes past the kernel's limits (head_dim, sequences per launch), through SDPA.
+    shapes past the kernel's limits (head_dim, sequences per launch), through TorchAttention.
 
     The kernel runs on torch's current stream, after `set_kv` wrote the new token's K/V there.
     """

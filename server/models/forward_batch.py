@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -45,6 +46,8 @@ class ForwardBatch:
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False
     )
+    # What layers share, built by the first that asks; see `memo`.
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.extend_lens)
@@ -123,6 +126,14 @@ class ForwardBatch:
         return replace(
             self, input_ids=parts[0], positions=parts[1], out_slots=parts[2], seq_slots=parts[3:]
         )
+
+    def memo(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()`, called once per batch: what every layer of one forward shares (an
+        attention backend's tables and masks, RoPE's cos/sin). A batch moved by `to` starts
+        with an empty memo."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def slot_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(table [num_seqs, max_seq_len] int64, seq_lens [num_seqs] int64)` on `device`.

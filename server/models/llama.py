@@ -106,12 +106,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`x` `[T, heads, head_dim]` rotated by `positions` `[T]` (rotate-half pairs)."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, head_dim // 2]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+    def cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim // 2]` of the batch's positions, once per forward."""
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            return (self.cos[batch.positions].to(dtype)[:, None, :],
+                    self.sin[batch.positions].to(dtype)[:, None, :])
+        return batch.memo("rope", build)
+
+    def forward(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs)."""
+        cos, sin = self.cos_sin(batch, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = torch.empty_like(x)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.sub(x1 * cos, x2 * sin, out=o1)
+        torch.add(x2 * cos, x1 * sin, out=o2)
+        return out
 
 
 class LlamaAttention(nn.Module):
@@ -131,10 +141,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
                 kv_pool: DeviceKVPool) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rope(batch.positions, q.view(t, self.heads, self.head_dim))  # [T, heads, head_dim]
-        k = rope(batch.positions, k.view(t, self.kv_heads, self.head_dim))  # [T, kv_heads, hd]
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # q and k are neighbours in qkv: one rotation of both, [T, heads + kv_heads, hd]
+        qk = rope(batch, qkv[:, :self.split[0] + self.split[1]].view(
+            t, self.heads + self.kv_heads, self.head_dim))
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        v = qkv[:, self.split[0] + self.split[1]:].view(t, self.kv_heads, self.head_dim)
         if batch.layer_hook is not None:  # the runner waits here for this layer's loads
             batch.layer_hook(self.layer_id)
         kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
@@ -152,7 +164,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
