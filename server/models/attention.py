@@ -159,9 +159,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """One query token per sequence: `q` `[Sd, heads, d]` -> `[Sd, heads, d]`."""
     s, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    # [Sd, width, kvh, d] -> [Sd, kvh, width, d]; the group's heads are the query length
-    keys = k_cache[plan.decode_table].to(q.dtype).transpose(1, 2)
-    values = v_cache[plan.decode_table].to(q.dtype).transpose(1, 2)
+    table = plan.decode_table
+    # [Sd * width, kvh, d] -> [Sd, kvh, width, d]; the group's heads are the query length
+    # (index_select of the flat table: several times faster than advanced indexing)
+    keys = k_cache.index_select(0, table.view(-1)).to(q.dtype).view(
+        *table.shape, kv_heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, table.view(-1)).to(q.dtype).view(
+        *table.shape, kv_heads, dim).transpose(1, 2)
     queries = q.view(s, kv_heads, heads // kv_heads, dim)  # [Sd, kvh, group, d]
     o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask)
     return o.reshape(s, heads, dim)

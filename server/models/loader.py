@@ -251,7 +251,17 @@ def resolve_dtype(dtype: str, config: ModelArchConfig, device: torch.device) -> 
         return config.torch_dtype if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    if device.type == "cpu" and dtype == "bfloat16" and not cpu_has_bfloat16():
+        logger.warning("this CPU has no bfloat16 instructions (AVX512-BF16 or AMX): bfloat16 "
+                       "matmuls are emulated and slower than float32; --dtype float32 is faster "
+                       "here")
     return _DTYPES[dtype]
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls natively on this CPU (AVX512-BF16 or AMX)."""
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def weight_files(folder: Path) -> dict[str, list[str]]:
