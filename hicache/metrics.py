@@ -158,6 +158,8 @@ def _request_metrics(stats: CacheStats) -> Iterator[Metric]:
     yield _counter("generated_tokens", "Tokens generated", r.generated_tokens)
     yield _counter("request_errors", "Requests the server failed while serving them (a fault "
                    "on one request's behalf; the others went on)", r.request_errors)
+    yield _counter("retracted_requests", "Decoding requests put back in the queue for lack of "
+                   "L1 slots (they resume from the cache)", r.retracted_requests)
     cached = _counter("cached_tokens", "Prompt tokens served from each tier instead of "
                       "being computed", label="tier")
     total = 0

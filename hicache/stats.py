@@ -37,6 +37,8 @@ class RequestCounters:
     cached_host_tokens: int = 0
     cached_storage_tokens: int = 0
     request_errors: int = 0          # requests failed by a fault while serving them
+    retracted_requests: int = 0      # retractions: a decoding request put back in the queue
+                                     # for lack of L1 slots (a request may count more than once)
 
     def cached_tokens(self, tier: str) -> int:
         return getattr(self, f"cached_{tier}_tokens")
@@ -53,7 +55,8 @@ class RequestCounters:
                 "cached_device": self.cached_device_tokens,
                 "cached_host": self.cached_host_tokens,
                 "cached_storage": self.cached_storage_tokens,
-                "request_errors": self.request_errors}
+                "request_errors": self.request_errors,
+                "retracted_requests": self.retracted_requests}
 
 
 @dataclass(frozen=True)

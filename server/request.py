@@ -252,10 +252,20 @@ class Request:
                                    (`cache_prompt`) and at finish they go to the tree, which
                                    hands back the duplicates of pages it already had
         [num_computed, len)        allocated for the step in flight; the request frees them
-        + `reserved` tokens        promised by admission, not yet allocated
+        + `reserved` tokens        promised by admission for the rest of its fill (see
+                                   below), not yet allocated; the tokens it generates are
+                                   allocated as they come, from what no one was promised
 
-    `tree_len` grows when the prompt is cached; `cache_hit_tokens` (what `cached_details`
-    adds up to) is fixed at admission: prompt tokens served from the cache, not computed.
+    Positions run over `all_ids` (prompt, then output): before its next token can be chosen
+    a request computes up to `seq_len` (its fill: the prompt's rest at first, then one token
+    a step). A retracted request (L1 ran out while it decoded) gave all of this back, its
+    computed pages to the tree, and waits with its output kept; readmitted, it matches its
+    prompt and output from the tree and fills the rest, and its sampling goes on where it
+    stopped: nothing it already generated is chosen or sent again.
+
+    `tree_len` grows when the prompt is cached; `admit_hit` is what this admission took from
+    the cache; `cache_hit_tokens` (what `cached_details` adds up to) is fixed at the first
+    admission: prompt tokens served from the cache, not computed.
     A request that wants prompt logprobs from position k is served at most its first k
     tokens from the cache (`cacheable_len`): the logits of every later position are computed.
 
@@ -280,7 +290,9 @@ class Request:
     num_computed: int = 0      # tokens whose K/V are in kv_slots
     tree_len: int = 0          # leading slots owned by the tree (locked), not by the request
     last_node: Any = None      # the locked tree node ending `[0, tree_len)`
-    reserved: int = 0          # L1 tokens set aside for the rest of this request
+    reserved: int = 0          # L1 tokens set aside for the rest of this request's fill
+    admit_hit: int = 0         # tokens this admission found cached (not computed by it)
+    retractions: int = 0       # times it was put back in the queue for lack of L1 slots
     from_storage: int = 0      # tokens its prefetch brought from L3 into L2
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
@@ -299,17 +311,24 @@ class Request:
         return len(self.input_ids)
 
     @property
+    def seq_len(self) -> int:
+        """Prompt and output tokens so far (`len(all_ids)`, without building the list)."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0
+        """Whether prompt logprobs are asked and still to be read: once the first token is
+        out they all are (a retracted request computes its prompt again, not its logprobs)."""
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
 
     @property
     def cacheable_len(self) -> int:
-        """Prompt tokens the cache may serve: all but the last (whose logits pick the first
-        output token), and none from `logprob_start_len` on when prompt logprobs are asked
-        (their logits must be computed; the tree cuts this to whole pages)."""
+        """Tokens of `all_ids` the cache may serve: all but the last (whose logits pick the
+        next token), and none from `logprob_start_len` on while prompt logprobs are to be
+        read (their logits must be computed; the tree cuts this to whole pages)."""
         if self.wants_prompt_logprobs:
             return min(self.prompt_len - 1, self.logprob_start_len)
-        return self.prompt_len - 1
+        return self.seq_len - 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,5 +1,6 @@
 """Admission asked, then committed: the ask changes no room; the commit evicts exactly what
-the ask counted on, never the request's own hit, and needs no undo."""
+the ask counted on, never the request's own hit, and needs no undo. Only the fill is
+reserved; the new tokens of every request are estimated (`NewTokenRatio`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 from hicache.config import load_config
 from hicache.stack import CacheStack, ModelKV, build_stack
 from server.request import Request, SamplingParams
-from server.scheduler.admission import Admission
+from server.scheduler.admission import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO_FACTOR,
+    NEW_TOKEN_RATIO_DECAY_STEPS,
+    RETRACT_DECODE_STEPS,
+    Admission,
+    NewTokenRatio,
+)
 from server.scheduler.kv import RequestKV
 
 PS = 4
@@ -35,11 +43,17 @@ def request(prompt: list[int], max_new: int) -> Request:
     return Request(prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
 
 
+def admission_of(stack: CacheStack, running: list[Request] | None = None
+                 ) -> tuple[Admission, RequestKV]:
+    kv = RequestKV(stack, [] if running is None else running)
+    return Admission(stack, kv), kv
+
+
 def test_an_ask_that_says_no_evicts_nothing() -> None:
     stack = stack_of()
     cache(stack, list(range(1000, 1048)))  # 48 evictable tokens, 16 free
-    admission = Admission(stack, [])
-    assert admission.plan(request(list(range(80)), 8)) is None  # needs 88 of 64
+    admission, _ = admission_of(stack)
+    assert admission.plan(request(list(range(80)), 8)) is None  # 80 + 0.7 * 8 of 64
     assert stack.tree.evictable_size() == 48 and stack.device_pool.available_size() == 16
     stack.check_integrity()
 
@@ -50,8 +64,8 @@ def test_the_requests_own_hit_is_not_counted_as_room() -> None:
     stack = stack_of()
     prefix = list(range(48))
     cache(stack, prefix)
-    req = request(prefix + list(range(500, 509)), 8)  # 9 new prompt tokens + 8: 20 slots
-    assert Admission(stack, []).plan(req) is None
+    req = request(prefix + list(range(500, 509)), 8)  # 9 new (12 in pages) + 0.7 * 8: 18
+    assert admission_of(stack)[0].plan(req) is None
     assert stack.tree.evictable_size() == 48
     assert stack.tree.match_prefix(prefix).device_indices.numel() == 48
 
@@ -61,17 +75,16 @@ def test_commit_evicts_the_shortfall_keeps_the_hit_and_releases_cleanly() -> Non
     prefix = list(range(16))
     cache(stack, prefix)
     cache(stack, list(range(1000, 1032)))  # 32 tokens of another context
-    running: list[Request] = []
-    admission, kv = Admission(stack, running), RequestKV(stack)
-    req = request(prefix + list(range(500, 521)), 8)  # hit 16; 21 + 8 -> 32 slots
-    plan = admission.plan(req)
-    assert plan is not None and (plan.need_tokens, plan.evict_tokens) == (32, 16)
+    admission, kv = admission_of(stack)
+    req = request(prefix + list(range(500, 521)), 8)  # hit 16; fill 21 -> 24 slots, 6 more
+    plan = admission.plan(req)  # estimated: asked for (30 of 16 free), not promised
+    assert plan is not None and (plan.need_tokens, plan.evict_tokens) == (24, 8)
     assert stack.tree.evictable_size() == 48  # the ask changed nothing
     admission.commit(req, plan)
     assert req.cached_details == {"device": 16, "host": 0, "storage": 0}
-    assert (req.tree_len, req.reserved) == (16, 32)
+    assert (req.tree_len, req.reserved) == (16, 24)
     assert stack.tree.protected_size() == 16  # the hit, locked
-    assert stack.device_pool.available_size() >= 32  # the other context made room
+    assert stack.device_pool.available_size() >= 24  # the other context made room
     stack.check_integrity()
     kv.release(req, keep_cache=False)
     assert stack.tree.protected_size() == 0
@@ -89,12 +102,100 @@ def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     assert stack.tree.evict(16) == 16  # the deeper one: L2 only now
     monkeypatch.setattr(stack.tree, "init_load_back", lambda node: 1 / 0)
     req = request(prefix + [7, 7], 4)
-    plan = Admission(stack, []).plan(req)
+    admission, kv = admission_of(stack)
+    plan = admission.plan(req)
     assert plan is not None and plan.match.host_hit_length == 16
     with pytest.raises(ZeroDivisionError):
-        Admission(stack, []).commit(req, plan)
+        admission.commit(req, plan)
     assert stack.tree.protected_size() == 16  # the device hit, locked for this request
-    RequestKV(stack).release(req, keep_cache=False)
+    kv.release(req, keep_cache=False)
     assert stack.tree.protected_size() == 0
     stack.check_integrity()
     stack.close()
+
+
+def test_the_running_requests_estimated_tokens_are_kept_free() -> None:
+    """A running request that may still generate 40 tokens is expected to use 0.7 of them:
+    a newcomer whose fill fits in the free slots waits while that estimate leaves it no room,
+    and is admitted once the estimate has come down."""
+    stack = stack_of()
+    running: list[Request] = []
+    admission, kv = admission_of(stack, running)
+    first = request(list(range(20)), 40)  # fill 20, estimate 28: 48 of 64
+    admission.commit(first, admission.plan(first))
+    running.append(first)
+    second = request(list(range(100, 116)), 8)  # fill 16, estimate 6
+    assert kv.free_tokens() == 64 - 20 >= 16
+    assert admission.plan(second) is None  # 44 free - 28 for the first < 22
+    first.output_ids.extend([1] * 30)  # 10 left to generate: 7 expected
+    assert admission.plan(second) is not None
+
+
+def test_a_decode_beyond_the_fill_takes_unpromised_slots_and_evicts_for_them() -> None:
+    stack = stack_of()
+    cache(stack, list(range(1000, 1020)))
+    cache(stack, list(range(2000, 2020)))  # 40 evictable in two leaves, 24 free
+    running: list[Request] = []
+    admission, kv = admission_of(stack, running)
+    req = request(list(range(16)), 32)
+    admission.commit(req, admission.plan(req))
+    running.append(req)
+    assert kv.ensure_slots(req, 16) and req.reserved == 0  # the fill, from the reservation
+    req.num_computed = 16
+    assert kv.ensure_slots(req, 40)  # 24 more: 8 free, one leaf evicted
+    assert stack.tree.evictable_size() == 20 and len(req.kv_slots) == 40
+    assert not kv.ensure_slots(req, 72)  # 32 more: 4 free and 20 evictable; none allocated
+    assert len(req.kv_slots) == 40
+    stack.check_integrity()
+
+
+def test_a_retracted_request_readmitted_matches_its_prompt_and_output() -> None:
+    """Retracted, a request's whole pages of prompt and output go to the tree, unlocked;
+    readmitted, it matches them (all but its last token, whose logits pick the next one),
+    fills the rest, and keeps the cached counts its client was told the first time."""
+    stack = stack_of()
+    running: list[Request] = []
+    admission, kv = admission_of(stack, running)
+    req = request(list(range(10)), 20)
+    admission.commit(req, admission.plan(req))
+    running.append(req)
+    assert kv.ensure_slots(req, 10)
+    req.num_computed = 10
+    for token in range(200, 207):  # decoded 7 tokens: positions [0, 16) computed
+        assert kv.ensure_slots(req, req.num_computed + 1)
+        req.output_ids.append(token)
+        req.num_computed = req.seq_len - 1
+    assert req.num_computed == 16
+    kv.retract(req)
+    running.remove(req)
+    req.retractions += 1
+    assert (req.num_computed, req.reserved, len(req.kv_slots)) == (0, 0, 0)
+    assert stack.tree.protected_size() == 0 and stack.tree.evictable_size() == 16
+    assert stack.device_pool.available_size() == L1_TOKENS - 16
+    plan = admission.plan(req)
+    assert plan is not None and plan.match.device_indices.numel() == 16
+    admission.commit(req, plan)
+    assert (req.num_computed, req.admit_hit, req.reserved) == (16, 16, 4)  # fill: 1 token
+    assert req.cached_details == {"device": 0, "host": 0, "storage": 0}
+    kv.release(req, keep_cache=True)
+    stack.check_integrity()
+
+
+def test_the_new_token_ratio_decays_jumps_after_a_retraction_and_resets() -> None:
+    ratio = NewTokenRatio()
+    floor = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
+    assert ratio.estimate(request([1], 100)) == 70
+    for _ in range(NEW_TOKEN_RATIO_DECAY_STEPS // 2):
+        ratio.decayed()
+    assert ratio.value == pytest.approx((INIT_NEW_TOKEN_RATIO + floor) / 2)
+    for _ in range(NEW_TOKEN_RATIO_DECAY_STEPS):
+        ratio.decayed()
+    assert ratio.value == pytest.approx(floor)
+    left = [request([1], 200), request([2], 300)]
+    left[0].output_ids.extend([5] * 60)
+    ratio.retracted(left)
+    assert ratio.value == pytest.approx((60 + 2 * RETRACT_DECODE_STEPS) / 500)
+    ratio.retracted([request([1], 10)])  # 20 more tokens of a 10-token request: capped
+    assert ratio.value == 1.0
+    ratio.reset()
+    assert ratio.value == INIT_NEW_TOKEN_RATIO

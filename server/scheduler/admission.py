@@ -4,13 +4,18 @@
              first served among equals and past MAX_LPM_SCAN waiting requests
     ask      `plan(req)`: the prefetch policy lets it in (its prefetch then ends, the pages it
              fetched join the tree); its match (of `cache_key`: a request that wants prompt
-             logprobs from position k matches its first k tokens only); whether L1 can
-             promise what it needs from free slots plus what eviction can free beyond its
-             own hit. Changes no room.
-    commit   `commit(req, plan)`: lock the hit, evict what the plan counted on, load the L2
-             hit back, reserve the rest. Nothing here fails for lack of room, so nothing is
+             logprobs from position k matches its first k tokens only; a retracted one its
+             prompt and output); whether L1 has room for its fill and its estimated new
+             tokens beside the running requests' estimated new tokens (`NewTokenRatio`),
+             from free slots plus what eviction can free beyond its own hit. Changes no room.
+    commit   `commit(req, plan)`: lock the hit, evict what its fill needs now, load the L2
+             hit back, reserve the fill. Nothing here fails for lack of room, so nothing is
              undone; an exception (a bug) fails the request alone, and `RequestKV.release`
              lets go of the lock it took (`req.last_node` is set the moment it is held).
+
+Only the fill is reserved: the tokens a request generates are allocated step by step from
+what is free, as SGLang does. When the estimate was too low and a decode finds no slot, the
+scheduler retracts running requests (`retraction.py`) and the ratio goes back up.
 
 Arrival also starts the request's L3 prefetch (`start_prefetch`), so its pages travel while
 it waits.
@@ -20,6 +25,8 @@ Threading: scheduler thread.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -28,26 +35,72 @@ from hicache.stack import CacheStack
 from hicache.storage.tier import Resume
 from hicache.tree.base import MatchResult
 from server.request import Request
-from server.scheduler.kv import cache_key, pages_up
+from server.scheduler.kv import RequestKV, cache_key, pages_up
 
 # Waiting requests ranked by cached prefix each step; past this many, first come first served
 # (matching every request every step would cost more than it saves; SGLang does the same).
 MAX_LPM_SCAN = 128
 
+# The new-token estimate, SGLang's defaults (global_config / ServerArgs with
+# schedule_conservativeness 1): start at 0.7 of every request's remaining max_new_tokens, fall
+# linearly to 0.7 * 0.14 over 600 decode steps, and after a retraction jump to what the
+# requests left running have decoded plus RETRACT_DECODE_STEPS tokens each, over their
+# max_new_tokens. The estimate of one request counts at most CLIP_MAX_NEW_TOKENS of its
+# remaining tokens (SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION default).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class NewTokenRatio:
+    """The share of its remaining `max_new_tokens` a request is expected to still generate:
+    what admission keeps room for, for each running request and the one it asks about."""
+
+    def __init__(self, init: float = INIT_NEW_TOKEN_RATIO,
+                 min_factor: float = MIN_NEW_TOKEN_RATIO_FACTOR,
+                 decay_steps: int = NEW_TOKEN_RATIO_DECAY_STEPS) -> None:
+        self.init = init
+        self.min = init * min_factor
+        self.decay_per_step = (init - self.min) / decay_steps
+        self.value = init
+
+    def estimate(self, req: Request) -> int:
+        """Tokens `req` is expected to generate still, rounded up."""
+        left = min(req.params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+        return math.ceil(self.value * max(left, 0))
+
+    def decayed(self) -> None:
+        """A decode step went by with room for every request: expect a little less."""
+        self.value = max(self.value - self.decay_per_step, self.min)
+
+    def retracted(self, running: Sequence[Request]) -> None:
+        """A decode ran out of room: expect what the requests still running need, judging by
+        what they have decoded and RETRACT_DECODE_STEPS tokens more each (SGLang's rule)."""
+        decoded = sum(len(r.output_ids) for r in running)
+        budget = sum(r.params.max_new_tokens for r in running)
+        self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / max(budget, 1))
+
+    def reset(self) -> None:
+        """Nothing runs: start again from the initial estimate (SGLang does so when idle)."""
+        self.value = self.init
+
 
 class AdmitPlan(NamedTuple):
     match: MatchResult
-    need_tokens: int   # L1 tokens to promise: slots for the L2 hit's load-back and the rest
+    need_tokens: int   # L1 tokens to promise now: the L2 hit's load-back and the rest of
+                       # the fill (prompt, and output of a retracted request), whole pages
     evict_tokens: int  # of those, what eviction must free first (0: free slots suffice)
 
 
 class Admission:
-    def __init__(self, cache: CacheStack, running: list[Request]) -> None:
+    def __init__(self, cache: CacheStack, kv: RequestKV) -> None:
         self.cache = cache
         self.tree = cache.tree
-        self.pool = cache.device_pool
         self.page_size = cache.page_size
-        self.running = running  # the scheduler's list: their reservations are spoken for
+        self.kv = kv  # its running list: their reservations and estimates are spoken for
+        self.ratio = NewTokenRatio()
 
     def order(self, waiting: list[Request]) -> list[Request]:
         if len(waiting) > MAX_LPM_SCAN:
@@ -69,20 +122,23 @@ class Admission:
             return None
         req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
         m = self.tree.match_prefix(cache_key(req), req.extra_key)
-        # The L2 hit needs device slots for its load-back; the rest (prompt beyond both
-        # hits, and every token it may generate) in whole pages. Both are whole pages.
-        need = m.host_hit_length + pages_up(
-            req.prompt_len - m.device_indices.numel() - m.host_hit_length
-            + req.params.max_new_tokens, self.page_size)
-        short = need - self._free_tokens()
-        if short <= 0:
-            return AdmitPlan(m, need, 0)
-        evictable = self.tree.evictable_size() - self.tree.unlocked_on_path(m.last_device_node)
-        return AdmitPlan(m, need, short) if evictable >= short else None
+        # The L2 hit needs device slots for its load-back; the rest of the fill in whole
+        # pages; both are promised now. Its new tokens, and the running requests', are
+        # estimated: room for them is asked, nothing is promised.
+        fill = m.host_hit_length + pages_up(
+            req.seq_len - m.device_indices.numel() - m.host_hit_length, self.page_size)
+        free = self.kv.free_tokens()
+        short = fill + self.ratio.estimate(req) + self.running_estimate() - free
+        if short > 0:
+            evictable = (self.tree.evictable_size()
+                         - self.tree.unlocked_on_path(m.last_device_node))
+            if evictable < short:
+                return None
+        return AdmitPlan(m, fill, max(0, fill - free))
 
-    def _free_tokens(self) -> int:
-        """Free L1 slots not promised to a running request."""
-        return self.pool.available_size() - sum(r.reserved for r in self.running)
+    def running_estimate(self) -> int:
+        """Tokens the running requests are expected to generate still (`NewTokenRatio`)."""
+        return sum(self.ratio.estimate(r) for r in self.kv.running)
 
     # --------------------------------------------------------------------- commit
 
@@ -103,15 +159,15 @@ class Admission:
                 self.tree.dec_lock_ref(req.last_node)
                 req.last_node = lb.last_node
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
-        need = pages_up(req.prompt_len - len(prefix) + req.params.max_new_tokens,
-                        self.page_size)
-        assert need <= self._free_tokens(), (
-            f"admission promised {plan.need_tokens} tokens, {self._free_tokens()} are free")
+        need = pages_up(req.seq_len - len(prefix), self.page_size)
+        assert need <= self.kv.free_tokens(), (
+            f"admission promised {plan.need_tokens} tokens, {self.kv.free_tokens()} are free")
         req.kv_slots, req.reserved = prefix, need
-        req.num_computed = req.tree_len = len(prefix)
-        storage = min(req.from_storage, loaded)
-        req.cached_details = {"device": m.device_indices.numel(), "host": loaded - storage,
-                              "storage": storage}
+        req.num_computed = req.tree_len = req.admit_hit = len(prefix)
+        if not req.retractions:  # what its client is told: the prompt's first admission
+            storage = min(req.from_storage, loaded)
+            req.cached_details = {"device": m.device_indices.numel(),
+                                  "host": loaded - storage, "storage": storage}
 
     def _evict_keeping(self, m: MatchResult, tokens: int) -> None:
         """Evict L1 `tokens` while the match's L2 pages are kept (an L1 eviction may make

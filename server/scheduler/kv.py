@@ -1,6 +1,12 @@
 """A request's device slots: allocated ahead of each step, handed to the tree when its prompt
-is prefilled and when it finishes, released on the way out. The regions and who frees each
-are drawn on `server.request.Request`.
+is prefilled and when it finishes (or is retracted), released on the way out. The regions and
+who frees each are drawn on `server.request.Request`.
+
+    fill      the prompt's rest (after a retraction: prompt and output beyond the tree's hit)
+              comes from the request's `reserved` tokens, promised at admission: never fails
+    decode    each new token's page comes from the free slots no one was promised, evicting
+              the tree's unlocked pages when they fall short; this can fail (admission only
+              estimated it), and then the scheduler retracts a request
 
 Threading: scheduler thread (it owns the tree and the pools).
 """
@@ -19,28 +25,43 @@ def pages_up(tokens: int, page_size: int) -> int:
 
 
 def cache_key(req: Request) -> list[int]:
-    """What the tree is asked for (match, prefetch, LPM rank): at least one prompt token is
+    """What the tree is asked for (match, prefetch, LPM rank): at least one token is
     computed, for its logits; a request that wants prompt logprobs from position k asks for
     its first k tokens only (`Request.cacheable_len`). A longer cached prefix stays the
-    tree's: the request computes its own copies, which `_insert` frees as duplicates."""
-    return req.input_ids[:req.cacheable_len]
+    tree's: the request computes its own copies, which `_insert` frees as duplicates. A
+    retracted request asks for its prompt and output."""
+    return req.all_ids[:req.cacheable_len]
 
 
 class RequestKV:
-    def __init__(self, cache: CacheStack) -> None:
+    def __init__(self, cache: CacheStack, running: list[Request]) -> None:
         self.tree = cache.tree
         self.pool = cache.device_pool
         self.page_size = cache.page_size
+        self.running = running  # the scheduler's list: their reservations are spoken for
 
-    def ensure_slots(self, req: Request, upto: int) -> None:
-        """Allocate `req`'s slots up to position `upto` (whole pages) from its reservation."""
+    def free_tokens(self) -> int:
+        """Free L1 slots not promised to a running request."""
+        return self.pool.available_size() - sum(r.reserved for r in self.running)
+
+    def ensure_slots(self, req: Request, upto: int) -> bool:
+        """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
+        first, the rest from the free slots no one was promised, evicting the tree's unlocked
+        pages when those fall short. False, with nothing allocated, when L1 cannot give them
+        (possible only beyond the reservation: a decode)."""
         missing = pages_up(upto - len(req.kv_slots), self.page_size)
         if missing <= 0:
-            return
-        slots = self.pool.alloc(missing)  # reserved at admission, so this cannot fail
-        assert slots is not None, "L1 reservation broken"
-        req.reserved -= missing
+            return True
+        extra = missing - min(missing, req.reserved)
+        if extra > self.free_tokens():
+            self.tree.evict(extra - self.free_tokens())
+            if extra > self.free_tokens():
+                return False
+        slots = self.pool.alloc(missing)  # reserved or free and unpromised: cannot fail
+        assert slots is not None, f"L1 has {self.pool.available_size()} free, {missing} asked"
+        req.reserved -= missing - extra
         req.kv_slots = torch.cat([req.kv_slots, slots])
+        return True
 
     def cache_prompt(self, req: Request) -> None:
         """Give the prompt's KV to the tree as soon as its prefill is done, not when the
@@ -76,7 +97,7 @@ class RequestKV:
         if req.last_node is None:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
-        if aligned > req.cache_hit_tokens:  # pages new since admission, maybe cached at
+        if aligned > req.admit_hit:  # pages new since admission, maybe cached at
             self._insert(req, aligned)  # prefill (again): one use, and a fresh access time
         rest = req.kv_slots[max(aligned, req.tree_len):]  # never the tree's
         if rest.numel():
@@ -84,3 +105,11 @@ class RequestKV:
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.reserved = None, 0
         req.kv_slots = req.kv_slots[:0]
+
+    def retract(self, req: Request) -> None:
+        """Give back all `req` holds so it can wait and resume: its computed KV in whole pages
+        (prompt and output so far) to the tree, unlocked, the rest (the unaligned tail and the
+        slots of the step it will not run) to the pool, its reservation dropped. Readmitted,
+        it matches that prefix back (from L1, or L2 if it was evicted meanwhile)."""
+        self.release(req, keep_cache=True)
+        req.num_computed = req.tree_len = req.admit_hit = 0

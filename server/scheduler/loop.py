@@ -2,18 +2,26 @@
 
 Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`), then
 
-    schedule   decode every running request (1 token each), continue chunked prefills,
-               admit waiting requests longest-cached-prefix first, each asked then
-               committed (`admission.py`: prefetch policy -> match -> room? -> lock ->
-               evict -> load-back from L2 -> reserve L1 for the rest)
+    schedule   every running request gets this step's slots (1 token each for a decode, the
+               next chunk of a prefill): a fill from its reservation, a decode from the free
+               slots (evicting the tree's unlocked pages); when L1 cannot give a decode its
+               slot even after the L1->L2 copies in flight land (their pages are locked
+               until then), running requests are retracted, least progressed first
+               (`retraction.py`).
+               Then, unless a request was retracted, waiting requests are admitted
+               longest-cached-prefix first, each asked then committed (`admission.py`:
+               prefetch policy -> match -> room for the fill and the estimated new tokens?
+               -> lock -> evict -> load-back from L2 -> reserve L1 for the fill)
     run        the model runner starts the loads and runs the batch
-    finish     a request whose prefill just ended has its prompt inserted into the tree (it
+    finish     a request whose fill just ended has its tokens inserted into the tree (it
                keeps the path locked); choose tokens (`server.sampling`: shaped logits for
                the requests that ask, one argmax for all greedy rows, `sample_row` for the
                rest) and read the logprobs asked for; finished requests are inserted whole
                (duplicate slots freed, write-through queued) and unlocked
 
-A request that does not fit waits in the queue; nothing ever exits for lack of memory.
+A request that does not fit waits in the queue; a retracted one waits again at its head, its
+output kept, and resumes from the tree. Nothing exits for lack of memory, except a request
+that cannot get a slot even when it runs alone (it fails with an error).
 Every other thread talks to the scheduler through `submit` / `call` (the inbox).
 """
 
@@ -37,6 +45,7 @@ from server.request import Request
 from server.sampling import LogitsShaper, logprob_reads, record_logprob, token_logprobs
 from server.scheduler.admission import Admission
 from server.scheduler.kv import RequestKV
+from server.scheduler.retraction import Retraction, progress
 from server.scheduler.text import OutputText
 from server.tokenizer import Tokenizer
 
@@ -63,11 +72,12 @@ class Scheduler:
         self.inbox = Inbox()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.admission = Admission(cache, self.running)
-        self.kv = RequestKV(cache)
+        self.kv = RequestKV(cache, self.running)
+        self.admission = Admission(cache, self.kv)
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = RequestCounters()
+        self.retraction = Retraction(self.kv, self.waiting, self.counters)
 
     # ------------------------------------------------------------------------- inbox
 
@@ -153,25 +163,71 @@ class Scheduler:
     # ------------------------------------------------------------------------ schedule
 
     def _schedule(self) -> tuple[list[Request], list[int]] | None:
-        reqs, lens, budget = [], [], self.max_batch_tokens
-        for req in self.running:
-            n = 1 if req.prefilled else min(req.prompt_len - req.num_computed, budget)
-            if n > 0 and budget > 0:
-                reqs.append(req)
-                lens.append(n)
-                budget -= n
-        if not any(when_idle for _, _, when_idle in self._commands):
+        if not self.running:
+            self.admission.ratio.reset()
+        step, complete = self._continue_running()
+        budget = self.max_batch_tokens - sum(step.values())
+        admitted = []
+        if complete and not any(when_idle for _, _, when_idle in self._commands):
             for req in self.admission.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
                 if not self._held(req) and self._try_admit(req):
-                    n = min(req.prompt_len - req.num_computed, budget)
-                    reqs.append(req)
-                    lens.append(n)
-                    budget -= n
-        for req, n in zip(reqs, lens):
-            self.kv.ensure_slots(req, req.num_computed + n)
-        return (reqs, lens) if reqs else None
+                    step[req] = min(req.seq_len - req.num_computed, budget)
+                    budget -= step[req]
+                    admitted.append(req)
+        for req in admitted:  # a fill, from the reservation just made
+            ok = self.kv.ensure_slots(req, req.num_computed + step[req])
+            assert ok, f"request {req.rid}: its fill was reserved at admission"
+        return (list(step), list(step.values())) if step else None
+
+    def _continue_running(self) -> tuple[dict[Request, int], bool]:
+        """This step's tokens of the running requests (request -> tokens), each with its
+        slots. The most progressed are served first; when L1 cannot give one its slots,
+        the least progressed decoding request is retracted (`retraction.py`), until it can.
+        Whether every running request got its slots without a retraction."""
+        step, budget = {}, self.max_batch_tokens
+        for req in self.running:
+            n = min(req.seq_len - req.num_computed, budget)
+            if n > 0 and budget > 0:
+                step[req] = n
+                budget -= n
+        retracted: list[Request] = []
+        for req in sorted(step, key=progress, reverse=True):
+            while req in step and not self.kv.ensure_slots(req, req.num_computed + step[req]):
+                if self._settle_copies():
+                    continue
+                victim = self.retraction.victim()
+                if victim is None:
+                    self._fail_request(req, "getting L1 slots",
+                                       self.retraction.no_room(req, step.pop(req)))
+                    break
+                with self._alone(victim, "retracting it"):
+                    self.retraction.retract(victim)
+                    retracted.append(victim)
+                step.pop(victim, None)
+        if retracted:
+            old = self.admission.ratio.value
+            self.admission.ratio.retracted(self.running)
+            logger.info("L1 is out of slots for decoding: retracted %d request(s) (%s) to the "
+                        "queue, %d still running; new_token_ratio %.3f -> %.3f",
+                        len(retracted), ", ".join(r.rid for r in retracted),
+                        len(self.running), old, self.admission.ratio.value)
+        elif any(r.output_ids for r in step):  # a decode step
+            self.admission.ratio.decayed()
+        return step, not retracted
+
+    def _settle_copies(self) -> bool:
+        """Wait for the L1<->L2 copies in flight and apply their acks: a page on its way to
+        L2 stays locked until its ack and is evictable once it lands, which beats
+        retracting a request. Whether that made room (an ack may start the next write of a
+        path, so the caller asks again)."""
+        if not self.tree.copies_pending():
+            return False
+        room = self.kv.free_tokens() + self.tree.evictable_size()
+        self.tree.wait_copies()
+        self.cache.poll()
+        return self.kv.free_tokens() + self.tree.evictable_size() > room
 
     def _held(self, req: Request) -> bool:
         """A later choice of an `n > 1` request waits while the first one prefills, then
@@ -202,7 +258,8 @@ class Scheduler:
             plan = self.admission.plan(req)
             if plan is not None:
                 self.admission.commit(req, plan)
-                self.counters.add_cached(req.cached_details)
+                if not req.retractions:  # a retracted request's prompt was counted once
+                    self.counters.add_cached(req.cached_details)
                 self.waiting.remove(req)
                 self.running.append(req)
                 admitted = True
@@ -219,11 +276,11 @@ class Scheduler:
             return
         done = []
         for i, (req, n) in enumerate(zip(reqs, lens)):
-            was_prefilled = req.prefilled
+            filling = n > 1 or not req.prefilled  # not one decode
             req.num_computed += n
-            if req.prefilled:
+            if req.num_computed == req.seq_len:  # its next token can be chosen
                 done.append(i)
-                if not was_prefilled:
+                if filling:
                     with self._alone(req, "caching its prompt"):
                         self.kv.cache_prompt(req)
         done = [i for i in done if reqs[i].finish_reason is None]
