@@ -204,15 +204,32 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
     return specs
 
 
-def vllm_env(cores: int | None = None) -> dict[str, str]:
+# vLLM's CPU guide preloads tcmalloc and Intel's OpenMP (its wheel ships libiomp5); each is
+# preloaded when present, so vLLM runs as its documentation sets it up.
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_preload(python: Path | None) -> list[str]:
+    """The libraries vLLM's CPU guide preloads that exist here (tcmalloc: Debian's
+    libtcmalloc-minimal4; libiomp5: in the vLLM venv's lib/)."""
+    libs = [TCMALLOC]
+    if python is not None:
+        libs.append(Path(python).parent.parent / "lib" / "libiomp5.so")
+    return [str(p) for p in libs if p.is_file()]
+
+
+def vllm_env(cores: int | None = None, python: Path | None = None) -> dict[str, str]:
     """vLLM's environment: OpenMP threads on every core (its default binds one of two), the
     KV size from --kv-cache-memory-bytes alone (VLLM_CPU_KVCACHE_SPACE takes whole GiB), no
-    network for the model folder."""
+    network for the model folder; on the CPU, tcmalloc and libiomp5 preloaded."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(cores or os.cpu_count() or 1) - 1}",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if rm.gpu_name() is None:
         env["VLLM_TARGET_DEVICE"] = "cpu"
+        preload = vllm_preload(python)
+        if preload:
+            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     return env
 
 
@@ -248,6 +265,7 @@ class VllmServer:
                  timeout_s: float) -> None:
         self.label, self.timeout_s = label, timeout_s
         self.port = free_port()
+        self.python = python
         self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", HOST,
                     "--port", str(self.port), *flags]
         self.log_path = log_dir / f"server-{re.sub(r'[^A-Za-z0-9]+', '_', label)}.log"
@@ -260,7 +278,7 @@ class VllmServer:
     def __enter__(self) -> VllmServer:  # noqa: PYI034
         # preexec_fn is safe here: it calls one preloaded C function and takes no lock.
         with self.log_path.open("w") as log:
-            self._proc = subprocess.Popen(self.cmd, cwd=REPO, env=vllm_env(), text=True,
+            self._proc = subprocess.Popen(self.cmd, cwd=REPO, env=vllm_env(python=self.python), text=True,
                                           stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=rm._die_with_parent)  # noqa: PLW1509
