@@ -1,0 +1,147 @@
+"""The model's forward pass, attention backend against attention backend, in one run.
+
+    reference   ReferenceAttention: per sequence, gather its K/V, repeat KV heads, SDPA with
+                a materialised mask (the engine's path before batching)
+    batched     TorchAttention: one decode SDPA per layer over a padded slot table, one
+                gather for all prefills, KV heads broadcast by stride, masks built per batch
+
+Same model (the embedded one unless `--model-path`), same weights, same pool, the shapes the
+engine runs: a 2,048-token prefill from scratch, a 512-token extend on a 1,536-token cached
+prefix, decode steps at batch 1 and 8 (700 tokens of context each) and a mixed batch (7
+decodes + a 256-token prefill). Prints milliseconds (best of `--repeats`) and the speed-up,
+and the largest logit difference between the two backends; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from hicache.memory.device import DeviceKVPool
+from server.models.attention import ReferenceAttention, TorchAttention
+from server.models.forward_batch import ForwardBatch
+from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+
+# name -> (prefix, extend) per sequence
+SHAPES = {
+    "prefill 2048": [(0, 2048)],
+    "extend 512 on 1536": [(1536, 512)],
+    "decode batch 1": [(700, 1)],
+    "decode batch 8": [(700, 1)] * 8,
+    "mixed: 7 decodes + prefill 256": [(700, 1)] * 7 + [(0, 256)],
+}
+PAGE_SIZE = 16
+
+
+def make_batch(seqs: list[tuple[int, int]], vocab: int, seed: int) -> ForwardBatch:
+    """Sequences laid out one after another from slot PAGE_SIZE (past the padding page)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, positions, out_slots, seq_slots, offset = [], [], [], [], PAGE_SIZE
+    for prefix, extend in seqs:
+        slots = torch.arange(offset, offset + prefix + extend)
+        offset += prefix + extend
+        ids.append(torch.randint(0, vocab, (extend,), generator=gen))
+        positions.append(torch.arange(prefix, prefix + extend))
+        out_slots.append(slots[prefix:])
+        seq_slots.append(slots)
+    return ForwardBatch(torch.cat(ids), torch.cat(positions), torch.cat(out_slots), seq_slots,
+                        [p for p, _ in seqs], [e for _, e in seqs])
+
+
+def set_backend(model: torch.nn.Module, backend: object) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.backend = backend
+
+
+def fill_prefixes(model: torch.nn.Module, pool: DeviceKVPool, batch: ForwardBatch,
+                  vocab: int, seed: int) -> None:
+    """Compute the K/V of every sequence's cached prefix into its slots."""
+    seqs = [(s[:p], p) for s, p in zip(batch.seq_slots, batch.prefix_lens) if p]
+    if not seqs:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    slots = [s for s, _ in seqs]
+    model.forward(ForwardBatch(
+        torch.randint(0, vocab, (sum(p for _, p in seqs),), generator=gen),
+        torch.cat([torch.arange(p) for _, p in seqs]), torch.cat(slots), slots,
+        [0] * len(seqs), [p for _, p in seqs]), pool)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    lm = load_model(args.model_path, args.dtype, args.device)
+    model, c = lm.model, lm.config
+    tokens = max(sum(p + e for p, e in seqs) for seqs in SHAPES.values())
+    pool = DeviceKVPool(-(-tokens // PAGE_SIZE) + 1, PAGE_SIZE, c.num_hidden_layers,
+                        c.num_key_value_heads, c.head_dim, lm.dtype, lm.device)
+    backends = {"reference": ReferenceAttention(), "batched": TorchAttention()}
+    rows = []
+    for name, seqs in SHAPES.items():
+        batch = make_batch(seqs, c.vocab_size, args.seed)
+        set_backend(model, backends["batched"])
+        fill_prefixes(model, pool, batch, c.vocab_size, args.seed + 1)  # shared by both
+        row, logits = {"shape": name}, {}
+        for label, backend in backends.items():
+            set_backend(model, backend)
+            logits[label] = model.forward(batch, pool)
+            row[f"{label}_ms"] = timed(functools.partial(model.forward, batch, pool),
+                                       args.repeats) * 1e3
+        row["speedup"] = row["reference_ms"] / row["batched_ms"]
+        row["max_logit_diff"] = float((logits["reference"] - logits["batched"]).abs().max())
+        rows.append(row)
+        print(f"{name}: reference {row['reference_ms']:.1f} ms, batched "
+              f"{row['batched_ms']:.1f} ms", flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| shape | reference ms | batched ms | speed-up | max logit diff |",
+           "|---|---:|---:|---:|---:|"]
+    out += [f"| {r['shape']} | {r['reference_ms']:,.1f} | {r['batched_ms']:,.1f} | "
+            f"{r['speedup']:.2f}x | {r['max_logit_diff']:.1e} |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=EMBEDDED_TINY_LLAMA)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/forward.json"))
+    args = p.parse_args(argv)
+    with torch.inference_mode():
+        rows = run(args)
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
