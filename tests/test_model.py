@@ -27,7 +27,7 @@ from server.models import (
     resolve_model_path,
 )
 from server.models import loader as loader_mod
-from server.models.llama import rope_inv_freq
+from server.models.llama import ONEDNN_MAX_ROWS, linear, onednn_linear_works, rope_inv_freq
 from server.tokenizer import byte_tokenizer_json
 
 SEED = 1234
@@ -390,3 +390,19 @@ def test_forward_batch_validates() -> None:
     assert (b.num_seqs, b.num_tokens, b.is_decode, b.extend_starts) == (2, 3, False, [0, 1])
     table, lens = b.slot_table()
     assert table.tolist() == [[0, 1, 0], [0, 1, 2]] and lens.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("rows", [1, 8, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300])
+def test_small_batches_through_onednn_match_f_linear(rows: int) -> None:
+    """Decode-sized batches go through oneDNN on the CPU (where it runs), larger ones
+    through F.linear, bit for bit."""
+    gen = torch.Generator().manual_seed(SEED)
+    x, w = torch.randn(rows, 512, generator=gen), torch.randn(768, 512, generator=gen)
+    b = torch.randn(768, generator=gen)
+    want = torch.nn.functional.linear(x, w, b)
+    got = linear(x, w, b, onednn=onednn_linear_works(torch.float32))
+    if rows > ONEDNN_MAX_ROWS:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(linear(x, w, b, onednn=False), want)
