@@ -30,6 +30,7 @@ import torch
 
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import RateLimitedLog, StorageBackend
+from hicache.threads import one_openmp_thread
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class StorageController:
 
     @staticmethod
     def _run_tasks(tasks: queue.Queue[Callable[[], None] | None]) -> None:
+        one_openmp_thread()  # beside the forward pass: no pool of its own (hicache.threads)
         while (task := tasks.get()) is not None:
             task()
 
@@ -193,6 +195,7 @@ class StorageController:
             self._idle.wait_for(lambda: self._backups_in_flight == 0)
 
     def _run_backup(self) -> None:
+        one_openmp_thread()
         while (item := self._backup_q.get()) is not None:
             batch = [item]
             pages = len(item[1])

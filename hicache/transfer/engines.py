@@ -33,6 +33,7 @@ import torch
 from hicache.memory.device import DeviceKVPool, pages_of
 from hicache.memory.host import HostKVPool
 from hicache.policies import IO_BACKENDS, check_choice
+from hicache.threads import one_openmp_thread
 from kernels.cuda_utils import import_cupy, to_device_async
 from kernels.transfer_kv import d2h_pages, h2d_pages
 
@@ -195,6 +196,7 @@ class CpuTransferEngine(TransferEngine):
         self._jobs.put(guarded)
 
     def _run(self) -> None:
+        one_openmp_thread()  # beside the forward pass: no pool of its own (hicache.threads)
         while (job := self._jobs.get()) is not None:
             job()
 
