@@ -247,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.model = LlamaModel(config, attn_backend, dtype, self.device)
+        # the LM head is a tied embedding or a Linear: its oneDNN choice is decided here once
+        self._onednn_head = self.device.type == "cpu" and onednn_linear_works(dtype)
         if config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -269,8 +271,7 @@ class LlamaForCausalLM(nn.Module):
         return self._logits(self.model(batch.to(kv_pool.device), kv_pool))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        onednn = self.device.type == "cpu" and onednn_linear_works(self.dtype)
-        return linear(h, self.lm_head.weight, onednn=onednn).float()
+        return linear(h, self.lm_head.weight, onednn=self._onednn_head).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
