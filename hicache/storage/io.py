@@ -1,18 +1,30 @@
-"""L3 <-> L2: the query, fetch and backup threads between the storage backend and the host pool.
+"""L3 <-> L2: the query thread, the fetch workers and the backup thread between the storage
+backend and the host pool.
 
     prefetch  scheduler: submit(op)  -> query thread: batch_exists -> op.hit_pages
-              scheduler: fetch(op)   -> fetch thread: batch_get ...  -> op.completed_pages grows
-              scheduler: cancel(op)  -> thread stops between batches; op.finished is set
-                                        once it will never touch op.host_indices again
+              scheduler: fetch(op)   -> its pages join the fetch queue in batches; the
+                                        fetch workers take batches round robin over the
+                                        ops queued (batch_get) -> op.completed_pages grows
+              scheduler: cancel(op)  -> no batch of it is handed out again; op.finished is
+                                        set once no worker will touch op.host_indices again
     backup    scheduler: backup(...) -> thread: batch_set      -> poll_backups() acks
 
+Fairness: a fetch is cut into batches of FETCH_BATCH_PAGES and the workers serve the queued
+fetches in turn, one batch each, a fetch's first batch before the next batch of any fetch
+already started; so a request's large prefetch delays another's by at most the batches in
+flight, and a short prefetch that arrives behind a long one finishes in its own time, not
+after it. Several batches of one fetch run at once (a fetch alone uses every
+worker); `completed_pages` counts the leading pages that arrived, whatever order the
+batches end in, and a failed batch ends the fetch at its first missing page.
+
 Threading: `submit`, `fetch`, `cancel`, `backup`, `poll_*` are called on the scheduler
-thread, which owns the host pool's allocator and the tree; the three daemon threads only call
-the backend and read/write the host pages they were handed. Queries have a thread of their
-own so that one is never queued behind a long fetch: a request whose query finds nothing is
-admitted at once (the scheduler waits a moment for fresh queries, `settle`). A backend that raises is a
-miss or a skipped backup, counted here and logged at most once a minute; nothing reaches
-the scheduler.
+thread, which owns the host pool's allocator and the tree; the daemon threads only call the
+backend and read/write the host pages they were handed (the backends' copies and checksums
+release the GIL, so workers overlap). Queries have a thread of their own so that one is
+never queued behind a long fetch: a request whose query finds nothing is admitted at once
+(the scheduler waits a moment for fresh queries, `settle`). A backend that raises is a miss
+or a skipped backup, counted here and logged at most once a minute; nothing reaches the
+scheduler.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,15 +41,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hicache.config import DEFAULT_FETCH_WORKERS
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import RateLimitedLog, StorageBackend
 from hicache.threads import one_openmp_thread
 
 logger = logging.getLogger(__name__)
 
-# Pages per backend call. SGLang's HiCache queries storage in batches of 128 pages; a batch
-# is also the granularity at which a cancelled prefetch stops.
+# Pages per existence query. SGLang's HiCache queries storage in batches of 128 pages.
 STORAGE_BATCH_PAGES = 128
+# Pages per fetch call: the unit the workers share out, and at which a cancelled prefetch
+# stops. Small enough that a 2k-token prompt of 16-token pages (128 pages) is spread over
+# every worker and a short prefetch waits behind at most one batch per worker; large enough
+# that a call's fixed cost (a transaction, a Redis round trip) stays small against its bytes.
+FETCH_BATCH_PAGES = 32
 # Backups queued together are written in one backend call of at most this many pages.
 BACKUP_BATCH_PAGES = 256
 
@@ -76,12 +94,115 @@ class PrefetchOp:
     done_step: int | None = None            # the `check` step it became DONE in
     is_restart: bool = False                # started again after a fresh match
     timeout_tokens: int = 0                 # what the timeout policy's limit is sized by
+    prefix_tokens: int = 0                  # the L1+L2 hit the pages extend, in tokens
+    skip_pages: int = 0                     # pages of the hit recomputed, not fetched: the
+                                            # fetch covers hashes[skip_pages:] (tier.py)
+    head_node: Any = None                   # the head's last node once computed (tier.py)
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
-    completed_pages: int = 0                # (thread) consecutive pages fetched into L2
+    completed_pages: int = 0                # (thread) leading pages fetched into L2
+    fetch_seconds: float = 0.0              # (thread) first batch start -> last batch end
     cancelled: bool = False                 # (scheduler, read by the threads) stop now
     lock: threading.Lock = field(default_factory=threading.Lock)
     queried: threading.Event = field(default_factory=threading.Event)   # hit_pages is set
     finished: threading.Event = field(default_factory=threading.Event)  # no more writes
+    fetch: _FetchProgress | None = None     # (thread, under the queue's lock) batches
+
+
+@dataclass(eq=False)
+class _FetchProgress:
+    """One fetch's batches, as the fetch queue hands them out (under its lock)."""
+
+    total: int                  # pages to fetch: len(host_indices) // page_size
+    next: int = 0               # first page not handed out yet
+    stop: int = 0               # no batch at or past this page is handed out
+    in_flight: int = 0          # batches a worker holds
+    arrived: dict[int, int] = field(default_factory=dict)  # batch start -> pages served
+    started_at: float | None = None
+
+
+class _FetchQueue:
+    """The fetches with batches left, served round robin (see the module docstring).
+
+    `take` blocks for the next batch `(op, first page, end page)`; `done` records what it
+    served. Threading: the scheduler puts and cancels, the workers take and report; all
+    bookkeeping is under one condition variable.
+    """
+
+    def __init__(self, page_size: int, batch_pages: int = FETCH_BATCH_PAGES) -> None:
+        self.page_size = page_size
+        self.batch_pages = batch_pages
+        self._fresh: deque[PrefetchOp] = deque()  # no batch handed out yet: served first
+        self._ready: deque[PrefetchOp] = deque()  # started, more batches left
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def put(self, op: PrefetchOp) -> None:
+        total = len(op.host_indices) // self.page_size
+        with self._cv:
+            op.fetch = _FetchProgress(total, stop=total)
+            if op.cancelled or total == 0:
+                op.finished.set()
+                return
+            self._fresh.append(op)
+            self._cv.notify()
+
+    def take(self) -> tuple[PrefetchOp, int, int] | None:
+        """The next batch, fairly; None once the queue is closed."""
+        with self._cv:
+            while True:
+                while self._fresh or self._ready:
+                    op = (self._fresh or self._ready).popleft()
+                    f = op.fetch
+                    if op.cancelled or f.next >= f.stop:
+                        self._maybe_finish(op)
+                        continue
+                    start, end = f.next, min(f.stop, f.next + self.batch_pages)
+                    f.next, f.in_flight = end, f.in_flight + 1
+                    if f.started_at is None:
+                        f.started_at = time.monotonic()
+                    if f.next < f.stop:
+                        self._ready.append(op)  # its next batch after the others' turn
+                        self._cv.notify()  # for an idle worker
+                    return op, start, end
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def done(self, op: PrefetchOp, start: int, end: int, served: int) -> None:
+        """A worker's batch `[start, end)` served its first `served` pages."""
+        with self._cv:
+            f = op.fetch
+            f.in_flight -= 1
+            f.arrived[start] = served
+            if served < end - start:
+                f.stop = min(f.stop, start + served)  # nothing past the first miss counts
+            completed = op.completed_pages
+            while completed < f.stop and completed in f.arrived:
+                completed += f.arrived.pop(completed)
+            with op.lock:
+                op.completed_pages = min(completed, f.stop)
+                op.fetch_seconds = time.monotonic() - f.started_at
+            self._maybe_finish(op)
+
+    def cancel(self, op: PrefetchOp) -> int:
+        """No more batches of `op`; the leading pages completed so far."""
+        with self._cv:
+            with op.lock:
+                op.cancelled = True
+                completed = op.completed_pages
+            if op.fetch is not None:
+                self._maybe_finish(op)
+            return completed
+
+    def _maybe_finish(self, op: PrefetchOp) -> None:
+        f = op.fetch
+        if f.in_flight == 0 and (op.cancelled or f.next >= f.stop):
+            op.finished.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 class BackupAck(NamedTuple):
@@ -92,14 +213,17 @@ class BackupAck(NamedTuple):
 class StorageController:
     """Owns the backend and the three I/O threads (see the module docstring)."""
 
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool) -> None:
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
+                 fetch_workers: int = DEFAULT_FETCH_WORKERS) -> None:
+        if fetch_workers < 1:
+            raise ValueError(f"fetch_workers must be >= 1, got {fetch_workers}")
         self.backend = backend
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
         self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
         self._log = RateLimitedLog(logger)  # a failing backend: once a minute per operation
         self._query_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._prefetch_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._fetches = _FetchQueue(self.page_size)
         self._backup_q: queue.Queue[tuple[int, list[bytes], torch.Tensor] | None] = (
             queue.Queue())
         self._backup_acks: queue.Queue[BackupAck] = queue.Queue()
@@ -108,9 +232,9 @@ class StorageController:
         self._threads = [
             threading.Thread(target=self._run_tasks, args=(self._query_q,),
                              name="hicache-query", daemon=True),
-            threading.Thread(target=self._run_tasks, args=(self._prefetch_q,),
-                             name="hicache-prefetch", daemon=True),
             threading.Thread(target=self._run_backup, name="hicache-backup", daemon=True),
+            *(threading.Thread(target=self._run_fetches, name=f"hicache-fetch-{i}",
+                               daemon=True) for i in range(fetch_workers)),
         ]
         for t in self._threads:
             t.start()
@@ -122,15 +246,14 @@ class StorageController:
         self._query_q.put(lambda: self._query(op))
 
     def fetch(self, op: PrefetchOp) -> None:
-        """Fetch the first `len(op.host_indices) // page_size` pages into `op.host_indices`."""
-        self._prefetch_q.put(lambda: self._fetch(op))
+        """Fetch pages `op.skip_pages + i` of `op.hashes` into page i of `op.host_indices`,
+        for the `len(op.host_indices) // page_size` pages it holds."""
+        self._fetches.put(op)
 
     def cancel(self, op: PrefetchOp) -> int:
-        """Stop `op` after the batch in flight; returns the pages completed so far (final:
-        pages beyond it may still be written until `op.finished` is set)."""
-        with op.lock:
-            op.cancelled = True
-            return op.completed_pages
+        """Stop `op` after the batches in flight; returns the leading pages completed so far
+        (final: pages beyond it may still be written until `op.finished` is set)."""
+        return self._fetches.cancel(op)
 
     def _query(self, op: PrefetchOp) -> None:
         hits = 0
@@ -146,24 +269,23 @@ class StorageController:
             op.hit_pages = hits
         op.queried.set()
 
-    def _fetch(self, op: PrefetchOp) -> None:
-        try:
-            total = len(op.host_indices) // self.page_size
-            for start in range(0, total, STORAGE_BATCH_PAGES):
-                if op.cancelled:
-                    break
-                keys = op.hashes[start:min(total, start + STORAGE_BATCH_PAGES)]
-                slots = op.host_indices[start * self.page_size:
-                                        (start + len(keys)) * self.page_size]
-                oks = self._call("get", lambda k=keys, s=slots: self.backend.batch_get(
-                    k, self.host_pool, s), [False] * len(keys))
-                good = _leading_true(oks)
-                with op.lock:
-                    op.completed_pages += good
-                if good < len(keys):
-                    break
-        finally:
-            op.finished.set()
+    def _run_fetches(self) -> None:
+        one_openmp_thread()
+        while (batch := self._fetches.take()) is not None:
+            op, start, end = batch
+            served = 0
+            try:
+                served = self._fetch_batch(op, start, end)
+            finally:
+                self._fetches.done(op, start, end, served)
+
+    def _fetch_batch(self, op: PrefetchOp, start: int, end: int) -> int:
+        """Pages `[start, end)` of the fetch; how many leading ones were served."""
+        keys = op.hashes[op.skip_pages + start:op.skip_pages + end]
+        slots = op.host_indices[start * self.page_size:end * self.page_size]
+        oks = self._call("get", lambda: self.backend.batch_get(keys, self.host_pool, slots),
+                         [False] * len(keys))
+        return _leading_true(oks)
 
     @staticmethod
     def _run_tasks(tasks: queue.Queue[Callable[[], None] | None]) -> None:
@@ -241,7 +363,7 @@ class StorageController:
         if not any(t.is_alive() for t in self._threads):
             return
         self._query_q.put(None)
-        self._prefetch_q.put(None)
+        self._fetches.close()
         self._backup_q.put(None)
         for t in self._threads:
             t.join()
