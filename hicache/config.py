@@ -31,6 +31,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
 TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
 TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
+# L3 fetch workers by default: reads of a local store are bounded by the copy and the
+# checksum (both release the GIL), reads of a remote one by round trips, which overlap.
+DEFAULT_FETCH_WORKERS = 4
 STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 
@@ -231,6 +234,24 @@ class RedisConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ThrottleConfig(_Section):
+    """A slower medium in front of the chosen backend (`ThrottledBackend`): for trying what
+    L3 on a slow disk or network does, and for the benchmarks. Off by default."""
+
+    SECTION: ClassVar[str] = "storage.throttle"
+    bandwidth_mb_s: float | None = None  # MB/s (10^6 bytes) shared by reads and writes
+    latency_ms: float = 0.0  # added to every backend call
+
+    def _validate(self) -> None:
+        self._at_least("bandwidth_mb_s", 0, strict=True)
+        self._at_least("latency_ms", 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.bandwidth_mb_s is not None or self.latency_ms > 0
+
+
+@dataclass(frozen=True)
 class StorageConfig(_Section):
     SECTION: ClassVar[str] = "storage"
     backend: str = "none"
@@ -239,13 +260,18 @@ class StorageConfig(_Section):
     prefetch_timeout_base: float = 2.0  # seconds
     prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
     prefetch_timeout_max: float = 30.0  # seconds
+    fetch_workers: int = DEFAULT_FETCH_WORKERS  # threads reading L3 pages into L2
+    cost_model: bool = True  # fetch, recompute or split a hit by measured costs
+    overlap: bool = True  # compute a hit's head while its tail loads (needs cost_model)
     lmdb: LmdbConfig = field(default_factory=LmdbConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
 
     def _validate(self) -> None:
         self._choice("backend", STORAGE_BACKENDS)
         self._choice("prefetch_policy", PREFETCH_POLICIES)
         self._at_least("prefetch_threshold", 0)
+        self._at_least("fetch_workers", 1)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                      "prefetch_timeout_max"):
             self._at_least(name, 0)

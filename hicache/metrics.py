@@ -213,7 +213,33 @@ def _transfer_metrics(stats: CacheStats) -> Iterator[Metric]:
         yield _counter("prefetch_restarts", "L3 prefetches started again after a fresh "
                        "match, their prefix brought into the tree by another one meanwhile",
                        storage.counters.prefetch_restarts)
+        yield from _cost_metrics(storage)
     yield backup
+
+
+def _cost_metrics(storage: StorageStats) -> Iterator[Metric]:
+    """What the storage tier's cost model decided, and what it estimates now (a gauge is
+    absent until the model has its first estimate)."""
+    c = storage.counters
+    yield _counter("storage_split_prefetches", "L3 hits split into a head computed on the "
+                   "device and a tail fetched meanwhile", c.split_prefetches)
+    yield _counter("storage_head_tokens", "Tokens of those heads (computed, not fetched)",
+                   c.head_tokens)
+    yield _counter("storage_recomputed_hit_tokens", "Tokens of L3 hits recomputed because "
+                   "the cost model found fetching them slower", c.recomputed_hit_tokens)
+    e = storage.estimates
+    if e is None:
+        return
+    for name, doc, value in (
+            ("estimated_prefill_tokens_per_second",
+             "The cost model's prefill rate (a 2048-token prefill from scratch)",
+             e.prefill_tokens_per_s),
+            ("storage_estimated_fetch_bytes_per_second", "The cost model's L3 fetch bandwidth",
+             e.fetch_bandwidth_bytes_per_s),
+            ("storage_estimated_fetch_latency_seconds", "The cost model's L3 fetch latency",
+             e.fetch_latency_s)):
+        if value is not None:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
 
 
 def _storage_faults(storage: StorageStats | None) -> Iterator[Metric]:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,7 @@ from hicache.memory.host import HostKVPool, available_memory_bytes
 from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.base import StorageUnavailable
+from hicache.storage.backends.throttled import ThrottledBackend
 from hicache.storage.hashing import PageHasher, model_fingerprint
 from hicache.storage.io import StorageController
 from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry
@@ -54,6 +55,8 @@ CPU_MAX_L1_TOKENS = 65536
 # smaller rather than asking for more pinned memory than the machine has (a GPU can hold more
 # KV than the host can pin twice over).
 HOST_AUTO_FRACTION = 0.5
+MB = 10**6  # storage.throttle.bandwidth_mb_s is in decimal megabytes
+MS_PER_S = 1000.0
 
 
 
@@ -135,7 +138,24 @@ class CacheStack:
             return False
         m = self.tree.match_prefix(key, extra_key)
         hit = m.device_indices.numel() + m.host_hit_length
-        return self.storage.prefetch(req_id, m.last_host_node, key[hit:], extra_key, resume)
+        return self.storage.prefetch(req_id, m.last_host_node, key[hit:], extra_key, resume,
+                                     prefix_tokens=hit)
+
+    def head_stop(self, req_id: str) -> int:
+        """Where the request's first admission stops computing (tokens from its start) so
+        that the tail of its L3 hit, fetched meanwhile, joins it after; 0: no such stop."""
+        return 0 if self.storage is None else self.storage.head_stop(req_id)
+
+    def head_computed(self, req_id: str, node: Any) -> None:
+        """The request computed its head, whose last page ends `node` (in the tree)."""
+        if self.storage is not None:
+            self.storage.head_computed(req_id, node)
+
+    def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
+        """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`: what the
+        storage tier's cost model learns this engine's prefill rate from."""
+        if self.storage is not None:
+            self.storage.observe_forward(rows, seconds)
 
     def settle(self, timeout_s: float) -> None:
         """Give fresh L3 queries up to `timeout_s` to answer (see `StorageTier.settle`)."""
@@ -202,7 +222,8 @@ class CacheStack:
             io = self.storage.io
             storage = StorageStats.read(io.backend.stats(), io.errors,
                                         requests.cached_storage_tokens,
-                                        replace(self.storage.counters))
+                                        replace(self.storage.counters),
+                                        self.storage.estimates())
         return CacheStats(replace(requests), device, host, storage)
 
     def check_integrity(self) -> None:
@@ -289,10 +310,18 @@ def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: Host
         return None
     dtype_name = str(model.dtype).removeprefix("torch.")
     hasher = PageHasher(ps, model_fingerprint(model.path), dtype_name, *model.geometry)
+    if s.throttle.enabled:
+        bandwidth = s.throttle.bandwidth_mb_s
+        backend = ThrottledBackend(backend, None if bandwidth is None else bandwidth * MB,
+                                   s.throttle.latency_ms / MS_PER_S,
+                                   value_bytes=codec.value_bytes)
+        logger.warning("L3 (%s) is throttled to %s MB/s and %s ms per call (storage.throttle)",
+                       s.backend, bandwidth, s.throttle.latency_ms)
     logger.info("L3 (%s): %s", s.backend, backend.stats())
-    return StorageTier(tree, StorageController(backend, host), hasher,
+    return StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
                        prefetch_policy=s.prefetch_policy,
                        prefetch_threshold=s.prefetch_threshold,
                        timeout_base=s.prefetch_timeout_base,
                        timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
-                       timeout_max=s.prefetch_timeout_max)
+                       timeout_max=s.prefetch_timeout_max,
+                       cost_model=s.cost_model, overlap=s.overlap)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hicache.storage.backends import base as backend_stats
-from hicache.storage.tier import StorageCounters
+from hicache.storage.tier import CostEstimates, StorageCounters
 from hicache.tree.hiradix import HostCounters
 
 
@@ -99,6 +99,7 @@ class StorageStats:
     errors_by_op: dict[str, int]  # faults turned into misses or skipped writes
     counters: StorageCounters
     backend: dict[str, Any] = field(default_factory=dict)  # the backend's own stats, whole
+    estimates: CostEstimates | None = None  # the cost model's, None before it was asked
 
     @property
     def errors(self) -> int:
@@ -106,7 +107,8 @@ class StorageStats:
 
     @classmethod
     def read(cls, backend: Mapping[str, Any], io_errors: Mapping[str, int], hit_tokens: int,
-             counters: StorageCounters) -> StorageStats:
+             counters: StorageCounters, estimates: CostEstimates | None = None
+             ) -> StorageStats:
         """From a backend's `stats()` and the I/O threads' fault counts ("exists", "get",
         "set": exceptions a backend let through), summed per operation."""
         faults = dict(backend.get(backend_stats.STAT_ERRORS_BY_OP, {}))
@@ -124,7 +126,8 @@ class StorageStats:
                    evicted_pages=count(backend_stats.STAT_EVICTED),
                    written_pages=count(backend_stats.STAT_WRITTEN),
                    skipped_pages=count(backend_stats.STAT_SKIPPED),
-                   errors_by_op=faults, counters=counters, backend=dict(backend))
+                   errors_by_op=faults, counters=counters, backend=dict(backend),
+                   estimates=estimates)
 
     def as_dict(self) -> dict[str, Any]:
         """The backend's keys (`pages`, `bytes`, `capacity_bytes`, ... and its own extras),
@@ -132,9 +135,12 @@ class StorageStats:
         `hits` is the tier's token count, as for the other tiers."""
         paged = (backend_stats.STAT_HITS, backend_stats.STAT_MISSES)
         extras = {k: v for k, v in self.backend.items() if k not in paged}
-        return {**extras, "hits": self.hit_tokens, "hit_pages": self.hit_pages,
-                "miss_pages": self.miss_pages, "errors_by_op": dict(self.errors_by_op),
-                "errors": self.errors, **asdict(self.counters)}
+        out = {**extras, "hits": self.hit_tokens, "hit_pages": self.hit_pages,
+               "miss_pages": self.miss_pages, "errors_by_op": dict(self.errors_by_op),
+               "errors": self.errors, **asdict(self.counters)}
+        if self.estimates is not None:
+            out["cost_model"] = self.estimates._asdict()
+        return out
 
 
 @dataclass(frozen=True)

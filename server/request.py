@@ -294,6 +294,9 @@ class Request:
     admit_hit: int = 0         # tokens this admission found cached (not computed by it)
     retractions: int = 0       # times it was put back in the queue for lack of L1 slots
     from_storage: int = 0      # tokens its prefetch brought from L3 into L2
+    head_stop: int = 0         # > 0: this admission computes up to here only; the rest of
+                               # its L3 hit (the tail) is fetched meanwhile (storage tier)
+    tail_pending: bool = False  # it computed its head; its next admission takes the tail
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     generator: torch.Generator | None = None

@@ -16,6 +16,16 @@ and prefetches only what is still missing. A wait ends too when the other fetch 
 step ago but its request is still not admitted (no L1 room): then the waiting one fetches
 the pages itself.
 
+What to fetch (`_head_pages`): once the cost model (`cost.py`) has estimates of this
+engine's prefill and of the backend's fetches, it decides for each hit: fetch it all,
+recompute it all (fetching would be slower), or compute the head and load the tail: the
+first k pages are recomputed while pages [k, n) are fetched (they are valid on their own:
+the hash chain fixes their prefix), k chosen so that both end together. Such an op has
+`skip_pages = k`; the request is admitted at once to compute its head (`head_tokens`), goes
+back to the queue with the head in the tree (`head_computed`), and is admitted again when
+the tail has arrived, which `terminate` hangs below the head. Until the model is warm, and
+with `cost_model` off, hits of at least `threshold` tokens are fetched whole.
+
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
 """
@@ -28,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache.policies import PREFETCH_POLICIES, check_choice
+from hicache.storage.cost import FetchCost, PrefillCost, Split, choose_split
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
 
@@ -37,6 +48,13 @@ if TYPE_CHECKING:
 # In-flight prefetches may hold at most this share of the host pool, so L2 keeps room for
 # write-through and load-back (SGLang caps prefetch the same way).
 MAX_PREFETCH_HOST_FRACTION = 0.5
+# A hit is split into a computed head and a fetched tail only when the estimate beats the
+# better of fetching it all and recomputing it all by this share: a split costs a second
+# admission and the head's copy to L2, so a gain within the estimates' noise is not taken.
+SPLIT_MIN_GAIN = 0.2
+# The prefix length at which /admin/tiers reports the prefill estimate (tokens/s of a
+# prefill of this many tokens from scratch).
+REPORT_PREFILL_TOKENS = 2048
 
 
 @dataclass
@@ -47,6 +65,20 @@ class StorageCounters:
     backed_up_tokens: int = 0
     backup_failures: int = 0     # backups that failed (per node written)
     prefetch_restarts: int = 0
+    split_prefetches: int = 0    # hits split into a computed head and a fetched tail
+    head_tokens: int = 0         # tokens of those heads (recomputed, not fetched)
+    recomputed_hits: int = 0     # hits the cost model chose to recompute rather than fetch
+    recomputed_hit_tokens: int = 0
+
+
+class CostEstimates(NamedTuple):
+    """What the cost model believes now (None until it has enough observations)."""
+
+    prefill_tokens_per_s: float | None   # a prefill of REPORT_PREFILL_TOKENS from scratch
+    fetch_bandwidth_bytes_per_s: float | None
+    fetch_latency_s: float | None
+    prefill_observations: int
+    fetch_observations: int
 
 
 
@@ -61,7 +93,8 @@ class StorageTier:
     def __init__(self, tree: HiRadixCache, io: StorageController, hasher: PageHasher,
                  prefetch_policy: str = "timeout", prefetch_threshold: int = 256,
                  timeout_base: float = 2.0, timeout_per_ki_token: float = 0.1,
-                 timeout_max: float = 30.0) -> None:
+                 timeout_max: float = 30.0, cost_model: bool = True,
+                 overlap: bool = True) -> None:
         check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
         self.tree = tree
         self.io = io
@@ -77,6 +110,10 @@ class StorageTier:
         self._fresh: list[PrefetchOp] = []  # submitted since the last `settle`
         self._step = 0  # `check` calls, to tell a fetch that just finished from a stale one
         self.counters = StorageCounters()
+        self.cost_model = cost_model  # decide by estimates once warm (else the threshold)
+        self.overlap = overlap        # may split a hit into a computed head and a fetched tail
+        self.prefill = PrefillCost()
+        self.fetch_cost = FetchCost()
         # observer(name, seconds): latency hook for metrics ("prefetch_seconds")
         self.observer: Callable[[str, float], None] | None = None
 
@@ -127,11 +164,13 @@ class StorageTier:
     # -------------------------------------------------------------------------- prefetch
 
     def prefetch(self, req_id: str, last_host_node: HiTreeNode, tokens: Any,
-                 extra_key: str | None = None, resume: Resume | None = None) -> bool:
-        """Start fetching the pages of `tokens` (the request's key beyond its L1+L2 hit,
-        under namespace `extra_key`) from storage. False when shorter than the threshold,
-        already running, or when the hit's last node has no L2 copy to hang pages under.
-        `resume` (a restart) keeps the policy's clock and budget of the first attempt."""
+                 extra_key: str | None = None, resume: Resume | None = None,
+                 prefix_tokens: int = 0) -> bool:
+        """Start fetching the pages of `tokens` (the request's key beyond its L1+L2 hit of
+        `prefix_tokens`, under namespace `extra_key`) from storage. False when shorter than
+        the threshold, already running, or when the hit's last node has no L2 copy to hang
+        pages under. `resume` (a restart) keeps the policy's clock and budget of the first
+        attempt."""
         tokens = self.tree.page_aligned(tokens)
         if len(tokens) < max(self.threshold, self.page_size) or req_id in self.ops:
             return False
@@ -139,7 +178,7 @@ class StorageTier:
             return False
         hashes = self.hasher.hash_pages(tokens, self._last_hash(last_host_node), extra_key)
         op = PrefetchOp(req_id, hashes, last_host_node, tokens, extra_key,
-                        timeout_tokens=len(tokens))
+                        timeout_tokens=len(tokens), prefix_tokens=prefix_tokens)
         if resume is not None:
             op.started_at, op.timeout_tokens = resume
             op.is_restart = True
@@ -180,6 +219,9 @@ class StorageTier:
         self._backup_check()
 
     def _done(self, op: PrefetchOp) -> None:
+        if op.state is PrefetchState.FETCHING and op.completed_pages and op.fetch_seconds > 0:
+            self.fetch_cost.observe(op.completed_pages * self.host_pool.page_bytes,
+                                    op.fetch_seconds)
         op.state, op.done_step, op.waiting_for = PrefetchState.DONE, self._step, None
         op.finished.set()  # the threads never started, or have let go of its pages
 
@@ -189,6 +231,9 @@ class StorageTier:
         hit = op.hit_pages or 0
         if op.cancelled or hit == 0 or hit * self.page_size < self.threshold:
             return self._done(op)
+        head = self._head_pages(op, hit)
+        if head is None:
+            return self._done(op)
         if not op.is_restart and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
             op.state = PrefetchState.RESTART  # inserted since the match: match again
             return None
@@ -197,13 +242,43 @@ class StorageTier:
             op.state, op.waiting_for = PrefetchState.WAITING, other.req_id
             return None
         op.waiting_for = None
-        pages = min(hit, self._prefetch_budget_pages())
-        host = self._alloc_host(pages) if pages * self.page_size >= max(1, self.threshold) else None
+        pages = min(hit - head, self._prefetch_budget_pages())
+        enough = pages > 0 and (head or pages * self.page_size >= max(1, self.threshold))
+        host = self._alloc_host(pages) if enough else None
         if host is None:
             return self._done(op)
+        if head:
+            op.skip_pages = head
+            self.counters.split_prefetches += 1
+            self.counters.head_tokens += head * self.page_size
         op.host_indices, op.state = host, PrefetchState.FETCHING
         self.io.fetch(op)
         return None
+
+    def _head_pages(self, op: PrefetchOp, hit: int) -> int | None:
+        """Pages at the start of an L3 hit of `hit` pages to recompute before the rest is
+        fetched (0: fetch it all), or None: recompute it all. By the cost model when it has
+        estimates, else the fixed threshold (already checked: fetch it all)."""
+        split = self._split(op, hit)
+        if split is None:
+            return 0
+        best_whole = min(split.fetch_seconds, split.recompute_seconds)
+        choice = None if split.fetch_seconds > split.recompute_seconds else 0
+        if (self.overlap and 0 < split.head_pages < hit
+                and split.seconds <= (1 - SPLIT_MIN_GAIN) * best_whole):
+            choice = split.head_pages
+        if choice is None:
+            self.counters.recomputed_hits += 1
+            self.counters.recomputed_hit_tokens += hit * self.page_size
+        return choice
+
+    def _split(self, op: PrefetchOp, hit: int) -> Split | None:
+        """The cost model's split of the hit; None while cold, or with the model off, or
+        when another request fetches the same pages (its fetch decides: never split)."""
+        if not self.cost_model or op.is_restart:
+            return None
+        return choose_split(hit, self.page_size, self.host_pool.page_bytes, op.prefix_tokens,
+                            self.prefill, self.fetch_cost)
 
     def _alloc_host(self, pages: int) -> Any:
         """Host slots for `pages` pages, evicting L2 once if needed; None when there is no
@@ -228,7 +303,7 @@ class StorageTier:
         request is likely admitted in this step, inserting them)."""
         need = max(1, -(-self.threshold // self.page_size))
         for other in self.ops.values():
-            if (other is not op and other.host_indices is not None
+            if (other is not op and other.host_indices is not None and other.skip_pages == 0
                     and (other.state is PrefetchState.FETCHING or other.done_step == self._step)
                     and other.anchor is op.anchor
                     and other.hashes[:need] == op.hashes[:need]):
@@ -269,6 +344,8 @@ class StorageTier:
         op = self.ops.get(req_id)
         if op is None or self.policy == "best_effort":
             return True
+        if op.skip_pages and op.head_node is None:  # its head is computed meanwhile
+            return True
         if op.finished.is_set():  # fetched, failed, or found nothing worth fetching
             return True
         base, per_ki, cap = self.timeout
@@ -284,16 +361,21 @@ class StorageTier:
             return 0
         done = self.io.cancel(op)
         inserted = 0
-        if op.host_indices is not None and done:
+        head = op.skip_pages * self.page_size
+        anchor = self._tail_anchor(op) if head else op.anchor
+        if op.host_indices is not None and done and anchor is not None:
             n = done * self.page_size
             inserted = self.tree.insert_host_pages(
-                op.anchor, op.tokens[:n], op.host_indices[:n], op.hashes[:done], op.extra_key)
+                anchor, op.tokens[head:head + n], op.host_indices[:n],
+                op.hashes[op.skip_pages:op.skip_pages + done], op.extra_key)
             op.host_indices = op.host_indices[n:]
             self.counters.prefetched_tokens += n
         for waiting in self.ops.values():  # its pages are in the tree now (or never will be)
             if waiting.state is PrefetchState.WAITING and waiting.waiting_for == req_id:
                 waiting.state, waiting.waiting_for = PrefetchState.RESTART, None
         self.tree.release_host(op.anchor)
+        if op.head_node is not None:
+            self.tree.release_host(op.head_node)
         if self.observer is not None:
             self.observer("prefetch_seconds", time.monotonic() - op.started_at)
         if op.state is not PrefetchState.FETCHING:
@@ -301,6 +383,52 @@ class StorageTier:
         if not self._free_if_finished(op):
             self._draining.append(op)
         return inserted
+
+    # ------------------------------------------------------- compute the head, load the tail
+
+    def head_tokens(self, req_id: str) -> int:
+        """Tokens after the request's L1+L2 hit of arrival to compute before its fetched
+        tail can join them (0: none, or already computed): its first admission computes up
+        to `prefix_tokens + head_tokens` and stops there."""
+        op = self.ops.get(req_id)
+        if op is None or not op.skip_pages or op.head_node is not None:
+            return 0
+        return op.skip_pages * self.page_size
+
+    def head_stop(self, req_id: str) -> int:
+        """Where the request's head ends (tokens from the start of its key), or 0."""
+        head = self.head_tokens(req_id)
+        return self.ops[req_id].prefix_tokens + head if head else 0
+
+    def head_computed(self, req_id: str, node: HiTreeNode) -> None:
+        """The request's head is in the tree, its last page at the end of `node`: keep it in
+        L2 (copying it there if the write policy has not), so that the tail can hang below
+        it when the request is admitted again."""
+        op = self.ops.get(req_id)
+        if op is None or not op.skip_pages or op.head_node is not None:
+            return
+        if not node.backuped and not self.tree.back_up_path(node):
+            self.io.cancel(op)  # no L2 room for the head: the tail is dropped, and computed
+        self.tree.protect_host(node)
+        op.head_node = node
+
+    def _tail_anchor(self, op: PrefetchOp) -> HiTreeNode | None:
+        """The node ending exactly at the head, in L2, for the tail to hang below; None when
+        the tree lost the head (the fetched tail is then dropped and recomputed)."""
+        node = self.tree.node_at(op.anchor, op.tokens[:op.skip_pages * self.page_size],
+                                 op.extra_key)
+        return node if node is not None and node.backuped else None
+
+    # --------------------------------------------------------------------- cost model
+
+    def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
+        """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`."""
+        self.prefill.observe(rows, seconds)
+
+    def estimates(self) -> CostEstimates:
+        return CostEstimates(self.prefill.tokens_per_s(0, REPORT_PREFILL_TOKENS),
+                             self.fetch_cost.bandwidth_bytes_per_s, self.fetch_cost.latency_s,
+                             self.prefill.observations, self.fetch_cost.observations)
 
     def _free_if_finished(self, op: PrefetchOp) -> bool:
         if not op.finished.is_set():

@@ -176,6 +176,12 @@ class HiRadixCache(RadixCache):
             node = node.parent
         return all(self._write_backup(n) for n in reversed(chain))
 
+    def back_up_path(self, node: HiTreeNode) -> bool:
+        """Queue the D->H copy of `node` and of its ancestors not in L2 yet, whatever the
+        write policy (the storage tier hangs a fetched tail below a computed head); False
+        when L2 has no room for one of them."""
+        return self._backup_path(node)
+
     def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
         """Apply finished D->H acks: release the locks. Returns the nodes that reached L2
         (the tier owner backs them up to L3)."""

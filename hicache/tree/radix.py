@@ -148,6 +148,18 @@ class RadixCache(PrefixCache):
             return walk.inside, walk.matched
         return (walk.path[-1] if walk.path else anchor), walk.matched
 
+    def node_at(self, anchor: TreeNode, key: Sequence[int], extra_key: str | None = None
+                ) -> TreeNode | None:
+        """The node whose edge ends exactly after `key`'s whole pages below `anchor`, an edge
+        split there if it runs on; `anchor` for an empty key; None when the tree does not
+        spell all of them. Touches nothing else."""
+        key = as_key(key)
+        end = aligned_end(key, self.page_size)
+        if end == 0:
+            return anchor
+        walk = descend(anchor, key, extra_key, self.page_size, self._split)
+        return walk.path[-1] if walk.path and walk.matched == end else None
+
     def _on_path(self, path: list[TreeNode]) -> None:
         """Hook: called with the nodes a match or insert went through, root first."""
 

@@ -18,7 +18,10 @@ what is free, as SGLang does. When the estimate was too low and a decode finds n
 scheduler retracts running requests (`retraction.py`) and the ratio goes back up.
 
 Arrival also starts the request's L3 prefetch (`start_prefetch`), so its pages travel while
-it waits.
+it waits. When the storage tier split its hit (compute the head, load the tail), the first
+admission fills only up to `head_stop`, the prefetch running on; the scheduler then puts the
+request back (`Scheduler._wait_for_tail`), and its next admission ends the prefetch, which
+hangs the tail below the head, and matches both.
 
 Threading: scheduler thread.
 """
@@ -92,6 +95,7 @@ class AdmitPlan(NamedTuple):
     need_tokens: int   # L1 tokens to promise now: the L2 hit's load-back and the rest of
                        # the fill (prompt, and output of a retracted request), whole pages
     evict_tokens: int  # of those, what eviction must free first (0: free slots suffice)
+    stop: int = 0      # > 0: fill only up to here (its L3 tail comes meanwhile)
 
 
 class Admission:
@@ -120,13 +124,20 @@ class Admission:
         """Whether `req` may be admitted now, and what it needs; None leaves it waiting."""
         if not self.cache.prefetch_ready(req.rid):
             return None
-        req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
+        stop = self.cache.head_stop(req.rid)
+        if not stop:
+            req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
         m = self.tree.match_prefix(cache_key(req), req.extra_key)
+        if stop and m.device_indices.numel() + m.host_hit_length >= stop:
+            # the head is cached already (another request computed it): take the tail now
+            req.from_storage += self.cache.end_prefetch(req.rid)
+            m, stop = self.tree.match_prefix(cache_key(req), req.extra_key), 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
         # pages; both are promised now. Its new tokens, and the running requests', are
         # estimated: room for them is asked, nothing is promised.
         fill = m.host_hit_length + pages_up(
-            req.seq_len - m.device_indices.numel() - m.host_hit_length, self.page_size)
+            (stop or req.seq_len) - m.device_indices.numel() - m.host_hit_length,
+            self.page_size)
         free = self.kv.free_tokens()
         short = fill + self.ratio.estimate(req) + self.running_estimate() - free
         if short > 0:
@@ -134,7 +145,7 @@ class Admission:
                          - self.tree.unlocked_on_path(m.last_device_node))
             if evictable < short:
                 return None
-        return AdmitPlan(m, fill, max(0, fill - free))
+        return AdmitPlan(m, fill, max(0, fill - free), stop)
 
     def running_estimate(self) -> int:
         """Tokens the running requests are expected to generate still (`NewTokenRatio`)."""
@@ -142,8 +153,9 @@ class Admission:
 
     # --------------------------------------------------------------------- commit
 
-    def commit(self, req: Request, plan: AdmitPlan) -> None:
-        """Lock, evict, load back, reserve (see the module docstring)."""
+    def commit(self, req: Request, plan: AdmitPlan) -> dict[str, int] | None:
+        """Lock, evict, load back, reserve (see the module docstring). Returns the cached
+        tokens per tier to count for this admission (None: counted before)."""
         m = plan.match
         self.tree.inc_lock_ref(m.last_device_node)
         req.last_node = m.last_device_node
@@ -159,15 +171,23 @@ class Admission:
                 self.tree.dec_lock_ref(req.last_node)
                 req.last_node = lb.last_node
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
-        need = pages_up(req.seq_len - len(prefix), self.page_size)
+        need = pages_up((plan.stop or req.seq_len) - len(prefix), self.page_size)
         assert need <= self.kv.free_tokens(), (
             f"admission promised {plan.need_tokens} tokens, {self.kv.free_tokens()} are free")
         req.kv_slots, req.reserved = prefix, need
         req.num_computed = req.tree_len = req.admit_hit = len(prefix)
-        if not req.retractions:  # what its client is told: the prompt's first admission
-            storage = min(req.from_storage, loaded)
-            req.cached_details = {"device": m.device_indices.numel(),
-                                  "host": loaded - storage, "storage": storage}
+        req.head_stop = plan.stop
+        storage = min(req.from_storage, loaded)
+        if req.tail_pending:  # after its head: the tail it fetched joins the first count
+            req.tail_pending = False
+            req.cached_details["storage"] += storage
+            return {"device": 0, "host": 0, "storage": storage}
+        if req.retractions:  # a retracted request's prompt was counted once
+            return None
+        # what its client is told: the prompt's first admission
+        req.cached_details = {"device": m.device_indices.numel(),
+                              "host": loaded - storage, "storage": storage}
+        return dict(req.cached_details)
 
     def _evict_keeping(self, m: MatchResult, tokens: int) -> None:
         """Evict L1 `tokens` while the match's L2 pages are kept (an L1 eviction may make

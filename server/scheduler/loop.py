@@ -59,6 +59,12 @@ BUSY_POLL_S = 0.002    # inbox wait while prefetches or copies are in flight
 QUERY_SETTLE_S = 0.005
 
 
+def fill_end(req: Request) -> int:
+    """Where the request's computing stops before its next token can be chosen: its whole
+    sequence, or the end of the head of an L3 hit whose tail is still on its way."""
+    return req.head_stop or req.seq_len
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int) -> None:
@@ -173,7 +179,7 @@ class Scheduler:
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
                 if not self._held(req) and self._try_admit(req):
-                    step[req] = min(req.seq_len - req.num_computed, budget)
+                    step[req] = min(fill_end(req) - req.num_computed, budget)
                     budget -= step[req]
                     admitted.append(req)
         for req in admitted:  # a fill, from the reservation just made
@@ -188,7 +194,7 @@ class Scheduler:
         Whether every running request got its slots without a retraction."""
         step, budget = {}, self.max_batch_tokens
         for req in self.running:
-            n = min(req.seq_len - req.num_computed, budget)
+            n = min(fill_end(req) - req.num_computed, budget)
             if n > 0 and budget > 0:
                 step[req] = n
                 budget -= n
@@ -257,9 +263,9 @@ class Scheduler:
         with self._alone(req, "admission"):
             plan = self.admission.plan(req)
             if plan is not None:
-                self.admission.commit(req, plan)
-                if not req.retractions:  # a retracted request's prompt was counted once
-                    self.counters.add_cached(req.cached_details)
+                counted = self.admission.commit(req, plan)
+                if counted is not None:
+                    self.counters.add_cached(counted)
                 self.waiting.remove(req)
                 self.running.append(req)
                 admitted = True
@@ -268,13 +274,15 @@ class Scheduler:
     # ----------------------------------------------------------------------------- run
 
     def _run_batch(self, reqs: list[Request], lens: list[int]) -> None:
+        rows = [(req.num_computed, n) for req, n in zip(reqs, lens)]
+        started = time.perf_counter()
         try:
             out = self.runner.forward(reqs, lens)
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
             for req in reqs:
                 self._fail_request(req, "the forward pass", exc)
             return
-        done = []
+        done, heads = [], []
         for i, (req, n) in enumerate(zip(reqs, lens)):
             filling = n > 1 or not req.prefilled  # not one decode
             req.num_computed += n
@@ -283,13 +291,31 @@ class Scheduler:
                 if filling:
                     with self._alone(req, "caching its prompt"):
                         self.kv.cache_prompt(req)
+            elif req.num_computed == req.head_stop:
+                heads.append(req)
         done = [i for i in done if reqs[i].finish_reason is None]
         tokens = self._choose_tokens(reqs, done, out)
+        if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
+            self.cache.observe_forward(rows, time.perf_counter() - started)
+        for req in heads:
+            with self._alone(req, "putting it back for its L3 tail"):
+                self._wait_for_tail(req)
         self._record_logprobs(reqs, out, tokens)
         for i, token in tokens.items():
             if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
                 with self._alone(reqs[i], "detokenising its token"):
                     self._append_token(reqs[i], token)
+
+    def _wait_for_tail(self, req: Request) -> None:
+        """The request computed the head of its L3 hit: its pages go to the tree, and it
+        waits at the head of the queue, holding nothing on L1, until the tail its prefetch
+        fetches meanwhile has arrived; admitted again, it matches both (`admission.py`)."""
+        self.kv.cache_prompt(req)
+        self.cache.head_computed(req.rid, req.last_node)
+        self.kv.retract(req)
+        req.head_stop, req.tail_pending = 0, True
+        self.running.remove(req)
+        self.waiting.insert(0, req)
 
     def _choose_tokens(self, reqs: list[Request], done: list[int],
                        out: ForwardOutput) -> dict[int, int]:
