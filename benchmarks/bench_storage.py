@@ -10,14 +10,18 @@ and read back by:
                "durable" adds an fdatasync of every file, for the durability of seq
     lmdb       LmdbStore.batch_set / batch_get in batches of `--batch-pages`; `sync=False`
                then one env sync at the end (the durability of seq; "no sync": without
-               it), and the default `sync=True` (a data flush per batch commit) for reference
+               it), and the default `sync=True` (a data flush per batch commit) for reference.
+               Warm reads also by 2 threads at once, each over its half of the pages (as
+               several fetch workers read), each on one OpenMP thread as storage threads run
 
 Reads are timed cold (the file's page cache dropped with fdatasync + POSIX_FADV_DONTNEED,
 LMDB's environment reopened so nothing is mapped) and warm (the same read again). The LMDB
 map is pre-sized: a long-running store has already grown. Every read is checked
 byte-identical after timing. GB/s are from the fastest of `--repeats` runs, methods
 alternated in each run. Ratios are the median over runs of two methods timed in the same
-run: this machine is shared and noisy, so read the ratios.
+run: this machine is shared and noisy, so read the ratios. The two goals of the L3 read/write
+issue are printed on their own: a warm get (the better of 1 and 2 threads) >= 0.7x the warm
+sequential read, and a set (sync=False + one env sync) >= 0.8x the sequential write.
 
     python benchmarks/bench_storage.py            # defaults; prints markdown, writes JSON
     python benchmarks/bench_storage.py --redis    # + Redis (one node, a 3-node cluster) rows
@@ -36,8 +40,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +56,7 @@ from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.threads import one_openmp_thread
 
 REPO = Path(__file__).resolve().parents[1]
 # (num_layers, kv_heads, head_dim, dtype): the embedded default model and Llama-3-8B.
@@ -59,6 +66,7 @@ GEOMETRIES = {
 }
 # Pages per backend call: SGLang's HiCache moves storage pages in batches of 128.
 BATCH_PAGES = 128
+GET_THREADS = 2  # fetch workers reading at once in the threaded warm get (one per core here)
 MB = 2**20
 GB = 1e9  # throughput is reported in decimal GB/s
 MAP_SLACK_BYTES = 64 * MB  # LMDB map beyond the payload: headers, tree, free pages
@@ -161,12 +169,22 @@ def fpp_read(folder: Path, pool: HostKVPool, keys: list[bytes]) -> Seconds:
     return timed(run)
 
 
-def batches(keys: list[bytes], page_size: int, batch: int) -> list[tuple[list[bytes], torch.Tensor]]:
+def batches(keys: list[bytes], page_size: int, batch: int,
+            first_page: int = 0) -> list[tuple[list[bytes], torch.Tensor]]:
+    """(keys, host slots) per batch call: key i goes to host page first_page + i."""
     out = []
     for start in range(0, len(keys), batch):
-        pages = torch.arange(start, min(len(keys), start + batch), dtype=torch.int64)
+        pages = torch.arange(first_page + start, first_page + min(len(keys), start + batch),
+                             dtype=torch.int64)
         out.append((keys[start:start + batch], slots_of(pages, page_size)))
     return out
+
+
+def split_work(keys: list[bytes], page_size: int, batch: int, parts: int) -> list[list]:
+    """`parts` disjoint runs of batches, each over its share of the keys and host pages."""
+    bounds = [len(keys) * i // parts for i in range(parts + 1)]
+    return [batches(keys[lo:hi], page_size, batch, first_page=lo)
+            for lo, hi in pairwise(bounds)]
 
 
 def open_lmdb(folder: Path, codec: PageCodec, total: int, sync: bool) -> LmdbStore:
@@ -190,6 +208,33 @@ def lmdb_get(store: LmdbStore, pool: HostKVPool, work: list) -> Seconds:
     return timed(run)
 
 
+def lmdb_get_threads(store: LmdbStore, pool: HostKVPool, parts: list[list]) -> Seconds:
+    """One thread per part of `split_work`, all reading at once; the time from their common
+    start (threads started and set up before it) until all are done."""
+    errors: list[RuntimeError] = []
+    start = threading.Barrier(len(parts) + 1)
+
+    def worker(work: list) -> None:
+        one_openmp_thread()
+        start.wait()
+        try:
+            lmdb_get(store, pool, work)
+        except RuntimeError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(work,)) for work in parts]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - began
+    if errors:
+        raise errors[0]
+    return seconds
+
+
 # ------------------------------------------------------------------------------ one case
 
 
@@ -205,6 +250,7 @@ def run_case(case: Case, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     dst = make_pool(geometry, case.num_pages, seed=None)
     keys = [xxhash.xxh3_128_digest(b"%d" % i) for i in range(case.num_pages)]
     work = batches(keys, case.page_size, args.batch_pages)
+    halves = split_work(keys, case.page_size, args.batch_pages, GET_THREADS)
     runs: list[dict[str, Seconds]] = []
 
     def keep(name: str, seconds: Seconds, check: bool = False) -> None:
@@ -240,6 +286,7 @@ def run_case(case: Case, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         store = open_lmdb(db, codec, total, sync=False)
         keep("lmdb_get_cold", lmdb_get(store, dst, work), check=True)
         keep("lmdb_get_warm", lmdb_get(store, dst, work), check=True)
+        keep("lmdb_get_warm_2t", lmdb_get_threads(store, dst, halves), check=True)
         store.close()
         shutil.rmtree(run_dir)
     best = {name: min(run[name] for run in runs) for name in runs[0]}
@@ -263,9 +310,11 @@ def profile(src: HostKVPool, dst: HostKVPool, codec: PageCodec, work: list, tmp:
     def hash_all(digest: Callable[[memoryview], int]) -> Callable[[], None]:
         return lambda: [digest(src.page_buffer(p)) for p in pages]
 
-    def encode_all() -> None:
+    scratch = bytearray(codec.value_bytes)
+
+    def encode_all() -> None:  # as batch_set encodes: into one reused buffer
         for p in pages:
-            codec.encode_into(src.page_buffer(p))
+            codec.encode_into(src.page_buffer(p), scratch)
 
     folder = Path(tempfile.mkdtemp(dir=tmp))
     unchecked = PageCodec(codec.geometry)  # same format, checksum verification switched off
@@ -305,11 +354,16 @@ RATIOS = {  # name: (numerator, denominator), each pair at the same durability
     "get cold/seq": ("lmdb_get_cold", "seq_read_cold"),
     "get cold/file-page": ("lmdb_get_cold", "fpp_read_cold"),
     "get warm/seq": ("lmdb_get_warm", "seq_read_warm"),
+    "get warm 2 threads/seq": ("lmdb_get_warm_2t", "seq_read_warm"),
     "get warm/file-page": ("lmdb_get_warm", "fpp_read_warm"),
 }
 GOALS = {"set/seq": 0.8, "set/file-page durable": 1.0, "set/file-page no sync": 1.0,
-         "get cold/seq": 1.0, "get cold/file-page": 1.0, "get warm/seq": 1.0,
-         "get warm/file-page": 1.0}
+         "get cold/seq": 1.0, "get cold/file-page": 1.0, "get warm/seq": 0.7,
+         "get warm 2 threads/seq": 0.7, "get warm/file-page": 1.0}
+# The issue's two goals: a read of page-cache-resident pages at 0.7x one sequential read of
+# the same bytes, with as many fetch threads as help (1 or 2 here); a set at 0.8x a
+# sequential write of the same durability.
+HEADLINE_GOALS = {"get warm/seq, best of 1-2 threads": 0.7, "set/seq": 0.8}
 
 
 def add_ratios(result: dict[str, Any]) -> None:
@@ -319,6 +373,13 @@ def add_ratios(result: dict[str, Any]) -> None:
     result["ratios"] = {name: statistics.median(run[b] / run[a] for run in runs)
                         for name, (a, b) in RATIOS.items()}
     result["goals_met"] = {name: result["ratios"][name] >= goal for name, goal in GOALS.items()}
+    best_get = statistics.median(run["seq_read_warm"] / min(run["lmdb_get_warm"],
+                                                            run["lmdb_get_warm_2t"])
+                                 for run in runs)
+    result["headline"] = {"get warm/seq, best of 1-2 threads": best_get,
+                          "set/seq": result["ratios"]["set/seq"]}
+    result["headline_met"] = {name: result["headline"][name] >= goal
+                              for name, goal in HEADLINE_GOALS.items()}
 
 
 def tables(results: list[dict[str, Any]]) -> str:
@@ -330,7 +391,7 @@ def tables(results: list[dict[str, Any]]) -> str:
     write_cols = ("seq_write", "lmdb_set", "lmdb_set_sync_commit", "fpp_write_durable",
                   "lmdb_set_nosync", "fpp_write")
     read_cols = ("seq_read_cold", "lmdb_get_cold", "fpp_read_cold", "seq_read_warm",
-                 "lmdb_get_warm", "fpp_read_warm")
+                 "lmdb_get_warm", "lmdb_get_warm_2t", "fpp_read_warm")
     lines = [
         ("Writes, GB/s. Durable: seq = one fdatasync at the end, lmdb set = sync=False + one "
         "env sync at the end, lmdb sync/commit = sync=True (data flush per batch), file/page "
@@ -344,10 +405,18 @@ def tables(results: list[dict[str, Any]]) -> str:
     lines += [
         "", "Reads, GB/s (cold: page cache dropped; warm: read again)", "",
         ("| geometry | page | KiB/page | seq cold | lmdb get cold | file/page cold "
-        "| seq warm | lmdb get warm | file/page warm |"),
-        "|---|---|---|---|---|---|---|---|---|",
+        "| seq warm | lmdb get warm | lmdb get warm 2 threads | file/page warm |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row(r, read_cols) for r in results]
+    lines += ["", "Goals (* = met): " + "; ".join(f"{n} >= {g}" for n, g in
+                                                  HEADLINE_GOALS.items()), "",
+              "| geometry | page | " + " | ".join(HEADLINE_GOALS) + " |",
+              "|---|---|" + "---|" * len(HEADLINE_GOALS)]
+    for r in results:
+        cells = [f"{r['headline'][n]:.2f}{'*' if r['headline_met'][n] else ''}"
+                 for n in HEADLINE_GOALS]
+        lines.append(f"| {r['geometry']} | {r['page_size']} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios (goal in brackets; * = met)", "",
               "| geometry | page | " + " | ".join(f"{n} [{GOALS[n]}]" for n in RATIOS) + " |",
               "|---|---|" + "---|" * len(RATIOS)]
@@ -410,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   "ratios: median over runs of the two methods' times in the same run",
         "results": results,
         "goals_met_everywhere": {n: all(r["goals_met"][n] for r in results) for n in GOALS},
+        "headline_met_everywhere": {n: all(r["headline_met"][n] for r in results)
+                                    for n in HEADLINE_GOALS},
     }
     report["table"] = tables(results)
     if args.redis:

@@ -308,6 +308,31 @@ def test_threads_read_and_write_while_the_map_grows(tmp_path: Path) -> None:
     assert all(read_matches(store, pool, 0, 732))
 
 
+@pytest.mark.parametrize("layout", [PAGE_FIRST, LAYER_FIRST])
+def test_fetch_threads_read_disjoint_pages_at_once(tmp_path: Path, layout: str) -> None:
+    """Several fetch workers call batch_get at once, each into its own host pages (their
+    copies run with the GIL released); each gets exactly its bytes."""
+    store, src = open_store(tmp_path / "l3"), filled_pool(4)
+    write_range(store, src, 0, NUM_PAGES)
+    dst = HostKVPool(NUM_PAGES, PAGE, LAYERS, HEADS, DIM, torch.float32, layout,
+                     check_available=False)
+    halves = [list(range(NUM_PAGES // 2)), list(range(NUM_PAGES // 2, NUM_PAGES))]
+    served: list[list[bool]] = []
+
+    def fetch(pages: list[int]) -> None:
+        for _ in range(20):
+            served.append(store.batch_get(keys_of(pages[0], len(pages)), dst, slots(pages)))
+
+    threads = [threading.Thread(target=fetch, args=(pages,)) for pages in halves]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(served) == 40 and all(all(s) for s in served)
+    assert all(page_bytes(dst, p) == page_bytes(src, p) for p in range(NUM_PAGES))
+    assert store.stats()["hits"] == 40 * NUM_PAGES // 2
+
+
 # ------------------------------------------------------------------------- maintenance
 
 

@@ -3,21 +3,22 @@
 Value layout (all integers little-endian; offsets in bytes)::
 
     0   magic            4s   b"HKV1"
-    4   format version   u16  1
+    4   format version   u16  2 written (FORMAT_VERSION); 1 and 2 read (READABLE_VERSIONS)
     6   num_layers       u32
     10  kv_heads         u32
     14  head_dim         u32
     18  page_size        u32
     22  dtype code       u8   DTYPE_CODES
-    23  (pad)            1
+    23  (pad)            1    zero
     24  payload length   u64
-    32  payload xxh64    u64
-    40  (reserved)       8    zero; puts the payload at a multiple of 16
+    32  payload checksum u64  PAYLOAD_CHECKSUMS[version]: version 1 xxh64, version 2 xxh3_64
+    40  (reserved)       8    zero, not checked; puts the payload at a multiple of 16
     48  payload               [num_layers, 2, page_size, kv_heads, head_dim], K then V per layer
 
-A value is served only when its header describes exactly this codec's geometry and dtype and
-the payload's xxh64 matches: anything else (another model's page under a colliding key, a
-torn or truncated write, flipped bits) is a miss, never data.
+The versions differ only in the checksum. A value is served only when bytes 0-31 are exactly
+those of a readable version and this codec's geometry and dtype, and the payload matches that
+version's checksum: anything else (another model's page under a colliding key, a torn or
+truncated write, flipped bits, a version this code does not know) is a miss, never data.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import xxhash
 
@@ -33,7 +35,19 @@ from hicache.memory.host import HostKVPool
 from kernels.layouts import PAGE_FIRST
 
 MAGIC = b"HKV1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the version every value is written in
+# The payload checksum of each format version. Append only: every version ever written stays
+# readable (DESIGN.md, "Stored page format"). Measured on the README's 2-core EPYC (AVX2):
+# xxh64 ~9 GB/s, xxh3_64 ~25-45 GB/s on pages in cache; python-xxhash hashes with the GIL
+# released.
+Checksum = Callable[[memoryview | bytes], int]  # payload -> its u64 checksum
+PAYLOAD_CHECKSUMS: dict[int, Checksum] = {
+    1: xxhash.xxh64_intdigest,
+    2: xxhash.xxh3_64_intdigest,
+}
+READABLE_VERSIONS = frozenset(PAYLOAD_CHECKSUMS)
+_FIELDS = struct.Struct("<4sHIIIIBxQ")  # magic .. payload length: compared as bytes
+_CHECKSUM = struct.Struct("<Q")  # at _FIELDS.size
 _HEADER = struct.Struct("<4sHIIIIBxQQ8x")
 HEADER_BYTES = _HEADER.size  # 48
 
@@ -63,6 +77,16 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     return found
 
 
+def copy_bytes(dst: memoryview | bytearray, src: memoryview | bytes) -> None:
+    """`dst[:] = src` with the GIL released: numpy drops it for a copy this large (a memoryview
+    slice assignment holds it for the whole memcpy), so fetch threads copying pages at once
+    run in parallel."""
+    to, frm = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+    if to.size != frm.size:  # np.copyto would broadcast a 1-byte source
+        raise ValueError(f"copy of {frm.size} bytes into a buffer of {to.size}")
+    np.copyto(to, frm)
+
+
 class PageGeometry(NamedTuple):
     """Shape and dtype of one stored KV page."""
 
@@ -87,6 +111,9 @@ class PageGeometry(NamedTuple):
 class PageCodec:
     """Encodes and checks stored pages of one geometry, and moves them to and from a pool.
 
+    Values are written in FORMAT_VERSION and read in any of READABLE_VERSIONS, each checked
+    with its own version's checksum.
+
     Threading: immutable; any thread may call any method. Buffers: `check` returns a view
     into the value it was given, valid only as long as that value's memory is (for an LMDB
     `buffers=True` read, until the transaction ends). The functions from `payload_reader`
@@ -101,30 +128,60 @@ class PageCodec:
         self.payload_bytes = self.geometry.payload_bytes
         self.value_bytes = HEADER_BYTES + self.payload_bytes
         g = self.geometry
-        # The header of any valid value, up to its checksum: compared field by field in check.
-        self._expected = (MAGIC, FORMAT_VERSION, g.num_layers, g.kv_heads, g.head_dim,
-                          g.page_size, DTYPE_CODES[g.dtype], self.payload_bytes)
+        self._fields = (g.num_layers, g.kv_heads, g.head_dim, g.page_size,
+                        DTYPE_CODES[g.dtype], self.payload_bytes)
+        # Bytes 0-31 of every value this codec serves, one per readable version -> the
+        # checksum that version's payloads carry.
+        self._checksum_of: dict[bytes, Checksum] = {
+            _FIELDS.pack(MAGIC, version, *self._fields): digest
+            for version, digest in PAYLOAD_CHECKSUMS.items()}
 
     def header_for(self, payload: memoryview | bytes) -> bytes:
-        """The header of a value holding `payload` (which must be one page of this geometry)."""
+        """The header (FORMAT_VERSION) of a value holding `payload`, one page of this geometry."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"a page payload of {self.geometry} is {self.payload_bytes} "
                              f"bytes, got {len(payload)}")
-        return _HEADER.pack(*self._expected, xxhash.xxh64_intdigest(payload))
+        checksum = PAYLOAD_CHECKSUMS[FORMAT_VERSION](payload)
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, *self._fields, checksum)
 
-    def encode_into(self, payload: memoryview | bytes) -> bytes:
-        """The stored value of `payload`: header + payload, copying the payload once."""
-        return b"".join((self.header_for(payload), payload))
+    def encode_into(self, payload: memoryview | bytes,
+                    out: bytearray | memoryview | None = None) -> bytes | memoryview:
+        """The stored value of `payload`: header + payload, copying the payload once.
+
+        Into `out` (a writable buffer of `value_bytes`, reused across pages: no allocation,
+        and the copy runs with the GIL released), returning a view of it; without `out`, a
+        new bytes.
+        """
+        header = self.header_for(payload)
+        if out is None:
+            return b"".join((header, payload))
+        value = memoryview(out)
+        if len(value) != self.value_bytes:
+            raise ValueError(f"a stored value of {self.geometry} is {self.value_bytes} "
+                             f"bytes, got a buffer of {len(value)}")
+        value[:HEADER_BYTES] = header
+        copy_bytes(value[HEADER_BYTES:], payload)
+        return value
+
+    def _checksum_for(self, value: memoryview | bytes) -> Checksum | None:
+        """The checksum of `value`'s version when its size and header fields (bytes 0-31)
+        are exactly those of a readable version of this geometry; else None."""
+        if len(value) != self.value_bytes:
+            return None
+        return self._checksum_of.get(bytes(memoryview(value)[:_FIELDS.size]))
 
     def header_ok(self, value: memoryview | bytes) -> bool:
-        """Whether `value` is long enough and its header describes this geometry exactly."""
-        if len(value) != self.value_bytes:
-            return False
-        return _HEADER.unpack_from(value)[:-1] == self._expected
+        """Whether `value` is this codec's size and its header describes this geometry
+        exactly, in a readable version."""
+        return self._checksum_for(value) is not None
 
     def checksum_ok(self, value: memoryview | bytes, payload: memoryview | bytes) -> bool:
-        """Whether `payload` (the value's payload, or a copy of it) matches value's checksum."""
-        return _HEADER.unpack_from(value)[-1] == xxhash.xxh64_intdigest(payload)
+        """Whether `payload` (the value's payload, or a copy of it) matches value's checksum,
+        computed as value's version computes it."""
+        digest = self._checksum_for(value)
+        if digest is None:
+            return False
+        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(payload)
 
     def check(self, value: memoryview | bytes) -> memoryview | None:
         """The payload (a view of `value`) when the header and checksum match, else None.
@@ -152,18 +209,24 @@ class PageCodec:
     def value_writer(self, pool: HostKVPool) -> Callable[[memoryview | bytes, int], bool]:
         """(stored value, page id) -> copy its payload into the page; False when it is bad.
 
-        The payload is copied first and its checksum verified on the copy, while it is hot
-        in the CPU cache: the stored value is read once (for LMDB: the mapped file), and
-        what is checked is exactly what the host page received. After False the page holds
-        undefined bytes. layer_first pages go through a scratch page (not thread-safe: one
-        writer per thread).
+        The payload is copied first (once, with the GIL released: `copy_bytes`) and its
+        checksum verified on the copy, while it is hot in the CPU cache: the stored value is
+        read once (for LMDB: the mapped file), and what is checked is exactly what the host
+        page received. After False the page holds undefined bytes. layer_first pages go
+        through a scratch page (not thread-safe: one writer per thread).
         """
         if pool.layout == PAGE_FIRST:
+            # [num_pages, page_bytes], the pool's memory: a page's view in ~0.2 us, where
+            # `page_buffer` (a torch view per call) takes ~6 us, 15% of a 128 KiB page's read.
+            pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
+
             def copy_page_first(value: memoryview | bytes, page: int) -> bool:
+                if not 0 <= page < pool.num_pages:  # numpy would wrap a negative id
+                    raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
                 if not self.header_ok(value):
                     return False
-                dst = pool.page_buffer(page)
-                dst[:] = memoryview(value)[HEADER_BYTES:]
+                dst = pages[page]
+                copy_bytes(dst, memoryview(value)[HEADER_BYTES:])
                 return self.checksum_ok(value, dst)
             return copy_page_first
         scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
@@ -172,7 +235,7 @@ class PageCodec:
         def copy_layer_first(value: memoryview | bytes, page: int) -> bool:
             if not self.header_ok(value):
                 return False
-            scratch_bytes[:] = memoryview(value)[HEADER_BYTES:]
+            copy_bytes(scratch_bytes, memoryview(value)[HEADER_BYTES:])
             if not self.checksum_ok(value, scratch_bytes):
                 return False
             pool.set_page(page, scratch)

@@ -20,10 +20,13 @@ retried for the map size and a full disk, size accounting, LRU eviction, the dur
 
 Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
 of the environment's gate (a `SharedExclusiveLock`; resizing the map and `close` take its
-exclusive side). Writes are serialised by LMDB's writer lock.
+exclusive side). Writes are serialised by LMDB's writer lock. Reads are not: several fetch
+threads may call `batch_get` at once (into disjoint host pages), each in its own read
+transaction, and their copies and checksums run with the GIL released (`page_format`).
 
 Buffers: reads use `buffers=True`: a value is a view of the mapped file, valid only until its
-transaction ends, so it is copied into the host page inside the transaction.
+transaction ends, so it is copied into the host page inside the transaction, once, straight
+from the map.
 """
 
 from __future__ import annotations
@@ -111,14 +114,20 @@ class LmdbStore(LmdbEnvironment, StorageBackend):
         pages = check_batch(self.codec, keys, host_pool, host_indices)
         read_page = self.codec.payload_reader(host_pool)
         stamps = self._stamps.take()
+        # One value at a time is encoded here and copied by `put` into LMDB's own pages, so
+        # one buffer serves the whole batch: no allocation (and page faults) per page.
+        scratch = bytearray(self.codec.value_bytes)
 
         def body(txn: lmdb.Transaction) -> int:
             self._put_stamps(txn, stamps.items())
             stamp = STAMP.pack(time.time_ns())
             written = 0
             for key, page in zip(keys, pages):
+                # Looked up before encoding: a page stored already costs one B-tree lookup,
+                # not a checksum and a copy of the page that `put(overwrite=False)` drops.
                 if txn.get(key, db=self._pages) is None:
-                    txn.put(key, self.codec.encode_into(read_page(page)), db=self._pages)
+                    value = self.codec.encode_into(read_page(page), scratch)
+                    txn.put(key, value, db=self._pages)
                     written += 1
                 txn.put(key, stamp, db=self._atime)
             return written
