@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test compat install lint serve bench bench-shared-l3 bench-soak bench-radix bench-vs-vllm gpu-check clean
+.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-soak bench-radix bench-vs-vllm gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: $(STAMP)
 # cores); tables and benchmarks/results/shared_l3.json.
 bench-shared-l3: $(STAMP)
 	$(BIN)/python benchmarks/bench_shared_l3.py $(ARGS)
+
+# TTFT of a 2k-token prefix from L3 at bandwidths around this machine's prefill rate:
+# recompute, fetch, the cost model's choice and the overlap (compute the head, load the tail),
+# plus the cost of L3 with no reuse (~6 min on 2 CPU cores); benchmarks/results/l3_overlap.json.
+# ARGS="--redis" puts a real redis-server behind a throttling TCP proxy instead of LMDB.
+bench-l3-overlap: $(STAMP)
+	$(BIN)/python benchmarks/bench_l3_overlap.py $(ARGS)
 
 # One server (L1 + L2 + LMDB) under 8 multi-turn clients for 20 minutes, its heap and
 # file-backed RSS sampled every 10 s; table and benchmarks/results/soak.json.

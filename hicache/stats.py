@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hicache.storage.backends import base as backend_stats
-from hicache.storage.tier import CostEstimates, StorageCounters
+from hicache.storage.planner import CostEstimates
+from hicache.storage.tier import StorageCounters
 from hicache.tree.hiradix import HostCounters
 
 

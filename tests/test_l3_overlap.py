@@ -47,10 +47,14 @@ def test_every_split_gives_the_tokens_of_recomputation(tmp_path, reference, head
         assert e.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == reference
         e.flush_cache(["device", "host"])  # the prompt lives in L3 only
         force_head(e, head)
+        backed_up = e.stats()["tiers"]["storage"]["backed_up_tokens"]
         again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
-        storage = e.stats()["tiers"]["storage"]
         check_integrity(e)
+        storage = e.stats()["tiers"]["storage"]
     assert again["output_ids"] == reference
+    # pages L3 holds are not written again, fetched or recomputed (the answer's last token
+    # has no KV yet, so the request adds no whole page)
+    assert storage["backed_up_tokens"] == backed_up
     fetched = 0 if head is None else (HIT_PAGES - head) * PAGE
     details = again["meta_info"]["cached_tokens_details"]
     assert details == {"device": 0, "host": 0, "storage": fetched}
@@ -132,8 +136,8 @@ def test_the_cost_model_fetches_splits_or_recomputes(tmp_path, reference, fetch_
         tier = e.cache.storage
         page_bytes = tier.host_pool.page_bytes
         per_token_s = 1e-3
-        tier.prefill = FixedPrefill(per_token_s)
-        tier.fetch_cost = FixedFetch(fetch_vs_compute * page_bytes / PAGE / per_token_s)
+        tier.planner.prefill = FixedPrefill(per_token_s)
+        tier.planner.fetch = FixedFetch(fetch_vs_compute * page_bytes / PAGE / per_token_s)
         again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         storage = e.stats()["tiers"]["storage"]
     assert again["output_ids"] == reference

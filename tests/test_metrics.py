@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import lmdb
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
 from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
+from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
 from hicache.tree import HostCounters
 from server.engine import Engine
@@ -206,3 +208,24 @@ def test_faults_a_backend_catches_itself_reach_metrics_and_admin_tiers(
 
 def attach_render(e: Engine) -> str:
     return attach_metrics(e).render().decode()
+
+
+def test_the_cost_model_reaches_metrics() -> None:
+    """What the storage tier's cost model decided (counters) and believes (gauges, absent
+    until it has an estimate)."""
+    decided = StorageCounters(split_prefetches=2, head_tokens=64, recomputed_hit_tokens=128)
+    cold = replace(THREE_TIERS, storage=replace(THREE_TIERS.storage, counters=decided))
+    warm = replace(cold, storage=replace(cold.storage,
+                                         estimates=CostEstimates(5000.0, 2e9, 1e-3, 10, 4)))
+    for stats in (cold, warm):
+        samples = render(stats)
+        assert value(samples, "storage_split_prefetches_total") == 2
+        assert value(samples, "storage_head_tokens_total") == 64
+        assert value(samples, "storage_recomputed_hit_tokens_total") == 128
+    names = {name for name, _ in render(cold)}
+    assert "hicache:estimated_prefill_tokens_per_second" not in names
+    samples = render(warm)
+    assert value(samples, "estimated_prefill_tokens_per_second") == 5000
+    assert value(samples, "storage_estimated_fetch_bytes_per_second") == 2e9
+    assert value(samples, "storage_estimated_fetch_latency_seconds") == 1e-3
+    assert warm.storage.as_dict()["cost_model"]["prefill_observations"] == 10

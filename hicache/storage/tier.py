@@ -16,7 +16,7 @@ and prefetches only what is still missing. A wait ends too when the other fetch 
 step ago but its request is still not admitted (no L1 room): then the waiting one fetches
 the pages itself.
 
-What to fetch (`_head_pages`): once the cost model (`cost.py`) has estimates of this
+What to fetch (`_head_pages`): once the cost model (`planner.py`) has estimates of this
 engine's prefill and of the backend's fetches, it decides for each hit: fetch it all,
 recompute it all (fetching would be slower), or compute the head and load the tail: the
 first k pages are recomputed while pages [k, n) are fetched (they are valid on their own:
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache.policies import PREFETCH_POLICIES, check_choice
-from hicache.storage.cost import FetchCost, PrefillCost, Split, choose_split
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
+from hicache.storage.planner import CostEstimates, FetchPlanner
 
 if TYPE_CHECKING:
     from hicache.tree.hiradix import HiRadixCache, HiTreeNode
@@ -48,13 +48,6 @@ if TYPE_CHECKING:
 # In-flight prefetches may hold at most this share of the host pool, so L2 keeps room for
 # write-through and load-back (SGLang caps prefetch the same way).
 MAX_PREFETCH_HOST_FRACTION = 0.5
-# A hit is split into a computed head and a fetched tail only when the estimate beats the
-# better of fetching it all and recomputing it all by this share: a split costs a second
-# admission and the head's copy to L2, so a gain within the estimates' noise is not taken.
-SPLIT_MIN_GAIN = 0.2
-# The prefix length at which /admin/tiers reports the prefill estimate (tokens/s of a
-# prefill of this many tokens from scratch).
-REPORT_PREFILL_TOKENS = 2048
 
 
 @dataclass
@@ -71,15 +64,35 @@ class StorageCounters:
     recomputed_hit_tokens: int = 0
 
 
-class CostEstimates(NamedTuple):
-    """What the cost model believes now (None until it has enough observations)."""
 
-    prefill_tokens_per_s: float | None   # a prefill of REPORT_PREFILL_TOKENS from scratch
-    fetch_bandwidth_bytes_per_s: float | None
-    fetch_latency_s: float | None
-    prefill_observations: int
-    fetch_observations: int
+# Page hashes remembered as held by L3 while the requests that recompute them run (a hit the
+# cost model chose to recompute, the head of a split one): their backup is skipped rather
+# than written again over what may be a slow link. Bounded, oldest forgotten first; a page
+# L3 evicts meanwhile is then missing from it, never wrong (the hash fixes the contents).
+KNOWN_STORED_PAGES = 65536
 
+
+class KnownStored:
+    """An insertion-ordered, bounded set of page hashes L3 answered that it holds."""
+
+    def __init__(self, capacity: int = KNOWN_STORED_PAGES) -> None:
+        self.capacity = capacity
+        self._hashes: dict[bytes, None] = {}
+
+    def add(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._hashes.pop(h, None)
+            self._hashes[h] = None
+        while len(self._hashes) > self.capacity:
+            del self._hashes[next(iter(self._hashes))]
+
+    def pop_all(self, hashes: list[bytes]) -> bool:
+        """Whether every one of `hashes` is known stored; if so they are forgotten."""
+        if not hashes or any(h not in self._hashes for h in hashes):
+            return False
+        for h in hashes:
+            del self._hashes[h]
+        return True
 
 
 class Resume(NamedTuple):
@@ -110,10 +123,9 @@ class StorageTier:
         self._fresh: list[PrefetchOp] = []  # submitted since the last `settle`
         self._step = 0  # `check` calls, to tell a fetch that just finished from a stale one
         self.counters = StorageCounters()
-        self.cost_model = cost_model  # decide by estimates once warm (else the threshold)
-        self.overlap = overlap        # may split a hit into a computed head and a fetched tail
-        self.prefill = PrefillCost()
-        self.fetch_cost = FetchCost()
+        self._stored = KnownStored()  # pages L3 holds that a request recomputes instead
+        self.planner = FetchPlanner(self.page_size, self.host_pool.page_bytes, cost_model,
+                                    overlap)
         # observer(name, seconds): latency hook for metrics ("prefetch_seconds")
         self.observer: Callable[[str, float], None] | None = None
 
@@ -147,9 +159,13 @@ class StorageTier:
                 chain.append(node)
             node = node.parent
         for n in reversed(chain):
+            hashes = self.node_hashes(n)
+            if self._stored.pop_all(hashes):  # L3 said it holds them: no second write
+                n.storage_backed = True
+                continue
             self.tree.protect_host(n)
             self._backups[n.id] = n
-            self.io.backup(n.id, self.node_hashes(n), n.host_value)
+            self.io.backup(n.id, hashes, n.host_value)
 
     def _backup_check(self) -> None:
         for ack in self.io.poll_backups():
@@ -220,8 +236,7 @@ class StorageTier:
 
     def _done(self, op: PrefetchOp) -> None:
         if op.state is PrefetchState.FETCHING and op.completed_pages and op.fetch_seconds > 0:
-            self.fetch_cost.observe(op.completed_pages * self.host_pool.page_bytes,
-                                    op.fetch_seconds)
+            self.planner.observe_fetch(op.completed_pages, op.fetch_seconds)
         op.state, op.done_step, op.waiting_for = PrefetchState.DONE, self._step, None
         op.finished.set()  # the threads never started, or have let go of its pages
 
@@ -232,7 +247,8 @@ class StorageTier:
         if op.cancelled or hit == 0 or hit * self.page_size < self.threshold:
             return self._done(op)
         head = self._head_pages(op, hit)
-        if head is None:
+        if head is None or head >= hit:  # all of it recomputed
+            self._stored.add(op.hashes[:hit])
             return self._done(op)
         if not op.is_restart and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
             op.state = PrefetchState.RESTART  # inserted since the match: match again
@@ -249,6 +265,7 @@ class StorageTier:
             return self._done(op)
         if head:
             op.skip_pages = head
+            self._stored.add(op.hashes[:head])
             self.counters.split_prefetches += 1
             self.counters.head_tokens += head * self.page_size
         op.host_indices, op.state = host, PrefetchState.FETCHING
@@ -257,28 +274,15 @@ class StorageTier:
 
     def _head_pages(self, op: PrefetchOp, hit: int) -> int | None:
         """Pages at the start of an L3 hit of `hit` pages to recompute before the rest is
-        fetched (0: fetch it all), or None: recompute it all. By the cost model when it has
-        estimates, else the fixed threshold (already checked: fetch it all)."""
-        split = self._split(op, hit)
-        if split is None:
+        fetched (0: fetch it all), or None: recompute it all (`FetchPlanner`). A restarted
+        prefetch fetches what another request's did not bring: never split."""
+        if op.is_restart:
             return 0
-        best_whole = min(split.fetch_seconds, split.recompute_seconds)
-        choice = None if split.fetch_seconds > split.recompute_seconds else 0
-        if (self.overlap and 0 < split.head_pages < hit
-                and split.seconds <= (1 - SPLIT_MIN_GAIN) * best_whole):
-            choice = split.head_pages
-        if choice is None:
+        head = self.planner.plan(hit, op.prefix_tokens).head_pages
+        if head is None:
             self.counters.recomputed_hits += 1
             self.counters.recomputed_hit_tokens += hit * self.page_size
-        return choice
-
-    def _split(self, op: PrefetchOp, hit: int) -> Split | None:
-        """The cost model's split of the hit; None while cold, or with the model off, or
-        when another request fetches the same pages (its fetch decides: never split)."""
-        if not self.cost_model or op.is_restart:
-            return None
-        return choose_split(hit, self.page_size, self.host_pool.page_bytes, op.prefix_tokens,
-                            self.prefill, self.fetch_cost)
+        return head
 
     def _alloc_host(self, pages: int) -> Any:
         """Host slots for `pages` pages, evicting L2 once if needed; None when there is no
@@ -423,12 +427,10 @@ class StorageTier:
 
     def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
         """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`."""
-        self.prefill.observe(rows, seconds)
+        self.planner.observe_forward(rows, seconds)
 
     def estimates(self) -> CostEstimates:
-        return CostEstimates(self.prefill.tokens_per_s(0, REPORT_PREFILL_TOKENS),
-                             self.fetch_cost.bandwidth_bytes_per_s, self.fetch_cost.latency_s,
-                             self.prefill.observations, self.fetch_cost.observations)
+        return self.planner.estimates()
 
     def _free_if_finished(self, op: PrefetchOp) -> bool:
         if not op.finished.is_set():
@@ -461,6 +463,7 @@ class StorageTier:
     def clear(self) -> int:
         """Empty L3 (after in-flight backups land); returns the pages removed."""
         self.wait_idle()
+        self._stored = KnownStored()
         removed = self.io.backend.clear()
         for node in self.tree.iter_nodes():
             node.storage_backed = False

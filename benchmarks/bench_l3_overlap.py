@@ -1,0 +1,278 @@
+"""L3 against recomputing, at bandwidths around this machine's prefill rate: TTFT of a
+prefix served from L3 (cold L1 and L2) by recompute only, fetch only, the cost model's
+choice of the two, and the overlap (compute the head while the tail loads).
+
+    calibrate   the engine's prefill of `--prompt-len` tokens from scratch (median of 3):
+                T seconds; a prompt's stored pages are B bytes; the balanced bandwidth,
+                where fetching the prompt takes as long as recomputing it, is B / T
+    populate    one unthrottled engine computes every prompt once and writes it to L3
+    serve       for each bandwidth (`--ratios` x balanced: below 1 fetching is the slower,
+                "fetch-bound"; above, "compute-bound") and each mode, a fresh engine over
+                that L3, throttled, serves two prompts new to it and `--warmup` prompts
+                from L3 (so the cost model has seen this engine's prefills and this link's
+                fetches, as a server has after its first requests), then `--repeats`
+                measured prompts from L3, each once, one token each: its latency is its
+                TTFT
+
+    recompute   storage.backend none: every token computed
+    fetch       storage.cost_model false: every L3 hit fetched whole (the fixed threshold)
+    choice      cost_model true, overlap false: fetch or recompute, by the estimates
+    overlap     cost_model true, overlap true: may split a hit into a computed head and a
+                fetched tail
+
+The L3 link is `storage.throttle` (one shared link for reads and writes, plus a latency per
+call) over LMDB; `--redis` puts a real redis-server behind `benchmarks/throttle_proxy.py`
+instead (TCP, the bandwidth in each direction). Every answer's token is checked against the
+recomputed one. A last table is the cost of the L3 tier when nothing is reused: unique
+prompts through an engine with L3 (LMDB, unthrottled) against one without, alternating.
+
+    python benchmarks/bench_l3_overlap.py            # ~6 min on 2 CPU cores
+    python benchmarks/bench_l3_overlap.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hicache.config import load_config
+from server.engine import Engine
+
+PAGE_SIZE = 16
+ONE_TOKEN = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+MODES = ("recompute", "fetch", "choice", "overlap")
+MODE_CONFIG: dict[str, dict[str, Any]] = {
+    "recompute": {"storage.backend": "none"},
+    "fetch": {"storage.cost_model": False},
+    "choice": {"storage.cost_model": True, "storage.overlap": False},
+    "overlap": {"storage.cost_model": True, "storage.overlap": True},
+}
+# Bandwidth / balanced bandwidth: fetching is 3x slower than recomputing, as slow, 3x faster.
+DEFAULT_RATIOS = (1 / 3, 1.0, 3.0)
+LATENCY_MS = 1.0  # per backend call: a LAN round trip
+MB = 10**6
+GOAL_WITHIN_2X = 0.75  # the issue's goal where fetch and recompute are within 2x
+GOAL_NO_REUSE = 1.05  # L3 on and nothing reused: at most 5% slower
+RESULTS = REPO / "benchmarks" / "results" / "l3_overlap.json"
+
+
+def base_config(lmdb: Path, **overrides: Any) -> dict[str, Any]:
+    return {"model.device": "cpu", "cache.page_size": PAGE_SIZE,
+            "cache.max_total_tokens": 8192, "cache.hierarchical": True,
+            "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
+            "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
+            **overrides}
+
+
+@contextmanager
+def engine(config: dict[str, Any]) -> Iterator[Engine]:
+    with Engine(load_config(None, config)) as e:
+        yield e
+
+
+def ttft(e: Engine, prompt: list[int]) -> tuple[float, int, dict[str, int]]:
+    start = time.perf_counter()
+    out = e.generate(input_ids=prompt, sampling_params=ONE_TOKEN)
+    return (time.perf_counter() - start, out["output_ids"][0],
+            out["meta_info"]["cached_tokens_details"])
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+
+
+FRESH_WARMUP = 2  # prompts computed from scratch first in every engine (the prefill model's)
+CALIBRATION_PROMPTS = 3  # timed, after FRESH_WARMUP untimed ones
+
+
+def calibrate(args: argparse.Namespace, workdir: Path) -> tuple[float, int]:
+    """(seconds of a prefill from scratch, bytes of the prompt's stored pages)."""
+    with engine(base_config(workdir / "calibrate", **{"storage.backend": "none"})) as e:
+        batch = prompts(FRESH_WARMUP + CALIBRATION_PROMPTS, args.prompt_len, seed=99)
+        times = [ttft(e, p)[0] for p in batch][FRESH_WARMUP:]
+        page_bytes = e.cache.host_pool.page_bytes
+    pages = (args.prompt_len - 1) // PAGE_SIZE
+    return statistics.median(times), pages * page_bytes
+
+
+def serve(config: dict[str, Any], warm: list[list[int]], measured: list[list[int]],
+          reference: dict[int, int]) -> dict[str, Any]:
+    with engine(config) as e:
+        for p in prompts(FRESH_WARMUP, len(warm[0]), seed=random.randrange(10**9)):
+            ttft(e, p)
+        for p in warm:
+            ttft(e, p)
+        rows = []
+        for p in measured:
+            seconds, token, details = ttft(e, p)
+            rows.append({"seconds": seconds, "token_ok": token == reference[id(p)],
+                         "storage_tokens": details["storage"]})
+        storage = e.stats()["tiers"].get("storage", {})
+    return {"ttft_s": statistics.median(r["seconds"] for r in rows),
+            "all_ttft_s": [r["seconds"] for r in rows],
+            "tokens_ok": all(r["token_ok"] for r in rows),
+            "storage_tokens": statistics.median(r["storage_tokens"] for r in rows),
+            "split_prefetches": storage.get("split_prefetches", 0),
+            "head_tokens": storage.get("head_tokens", 0),
+            "recomputed_hit_tokens": storage.get("recomputed_hit_tokens", 0),
+            "cost_model": storage.get("cost_model")}
+
+
+@contextmanager
+def redis_link(workdir: Path, bandwidth: float | None) -> Iterator[dict[str, Any]]:
+    """A real redis-server behind a throttling proxy: the config that reaches it."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from redis_fixtures import RedisServer
+    from throttle_proxy import ThrottleProxy
+    with RedisServer.start(workdir) as redis, \
+            ThrottleProxy("127.0.0.1", int(redis.url.rsplit(":", 1)[1].split("/")[0]),
+                          bandwidth, LATENCY_MS / 1000) as proxy:
+        yield {"storage.backend": "redis",
+               "storage.redis.url": f"redis://127.0.0.1:{proxy.port}/0"}
+
+
+def run_bandwidths(args: argparse.Namespace, workdir: Path, balanced: float,
+                   warm: list[list[int]], measured: list[list[int]],
+                   reference: dict[int, int]) -> list[dict[str, Any]]:
+    lmdb = workdir / "l3"
+    out = []
+    for ratio in args.ratios:
+        bandwidth = ratio * balanced
+        row: dict[str, Any] = {"ratio": ratio, "bandwidth_mb_s": bandwidth / MB}
+        for mode in MODES:
+            if args.redis and mode != "recompute":
+                with redis_link(workdir / f"redis-{ratio}-{mode}", bandwidth) as link:
+                    populate(base_config(lmdb, **link), warm + measured)
+                    row[mode] = serve(base_config(lmdb, **link, **MODE_CONFIG[mode]),
+                                      warm, measured, reference)
+            else:
+                throttle = {"storage.throttle.bandwidth_mb_s": bandwidth / MB,
+                            "storage.throttle.latency_ms": LATENCY_MS}
+                row[mode] = serve(base_config(lmdb, **throttle, **MODE_CONFIG[mode]),
+                                  warm, measured, reference)
+            print(f"  {ratio:.2f}x balanced ({bandwidth / MB:.1f} MB/s) {mode:9s} "
+                  f"TTFT {row[mode]['ttft_s'] * 1000:7.0f} ms, from L3 "
+                  f"{row[mode]['storage_tokens']:.0f} tokens", flush=True)
+        out.append(row)
+    return out
+
+
+def populate(config: dict[str, Any], all_prompts: list[list[int]]) -> dict[int, int]:
+    """Compute every prompt once into L3; their recomputed tokens by prompt id."""
+    reference = {}
+    with engine(config) as e:
+        for p in all_prompts:
+            reference[id(p)] = ttft(e, p)[1]
+    return reference
+
+
+def no_reuse_cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Unique prompts, L3 on against off, alternating passes: total seconds per pass."""
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for rep in range(args.repeats):
+        for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            config = base_config(workdir / f"noreuse-{rep}-{side}")
+            if side == "off":
+                config["storage.backend"] = "none"
+            batch = prompts(args.no_reuse_prompts, args.prompt_len, seed=1000 + rep)
+            with engine(config) as e:
+                start = time.perf_counter()
+                for p in batch:
+                    e.generate(input_ids=p, sampling_params=ONE_TOKEN)
+                e.flush_cache(["device"])  # waits for the L3 backups the pass queued
+                times[side].append(time.perf_counter() - start)
+    ratios = [on / off for on, off in zip(times["on"], times["off"])]
+    return {"seconds": times, "ratio_median": statistics.median(ratios)}
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [(f"prefill of {result['prompt_len']} tokens: {result['prefill_s'] * 1000:.0f} ms; "
+             f"its pages {result['prompt_bytes'] / MB:.1f} MB; balanced bandwidth "
+             f"{result['balanced_mb_s']:.1f} MB/s; {result['backend']}"),
+             "",
+             ("| bandwidth | MB/s | recompute | fetch | choice | overlap | overlap / best of "
+             "recompute, fetch | goal | tokens from L3 (fetch / overlap) | same tokens |"),
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    for row in result["rows"]:
+        rec, fetch = row["recompute"]["ttft_s"], row["fetch"]["ttft_s"]
+        best = min(rec, fetch)
+        ratio = row["overlap"]["ttft_s"] / best
+        within = max(rec, fetch) / best <= 2
+        goal = GOAL_WITHIN_2X if within else 1.0
+        ok = all(row[m]["tokens_ok"] for m in MODES)
+        label = ("fetch-bound" if row["ratio"] < 1 else
+                 "compute-bound" if row["ratio"] > 1 else "balanced")
+        lines.append(
+            f"| {row['ratio']:.2f}x ({label}) | {row['bandwidth_mb_s']:.1f} | "
+            + " | ".join(f"{row[m]['ttft_s'] * 1000:.0f} ms" for m in MODES)
+            + f" | {ratio:.2f} | <= {goal} {'met' if ratio <= goal else 'not met'} | "
+            f"{row['fetch']['storage_tokens']:.0f} / {row['overlap']['storage_tokens']:.0f} | "
+            f"{'yes' if ok else 'NO'} |")
+    nr = result["no_reuse"]
+    lines += ["", (f"L3 on with no reuse ({result['no_reuse_prompts']} unique prompts a pass, "
+              f"median of {len(nr['ratios'])} alternating pairs): {nr['ratio_median']:.3f}x "
+              f"the time without L3 (goal <= {GOAL_NO_REUSE}: "
+              f"{'met' if nr['ratio_median'] <= GOAL_NO_REUSE else 'not met'})")]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-reuse-prompts", type=int, default=4)
+    ap.add_argument("--redis", action="store_true",
+                    help="a real redis-server behind a throttling TCP proxy instead of LMDB")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 512 tokens, 1 repeat")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    random.seed(0)
+    if args.quick:
+        args.prompt_len, args.repeats, args.warmup, args.no_reuse_prompts = 512, 1, 3, 2
+    with tempfile.TemporaryDirectory(prefix="bench-l3-overlap-") as tmp:
+        workdir = Path(tmp)
+        prefill_s, prompt_bytes = calibrate(args, workdir)
+        balanced = prompt_bytes / prefill_s
+        print(f"prefill {prefill_s * 1000:.0f} ms, pages {prompt_bytes / MB:.1f} MB: balanced "
+              f"{balanced / MB:.1f} MB/s", flush=True)
+        warm = prompts(args.warmup, args.prompt_len, seed=1)
+        measured = prompts(args.repeats, args.prompt_len, seed=2)
+        reference = populate(base_config(workdir / "l3"), warm + measured)
+        rows = run_bandwidths(args, workdir, balanced, warm, measured, reference)
+        no_reuse = no_reuse_cost(args, workdir)
+    ratios = [on / off for on, off in zip(no_reuse["seconds"]["on"], no_reuse["seconds"]["off"])]
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.machine()}, {platform.processor() or platform.system()}",
+              "backend": ("redis-server behind a throttling TCP proxy" if args.redis else
+                          f"LMDB behind storage.throttle, {LATENCY_MS} ms per call"),
+              "prompt_len": args.prompt_len, "prefill_s": prefill_s,
+              "prompt_bytes": prompt_bytes, "balanced_mb_s": balanced / MB, "rows": rows,
+              "no_reuse_prompts": args.no_reuse_prompts,
+              "no_reuse": {**no_reuse, "ratios": ratios}}
+    print()
+    print(report(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

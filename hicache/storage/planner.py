@@ -1,0 +1,82 @@
+"""What to do with an L3 hit: fetch it whole, recompute it, or compute its head while its tail
+is fetched, by what this engine and this backend have been measured to cost (`cost.py`).
+
+    fetch      the hit's pages come from L3 into L2, then load back (k = 0)
+    recompute  fetching would take longer than computing: nothing is fetched (k = n)
+    split      pages [0, k) are recomputed on the device while pages [k, n) are fetched, k
+               chosen so that both end together (`choose_split`); taken only when that beats
+               the better of the other two by SPLIT_MIN_GAIN
+
+The estimates learn from every forward pass (`observe_forward`: its rows and wall time) and
+every fetch (`observe_fetch`: bytes and wall time, however many workers shared it). While
+either has too few observations, or with `cost_model` off, every hit is fetched (the storage
+tier's threshold already chose which hits are worth asking about).
+
+Threading: scheduler thread only, like the storage tier that owns it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hicache.storage.cost import FetchCost, PrefillCost, Split, choose_split
+
+# A hit is split into a computed head and a fetched tail only when the estimate beats the
+# better of fetching it all and recomputing it all by this share: a split costs a second
+# admission and the head's copy to L2, so a gain within the estimates' noise is not taken.
+SPLIT_MIN_GAIN = 0.2
+# The prefix length at which /admin/tiers reports the prefill estimate (tokens/s of a
+# prefill of this many tokens from scratch).
+REPORT_PREFILL_TOKENS = 2048
+
+
+class CostEstimates(NamedTuple):
+    """What the cost model believes now (None until it has enough observations)."""
+
+    prefill_tokens_per_s: float | None   # a prefill of REPORT_PREFILL_TOKENS from scratch
+    fetch_bandwidth_bytes_per_s: float | None
+    fetch_latency_s: float | None
+    prefill_observations: int
+    fetch_observations: int
+
+
+class FetchPlan(NamedTuple):
+    head_pages: int | None  # pages to recompute before the rest is fetched; None: all of it
+    split: Split | None     # the estimate it was chosen by (None: no estimate, fetch it all)
+
+
+class FetchPlanner:
+    def __init__(self, page_size: int, page_bytes: int, cost_model: bool = True,
+                 overlap: bool = True) -> None:
+        self.page_size = page_size
+        self.page_bytes = page_bytes  # one page's K and V in L2 (what a fetch moves)
+        self.cost_model = cost_model  # decide by estimates once warm (else fetch it all)
+        self.overlap = overlap        # may split a hit into a computed head and a fetched tail
+        self.prefill = PrefillCost()
+        self.fetch = FetchCost()
+
+    def plan(self, hit_pages: int, prefix_tokens: int) -> FetchPlan:
+        """For an L3 hit of `hit_pages` pages after `prefix_tokens` cached ones."""
+        split = (choose_split(hit_pages, self.page_size, self.page_bytes, prefix_tokens,
+                              self.prefill, self.fetch) if self.cost_model else None)
+        if split is None:
+            return FetchPlan(0, None)
+        best_whole = min(split.fetch_seconds, split.recompute_seconds)
+        head = None if split.fetch_seconds > split.recompute_seconds else 0
+        if (self.overlap and 0 < split.head_pages < hit_pages
+                and split.seconds <= (1 - SPLIT_MIN_GAIN) * best_whole):
+            head = split.head_pages
+        return FetchPlan(head, split)
+
+    def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
+        """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`."""
+        self.prefill.observe(rows, seconds)
+
+    def observe_fetch(self, pages: int, seconds: float) -> None:
+        """A fetch of `pages` pages took `seconds`, first batch start to last batch end."""
+        self.fetch.observe(pages * self.page_bytes, seconds)
+
+    def estimates(self) -> CostEstimates:
+        return CostEstimates(self.prefill.tokens_per_s(0, REPORT_PREFILL_TOKENS),
+                             self.fetch.bandwidth_bytes_per_s, self.fetch.latency_s,
+                             self.prefill.observations, self.fetch.observations)
