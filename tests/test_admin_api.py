@@ -100,6 +100,12 @@ async def test_tiers_shape(client: TestClient) -> None:
     assert set(shown) == {"device", "host", "storage"}
     faults = shown["storage"].pop("errors_by_op")
     assert isinstance(faults, dict) and shown["storage"].pop("errors") == sum(faults.values())
+    model = shown["storage"].pop("cost_model")
+    decisions = {"split_prefetches", "head_tokens", "recomputed_hits", "recomputed_hit_tokens"}
+    assert decisions <= set(model) and all(model[k] >= 0 for k in decisions)
+    assert set(model) - decisions <= {"prefill_tokens_per_s", "fetch_bandwidth_bytes_per_s",
+                                      "fetch_latency_s", "prefill_observations",
+                                      "fetch_observations"}
     for tier in shown.values():
         assert set(tier) == FIELDS and all(isinstance(v, int) and v >= 0 for v in tier.values())
         assert tier["used"] <= tier["capacity"]

@@ -2,7 +2,8 @@
 
     POST /admin/flush                     {"tiers": [...]} (default all three) -> {"freed": {...}}
     GET  /admin/tiers                     capacity / used / evictable / protected / hits, tokens
-                                          (storage also: errors, errors_by_op: faults)
+                                          (storage also: errors, errors_by_op: faults;
+                                          cost_model: estimates and decisions)
     POST /flush_cache                     SGLang's alias: flush device and host
     POST /hicache/storage-backend/clear   SGLang's alias: flush storage
 
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from hicache.metrics import tier_summaries
 from hicache.policies import TIERS
+from hicache.stats import StorageStats
 from server.engine import Engine
 from server.http.body import brief, check_fields, read_object
 from server.http.errors import HttpError, error_response
@@ -124,6 +126,16 @@ async def handle_storage_clear(request: web.Request) -> web.Response:
     return await _flush(request.app[STATE].engine, ("storage",))
 
 
+def cost_model(storage: StorageStats) -> dict[str, Any]:
+    """What the storage tier's cost model estimates (None until it has enough observations)
+    and what it decided: hits split into a computed head and a fetched tail, hits recomputed."""
+    c = storage.counters
+    estimates = storage.estimates._asdict() if storage.estimates is not None else {}
+    return {**estimates, "split_prefetches": c.split_prefetches, "head_tokens": c.head_tokens,
+            "recomputed_hits": c.recomputed_hits,
+            "recomputed_hit_tokens": c.recomputed_hit_tokens}
+
+
 async def handle_tiers(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     stats = await asyncio.get_running_loop().run_in_executor(None, engine.cache_stats)
@@ -133,6 +145,7 @@ async def handle_tiers(request: web.Request) -> web.Response:
     if stats.storage is not None:  # faults turned into misses / skipped writes, per operation
         tiers["storage"]["errors"] = stats.storage.errors
         tiers["storage"]["errors_by_op"] = dict(stats.storage.errors_by_op)
+        tiers["storage"]["cost_model"] = cost_model(stats.storage)
     return web.json_response({"unit": "tokens", "page_size": engine.config.cache.page_size,
                               "tiers": tiers})
 
