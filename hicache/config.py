@@ -36,6 +36,9 @@ TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the s
 DEFAULT_FETCH_WORKERS = 4
 STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
+# The order waiting requests are admitted in (`server.scheduler.policy`), SGLang's
+# --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
+SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 
 MAX_PORT = 65535
 BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
@@ -149,6 +152,7 @@ class ServerConfig(_Section):
     # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
     # --served-model-name). None: derived from model.path (server.http.discovery).
     served_model_name: str | None = None
+    schedule_policy: str = "lpm"  # the order waiting requests are admitted in
 
     def _validate(self) -> None:
         self._non_empty("host")
@@ -156,6 +160,7 @@ class ServerConfig(_Section):
             self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
         self._non_empty("admin_api_key")
         self._non_empty("served_model_name")
+        self._choice("schedule_policy", SCHEDULE_POLICIES)
 
 
 @dataclass(frozen=True)

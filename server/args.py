@@ -16,6 +16,7 @@ from hicache.config import (
     DEVICES,
     DTYPES,
     MEM_LAYOUTS,
+    SCHEDULE_POLICIES,
     STORAGE_BACKENDS,
     TIERED_BACKEND,
     TIERED_PARTS,
@@ -46,6 +47,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--served-model-name", "server.served_model_name", {},
      ("model id of OpenAI responses and /v1/models (default: --model-path as given; for "
       "the embedded model its local folder)")),
+    ("--schedule-policy", "server.schedule_policy", {"choices": SCHEDULE_POLICIES},
+     ("order of the waiting requests: lpm (longest cached prefix first), fcfs, random, "
+      "dfs-weight (requests sharing a prefix back to back)")),
     ("--disable-radix-cache", "cache.enable_radix_cache", {"action": "store_const",
                                                            "const": False},
      "recompute every prompt (no prefix reuse)"),

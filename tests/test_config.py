@@ -29,7 +29,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DESIGN_DEFAULTS: dict[str, Any] = {
     "model": {"path": "embedded:tiny-llama", "dtype": "auto", "device": "auto"},
     "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,
-               "served_model_name": None},
+               "served_model_name": None, "schedule_policy": "lpm"},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
               "max_total_tokens": None, "eviction_policy": "lru"},
     "host": {"ratio": 2.0, "size_gb": None, "write_policy": "write_through",

@@ -1,7 +1,9 @@
 """Admission: which waiting request goes next, and whether it fits, asked and then committed.
 
-    order    longest cached prefix first (LPM: a peek that touches nothing), first come
-             first served among equals and past MAX_LPM_SCAN waiting requests
+    order    the schedule policy's (`policy.py`: lpm, the default, is longest cached
+             prefix first, a peek that touches nothing; fcfs; random; dfs-weight); with a
+             cache-aware one, a request whose uncached prefix a prefill in flight computes
+             waits a step or a few to hit it (`sharing`: delay scheduling)
     ask      `plan(req)`: the prefetch policy lets it in (its prefetch then ends, the pages it
              fetched join the tree); its match (of `cache_key`: a request that wants prompt
              logprobs from position k matches its first k tokens only; a retracted one its
@@ -39,10 +41,7 @@ from hicache.storage.tier import Resume
 from hicache.tree.base import MatchResult
 from server.request import Request
 from server.scheduler.kv import RequestKV, cache_key, pages_up
-
-# Waiting requests ranked by cached prefix each step; past this many, first come first served
-# (matching every request every step would cost more than it saves; SGLang does the same).
-MAX_LPM_SCAN = 128
+from server.scheduler.policy import InBatchSharing, filling, make_policy
 
 # The new-token estimate, SGLang's defaults (global_config / ServerArgs with
 # schedule_conservativeness 1): start at 0.7 of every request's remaining max_new_tokens, fall
@@ -99,20 +98,28 @@ class AdmitPlan(NamedTuple):
 
 
 class Admission:
-    def __init__(self, cache: CacheStack, kv: RequestKV) -> None:
+    def __init__(self, cache: CacheStack, kv: RequestKV, schedule_policy: str = "lpm") -> None:
         self.cache = cache
         self.tree = cache.tree
         self.page_size = cache.page_size
         self.kv = kv  # its running list: their reservations and estimates are spoken for
         self.ratio = NewTokenRatio()
+        self.policy = make_policy(schedule_policy, self.tree)
+        self.delays: dict[Request, int] = {}  # waiting request -> steps delayed (sharing)
 
     def order(self, waiting: list[Request]) -> list[Request]:
-        if len(waiting) > MAX_LPM_SCAN:
-            return list(waiting)
+        """The waiting requests in the order to ask them in (`SchedulePolicy.order`)."""
+        return self.policy.order(waiting)
 
-        def hit(req: Request) -> int:
-            return self.tree.peek_prefix(cache_key(req), req.extra_key)
-        return sorted(waiting, key=hit, reverse=True)  # stable: FCFS among equals
+    def sharing(self, waiting: list[Request]) -> InBatchSharing:
+        """This step's delay scheduling, over the running requests still filling; the
+        caller tells it each request it admits (`InBatchSharing.admitted`). The delay counts
+        of requests no longer waiting are dropped."""
+        if self.delays:
+            still = set(waiting)
+            self.delays = {req: n for req, n in self.delays.items() if req in still}
+        return InBatchSharing(self.tree, filter(filling, self.kv.running), self.delays,
+                              self.policy.cache_aware)
 
     def start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
         """Start the request's L3 prefetch, if there is L3 and something worth fetching."""

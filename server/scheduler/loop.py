@@ -8,8 +8,9 @@ Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`),
                slot even after the L1->L2 copies in flight land (their pages are locked
                until then), running requests are retracted, least progressed first
                (`retraction.py`).
-               Then, unless a request was retracted, waiting requests are admitted
-               longest-cached-prefix first, each asked then committed (`admission.py`:
+               Then, unless a request was retracted, waiting requests are admitted in
+               the schedule policy's order (`policy.py`: longest cached prefix first by
+               default), each asked then committed (`admission.py`:
                prefetch policy -> match -> room for the fill and the estimated new tokens?
                -> lock -> evict -> load-back from L2 -> reserve L1 for the fill)
     run        the model runner starts the loads and runs the batch
@@ -67,7 +68,8 @@ def fill_end(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
-                 max_batch_tokens: int, max_running: int) -> None:
+                 max_batch_tokens: int, max_running: int,
+                 schedule_policy: str = "lpm") -> None:
         self.runner = runner
         self.cache = cache
         self.tree = cache.tree
@@ -79,7 +81,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.kv = RequestKV(cache, self.running)
-        self.admission = Admission(cache, self.kv)
+        self.admission = Admission(cache, self.kv, schedule_policy)
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = RequestCounters()
@@ -175,13 +177,17 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(step.values())
         admitted = []
         if complete and not any(when_idle for _, _, when_idle in self._commands):
+            sharing = self.admission.sharing(self.waiting)  # delay scheduling
             for req in self.admission.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
-                if not self._held(req) and self._try_admit(req):
+                if self._held(req) or sharing.defers(req):
+                    continue
+                if self._try_admit(req):
                     step[req] = min(fill_end(req) - req.num_computed, budget)
                     budget -= step[req]
                     admitted.append(req)
+                    sharing.admitted(req)
         for req in admitted:  # a fill, from the reservation just made
             ok = self.kv.ensure_slots(req, req.num_computed + step[req])
             assert ok, f"request {req.rid}: its fill was reserved at admission"
