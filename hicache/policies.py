@@ -5,7 +5,13 @@ module: it imports nothing, so everything in `hicache` may import it."""
 from __future__ import annotations
 
 TIERS = ("device", "host", "storage")  # L1, L2, L3: flush names, stats keys, metric labels
-EVICTION_POLICIES = ("lru", "lfu")
+# lru: least recently used first; lfu: least often used first (one request = one use), LRU
+# among equals; priority: lowest request priority first (SGLang's --radix-eviction-policy
+# priority), LRU among equals.
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+# A request's priority when it names none (SGLang's and vLLM's `priority` default): higher
+# values keep their prefixes longer under the `priority` eviction policy.
+DEFAULT_PRIORITY = 0
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 IO_BACKENDS = ("kernel", "direct")  # L1<->L2 copies: CUDA kernels, or cudaMemcpyAsync runs
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -24,7 +24,7 @@ from hicache.config import (
     ConfigError,
     load_config,
 )
-from hicache.policies import IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
+from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
 
 EXIT_BAD_CONFIG = 2  # argparse's own exit code for bad usage
 
@@ -57,6 +57,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
                                                            "const": True},
      "add the L2 host tier (and L3 storage when a backend is set) below L1"),
     ("--page-size", "cache.page_size", {"type": int}, "tokens per KV page"),
+    ("--radix-eviction-policy", "cache.eviction_policy", {"choices": EVICTION_POLICIES},
+     ("which unlocked prefix leaves the cache first: lru, lfu, priority (lowest request "
+     "priority, then LRU)")),
     ("--max-total-tokens", "cache.max_total_tokens", {"type": int},
      "L1 capacity in tokens (default: sized from free memory)"),
     ("--hicache-ratio", "host.ratio", {"type": float}, "L2 size as a multiple of L1"),

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache.policies import DEFAULT_PRIORITY
+
 if TYPE_CHECKING:  # server.sampling imports this module
     from server.sampling import LogitsShaper
 
@@ -175,6 +177,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_priority(value: Any) -> int:
+    """A request's `priority` (None: DEFAULT_PRIORITY); InvalidRequest unless an integer."""
+    if value is None:
+        return DEFAULT_PRIORITY
+    if not _is_int(value):
+        raise InvalidRequest(f"`priority` must be an integer (higher keeps the request's "
+                             f"prefix cached longer under the priority eviction policy), "
+                             f"got {_short(value)}")
+    return value
+
+
 def _check_token_ids(ids: Any) -> tuple[int, ...]:
     if ids is None:
         return ()
@@ -272,6 +285,8 @@ class Request:
     The logprob options are SGLang's `GenerateReqInput` fields, outside `sampling_params`
     as there: `return_logprob`, `logprob_start_len` (-1: no prompt logprobs; k >= 0: those
     of the prompt from position k on), `top_logprobs_num`, `return_text_in_logprobs`.
+    `priority` is SGLang's too: the tree keeps the prefixes of higher priorities longer
+    (under the `priority` eviction policy, a node's is the highest of its users').
     """
 
     input_ids: list[int]
@@ -285,6 +300,7 @@ class Request:
     error: str | None = None   # why it failed (finish_reason "error"), for its client
     arrival: float = 0.0
     first_token_at: float | None = None
+    priority: int = DEFAULT_PRIORITY
     # KV cache state (scheduler thread)
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     num_computed: int = 0      # tokens whose K/V are in kv_slots

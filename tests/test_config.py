@@ -289,7 +289,7 @@ def test_unknown_keys(overrides: dict[str, Any], key: str, message: str) -> None
 @pytest.mark.parametrize(("key", "allowed"), [
     ("model.dtype", "auto, float32, bfloat16, float16"),
     ("model.device", "auto, cuda, cpu"),
-    ("cache.eviction_policy", "lru, lfu"),
+    ("cache.eviction_policy", "lru, lfu, priority"),
     ("host.write_policy", "write_through, write_through_selective, write_back"),
     ("host.io_backend", "kernel, direct"),
     ("host.mem_layout", "page_first, layer_first"),

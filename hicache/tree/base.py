@@ -6,6 +6,12 @@ hit, nothing to load back, nothing to protect, zero host sizes, no copies in fli
 scheduler and the tier owner (`hicache.stack.CacheStack`) call this one interface and never
 ask which tree they hold.
 
+Uses: a request uses the nodes it matches or inserts. Each use touches them (access time)
+and raises their `priority` to the request's (the `priority` eviction policy); `hit_count`
+(lfu, write_through_selective) should see each request once, so a caller that matches one
+request several times (at arrival, at each admission attempt) matches with
+`count_hit=False` and counts the use once, at its end (`insert`, or `count_use`).
+
 Sizes are tokens. Threading: the scheduler thread owns the tree; nothing else calls it.
 """
 
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hicache.memory.device import INDEX_DTYPE
+from hicache.policies import DEFAULT_PRIORITY
 from hicache.tree.node import TreeNode
 
 if TYPE_CHECKING:
@@ -70,8 +77,11 @@ class PrefixCache(ABC):
     # ------------------------------------------------------------------------- L1 (all trees)
 
     @abstractmethod
-    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        """Longest cached prefix; touches, counts a hit, splits the last edge if needed."""
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None, *,
+                     priority: int | None = None, count_hit: bool = True) -> MatchResult:
+        """Longest cached prefix; touches (access time, and raises the nodes' priority to the
+        request's `priority` unless None), counts a use unless `count_hit=False`, splits the
+        last edge if needed."""
 
     @abstractmethod
     def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
@@ -83,8 +93,15 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, key: Sequence[int], value: torch.Tensor | None = None,
-               extra_key: str | None = None, *, count_hit: bool = True) -> int:
-        """Add `key` -> `value`; the leading tokens already present (the caller frees those)."""
+               extra_key: str | None = None, *, count_hit: bool = True,
+               priority: int = DEFAULT_PRIORITY) -> int:
+        """Add `key` -> `value`; the leading tokens already present (the caller frees those).
+        Touches and raises priorities like a match; counts a use unless `count_hit=False`."""
+
+    @abstractmethod
+    def count_use(self, node: TreeNode, priority: int | None = None) -> None:
+        """Count one use of `node` (locked by the caller) and its ancestors, touching them:
+        for a request matched with `count_hit=False` that inserts nothing at its end."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

@@ -92,9 +92,11 @@ class HiRadixCache(RadixCache):
 
     # ---------------------------------------------------------------------------- match
 
-    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        """The device hit, plus the L2-only nodes below it (`host_hit_length` tokens)."""
-        path = self._match_path(key, extra_key)
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None, *,
+                     priority: int | None = None, count_hit: bool = True) -> MatchResult:
+        """The device hit, plus the L2-only nodes below it (`host_hit_length` tokens);
+        touching and counting as the base tree's."""
+        path = self._match_path(key, extra_key, priority, count_hit)
         on_device = 0
         while on_device < len(path) and not path[on_device].evicted:
             on_device += 1
@@ -142,7 +144,9 @@ class HiRadixCache(RadixCache):
     # ----------------------------------------------------------------------- write policy
 
     def _on_path(self, path: list[TreeNode]) -> None:
-        """Back up the nodes the policy wants copied, parents first."""
+        """Back up the nodes the policy wants copied, parents first: write_through all of
+        them, write_through_selective those used by `write_through_threshold` requests
+        (`hit_count`: one per request when the scheduler counts its use once)."""
         if self.write_policy == "write_back":
             return
         for node in path:
@@ -285,7 +289,8 @@ class HiRadixCache(RadixCache):
         self._host_heap.push(node)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host tokens from unprotected L2-only leaves, least recently used first."""
+        """Free host tokens from unprotected L2-only leaves, in the eviction policy's order
+        (the L1 heap's key: least recently used first under `lru`)."""
         freed = 0
         while freed < num_tokens and (node := self._host_heap.pop()) is not None:
             self.controller.host_pool.free(node.host_value)

@@ -14,12 +14,19 @@ import torch
 Key = tuple[int, ...]
 ChildKey = tuple[Any, Any]
 
+# The priority of a node no request has used yet (pages an L3 prefetch hung in the tree):
+# below every request's, so the first user's priority is what it gets.
+UNUSED_PRIORITY = float("-inf")
+
 
 class TreeNode:
     """One edge of the tree and the node it leads to.
 
     `lock_ref` counts requests using this node (a lock covers the node and its ancestors);
-    `last_access_time` is `time.monotonic()` (a wall clock can go backwards, SGLang #6211).
+    `last_access_time` is `time.monotonic()` (a wall clock can go backwards, SGLang #6211);
+    `hit_count` counts the requests that used it, each once; `priority` is the highest
+    priority of those requests (an int; UNUSED_PRIORITY before the first). Every request
+    that uses a node uses its ancestors, so a parent's priority is never below its child's.
     """
 
     __slots__ = (
@@ -31,6 +38,7 @@ class TreeNode:
         "last_access_time",
         "lock_ref",
         "parent",
+        "priority",
         "value",
     )
     _ids = itertools.count()
@@ -46,6 +54,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = time.monotonic()
         self.hit_count = 0
+        self.priority: float = UNUSED_PRIORITY
 
     def __len__(self) -> int:
         return len(self.key)

@@ -3,7 +3,7 @@
 Each edge holds a run of whole pages of token ids (`key`) and the device slot indices of
 their KV (`value`, an int64 CPU tensor of the same length). A path from the root spells a
 cached prefix; `match_prefix` finds the longest one, `insert` adds a finished sequence,
-`evict` frees least recently used unlocked leaves.
+`evict` frees unlocked leaves in the eviction policy's order (`_PRIORITIES`).
 
     root ──(A B C D)──> n1 ──(E F)──> n2          page_size = 2
                          └──(G H I J)──> n3        children keyed by first page: (E,F) / (G,H)
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hicache.policies import EVICTION_POLICIES, check_choice
+from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
@@ -40,9 +40,17 @@ def _lfu_priority(node: TreeNode) -> tuple[int, float]:
     return (node.hit_count, node.last_access_time)
 
 
+def _request_priority(node: TreeNode) -> tuple[float, float]:
+    """Lowest request priority first (the highest of the node's users), least recently used
+    among equals (SGLang's `priority` eviction policy)."""
+    return (node.priority, node.last_access_time)
+
+
 # Eviction order per policy: the heap's key, lowest evicted first (one per EVICTION_POLICIES).
+# Both tiers' heaps (L1 leaves, and HiRadixCache's L2 leaves) use the same one.
 _PRIORITIES: dict[str, Callable[[TreeNode], tuple]] = {"lru": _lru_priority,
-                                                       "lfu": _lfu_priority}
+                                                       "lfu": _lfu_priority,
+                                                       "priority": _request_priority}
 
 
 class RadixCache(PrefixCache):
@@ -86,33 +94,45 @@ class RadixCache(PrefixCache):
         end = aligned_end(key, self.page_size)
         return key if end == len(key) else key[:end]
 
-    def _touch(self, path: list[TreeNode], now: float, hits: int) -> None:
-        """Mark the nodes a match or insert went through as used at `now`, `hits` times."""
+    def _touch(self, path: list[TreeNode], now: float, hits: int, priority: int | None
+               ) -> None:
+        """Mark the nodes a match or insert went through as used at `now`, `hits` times (0
+        or 1), by a request of `priority` (None: unknown to the caller, priorities stay)."""
         for node in path:
             node.last_access_time = now
             node.hit_count += hits
+        if priority is not None:
+            for node in path:
+                node.priority = max(node.priority, priority)
 
     # ---------------------------------------------------------------------------- match
 
-    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None, *,
+                     priority: int | None = None, count_hit: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `key` under `extra_key`.
 
         A match ending inside an edge splits it, so the returned node spells exactly the hit;
-        a mismatch inside an edge ends the walk (it never continues into a grandchild).
+        a mismatch inside an edge ends the walk (it never continues into a grandchild). The
+        hit's nodes are touched (access time now; `priority`, the matching request's, raises
+        theirs) and counted as one use unless `count_hit=False`: a scheduler that matches a
+        waiting request at every admission attempt counts its use once, when it is released
+        (`insert` or `count_use`).
         """
         if self.disable:
             return MatchResult(EMPTY, self.root, self.root, 0)
-        path = self._match_path(key, extra_key)
+        path = self._match_path(key, extra_key, priority, count_hit)
         node = path[-1] if path else self.root
         return MatchResult(concat([n.value for n in path]), node, node, 0)
 
-    def _match_path(self, key: Sequence[int], extra_key: str | None) -> list[TreeNode]:
+    def _match_path(self, key: Sequence[int], extra_key: str | None, priority: int | None,
+                    count_hit: bool) -> list[TreeNode]:
         """The nodes spelling the longest prefix of `key`, root excluded (the last one split
-        to the hit), each touched and counted as one hit; then requeued and `_on_path`."""
+        to the hit), each touched (and counted as one use when `count_hit`); then requeued
+        and `_on_path`."""
         path = descend(self.root, as_key(key), extra_key, self.page_size, self._split).path
         now = time.monotonic()
         self.root.last_access_time = now
-        self._touch(path, now, 1)
+        self._touch(path, now, int(count_hit), priority)
         self._requeue(path)
         self._on_path(path)
         return path
@@ -166,13 +186,15 @@ class RadixCache(PrefixCache):
     # --------------------------------------------------------------------------- insert
 
     def insert(self, key: Sequence[int], value: torch.Tensor | None = None,
-               extra_key: str | None = None, *, count_hit: bool = True) -> int:
+               extra_key: str | None = None, *, count_hit: bool = True,
+               priority: int = DEFAULT_PRIORITY) -> int:
         """Add `key` -> `value`; return how many leading tokens were already present.
 
         The caller frees its own slots `value[:returned]`; the tree keeps the rest (a copy of
         `value[matched:end]` for the new leaf). `count_hit=False` (a request caching its
         prompt before it finishes, and inserting again then) leaves hit counts alone, so one
-        request counts as one use.
+        request counts as one use. `priority` is the inserting request's: the new leaf's,
+        and the floor of every node on the way.
         """
         key = as_key(key)
         end = aligned_end(key, self.page_size)
@@ -186,11 +208,12 @@ class RadixCache(PrefixCache):
         walk = descend(self.root, key, extra_key, self.page_size, self._split)
         path, pos = walk.path, walk.matched
         now = time.monotonic()
-        self._touch(path, now, int(count_hit))
+        self._touch(path, now, int(count_hit), priority)
         present = self._insert_hits(path, value, pos)
         if pos < end:
             leaf = self._add_leaf(path[-1] if path else self.root, key[pos:end],
-                                  torch.narrow_copy(value, 0, pos, end - pos), extra_key, now)
+                                  torch.narrow_copy(value, 0, pos, end - pos), extra_key, now,
+                                  priority)
             leaf.hit_count -= not count_hit  # its first use is counted at the next insert
             path.append(leaf)
         self._requeue(path)
@@ -204,12 +227,14 @@ class RadixCache(PrefixCache):
         return matched
 
     def _add_leaf(self, parent: TreeNode, key: Key, value: torch.Tensor,
-                  extra_key: str | None, now: float) -> TreeNode:
-        """A new device leaf, used once at `now` (its creation is its first use). Not pushed
-        on the eviction heap: the caller's `_requeue` does that for the path's last node."""
+                  extra_key: str | None, now: float, priority: int) -> TreeNode:
+        """A new device leaf, used once at `now` by a request of `priority` (its creation is
+        its first use). Not pushed on the eviction heap: the caller's `_requeue` does that for
+        the path's last node."""
         leaf = self._attach(parent, key, value, extra_key)
         leaf.last_access_time = now
         leaf.hit_count = 1
+        leaf.priority = priority
         self._evictable += len(key)
         return leaf
 
@@ -231,6 +256,7 @@ class RadixCache(PrefixCache):
         new.lock_ref = child.lock_ref
         new.last_access_time = child.last_access_time
         new.hit_count = child.hit_count
+        new.priority = child.priority
         self._split_extra(new, child, n)
         ps = self.page_size
         child.parent.children[child_key(child.key, 0, child.extra_key, ps)] = new
@@ -244,6 +270,26 @@ class RadixCache(PrefixCache):
     def _split_extra(self, new: TreeNode, child: TreeNode, n: int) -> None:
         """Hook: split the subclass's per-node state (host values) the same way."""
 
+    # ------------------------------------------------------------------------------ use
+
+    def count_use(self, node: TreeNode, priority: int | None = None) -> None:
+        """One use of `node` and its ancestors by a request of `priority` (None: priorities
+        stay): hit counts +1, access time now, as `insert(count_hit=True)` of its key would
+        do. For a request that matched without counting (`count_hit=False`) and has nothing
+        to insert at its end. `node` must be alive: the caller holds it locked."""
+        if self.disable:
+            return
+        path = []
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        now = time.monotonic()
+        self.root.last_access_time = now
+        self._touch(path, now, 1, priority)
+        self._requeue(path)
+        self._on_path(path)
+
     # ---------------------------------------------------------------------------- evict
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
@@ -251,7 +297,8 @@ class RadixCache(PrefixCache):
         return node.lock_ref == 0 and node.parent is not None and not node.children
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` (if possible) from unlocked leaves, LRU first."""
+        """Free at least `num_tokens` (if possible) from unlocked leaves, in the eviction
+        policy's order (LRU first under `lru`)."""
         freed = 0
         while freed < num_tokens:
             node = self._device_heap.pop()
@@ -377,5 +424,7 @@ class RadixCache(PrefixCache):
             f"{node!r} locked more than its parent")
         if parent is not self.root:
             assert node.extra_key == parent.extra_key, f"{node!r} crosses a namespace"
+            assert node.priority <= parent.priority, (
+                f"{node!r} has priority {node.priority} above its parent's {parent.priority}")
         if node.value is not None:
             assert len(node.value) == len(node.key), f"{node!r} value/key length mismatch"

@@ -36,6 +36,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields
 from server.http.generation import LogprobOptions, start_all, submit
+from server.http.native import set_priorities
 from server.http.openai import (
     COMPLETION_UNSUPPORTED,
     OPENAI_PARAMS,
@@ -43,6 +44,7 @@ from server.http.openai import (
     openai_body,
     openai_message,
     openai_sampling_params,
+    request_priority,
     usage_options,
 )
 from server.http.openai_logprobs import Entry, Namer, token_namer
@@ -71,7 +73,7 @@ CHAT_UNSUPPORTED = {
 CHAT_FIELDS = frozenset({
     *OPENAI_PARAMS, *CHAT_UNSUPPORTED, "model", "messages", "max_completion_tokens", "stream",
     "stream_options", "n", "user", "logprobs", "top_logprobs", "return_token_ids",
-    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls"})
+    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls", "priority"})
 ROLES = ("system", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 PART_FIELDS = frozenset({"type", "text"})
@@ -91,6 +93,7 @@ class Chat(NamedTuple):
     token_ids: bool  # vLLM's return_token_ids: the prompt's and each choice's ids
     cache_salt: str | None
     limit_field: str  # the field that set max_new_tokens, for error messages
+    priority: int | None  # vLLM's field; eviction under --radix-eviction-policy priority
 
 
 def parse_chat(body: dict[str, Any]) -> Chat:
@@ -104,7 +107,8 @@ def parse_chat(body: dict[str, Any]) -> Chat:
     messages = parse_messages(body.get("messages"))
     params, limit_field = openai_sampling_params(body, default_max_tokens=None)
     return Chat(messages, {**params, "n": n}, _logprobs(body), stream, usage, continuous,
-                flag(body, "return_token_ids"), body.get("cache_salt"), limit_field)
+                flag(body, "return_token_ids"), body.get("cache_salt"), limit_field,
+                request_priority(body))
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:
@@ -315,6 +319,7 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
                            [logprob_options(chat)])
     except InvalidRequest as e:
         raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
+    set_priorities(submitted, [chat.priority])
     streams = await start_all(engine, submitted)
     model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
     if not chat.stream:

@@ -2,7 +2,8 @@
 
     POST /generate    {"text" | "input_ids", "sampling_params", "stream", "rid",
                        "return_logprob", "logprob_start_len", "top_logprobs_num",
-                       "return_text_in_logprobs", "extra_key" | "cache_salt", ...}
+                       "return_text_in_logprobs", "extra_key" | "cache_salt", "priority",
+                       ...}
 
 The answer is the engine's result (`text`, `output_ids`, `meta_info`); with
 `"stream": true`, one such result per generated token, each carrying the text so far. A batch
@@ -13,7 +14,9 @@ each event is one of them with its place in that list as `index`, as SGLang stre
 `rid` names the request in `meta_info.id` (a list: one per prompt; a string for a batch:
 `{rid}_{i}` for prompt i, as SGLang expands it; n > 1: `{id}_{j}` for sample j). Inside the
 engine each request keeps a unique id of its own, so two clients sending the same `rid`
-never abort or mix up each other's requests. docs/http.md has the table of every field.
+never abort or mix up each other's requests. `priority` (SGLang's: an integer, default 0; a
+list for a batch) keeps the prompt's cache entries longer under the `priority` eviction
+policy. docs/http.md has the table of every field.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from server.http.body import check_type, read_object
+from server.http.body import brief, check_type, read_object
 from server.http.errors import HttpError
 from server.http.fields import Only, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, Submitted, start_all, submit
@@ -59,7 +62,8 @@ LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                   "return_text_in_logprobs")
 GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "stream_options", "rid", "extra_key",
-    "cache_salt", "return_cached_tokens_details", *LOGPROB_FIELDS, *GENERATE_UNSUPPORTED})
+    "cache_salt", "return_cached_tokens_details", "priority", *LOGPROB_FIELDS,
+    *GENERATE_UNSUPPORTED})
 # Accepted and without effect: every event's meta_info already carries the token counts.
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
@@ -76,6 +80,7 @@ class Generate(NamedTuple):
     extra_keys: list[str | None]
     logprobs: list[LogprobOptions]
     stream: bool
+    priorities: list[int | None]  # one per prompt; None: the default
 
 
 def parse_generate(body: dict[str, Any]) -> Generate:
@@ -90,7 +95,8 @@ def parse_generate(body: dict[str, Any]) -> Generate:
                                                       body.get("sampling_params"), count, batch)]
     check_batch_size(count, max(_choices(p) for p in params))
     return Generate(prompts, params, _rids(body.get("rid"), count, batch),
-                    _extra_keys(body, count, batch), _logprobs(body, count, batch), stream)
+                    _extra_keys(body, count, batch), _logprobs(body, count, batch), stream,
+                    _priorities(body.get("priority"), count, batch))
 
 
 def _prompts(body: dict[str, Any]) -> Prompts:
@@ -133,6 +139,23 @@ def _extra_keys(body: dict[str, Any], count: int, batch: bool) -> list[str | Non
     return per_prompt(name, body.get(name), count, batch)
 
 
+def _priorities(priority: Any, count: int, batch: bool) -> list[int | None]:
+    priorities = per_prompt("priority", priority, count, batch)
+    if not all(p is None or (isinstance(p, int) and not isinstance(p, bool))
+               for p in priorities):
+        raise HttpError(400, f"`priority` must be an integer (or, for a batch, an array of "
+                        f"one integer per prompt), got {brief(priority)}")
+    return priorities
+
+
+def set_priorities(submitted: Submitted, priorities: list[int | None]) -> None:
+    """Give each prompt's requests (all its choices) the prompt's priority, before they
+    start (None: the default the engine gave them)."""
+    for i, req in submitted.choices():
+        if priorities[i] is not None:
+            req.priority = priorities[i]
+
+
 def _logprobs(body: dict[str, Any], count: int, batch: bool) -> list[LogprobOptions]:
     """Each prompt's logprob options (the engine checks their values)."""
     columns = {name: per_prompt(name, body.get(name), count, batch) for name in LOGPROB_FIELDS}
@@ -145,6 +168,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     engine = live_engine(request)
     submitted = submit(engine, generate.prompts, generate.sampling_params,
                        generate.extra_keys, generate.logprobs)
+    set_priorities(submitted, generate.priorities)
     streams = [_renamed(s, rid) for s, rid in
                zip(await start_all(engine, submitted), _choice_ids(generate, submitted))]
     one = not generate.prompts.batch and len(streams) == 1

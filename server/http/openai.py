@@ -1,7 +1,7 @@
 """OpenAI's completions route.
 
     POST /v1/completions    {"prompt", "max_tokens", "temperature", "logprobs", "echo", "n",
-                             "best_of", "stream", "stream_options", ...}
+                             "best_of", "stream", "stream_options", "priority", ...}
 
 docs/http.md has the table of every accepted field. The renamed sampling fields map onto
 `sampling_params` (`OPENAI_PARAMS`); the engine's messages about them are answered in the
@@ -12,7 +12,8 @@ unknown fields are ignored with one warning, the known ones this server cannot h
 A list of prompts answers `n` choices per prompt, indexed prompt-major (choice
 `i * n + j` is prompt i's j-th), as OpenAI does. `best_of > n` samples `best_of` per prompt
 (one prefill, shared through the tree) and keeps the `n` of highest cumulative logprob; it
-cannot be streamed (the best are known only at the end), as in OpenAI.
+cannot be streamed (the best are known only at the end), as in OpenAI. `priority` (vLLM's
+extension: an integer, default 0) is every prompt's request priority.
 The answers' shapes are built in `server.http.openai_shapes`.
 """
 
@@ -27,6 +28,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, start_all, submit
+from server.http.native import set_priorities
 from server.http.openai_shapes import (
     CompletionShape,
     completion_chunks,
@@ -68,7 +70,7 @@ COMPLETION_UNSUPPORTED = {
 COMPLETION_FIELDS = frozenset({
     *OPENAI_PARAMS, *COMPLETION_UNSUPPORTED, "model", "prompt", "max_completion_tokens",
     "stream", "stream_options", "n", "best_of", "user", "logprobs", "echo", "return_token_ids",
-    "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt"})
+    "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt", "priority"})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
@@ -82,6 +84,7 @@ class Completion(NamedTuple):
     shape: CompletionShape
     cache_salt: str | None
     limit_field: str  # the field that set max_new_tokens, for error messages
+    priority: int | None  # None: the default
 
 
 def openai_body(body: dict[str, Any], allowed: tuple[str, ...], unsupported: dict[str, Only],
@@ -110,7 +113,13 @@ def parse_completion(body: dict[str, Any]) -> Completion:
     params, limit_field = openai_sampling_params(body)
     shape = _shape(body, stream)
     return Completion(prompts, {**params, "n": best_of}, n, logprobs, flag(body, "echo"),
-                      stream, shape, body.get("cache_salt"), limit_field)
+                      stream, shape, body.get("cache_salt"), limit_field,
+                      request_priority(body))
+
+
+def request_priority(body: dict[str, Any]) -> int | None:
+    """The body's `priority` (vLLM's field on both OpenAI routes); None when absent."""
+    return check_type(body, "priority", (int,), "an integer")
 
 
 def flag(body: dict[str, Any], name: str) -> bool:
@@ -190,6 +199,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
                            [completion.cache_salt] * count, [logprob_options(completion)] * count)
     except InvalidRequest as e:
         raise HttpError(400, openai_message(str(e), completion.limit_field)) from None
+    set_priorities(submitted, [completion.priority] * count)
     streams = await start_all(engine, submitted)
     model = served_model_name(engine)
     if not completion.stream:

@@ -134,11 +134,15 @@ class Admission:
         stop = self.cache.head_stop(req.rid)
         if not stop:
             req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
-        m = self.tree.match_prefix(cache_key(req), req.extra_key)
+        # the request's use is counted once, when it releases its path (`RequestKV.release`)
+        m = self.tree.match_prefix(cache_key(req), req.extra_key, priority=req.priority,
+                                   count_hit=False)
         if stop and m.device_indices.numel() + m.host_hit_length >= stop:
             # the head is cached already (another request computed it): take the tail now
             req.from_storage += self.cache.end_prefetch(req.rid)
-            m, stop = self.tree.match_prefix(cache_key(req), req.extra_key), 0
+            m = self.tree.match_prefix(cache_key(req), req.extra_key, priority=req.priority,
+                                       count_hit=False)
+            stop = 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
         # pages; both are promised now. Its new tokens, and the running requests', are
         # estimated: room for them is asked, nothing is promised.

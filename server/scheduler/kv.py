@@ -8,6 +8,11 @@ who frees each are drawn on `server.request.Request`.
               the tree's unlocked pages when they fall short; this can fail (admission only
               estimated it), and then the scheduler retracts a request
 
+One request is one use of each node it uses (`hit_count`: lfu, write_through_selective):
+its matches (at arrival, at each admission attempt) and its prompt's insert after prefill
+count nothing; `release` counts it once, at its end (a retraction is no end). Every match
+and insert raises the nodes' priority to the request's (the `priority` eviction policy).
+
 Threading: scheduler thread (it owns the tree and the pools).
 """
 
@@ -87,18 +92,22 @@ class RequestKV:
         Returns the tokens inserted."""
         tokens = req.all_ids[:aligned]
         present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
-                                   count_hit=count_hit)
+                                   count_hit=count_hit, priority=req.priority)
         if present > req.tree_len:  # the tree had these pages: ours are duplicates
             self.pool.free(req.kv_slots[req.tree_len:present])
         return tokens
 
-    def release(self, req: Request, keep_cache: bool) -> None:
-        """Give the request's KV to the tree (keep_cache) or back to the pool; unlock."""
+    def release(self, req: Request, keep_cache: bool, *, count_use: bool = True) -> None:
+        """Give the request's KV to the tree (keep_cache) or back to the pool; unlock. Counts
+        the request's one use of the nodes it holds and gives them (`count_use`: not when
+        it only steps aside, `retract`)."""
         if req.last_node is None:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
-        if aligned > req.admit_hit:  # pages new since admission, maybe cached at
-            self._insert(req, aligned)  # prefill (again): one use, and a fresh access time
+        if aligned > req.admit_hit:  # pages new since admission, maybe cached at prefill
+            self._insert(req, aligned, count_hit=count_use)  # (again): a fresh access time
+        elif count_use:  # nothing computed to add (or failed): the prefix it held
+            self.tree.count_use(req.last_node, req.priority)
         rest = req.kv_slots[max(aligned, req.tree_len):]  # never the tree's
         if rest.numel():
             self.pool.free(rest)
@@ -111,5 +120,5 @@ class RequestKV:
         (prompt and output so far) to the tree, unlocked, the rest (the unaligned tail and the
         slots of the step it will not run) to the pool, its reservation dropped. Readmitted,
         it matches that prefix back (from L1, or L2 if it was evicted meanwhile)."""
-        self.release(req, keep_cache=True)
+        self.release(req, keep_cache=True, count_use=False)  # counted when it finishes
         req.num_computed = req.tree_len = req.admit_hit = 0
