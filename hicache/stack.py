@@ -27,9 +27,15 @@ import torch
 from hicache.config import BYTES_PER_GB, Config
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool, available_memory_bytes
+from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
 from hicache.storage.backends import create_backend
-from hicache.storage.backends.base import StorageUnavailable
+from hicache.storage.backends.base import (
+    STAT_ERRORS,
+    STAT_ERRORS_BY_OP,
+    StorageBackend,
+    StorageUnavailable,
+)
 from hicache.storage.backends.throttled import ThrottledBackend
 from hicache.storage.hashing import PageHasher, model_fingerprint
 from hicache.storage.io import StorageController
@@ -93,8 +99,11 @@ class CacheStack:
         return self.tree.page_size
 
     def storage_page_bytes(self) -> int | None:
-        """Bytes of one stored L3 page (header + payload), None without L3."""
-        if self.storage is None or self.host_pool is None:
+        """Bytes of one stored L3 page (header + payload), None without L2 (where no L3 can
+        be attached). Known whether or not L3 is attached now: the metrics take it once at
+        start, and L3 may be attached later (`attach_storage`); without L3 the stats have
+        no storage tier to apply it to."""
+        if self.host_pool is None:
             return None
         return HEADER_BYTES + self.host_pool.page_bytes
 
@@ -136,7 +145,7 @@ class CacheStack:
         nothing worth fetching."""
         if self.storage is None:
             return False
-        m = self.tree.match_prefix(key, extra_key)
+        m = self.tree.match_prefix(key, extra_key, count_hit=False)  # counted at its end
         hit = m.device_indices.numel() + m.host_hit_length
         return self.storage.prefetch(req_id, m.last_host_node, key[hit:], extra_key, resume,
                                      prefix_tokens=hit)
@@ -233,6 +242,51 @@ class CacheStack:
         else:
             self.tree.check_integrity()
 
+    # ------------------------------------------------------------- L3 attach / detach
+    # Both run on the scheduler thread with no request running or waiting (the engine
+    # checks): no prefetch is then in flight, and no node is locked by a request.
+
+    def attach_storage(self, config: Config, model: ModelKV) -> None:
+        """Open L3 from `config.storage` under the running tree and back up to it what L2
+        holds (in the background, parents first), as every page that reaches L2 from now
+        on. Raises, the stack unchanged: ValueError without L2, with L3 attached already
+        or for a section the backend refuses; an OSError (StorageUnavailable among them)
+        when the store cannot be opened, or opens and fails its first call (a Redis that
+        is down)."""
+        if self.controller is None or self.host_pool is None:
+            raise ValueError("L3 needs the host tier (L2): cache.hierarchical is off")
+        if self.storage is not None:
+            raise ValueError("L3 is attached already; detach it first")
+        tier = _open_storage_tier(config, model, self.tree, self.host_pool,
+                                  must_answer=True)
+        tier.observer = self.tree.observer  # the metrics hook `set_observer` gave the tree
+        self.quiesce()  # a node's host pages hold its KV only once its D->H copy is acked
+        self.storage = tier
+        for node in self.tree.iter_nodes():  # parents first; a backed-up chain is skipped
+            if node.host_value is not None:
+                tier.backup(node)
+
+    def detach_storage(self) -> bool:
+        """Let in-flight copies and their backups land, close L3 (its prefetches and backups
+        finish first), forget which nodes it held. False when none was attached."""
+        if self.storage is None:
+            return False
+        self.quiesce()
+        storage, self.storage = self.storage, None
+        try:
+            storage.close()
+        finally:  # a close that failed still leaves the server serving without L3
+            for node in self.tree.iter_nodes():
+                node.storage_backed = False
+        return True
+
+    def set_prefetch_policy(self, policy: str) -> None:
+        """The attached L3's prefetch policy from now on (SGLang's re-attach of the same
+        backend updates it); admissions read it at each check."""
+        check_choice("storage.prefetch_policy", policy, PREFETCH_POLICIES)
+        if self.storage is not None:
+            self.storage.policy = policy
+
     def close(self) -> None:
         """Let every prefetch and backup finish, stop the I/O and copy threads."""
         if self.storage is not None:
@@ -298,16 +352,28 @@ def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool
 
 def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool
                   ) -> StorageTier | None:
-    s, ps = config.storage, config.cache.page_size
+    s = config.storage
     if not s.enabled:
         return None
-    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
     try:
-        backend = create_backend(s.backend, s.backend_config, codec)
+        return _open_storage_tier(config, model, tree, host)
     except StorageUnavailable as err:  # a damaged store that could not be replaced
         logger.error("L3 (%s) unavailable, serving without L3 until a restart: %s",
                      s.backend, err)
         return None
+
+
+def _open_storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
+                       *, must_answer: bool = False) -> StorageTier:
+    """The storage tier of `config.storage` (a backend other than "none"). `must_answer`
+    (a runtime attach): the backend's first call, `stats()`, must count no fault, or it
+    is closed and StorageUnavailable raised; at start a Redis that is down is served
+    around instead (misses behind a back-off until it returns)."""
+    s, ps = config.storage, config.cache.page_size
+    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
+    backend = create_backend(s.backend, s.backend_config, codec)
+    if must_answer:
+        _check_answers(s.backend, backend)
     dtype_name = str(model.dtype).removeprefix("torch.")
     hasher = PageHasher(ps, model_fingerprint(model.path), dtype_name, *model.geometry)
     if s.throttle.enabled:
@@ -325,3 +391,14 @@ def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: Host
                        timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
                        timeout_max=s.prefetch_timeout_max,
                        cost_model=s.cost_model, overlap=s.overlap)
+
+
+def _check_answers(name: str, backend: StorageBackend) -> None:
+    """Raise StorageUnavailable (closing `backend`) when its first call counted a fault:
+    a fresh backend's counters hold that call's alone (the `stats()` contract)."""
+    stats = backend.stats()
+    faults = stats.get(STAT_ERRORS_BY_OP, {})
+    if stats.get(STAT_ERRORS, 0) or any(faults.values()):
+        backend.close()
+        raise StorageUnavailable(f"L3 ({name}) did not answer its first call (faults by "
+                                 f"operation: {dict(faults)}); the server log has the error")

@@ -13,16 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from hicache.config import Config
+from hicache.config import (
+    STORAGE_BACKENDS,
+    TIERED_BACKEND,
+    TIERED_PARTS,
+    Config,
+    ConfigError,
+    StorageConfig,
+    apply_overrides,
+    config_to_dict,
+)
 from hicache.policies import TIERS
 from hicache.stack import CacheStack, ModelKV, build_stack
 from hicache.stats import CacheStats
+from server.args import _extra_overrides, _parse_extra
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
@@ -31,6 +42,7 @@ from server.request import (
     InvalidRequest,
     Request,
     SamplingParams,
+    check_priority,
     check_unicode,
 )
 from server.scheduler import Scheduler
@@ -49,13 +61,22 @@ class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
+class StorageChangeRefused(InvalidRequest):
+    """An L3 attach or detach that was refused (HTTP 400, as SGLang answers); the message
+    says why. Nothing changed: the engine serves as before."""
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _choice(first: Request, index: int) -> Request:
     """Choice `index` >= 1 of `first`'s request: the same prompt and options, seed
     `seed + index` when seeded, waiting for `first`'s prompt (`Scheduler._held`)."""
     p = first.params
     params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + index)
     return Request(list(first.input_ids), params, first.extra_key, prompt_leader=first,
-                   return_logprob=first.return_logprob,
+                   priority=first.priority, return_logprob=first.return_logprob,
                    logprob_start_len=first.logprob_start_len,
                    top_logprobs_num=first.top_logprobs_num,
                    return_text_in_logprobs=first.return_text_in_logprobs)
@@ -100,6 +121,18 @@ def _check_logprob_start(start: int, prompt_len: int) -> None:
                              f"[0, {prompt_len - 1}]; got {start}")
 
 
+def _extra_object(extra: object) -> dict[str, Any]:
+    """An extra config as sent: an object, its JSON text (SGLang sends text), or nothing."""
+    if extra is None or extra == "":
+        return {}
+    if isinstance(extra, str):
+        return _parse_extra(extra)
+    if not isinstance(extra, dict):
+        raise ConfigError("storage.extra_config", f"expected a JSON object (or its JSON "
+                          f"text), got {type(extra).__name__}")
+    return extra
+
+
 def in_passing_thread(fn: Callable[[], None]) -> None:
     """Run `fn` on a thread that exits when it returns (its exception re-raised here).
 
@@ -125,6 +158,10 @@ def in_passing_thread(fn: Callable[[], None]) -> None:
 
 
 class Engine:
+    # The storage section the engine was started with, kept at the first L3 attach or
+    # detach: every attach merges over it, every detach returns to it (backend "none").
+    _launch_storage: StorageConfig | None = None
+
     def __init__(self, config: Config) -> None:
         self.config = config
         in_passing_thread(self._start_up)
@@ -165,7 +202,8 @@ class Engine:
         runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.tree)
         self.scheduler = Scheduler(runner, self.cache, self.tokenizer,
                                    max_batch_tokens=MAX_BATCH_TOKENS,
-                                   max_running=MAX_RUNNING_REQUESTS)
+                                   max_running=MAX_RUNNING_REQUESTS,
+                                   schedule_policy=self.config.server.schedule_policy)
 
     def _init_model(self) -> None:
         m = self.config.model
@@ -187,13 +225,16 @@ class Engine:
     def make_request(self, text: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | None = None, extra_key: str | None = None, *,
                      return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
-                     ) -> Request:
+                     top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                     priority: int | None = None) -> Request:
         """Validate a one-choice generation request; raises InvalidRequest with what was
         wrong (for `sampling_params.n` > 1, `make_requests` gives the n choices). The logprob
-        options are SGLang's (`Request`); the results land in `meta_info`."""
+        options are SGLang's (`Request`); the results land in `meta_info`. `priority`
+        (SGLang's; None = 0): higher keeps its prefix cached longer under the `priority`
+        eviction policy."""
         req = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
-            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs))
+            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs),
+            priority)
         if req.params.n > 1:
             raise InvalidRequest(f"sampling_params.n = {req.params.n}: several choices are "
                                  "made by make_requests (or generate), not make_request")
@@ -201,7 +242,7 @@ class Engine:
 
     def _build(self, text: str | None, input_ids: list[int] | None,
                sampling_params: dict | None, extra_key: str | None,
-               options: dict[str, Any]) -> Request:
+               options: dict[str, Any], priority: int | None = None) -> Request:
         if (text is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of `text` or `input_ids`")
         if text is not None:
@@ -216,20 +257,21 @@ class Engine:
         if extra_key is not None:
             check_unicode("extra_key", extra_key)
         _check_logprob_start(options["logprob_start_len"], len(ids))
-        return Request(ids, params, extra_key, **options)
+        return Request(ids, params, extra_key, priority=check_priority(priority), **options)
 
     def make_requests(self, text: str | None = None, input_ids: list[int] | None = None,
                       sampling_params: dict | None = None, extra_key: str | None = None, *,
                       return_logprob: bool = False, logprob_start_len: int = -1,
-                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
-                      ) -> list[Request]:
+                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                      priority: int | None = None) -> list[Request]:
         """`make_request`, as its `sampling_params.n` choices (one for n = 1). Choice i has
         seed `seed + i` when seeded; choices 1.. wait in the scheduler until choice 0 has
         prefilled the prompt, then read it from the tree (one prefill for all). Submit
         choice 0 first (`generate` and `async_generate` do); the others never wait for a
         choice 0 that was not submitted, they only share nothing then."""
         first = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
-            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs))
+            return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs),
+            priority)
         return [first, *(_choice(first, i) for i in range(1, first.params.n))]
 
     def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -266,14 +308,15 @@ class Engine:
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                  sampling_params: dict | None = None, extra_key: str | None = None, *,
                  return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
-                 ) -> dict | list[dict]:
+                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 priority: int | None = None) -> dict | list[dict]:
         """The result; a list of n results for `sampling_params.n` > 1 (`make_requests`)."""
         reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
                                   return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len,
                                   top_logprobs_num=top_logprobs_num,
-                                  return_text_in_logprobs=return_text_in_logprobs)
+                                  return_text_in_logprobs=return_text_in_logprobs,
+                                  priority=priority)
         futures = [self._submit_for_result(req) for req in reqs]  # choice 0 first
         results = [fut.result() for fut in futures]
         return results if len(reqs) > 1 else results[0]
@@ -289,14 +332,15 @@ class Engine:
                              sampling_params: dict | None = None,
                              extra_key: str | None = None, *,
                              return_logprob: bool = False, logprob_start_len: int = -1,
-                             top_logprobs_num: int = 0, return_text_in_logprobs: bool = False
-                             ) -> dict | list[dict]:
+                             top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                             priority: int | None = None) -> dict | list[dict]:
         """`generate` on an event loop: the same arguments and results."""
         reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
                                   return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len,
                                   top_logprobs_num=top_logprobs_num,
-                                  return_text_in_logprobs=return_text_in_logprobs)
+                                  return_text_in_logprobs=return_text_in_logprobs,
+                                  priority=priority)
         # gather starts the streams in order: choice 0 is submitted first
         results = await asyncio.gather(*(self._final(self.stream(req)) for req in reqs))
         return results if len(reqs) > 1 else results[0]
@@ -359,6 +403,161 @@ class Engine:
     def stats(self) -> dict:
         """`cache_stats()` as plain data: `{"tiers": {tier: {...}}, "counters": {...}}`."""
         return self.cache_stats().as_dict()
+
+    # ------------------------------------------------------------ L3 attach / detach
+    # Each runs on the scheduler thread between steps and only when no request runs or
+    # waits: a busy engine refuses at once (StorageChangeRefused) rather than holding the
+    # caller until traffic stops, as SGLang does. `self.config` is then replaced (never
+    # mutated), there alone; other threads read whichever whole Config they find.
+
+    def attach_storage(self, backend: str, extra_config: dict | str | None = None, *,
+                       prefetch_policy: str | None = None, write_policy: str | None = None
+                       ) -> dict:
+        """Attach L3 (`backend`: lmdb, redis or lmdb+redis) to a running engine with L2.
+        `extra_config` (an object, or its JSON text) is merged into the backend's section
+        of the launch config (YAML and flags) exactly as
+        `--hicache-storage-backend-extra-config` is; `prefetch_policy` sets
+        `storage.prefetch_policy`; `write_policy` may only repeat `host.write_policy`
+        (fixed at start). Attaching the backend already attached with the same section
+        only updates the prefetch policy when one is given (SGLang's answer); any other
+        attach while one is attached is refused. A store that cannot be opened, or does
+        not answer, is refused too and the engine goes on without L3. Returns
+        `{"success", "message"}` and `storage_backend()`'s fields, after the change."""
+        return self._call(lambda: self._attach_now(backend, extra_config, prefetch_policy,
+                                                   write_policy))
+
+    def detach_storage(self) -> dict:
+        """Detach L3: in-flight backups land first, the store is closed (its pages stay in
+        it), the tree forgets what it held; `config.storage` is the launch one again, with
+        backend "none". With none attached, nothing changes (success, as SGLang answers).
+        Returns what `attach_storage` does."""
+        return self._call(self._detach_now)
+
+    def storage_backend(self) -> dict:
+        """SGLang's `GET /hicache/storage-backend` fields: `hicache_storage_backend` (None
+        without L3), `hicache_storage_backend_extra_config` (the backend's section as JSON
+        text; the Redis password redacted), `hicache_storage_prefetch_policy`,
+        `hicache_write_policy` (None without L2); and `backend_config`, that section as an
+        object."""
+        return self._call(self._storage_view)
+
+    def _attach_now(self, backend: str, extra_config: dict | str | None,
+                    prefetch_policy: str | None, write_policy: str | None) -> dict:
+        config = self._storage_config(backend, extra_config, prefetch_policy, write_policy)
+        if self.cache.host_pool is None:
+            raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
+                                       "started without: restart it with "
+                                       "--enable-hierarchical-cache")
+        self._require_idle("attach")
+        if self.cache.storage is not None:
+            return self._reattach(config, prefetch_policy is not None)
+        try:
+            self.cache.attach_storage(config, self._model_kv())
+        except (OSError, ValueError) as e:
+            logger.error("attaching L3 (%s) failed; serving without L3: %s", backend, e)
+            raise StorageChangeRefused(f"could not open L3 ({backend}: "
+                                       f"{json.dumps(self._section(config))}): {e}; the "
+                                       "server goes on without L3") from None
+        self.config = config
+        logger.info("L3 (%s) attached at runtime", backend)
+        return {"success": True, "message": f"L3 ({backend}) attached",
+                **self._storage_view()}
+
+    def _reattach(self, config: Config, new_policy: bool) -> dict:
+        """An attach while L3 is attached: the same backend and section update the
+        prefetch policy (`new_policy`: one was given); anything else is refused."""
+        now, new = self.config.storage, config.storage
+        if not new_policy:
+            new = dataclasses.replace(new, prefetch_policy=now.prefetch_policy)
+            config = dataclasses.replace(config, storage=new)
+        if dataclasses.replace(new, prefetch_policy=now.prefetch_policy) != now:
+            raise StorageChangeRefused(f"L3 is attached already ({now.backend}: "
+                                       f"{json.dumps(self._section(self.config))}); detach "
+                                       f"it first, then attach {new.backend}")
+        self.cache.set_prefetch_policy(new.prefetch_policy)
+        self.config = config
+        return {"success": True,
+                "message": f"L3 ({now.backend}) was attached already with this "
+                           f"configuration; prefetch policy {new.prefetch_policy}",
+                **self._storage_view()}
+
+    def _detach_now(self) -> dict:
+        self._require_idle("detach")
+        name, launch = self.config.storage.backend, self._launch()
+        try:
+            detached = self.cache.detach_storage()
+        finally:  # the stack has dropped its tier even if closing it failed
+            self.config = dataclasses.replace(
+                self.config, storage=dataclasses.replace(launch, backend="none"))
+        if detached:
+            logger.info("L3 (%s) detached at runtime", name)
+        message = (f"L3 ({name}) detached; its pages stay in the store" if detached
+                   else "no L3 was attached; nothing changed")
+        return {"success": True, "message": message, **self._storage_view()}
+
+    def _storage_config(self, backend: str, extra_config: dict | str | None,
+                        prefetch_policy: str | None, write_policy: str | None) -> Config:
+        """The config with `backend` attached, validated; no side effects."""
+        allowed = [b for b in STORAGE_BACKENDS if b != "none"]
+        if not isinstance(backend, str) or backend not in allowed:
+            hint = "; to detach, use detach_storage" if backend == "none" else ""
+            raise StorageChangeRefused(f"storage.backend: {backend!r} is not one of "
+                                       f"{', '.join(allowed)}{hint}")
+        current = self.config.host.write_policy
+        if write_policy is not None and write_policy != current:
+            raise StorageChangeRefused(
+                f"host.write_policy: {write_policy!r} asks for a change the running server "
+                f"cannot make (the L2 write policy is fixed at start, now {current!r}); "
+                f"restart with --hicache-write-policy {write_policy}, or leave it out")
+        overrides: dict[str, object] = {"storage.backend": backend}
+        if prefetch_policy is not None:
+            overrides["storage.prefetch_policy"] = prefetch_policy
+        base = dataclasses.replace(self.config, storage=self._launch())
+        try:
+            overrides.update(_extra_overrides(backend, _extra_object(extra_config)))
+            return apply_overrides(base, overrides)
+        except ConfigError as e:
+            raise StorageChangeRefused(str(e)) from None
+
+    def _launch(self) -> StorageConfig:
+        """Scheduler thread: the launch storage section (kept before its first change)."""
+        if self._launch_storage is None:
+            self._launch_storage = self.config.storage
+        return self._launch_storage
+
+    def _require_idle(self, action: str) -> None:
+        """Scheduler thread: refuse unless no request runs or waits."""
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        if running or waiting:
+            raise StorageChangeRefused(
+                f"cannot {action} L3: the server is not idle: "
+                f"{_plural(running, 'request')} running, {waiting} waiting; retry once they "
+                "have finished (drain the traffic first)")
+
+    def _storage_view(self) -> dict:
+        attached = self.cache.storage is not None
+        section = self._section(self.config) if attached else None
+        s = self.config.storage
+        return {"hicache_storage_backend": s.backend if attached else None,
+                "hicache_storage_backend_extra_config":
+                    None if section is None else json.dumps(section),
+                "hicache_storage_prefetch_policy": s.prefetch_policy if attached else None,
+                "hicache_write_policy": self.config.host.write_policy
+                if self.cache.host_pool is not None else None,
+                "backend_config": section}
+
+    @staticmethod
+    def _section(config: Config) -> dict:
+        """The chosen backend's section(s) as plain data, the Redis password redacted."""
+        storage = config_to_dict(config, redact=True)["storage"]
+        if config.storage.backend == TIERED_BACKEND:
+            return {part: storage[part] for part in TIERED_PARTS}
+        return storage[config.storage.backend]
+
+    def _model_kv(self) -> ModelKV:
+        mc = self.loaded.config
+        return ModelKV(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                       self.loaded.dtype, self.loaded.device, self.loaded.path)
 
     def _call(self, fn, when_idle: bool = False):
         """Run `fn` on the scheduler thread and wait for its result (EngineClosed once the

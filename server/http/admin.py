@@ -6,6 +6,14 @@
                                           cost_model: estimates and decisions)
     POST /flush_cache                     SGLang's alias: flush device and host
     POST /hicache/storage-backend/clear   SGLang's alias: flush storage
+    PUT  /hicache/storage-backend         attach L3 at runtime (SGLang's body fields, below)
+    DELETE /hicache/storage-backend       detach L3
+    GET  /hicache/storage-backend         the attached L3: backend, section, policies
+
+Attach and detach (`Engine.attach_storage` / `detach_storage`) answer 200
+`{"success": true, "message", ...GET's fields}`, or 400 with the reason (no L2, a bad
+backend name or extra config naming its key, L3 attached already, a store that cannot be
+opened, or a server that is not idle: SGLang's rule, refused at once rather than waited for).
 
 Access: with `server.admin_api_key` set, every admin route needs
 `Authorization: Bearer <key>` (401 without a bearer header, 403 with a wrong key); without a
@@ -27,12 +35,18 @@ from hicache.metrics import tier_summaries
 from hicache.policies import TIERS
 from hicache.stats import StorageStats
 from server.engine import Engine
-from server.http.body import brief, check_fields, read_object
+from server.http.body import brief, check_fields, check_type, read_object
 from server.http.errors import HttpError, error_response
 from server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 SGLANG_FLUSH_TIERS = ("device", "host")  # SGLang's /flush_cache empties GPU and host memory
+# SGLang's PUT /hicache/storage-backend body (`AttachHiCacheStorageReqInput`)
+BACKEND_FIELD = "hicache_storage_backend"
+EXTRA_FIELD = "hicache_storage_backend_extra_config_json"
+PREFETCH_FIELD = "hicache_storage_prefetch_policy"
+WRITE_FIELD = "hicache_write_policy"
+ATTACH_FIELDS = (BACKEND_FIELD, EXTRA_FIELD, PREFETCH_FIELD, WRITE_FIELD)
 
 
 class AdminDenied(Exception):
@@ -126,6 +140,34 @@ async def handle_storage_clear(request: web.Request) -> web.Response:
     return await _flush(request.app[STATE].engine, ("storage",))
 
 
+async def handle_storage_attach(request: web.Request) -> web.Response:
+    body = await read_object(request)
+    check_fields(body, ATTACH_FIELDS)
+    backend = check_type(body, BACKEND_FIELD, (str,), "a backend name")
+    if backend is None:
+        raise HttpError(400, f"`{BACKEND_FIELD}` is required: the L3 backend to attach")
+    extra = check_type(body, EXTRA_FIELD, (str, dict),
+                       "a JSON object, or a string of one")
+    prefetch = check_type(body, PREFETCH_FIELD, (str,), "a prefetch policy name")
+    write = check_type(body, WRITE_FIELD, (str,), "a write policy name")
+    engine = request.app[STATE].engine
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(
+        None, partial(engine.attach_storage, backend, extra, prefetch_policy=prefetch,
+                      write_policy=write)))
+
+
+async def handle_storage_detach(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    return web.json_response(
+        await asyncio.get_running_loop().run_in_executor(None, engine.detach_storage))
+
+
+async def handle_storage_backend(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    return web.json_response(
+        await asyncio.get_running_loop().run_in_executor(None, engine.storage_backend))
+
+
 def cost_model(storage: StorageStats) -> dict[str, Any]:
     """What the storage tier's cost model estimates (None until it has enough observations)
     and what it decided: hits split into a computed head and a fetched tail, hits recomputed."""
@@ -156,6 +198,9 @@ def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) 
         raise ValueError("add_admin_routes needs the app that create_app built for this engine")
     routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),
               ("/flush_cache", "POST", handle_sglang_flush),
-              ("/hicache/storage-backend/clear", "POST", handle_storage_clear))
+              ("/hicache/storage-backend/clear", "POST", handle_storage_clear),
+              ("/hicache/storage-backend", "PUT", handle_storage_attach),
+              ("/hicache/storage-backend", "DELETE", handle_storage_detach),
+              ("/hicache/storage-backend", "GET", handle_storage_backend))
     for path, method, handler in routes:
         app.router.add_route(method, path, _guarded(handler, api_key))

@@ -1,0 +1,361 @@
+"""L3 attached and detached at runtime through SGLang's `PUT / DELETE / GET
+/hicache/storage-backend`, on the real aiohttp app: pages reach a store attached to a server
+started without one, a detached store leaves the server serving, refusals are 400s that
+change nothing, the routes are admin routes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from conftest import small_engine
+
+from hicache.config import REDACTED, load_config
+from server.engine import Engine, StorageChangeRefused
+from server.http import add_admin_routes, create_app
+
+ROUTE = "/hicache/storage-backend"
+KEY = "attach-admin-key"
+PAGE = 16
+PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
+OTHER = [(11 * i + 3) % 250 for i in range(8 * PAGE)]
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+# A stream long enough to be running whenever the test asks: the tiny model on the CPU
+# takes seconds for it; the test reads one event, asks, then closes the stream (an abort).
+LONG = {"max_new_tokens": 1500, "ignore_eos": True}
+SETTLE_TIMEOUT_S = 10.0
+SETTLE_POLL_S = 0.05
+NONE_ATTACHED = {"hicache_storage_backend": None, "hicache_storage_backend_extra_config": None,
+                 "hicache_storage_prefetch_policy": None,
+                 "hicache_write_policy": "write_through", "backend_config": None}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    """L1 + L2 on the CPU, no L3 at start; prefetches waited for (as `tiered_engine`)."""
+    with Engine(load_config(None, {
+            "cache.max_total_tokens": 2048, "cache.hierarchical": True,
+            "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
+            "model.device": "cpu"})) as e:
+        yield e
+
+
+async def serve(app: web.Application) -> TestClient:
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+@pytest.fixture
+async def client(engine: Engine) -> AsyncIterator[TestClient]:
+    """The app with admin routes (loopback, no key); each test ends with L3 detached."""
+    app = create_app(engine)
+    add_admin_routes(app, engine, None)
+    c = await serve(app)
+    yield c
+    await c.close()
+    engine.flush_cache(())  # no request left running
+    engine.detach_storage()
+    engine.flush_cache()
+
+
+def lmdb_body(path: Path, **extra: Any) -> dict[str, Any]:
+    """SGLang's body: the extra config as JSON text."""
+    return {"hicache_storage_backend": "lmdb",
+            "hicache_storage_backend_extra_config_json": json.dumps({"path": str(path),
+                                                                     **extra})}
+
+
+async def ok(resp: Any) -> dict[str, Any]:
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def error_of(resp: Any, status: int = 400) -> str:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert body["error"]["code"] == status
+    return body["error"]["message"]
+
+
+async def attach(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    return await ok(await client.put(ROUTE, json=body))
+
+
+async def backend(client: TestClient) -> dict[str, Any]:
+    return await ok(await client.get(ROUTE))
+
+
+async def tiers(client: TestClient) -> dict[str, dict[str, int]]:
+    return (await ok(await client.get("/admin/tiers")))["tiers"]
+
+
+async def generate(client: TestClient, ids: list[int] = PROMPT) -> dict[str, int]:
+    body = await ok(await client.post("/generate", json={"input_ids": ids,
+                                                         "sampling_params": GREEDY}))
+    return body["meta_info"]["cached_tokens_details"]
+
+
+async def backed_up(client: TestClient, tokens: int) -> None:
+    """Until storage holds `tokens` and no copy or backup is in flight."""
+    for _ in range(int(SETTLE_TIMEOUT_S / SETTLE_POLL_S)):
+        shown = await tiers(client)
+        if shown["storage"]["used"] >= tokens and shown["host"]["protected"] == 0:
+            return
+        await asyncio.sleep(SETTLE_POLL_S)
+    raise AssertionError(f"storage never held {tokens} tokens: {shown}")
+
+
+async def flush_upper(client: TestClient) -> None:
+    await ok(await client.post("/admin/flush", json={"tiers": ["device", "host"]}))
+
+
+async def storage_hit_after_flush(client: TestClient, ids: list[int]) -> int:
+    """The storage tokens a request for `ids` is served after L1 and L2 are emptied."""
+    await flush_upper(client)
+    return (await generate(client, ids))["storage"]
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+# ------------------------------------------------------------------------ attach, detach
+
+
+async def test_attach_lmdb_serves_pages_then_detach(client: TestClient, tmp_path: Path
+                                                    ) -> None:
+    assert await backend(client) == NONE_ATTACHED
+    assert "storage" not in await tiers(client)
+    await generate(client)  # in L1 and L2 before the attach
+
+    body = await attach(client, lmdb_body(tmp_path / "l3"))
+    assert body["success"] is True and "attached" in body["message"]
+    assert body["hicache_storage_backend"] == "lmdb"
+    assert body["backend_config"]["path"] == str(tmp_path / "l3")
+    assert json.loads(body["hicache_storage_backend_extra_config"]) == body["backend_config"]
+    assert body["hicache_storage_prefetch_policy"] == "wait_complete"
+    assert await backend(client) == {k: v for k, v in body.items()
+                                     if k not in ("success", "message")}
+    assert (await tiers(client))["storage"]["capacity"] > 0
+    await backed_up(client, len(PROMPT))  # what L2 held is written to L3
+
+    await generate(client, OTHER)  # reaches L2, then L3
+    await backed_up(client, len(PROMPT) + len(OTHER))
+    assert await storage_hit_after_flush(client, PROMPT) >= len(PROMPT) - PAGE
+    assert await storage_hit_after_flush(client, OTHER) >= len(OTHER) - PAGE
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, 'hicache:tier_capacity_tokens{tier="storage"}') > 0
+    assert metric(metrics, "hicache:prefetch_seconds_count") >= 1  # the new tier's hook
+
+    body = await ok(await client.delete(ROUTE))
+    assert body["success"] is True and "detached" in body["message"]
+    assert {k: body[k] for k in NONE_ATTACHED} == NONE_ATTACHED
+    assert await backend(client) == NONE_ATTACHED
+    assert set(await tiers(client)) == {"device", "host"}
+    await flush_upper(client)
+    assert (await generate(client, OTHER))["storage"] == 0  # computed: no L3 to read
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, 'hicache:tier_capacity_tokens{tier="storage"}') is None
+    assert metric(metrics, 'hicache:tier_capacity_tokens{tier="host"}') > 0
+
+    again = await ok(await client.delete(ROUTE))  # idempotent, as SGLang's
+    assert again["success"] is True and "nothing changed" in again["message"]
+
+
+async def test_a_detached_store_keeps_its_pages(client: TestClient, tmp_path: Path) -> None:
+    await attach(client, lmdb_body(tmp_path / "l3"))
+    await generate(client, OTHER)
+    await backed_up(client, len(OTHER))
+    await ok(await client.delete(ROUTE))
+    await attach(client, lmdb_body(tmp_path / "l3"))  # the same store, opened again
+    assert (await tiers(client))["storage"]["used"] >= len(OTHER)
+    assert await storage_hit_after_flush(client, OTHER) >= len(OTHER) - PAGE
+
+
+async def test_attach_twice(client: TestClient, tmp_path: Path) -> None:
+    body = lmdb_body(tmp_path / "a")
+    await attach(client, body)
+    same = await attach(client, body)  # SGLang: success, the policies updated
+    assert "attached already" in same["message"]
+    policy = await attach(client, {**body, "hicache_storage_prefetch_policy": "best_effort"})
+    assert policy["hicache_storage_prefetch_policy"] == "best_effort"
+    assert (await backend(client))["hicache_storage_prefetch_policy"] == "best_effort"
+    for other in (lmdb_body(tmp_path / "b"), {"hicache_storage_backend": "redis"}):
+        message = await error_of(await client.put(ROUTE, json=other))
+        assert "attached already" in message and "detach it first" in message
+    assert (await backend(client))["backend_config"]["path"] == str(tmp_path / "a")
+
+
+async def test_not_idle_is_400_and_changes_nothing(engine: Engine, client: TestClient,
+                                                   tmp_path: Path) -> None:
+    resp = await client.post("/generate", json={"input_ids": PROMPT, "stream": True,
+                                                "sampling_params": LONG})
+    assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")  # running now
+    message = await error_of(await client.put(ROUTE, json=lmdb_body(tmp_path / "l3")))
+    assert "not idle: 1 request running, 0 waiting" in message
+    assert "not idle" in await error_of(await client.delete(ROUTE))
+    assert await backend(client) == NONE_ATTACHED  # GET answers while busy
+    resp.close()  # the request is aborted
+    await asyncio.get_running_loop().run_in_executor(None, engine.flush_cache, ())  # idle
+    assert (await attach(client, lmdb_body(tmp_path / "l3")))["success"] is True
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({}, "`hicache_storage_backend` is required"),
+    ({"hicache_storage_backend": "s3"}, "storage.backend: 's3' is not one of lmdb, redis"),
+    ({"hicache_storage_backend": "none"}, "detach"),
+    ({"hicache_storage_backend": 3}, "must be a backend name"),
+    ({"hicache_storage_backend": "lmdb", "hicache_storage_backend_extra_config_json": "{"},
+     "storage.extra_config: not valid JSON"),
+    ({"hicache_storage_backend": "lmdb", "hicache_storage_backend_extra_config_json": "[1]"},
+     "storage.extra_config: expected a JSON object"),
+    ({"hicache_storage_backend": "lmdb", "hicache_storage_backend_extra_config_json": [1]},
+     "must be a JSON object"),
+    ({"hicache_storage_backend": "lmdb",
+      "hicache_storage_backend_extra_config_json": {"bogus": 1}},
+     "storage.lmdb.bogus: unknown key"),
+    ({"hicache_storage_backend": "lmdb",
+      "hicache_storage_backend_extra_config_json": '{"max_size_gb": -1}'},
+     "storage.lmdb.max_size_gb: must be > 0"),
+    ({"hicache_storage_backend": "lmdb+redis",
+      "hicache_storage_backend_extra_config_json": {"path": "/x"}},
+     'lmdb+redis takes {"lmdb": {...}, "redis": {...}}'),
+    ({"hicache_storage_backend": "redis",
+      "hicache_storage_backend_extra_config_json": {"url": "http://x"}},
+     "storage.redis.url: 'http://x' must start with one of"),
+    ({"hicache_storage_backend": "lmdb", "hicache_storage_prefetch_policy": "sometimes"},
+     "storage.prefetch_policy: 'sometimes' is not one of"),
+    ({"hicache_storage_backend": "lmdb", "hicache_write_policy": "write_back"},
+     "host.write_policy: 'write_back'"),
+    ({"hicache_storage_backend": "lmdb", "backend": "lmdb"}, "unknown field(s) 'backend'"),
+])
+async def test_bad_attach_is_400_naming_the_key(client: TestClient, body: dict[str, Any],
+                                                words: str) -> None:
+    assert words in await error_of(await client.put(ROUTE, json=body))
+    assert await backend(client) == NONE_ATTACHED
+
+
+async def test_a_store_that_cannot_open_leaves_the_server_without_l3(
+        client: TestClient, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    message = await error_of(await client.put(ROUTE, json=lmdb_body(blocker / "l3")))
+    assert "could not open L3 (lmdb" in message and "without L3" in message
+    with socket.socket() as s:  # a port nobody listens on: Redis is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = {"hicache_storage_backend": "redis", "hicache_storage_backend_extra_config_json":
+            {"url": f"redis://:hunter2@127.0.0.1:{port}/0"}}
+    message = await error_of(await client.put(ROUTE, json=down))
+    assert "did not answer" in message and "hunter2" not in message
+    assert await backend(client) == NONE_ATTACHED
+    assert "storage" not in await tiers(client)
+    assert (await generate(client))["storage"] == 0  # still serving
+
+
+def test_engine_api(engine: Engine, tmp_path: Path) -> None:
+    with pytest.raises(StorageChangeRefused, match="storage.backend"):
+        engine.attach_storage("tape")
+    launch = engine.config.storage
+    out = engine.attach_storage("lmdb", '{"path": "%s"}' % (tmp_path / "l3"),
+                                prefetch_policy="best_effort")
+    try:
+        assert out["hicache_storage_backend"] == "lmdb"
+        assert engine.config.storage.backend == "lmdb"
+        assert engine.config.storage.lmdb.path == str(tmp_path / "l3")
+        assert engine.config.storage.prefetch_policy == "best_effort"
+        assert engine.cache.storage.policy == "best_effort"
+        assert engine.storage_backend()["backend_config"]["path"] == str(tmp_path / "l3")
+        engine.generate(input_ids=OTHER, sampling_params=GREEDY)
+        engine.flush_cache(["device"])  # L2 holds it, L3 too once its backup lands
+    finally:
+        engine.detach_storage()
+    # The launch section again: the next attach merges over it, not over this one's.
+    assert engine.config.storage == dataclasses.replace(launch, backend="none")
+    assert not any(n.storage_backed for n in engine.cache.tree.iter_nodes())
+    engine.cache.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def l1_only() -> Iterator[Engine]:
+    yield from small_engine()
+
+
+async def test_without_hierarchical_cache(l1_only: Engine, tmp_path: Path) -> None:
+    app = create_app(l1_only)
+    add_admin_routes(app, l1_only, None)
+    client = await serve(app)
+    try:
+        message = await error_of(await client.put(ROUTE, json=lmdb_body(tmp_path)))
+        assert "host tier (L2)" in message and "--enable-hierarchical-cache" in message
+        assert (await ok(await client.delete(ROUTE)))["success"] is True
+        assert await backend(client) == {**NONE_ATTACHED, "hicache_write_policy": None}
+    finally:
+        await client.close()
+
+
+# --------------------------------------------------------------------------------- access
+
+
+def _from(remote: str) -> Any:
+    @web.middleware
+    async def spoof(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await handler(request.clone(remote=remote))
+    return spoof
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
+async def test_admin_access(engine: Engine, tmp_path: Path, method: str) -> None:
+    body = lmdb_body(tmp_path / "l3") if method == "PUT" else None
+    for key, headers, status in [(None, {}, 403), (KEY, {}, 401),
+                                 (KEY, {"Authorization": "Bearer wrong"}, 403)]:
+        app = create_app(engine)
+        app.middlewares.append(_from("203.0.113.5"))
+        add_admin_routes(app, engine, key)
+        client = await serve(app)
+        try:
+            await error_of(await client.request(method, ROUTE, json=body, headers=headers),
+                           status)
+            assert engine.storage_backend()["hicache_storage_backend"] is None
+            if key is not None:
+                right = {"Authorization": f"Bearer {KEY}"}
+                await ok(await client.request(method, ROUTE, json=body, headers=right))
+        finally:
+            await client.close()
+            engine.detach_storage()
+
+
+# ---------------------------------------------------------------------------------- Redis
+
+
+async def test_attach_redis(client: TestClient, tmp_path: Path) -> None:
+    from redis_fixtures import RedisServer
+
+    with RedisServer.start(tmp_path / "redis", password="hunter2") as server:
+        url = f"redis://:hunter2@127.0.0.1:{server.port}/0"
+        body = await attach(client, {
+            "hicache_storage_backend": "redis",
+            "hicache_storage_backend_extra_config_json": {"url": url,
+                                                          "key_prefix": "attach:"}})
+        assert body["backend_config"]["url"] == f"redis://:{REDACTED}@127.0.0.1:" \
+                                                f"{server.port}/0"
+        assert "hunter2" not in json.dumps(await backend(client))
+        await generate(client, OTHER)
+        await backed_up(client, len(OTHER))
+        assert await storage_hit_after_flush(client, OTHER) >= len(OTHER) - PAGE
+        await ok(await client.delete(ROUTE))
