@@ -171,11 +171,19 @@ class CacheConfig(_Section):
     page_size: int = 16  # tokens per KV page
     max_total_tokens: int | None = None  # L1 capacity in tokens; None = sized from free memory
     eviction_policy: str = "lru"
+    # Nodes a live session's requests used are evicted after unowned ones (SGLang's
+    # --enable-session-radix-cache); a session closes after this long without a request.
+    session_retention: bool = False
+    session_timeout_s: float = 600.0
+    # Tokens POST /admin/pin may pin in all; None = a quarter of L2 (of L1 without L2)
+    max_pinned_tokens: int | None = None
 
     def _validate(self) -> None:
         self._at_least("page_size", 1)
         self._at_least("max_total_tokens", self.page_size, what=f"page_size ({self.page_size})")
         self._choice("eviction_policy", EVICTION_POLICIES)
+        self._at_least("session_timeout_s", 0, strict=True)
+        self._at_least("max_pinned_tokens", 0)
 
 
 @dataclass(frozen=True)

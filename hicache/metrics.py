@@ -141,6 +141,7 @@ class _StatsCollector:
         yield _evicted(stats, self._page_size)
         yield from _transfer_metrics(stats)
         yield from _storage_faults(stats.storage)
+        yield from _session_metrics(stats)
 
 
 def _counter(name: str, doc: str, value: float | None = None,
@@ -252,3 +253,24 @@ def _storage_faults(storage: StorageStats | None) -> Iterator[Metric]:
     yield errors
     yield _counter("storage_corrupt_pages", "Stored pages that failed their integrity check "
                    "(deleted, served as misses)", storage.corrupt_pages)
+
+
+def _session_metrics(stats: CacheStats) -> Iterator[Metric]:
+    """Pinned tokens; live sessions (0 with `cache.session_retention` off) and the tokens they own, per
+    tier present."""
+    if stats.pins is not None:
+        yield GaugeMetricFamily(PREFIX + "pinned_tokens", "Tokens pinned by POST /admin/pin "
+                                "(each node once; cap cache.max_pinned_tokens)",
+                                value=stats.pins.pinned_tokens)
+    s = stats.sessions
+    yield GaugeMetricFamily(PREFIX + "live_sessions", "Sessions open (a request with their "
+                            "session_id within cache.session_timeout_s, not closed)",
+                            value=s.live_sessions if s is not None else 0)
+    if s is None:
+        return
+    owned = GaugeMetricFamily(PREFIX + "session_owned_tokens", "Tokens live sessions own "
+                              "(evicted after unowned ones), per tier", labels=["tier"])
+    owned.add_metric(["device"], s.owned_device_tokens)
+    if stats.host is not None:
+        owned.add_metric(["host"], s.owned_host_tokens)
+    yield owned

@@ -145,11 +145,32 @@ class StorageStats:
 
 
 @dataclass(frozen=True)
+class SessionStats:
+    """Live sessions (`cache.session_retention`) and the tokens they own, each once."""
+
+    live_sessions: int
+    owned_device_tokens: int
+    owned_host_tokens: int  # evicted from L1, on L2 only
+
+
+@dataclass(frozen=True)
+class PinStats:
+    """Pinned prefixes (POST /admin/pin): tokens pinned (each node once), the cap, and each
+    pin's `{tokens, extra_key, expires_in_s}`."""
+
+    pinned_tokens: int
+    max_pinned_tokens: int
+    pins: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class CacheStats:
     requests: RequestCounters
     device: DeviceStats
     host: HostStats | None = None
     storage: StorageStats | None = None
+    sessions: SessionStats | None = None  # None: session retention is off
+    pins: PinStats | None = None
 
     def tiers(self) -> dict[str, DeviceStats | HostStats | StorageStats]:
         """The tiers present, L1 first."""
@@ -162,8 +183,15 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         """`Engine.stats()`: `{"tiers": {tier: {...}}, "counters": {...}}`."""
-        return {"tiers": {name: t.as_dict() for name, t in self.tiers().items()},
-                "counters": self.requests.as_dict()}
+        out = {"tiers": {name: t.as_dict() for name, t in self.tiers().items()},
+               "counters": self.requests.as_dict()}
+        if self.sessions is not None:
+            out["sessions"] = asdict(self.sessions)
+        if self.pins is not None:
+            out["pins"] = {"pinned_tokens": self.pins.pinned_tokens,
+                           "max_pinned_tokens": self.pins.max_pinned_tokens,
+                           "pins": [dict(p) for p in self.pins.pins]}
+        return out
 
 
 def _occupancy(t: DeviceStats | HostStats) -> dict[str, int]:

@@ -60,6 +60,9 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--radix-eviction-policy", "cache.eviction_policy", {"choices": EVICTION_POLICIES},
      ("which unlocked prefix leaves the cache first: lru, lfu, priority (lowest request "
      "priority, then LRU)")),
+    ("--enable-session-radix-cache", "cache.session_retention",
+     {"action": "store_const", "const": True},
+     "evict the prefixes of live sessions (`session_id`) after all others"),
     ("--max-total-tokens", "cache.max_total_tokens", {"type": int},
      "L1 capacity in tokens (default: sized from free memory)"),
     ("--hicache-ratio", "host.ratio", {"type": float}, "L2 size as a multiple of L1"),

@@ -15,7 +15,9 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -32,7 +34,9 @@ from hicache.config import (
 )
 from hicache.policies import TIERS
 from hicache.stack import CacheStack, ModelKV, build_stack
-from hicache.stats import CacheStats
+from hicache.stats import CacheStats, PinStats, SessionStats
+from hicache.tree.pins import PinRefused, PinTable
+from hicache.tree.sessions import SessionTable
 from server.args import _extra_overrides, _parse_extra
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
@@ -43,6 +47,7 @@ from server.request import (
     Request,
     SamplingParams,
     check_priority,
+    check_session_id,
     check_unicode,
 )
 from server.scheduler import Scheduler
@@ -55,6 +60,11 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_TOKENS = 2048
 MAX_RUNNING_REQUESTS = 64
 DRAIN_POLL_S = 0.02
+# The longest TTL a pin may ask for: a week. A pin is a lease to renew, not a setting.
+MAX_PIN_TTL_S = 7 * 24 * 3600.0
+# Of the lowest tier's capacity (L2, or L1 without L2), what pins may hold by default
+# (cache.max_pinned_tokens: null): the rest stays for running requests and ordinary reuse.
+DEFAULT_PIN_SHARE = 4
 
 
 class EngineClosed(RuntimeError):
@@ -76,7 +86,8 @@ def _choice(first: Request, index: int) -> Request:
     p = first.params
     params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + index)
     return Request(list(first.input_ids), params, first.extra_key, prompt_leader=first,
-                   priority=first.priority, return_logprob=first.return_logprob,
+                   priority=first.priority, session_id=first.session_id,
+                   return_logprob=first.return_logprob,
                    logprob_start_len=first.logprob_start_len,
                    top_logprobs_num=first.top_logprobs_num,
                    return_text_in_logprobs=first.return_text_in_logprobs)
@@ -119,6 +130,15 @@ def _check_logprob_start(start: int, prompt_len: int) -> None:
         raise InvalidRequest(f"`logprob_start_len` must be -1 (no prompt logprobs) or a "
                              f"position of the {prompt_len}-token prompt, in "
                              f"[0, {prompt_len - 1}]; got {start}")
+
+
+def _pin_ttl(ttl: object) -> float:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise InvalidRequest(f"`ttl_seconds` must be a number of seconds, got {ttl!r:.40}")
+    if not 0 < ttl <= MAX_PIN_TTL_S:
+        raise InvalidRequest(f"`ttl_seconds` must be in (0, {MAX_PIN_TTL_S:g}] (a week at "
+                             f"most: renew a pin by pinning again), got {ttl}")
+    return float(ttl)
 
 
 def _extra_object(extra: object) -> dict[str, Any]:
@@ -200,10 +220,25 @@ class Engine:
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.loaded.dtype,
             self.loaded.device, self.loaded.path))
         runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.tree)
+        c = self.config.cache
+        self.sessions = (SessionTable(self.cache.tree, c.session_timeout_s)
+                         if c.session_retention else None)
+        self.pins = PinTable(self.cache.tree, self._pin_cap())
         self.scheduler = Scheduler(runner, self.cache, self.tokenizer,
                                    max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,
-                                   schedule_policy=self.config.server.schedule_policy)
+                                   schedule_policy=self.config.server.schedule_policy,
+                                   sessions=self.sessions, pins=self.pins)
+
+    def _pin_cap(self) -> int:
+        """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
+        cap = self.config.cache.max_pinned_tokens
+        if cap is None:
+            pool = self.cache.host_pool
+            total = (pool.total_size() if pool is not None
+                     else self.cache.device_pool.allocator.total_size())
+            cap = total // DEFAULT_PIN_SHARE
+        return cap // self.config.cache.page_size * self.config.cache.page_size
 
     def _init_model(self) -> None:
         m = self.config.model
@@ -226,15 +261,16 @@ class Engine:
                      sampling_params: dict | None = None, extra_key: str | None = None, *,
                      return_logprob: bool = False, logprob_start_len: int = -1,
                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                     priority: int | None = None) -> Request:
+                     priority: int | None = None, session_id: str | None = None) -> Request:
         """Validate a one-choice generation request; raises InvalidRequest with what was
         wrong (for `sampling_params.n` > 1, `make_requests` gives the n choices). The logprob
         options are SGLang's (`Request`); the results land in `meta_info`. `priority`
         (SGLang's; None = 0): higher keeps its prefix cached longer under the `priority`
-        eviction policy."""
+        eviction policy. `session_id` (SGLang's): with `cache.session_retention`, the
+        session owns the nodes the request uses (evicted after unowned ones)."""
         req = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
             return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs),
-            priority)
+            priority, session_id)
         if req.params.n > 1:
             raise InvalidRequest(f"sampling_params.n = {req.params.n}: several choices are "
                                  "made by make_requests (or generate), not make_request")
@@ -242,7 +278,8 @@ class Engine:
 
     def _build(self, text: str | None, input_ids: list[int] | None,
                sampling_params: dict | None, extra_key: str | None,
-               options: dict[str, Any], priority: int | None = None) -> Request:
+               options: dict[str, Any], priority: int | None = None,
+               session_id: str | None = None) -> Request:
         if (text is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of `text` or `input_ids`")
         if text is not None:
@@ -257,13 +294,15 @@ class Engine:
         if extra_key is not None:
             check_unicode("extra_key", extra_key)
         _check_logprob_start(options["logprob_start_len"], len(ids))
-        return Request(ids, params, extra_key, priority=check_priority(priority), **options)
+        return Request(ids, params, extra_key, priority=check_priority(priority),
+                       session_id=check_session_id(session_id), **options)
 
     def make_requests(self, text: str | None = None, input_ids: list[int] | None = None,
                       sampling_params: dict | None = None, extra_key: str | None = None, *,
                       return_logprob: bool = False, logprob_start_len: int = -1,
                       top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                      priority: int | None = None) -> list[Request]:
+                      priority: int | None = None, session_id: str | None = None
+                      ) -> list[Request]:
         """`make_request`, as its `sampling_params.n` choices (one for n = 1). Choice i has
         seed `seed + i` when seeded; choices 1.. wait in the scheduler until choice 0 has
         prefilled the prompt, then read it from the tree (one prefill for all). Submit
@@ -271,7 +310,7 @@ class Engine:
         choice 0 that was not submitted, they only share nothing then."""
         first = self._build(text, input_ids, sampling_params, extra_key, _logprob_options(
             return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs),
-            priority)
+            priority, session_id)
         return [first, *(_choice(first, i) for i in range(1, first.params.n))]
 
     def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -309,14 +348,15 @@ class Engine:
                  sampling_params: dict | None = None, extra_key: str | None = None, *,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 priority: int | None = None) -> dict | list[dict]:
+                 priority: int | None = None, session_id: str | None = None
+                 ) -> dict | list[dict]:
         """The result; a list of n results for `sampling_params.n` > 1 (`make_requests`)."""
         reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
                                   return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len,
                                   top_logprobs_num=top_logprobs_num,
                                   return_text_in_logprobs=return_text_in_logprobs,
-                                  priority=priority)
+                                  priority=priority, session_id=session_id)
         futures = [self._submit_for_result(req) for req in reqs]  # choice 0 first
         results = [fut.result() for fut in futures]
         return results if len(reqs) > 1 else results[0]
@@ -333,14 +373,15 @@ class Engine:
                              extra_key: str | None = None, *,
                              return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                             priority: int | None = None) -> dict | list[dict]:
+                             priority: int | None = None, session_id: str | None = None
+                             ) -> dict | list[dict]:
         """`generate` on an event loop: the same arguments and results."""
         reqs = self.make_requests(text, input_ids, sampling_params, extra_key,
                                   return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len,
                                   top_logprobs_num=top_logprobs_num,
                                   return_text_in_logprobs=return_text_in_logprobs,
-                                  priority=priority)
+                                  priority=priority, session_id=session_id)
         # gather starts the streams in order: choice 0 is submitted first
         results = await asyncio.gather(*(self._final(self.stream(req)) for req in reqs))
         return results if len(reqs) > 1 else results[0]
@@ -387,18 +428,106 @@ class Engine:
 
     # ----------------------------------------------------------------------------- admin
 
-    def flush_cache(self, tiers: Sequence[str] = TIERS) -> dict:
-        """Empty the named tiers once in-flight requests and copies finish; tokens freed."""
+    def flush_cache(self, tiers: Sequence[str] = TIERS, *, unpin: bool = False) -> dict:
+        """Empty the named tiers once in-flight requests and copies finish; tokens freed.
+        Pinned pages stay (on L1 without L2; with L2 a device flush moves them to L2, and
+        a host flush keeps them) unless `unpin`, which releases every pin first."""
         tiers = tuple(tiers)
         bad = [t for t in tiers if t not in TIERS]
         if bad:
             raise InvalidRequest(f"unknown tier(s) {', '.join(map(str, bad))}; "
                                  f"allowed: {', '.join(TIERS)}")
-        return self._call(lambda: self.cache.flush(tiers), when_idle=True)
+
+        def flush() -> dict:
+            if unpin:
+                self.pins.clear()
+            return self.cache.flush(tiers)
+
+        return self._call(flush, when_idle=True)
+
+    # ------------------------------------------------------------------------------ pins
+
+    def pin(self, text: str | None = None, input_ids: list[int] | None = None,
+            extra_key: str | None = None, *, ttl_seconds: float) -> dict:
+        """Keep a prefix cached for `ttl_seconds` (POST /admin/pin): its whole pages are
+        computed first if not cached (a one-token generate), then pinned: evicted from L1
+        after everything else (demoted to L2, never deleted), kept in L2. Pinning the same
+        prefix again renews its TTL. InvalidRequest when the pins would pass
+        `cache.max_pinned_tokens` (saying how much is pinned and the cap). Returns
+        `{"success", "pinned_tokens", "expires_in_s", "total_pinned_tokens",
+        "max_pinned_tokens"}`."""
+        ids, extra_key = self._pin_prefix(text, input_ids, extra_key)
+        ttl = _pin_ttl(ttl_seconds)
+        if len(ids) > self.pins.max_tokens:
+            raise InvalidRequest(f"pinning {len(ids)} tokens exceeds the cap "
+                                 f"(cache.max_pinned_tokens) of {self.pins.max_tokens}")
+        for _ in range(2):  # once more if a busy L1 evicted it before it was pinned
+            self.generate(input_ids=ids, extra_key=extra_key,
+                          sampling_params={"max_new_tokens": 1, "temperature": 0})
+            done = self._call(lambda: self._pin_now(ids, extra_key, ttl))
+            if done is not None:
+                return done
+        raise InvalidRequest("the prefix was evicted before it could be pinned twice in a "
+                             "row (the cache is under heavy pressure); retry later")
+
+    def _pin_now(self, ids: list[int], extra_key: str | None, ttl: float) -> dict | None:
+        """Scheduler thread: pin the cached path spelling `ids` (None: not cached)."""
+        tree = self.cache.tree
+        node = tree.node_at(tree.root, ids, extra_key)
+        if node is None:
+            return None
+        key = (tuple(ids), extra_key)
+        try:
+            self.pins.check(key, node)
+        except PinRefused as e:
+            raise InvalidRequest(str(e)) from None
+        self.pins.pin(key, node, ttl, time.monotonic())
+        tree.back_up_path(node)  # a pinned page must reach L2 to leave L1 (best effort)
+        return {"success": True, "pinned_tokens": len(ids), "expires_in_s": ttl,
+                "total_pinned_tokens": self.pins.pinned_tokens(),
+                "max_pinned_tokens": self.pins.max_tokens}
+
+    def unpin(self, text: str | None = None, input_ids: list[int] | None = None,
+              extra_key: str | None = None) -> bool:
+        """Release the pin of a prefix (as `pin` was given it); False when none."""
+        ids, extra_key = self._pin_prefix(text, input_ids, extra_key)
+        return self._call(lambda: self.pins.unpin((tuple(ids), extra_key)))
+
+    def _pin_prefix(self, text: str | None, input_ids: list[int] | None,
+                    extra_key: str | None) -> tuple[list[int], str | None]:
+        """The prefix's whole pages and its namespace, checked like a prompt's."""
+        req = self._build(text, input_ids, {"max_new_tokens": 1}, extra_key,
+                          _logprob_options(None, None, None, None))
+        page = self.config.cache.page_size
+        ids = req.input_ids[:len(req.input_ids) // page * page]
+        if not ids:
+            raise InvalidRequest(f"the prefix has {len(req.input_ids)} tokens; a pin holds "
+                                 f"whole pages of {page} tokens")
+        return ids, req.extra_key
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session (SGLang's POST /close_session): the nodes it owned go back to
+        their policy's place among the unowned ones. False when no such session is open
+        (never opened, closed, timed out, or `cache.session_retention` is off)."""
+        session_id = check_session_id(session_id)
+        if session_id is None:
+            raise InvalidRequest("`session_id` is required: the session to close")
+        if self.sessions is None:
+            return False
+        return self._call(lambda: self.sessions.close(session_id))
 
     def cache_stats(self) -> CacheStats:
-        """One typed snapshot of the tiers and the request counters (`hicache.stats`)."""
-        return self._call(lambda: self.cache.stats(self.scheduler.counters))
+        """One typed snapshot of the tiers, the request counters and the live sessions
+        (`hicache.stats`)."""
+        return self._call(self._stats_now)
+
+    def _stats_now(self) -> CacheStats:
+        stats = self.cache.stats(self.scheduler.counters)
+        pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
+                        tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
+        sessions = (SessionStats(*self.sessions.sizes()) if self.sessions is not None
+                    else None)
+        return dataclasses.replace(stats, sessions=sessions, pins=pins)
 
     def stats(self) -> dict:
         """`cache_stats()` as plain data: `{"tiers": {tier: {...}}, "counters": {...}}`."""

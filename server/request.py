@@ -188,6 +188,22 @@ def check_priority(value: Any) -> int:
     return value
 
 
+MAX_SESSION_ID_LEN = 256  # a session id is a handle, not a payload
+
+
+def check_session_id(value: Any) -> str | None:
+    """A request's `session_id` (None: no session); InvalidRequest unless a non-empty
+    string of at most MAX_SESSION_ID_LEN characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID_LEN:
+        raise InvalidRequest(f"`session_id` must be a non-empty string of at most "
+                             f"{MAX_SESSION_ID_LEN} characters (the session whose prefixes "
+                             f"the cache keeps longer), got {_short(value)}")
+    check_unicode("session_id", value)
+    return value
+
+
 def _check_token_ids(ids: Any) -> tuple[int, ...]:
     if ids is None:
         return ()
@@ -287,6 +303,8 @@ class Request:
     of the prompt from position k on), `top_logprobs_num`, `return_text_in_logprobs`.
     `priority` is SGLang's too: the tree keeps the prefixes of higher priorities longer
     (under the `priority` eviction policy, a node's is the highest of its users').
+    `session_id` (SGLang's sessions): with `cache.session_retention`, the nodes it uses are
+    owned by that session and evicted after unowned ones while the session lives.
     """
 
     input_ids: list[int]
@@ -301,6 +319,7 @@ class Request:
     arrival: float = 0.0
     first_token_at: float | None = None
     priority: int = DEFAULT_PRIORITY
+    session_id: str | None = None
     # KV cache state (scheduler thread)
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     num_computed: int = 0      # tokens whose K/V are in kv_slots

@@ -31,7 +31,9 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,
                "served_model_name": None, "schedule_policy": "lpm"},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
-              "max_total_tokens": None, "eviction_policy": "lru"},
+              "max_total_tokens": None, "eviction_policy": "lru",
+              "session_retention": False, "session_timeout_s": 600.0,
+              "max_pinned_tokens": None},
     "host": {"ratio": 2.0, "size_gb": None, "write_policy": "write_through",
              "io_backend": "kernel", "mem_layout": "page_first", "write_through_threshold": 2},
     "storage": {

@@ -60,6 +60,13 @@ class HostSizes(NamedTuple):
     protected: int = 0   # host-protected (a backup or prefetch reads them) or locked
 
 
+class OwnedSizes(NamedTuple):
+    """Tokens live sessions own (`RadixCache.own`), each node counted once."""
+
+    device: int = 0      # on L1
+    host_only: int = 0   # evicted from L1, on L2
+
+
 class PrefixCache(ABC):
     """A page-aligned prefix tree over token ids; see DESIGN.md "Contracts".
 
@@ -150,6 +157,10 @@ class PrefixCache(ABC):
 
     def host_sizes(self) -> HostSizes:
         return HostSizes()
+
+    def back_up_path(self, node: TreeNode) -> bool:
+        """Queue the copy of `node`'s path to L2 (no L2 here: nothing to do)."""
+        return False
 
     def flush_host(self) -> int:
         """Free every unprotected host page; the host tokens freed."""

@@ -117,6 +117,10 @@ class HiRadixCache(RadixCache):
             self._host_heap.push(path[-1])
         self._maybe_rebuild_heaps()
 
+    def _repush(self, node: TreeNode) -> None:
+        self._device_heap.push(node)
+        self._host_heap.push(node)
+
     def _insert_hits(self, path: list[HiTreeNode], value: torch.Tensor, matched: int) -> int:
         """Like the base tree, except that an L2-only node on the path adopts the caller's
         slots `value[pos:pos + n]` for its recomputed KV: those are not the caller's to free."""
@@ -222,14 +226,16 @@ class HiRadixCache(RadixCache):
     # --------------------------------------------------------------------------- evict
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        """Unlocked, on the device, and every child already evicted."""
+        """Unlocked, on the device, and every child already evicted; a pinned node only
+        when it can be demoted (backed up in L2): a pin never deletes."""
         return (node.lock_ref == 0 and node.parent is not None and not node.evicted
+                and (node.pin_ref == 0 or node.backuped)
                 and all(c.evicted for c in node.children.values()))
 
     def _is_host_leaf(self, node: TreeNode) -> bool:
-        """Evicted from L1, no children, and its host pages not protected."""
+        """Evicted from L1, no children, its host pages not protected nor pinned."""
         return (node.parent is not None and node.evicted and not node.children
-                and node.host_ref_counter == 0)
+                and node.host_ref_counter == 0 and node.pin_ref == 0)
 
     def evict(self, num_tokens: int) -> int:
         """Free device tokens: demote backed-up leaves, delete (or write back) the others.
@@ -300,12 +306,13 @@ class HiRadixCache(RadixCache):
         return freed
 
     def flush_host(self) -> int:
-        """Empty L2 of everything unprotected: L2-only nodes, then the host copies of nodes
-        still on L1. Call with no write in flight. Returns the host tokens freed."""
+        """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
+        copies of nodes still on L1. Call with no write in flight. Returns the host tokens freed."""
         assert not self._ongoing_writes, "flush_host with D->H copies in flight"
         freed = self.evict_host(self.controller.host_pool.total_size())
         for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
-            if node.host_value is not None and node.host_ref_counter == 0:
+            if (node.host_value is not None and node.host_ref_counter == 0
+                    and node.pin_ref == 0):
                 self.controller.host_pool.free(node.host_value)
                 freed += len(node.key)
                 node.host_value = None

@@ -17,6 +17,7 @@ ChildKey = tuple[Any, Any]
 # The priority of a node no request has used yet (pages an L3 prefetch hung in the tree):
 # below every request's, so the first user's priority is what it gets.
 UNUSED_PRIORITY = float("-inf")
+NO_OWNERS: frozenset[str] = frozenset()  # a node no live session owns
 
 
 class TreeNode:
@@ -27,6 +28,10 @@ class TreeNode:
     `hit_count` counts the requests that used it, each once; `priority` is the highest
     priority of those requests (an int; UNUSED_PRIORITY before the first). Every request
     that uses a node uses its ancestors, so a parent's priority is never below its child's.
+    `owners` are the live sessions whose requests used it (an immutable set, replaced on
+    change, so a split shares it); owned nodes are evicted after unowned ones. A parent's
+    owners include its child's. `pin_ref` counts the pins (POST /admin/pin) covering it: a
+    pin, like a lock, covers a node and its ancestors; pinned nodes go last of all.
     """
 
     __slots__ = (
@@ -37,7 +42,9 @@ class TreeNode:
         "key",
         "last_access_time",
         "lock_ref",
+        "owners",
         "parent",
+        "pin_ref",
         "priority",
         "value",
     )
@@ -55,6 +62,8 @@ class TreeNode:
         self.last_access_time = time.monotonic()
         self.hit_count = 0
         self.priority: float = UNUSED_PRIORITY
+        self.owners: frozenset[str] = NO_OWNERS
+        self.pin_ref = 0
 
     def __len__(self) -> int:
         return len(self.key)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
-from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
+from hicache.tree.base import EMPTY, MatchResult, OwnedSizes, PrefixCache, concat
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
@@ -47,10 +47,25 @@ def _request_priority(node: TreeNode) -> tuple[float, float]:
 
 
 # Eviction order per policy: the heap's key, lowest evicted first (one per EVICTION_POLICIES).
-# Both tiers' heaps (L1 leaves, and HiRadixCache's L2 leaves) use the same one.
+# Both tiers' heaps (L1 leaves, and HiRadixCache's L2 leaves) use the same one, behind
+# `_owned_last`.
 _PRIORITIES: dict[str, Callable[[TreeNode], tuple]] = {"lru": _lru_priority,
                                                        "lfu": _lfu_priority,
                                                        "priority": _request_priority}
+
+
+# Retention classes, the eviction key's leading component: lowest evicted first.
+UNOWNED, SESSION_OWNED, PINNED = 0, 1, 2
+
+
+def _owned_last(policy: Callable[[TreeNode], tuple]) -> Callable[[TreeNode], tuple]:
+    """`policy`'s key behind a leading retention class: nodes a live session owns
+    (`owners`) go after every unowned one, pinned nodes (`pin_ref`) after those, in
+    `policy`'s order within each class."""
+    def key(node: TreeNode) -> tuple:
+        retention = PINNED if node.pin_ref else SESSION_OWNED if node.owners else UNOWNED
+        return (retention, *policy(node))
+    return key
 
 
 class RadixCache(PrefixCache):
@@ -71,7 +86,7 @@ class RadixCache(PrefixCache):
         self.page_size = page_size
         self.disable = disable
         self.eviction_policy = eviction_policy
-        self._priority = _PRIORITIES[eviction_policy]  # a plain function: called per push
+        self._priority = _owned_last(_PRIORITIES[eviction_policy])  # called per push
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -81,6 +96,8 @@ class RadixCache(PrefixCache):
         self._protected = 0
         self._num_nodes = 1
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
+        # session id -> the live nodes it owns (each node's `owners` names it back)
+        self._owned: dict[str, set[TreeNode]] = {}
 
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
@@ -257,6 +274,10 @@ class RadixCache(PrefixCache):
         new.last_access_time = child.last_access_time
         new.hit_count = child.hit_count
         new.priority = child.priority
+        new.owners = child.owners
+        new.pin_ref = child.pin_ref
+        for session in child.owners:
+            self._owned[session].add(new)
         self._split_extra(new, child, n)
         ps = self.page_size
         child.parent.children[child_key(child.key, 0, child.extra_key, ps)] = new
@@ -290,11 +311,70 @@ class RadixCache(PrefixCache):
         self._requeue(path)
         self._on_path(path)
 
+    # ------------------------------------------------------------------------- sessions
+
+    def own(self, node: TreeNode, session_id: str) -> None:
+        """`session_id` owns `node` and its ancestors (a request of it used them): they are
+        evicted after every unowned node until `disown`. Re-pushes the nodes whose eviction
+        key changed (the heaps are lazy)."""
+        changed = []
+        while node is not self.root and session_id not in node.owners:
+            node.owners = node.owners | {session_id}  # an owned node's ancestors are owned
+            changed.append(node)
+            node = node.parent
+        if changed:
+            self._owned.setdefault(session_id, set()).update(changed)
+            for n in changed:
+                self._repush(n)
+            self._maybe_rebuild_heaps()
+
+    def disown(self, session_id: str) -> int:
+        """`session_id` (closed or timed out) owns nothing any more; its nodes go back to
+        their policy's place among the unowned ones. Returns the tokens it owned."""
+        nodes = self._owned.pop(session_id, set())
+        for node in nodes:
+            node.owners = node.owners - {session_id}
+            self._repush(node)
+        self._maybe_rebuild_heaps()
+        return sum(len(n.key) for n in nodes)
+
+    def owned_tokens(self) -> OwnedSizes:
+        """Tokens some live session owns: on the device, and in L2 only."""
+        nodes = set().union(*self._owned.values()) if self._owned else set()
+        device = sum(self._device_len(n) for n in nodes)
+        return OwnedSizes(device, sum(len(n.key) for n in nodes) - device)
+
+    # ----------------------------------------------------------------------------- pins
+
+    def pin(self, node: TreeNode) -> None:
+        """Pin `node` and its ancestors until `unpin(node)`: evicted after everything else
+        (this tree: never, without a lower tier to demote them to)."""
+        while node is not self.root:
+            node.pin_ref += 1
+            self._repush(node)
+            node = node.parent
+        self._maybe_rebuild_heaps()
+
+    def unpin(self, node: TreeNode) -> None:
+        """End a `pin(node)`."""
+        while node is not self.root:
+            if node.pin_ref <= 0:
+                raise AssertionError(f"unpin of unpinned {node!r}")
+            node.pin_ref -= 1
+            self._repush(node)
+            node = node.parent
+        self._maybe_rebuild_heaps()
+
+    def _repush(self, node: TreeNode) -> None:
+        """Re-enter `node` in the eviction heaps after its key changed."""
+        self._device_heap.push(node)
+
     # ---------------------------------------------------------------------------- evict
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        """An L1 eviction candidate: an unlocked, still attached leaf."""
-        return node.lock_ref == 0 and node.parent is not None and not node.children
+        """An L1 eviction candidate: an unlocked, unpinned, still attached leaf."""
+        return (node.lock_ref == 0 and node.pin_ref == 0 and node.parent is not None
+                and not node.children)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` (if possible) from unlocked leaves, in the eviction
@@ -320,6 +400,8 @@ class RadixCache(PrefixCache):
         del parent.children[child_key(node.key, 0, node.extra_key, self.page_size)]
         node.parent = None  # marks the node dead for stale heap entries
         self._num_nodes -= 1
+        for session in node.owners:
+            self._owned[session].discard(node)
         self._device_heap.push(parent)
 
     def _maybe_rebuild_heaps(self) -> None:
@@ -411,6 +493,10 @@ class RadixCache(PrefixCache):
         assert evictable == self._evictable, f"evictable {evictable} != {self._evictable}"
         assert protected == self._protected, f"protected {protected} != {self._protected}"
         assert self.root.lock_ref >= 1, "the root lost its lock"
+        for session, owned in self._owned.items():
+            for node in owned:
+                assert node.parent is not None, f"session {session} owns a deleted {node!r}"
+                assert session in node.owners, f"{node!r} lost its owner {session}"
 
     def _check_node(self, node: TreeNode) -> None:
         parent = node.parent
@@ -428,3 +514,9 @@ class RadixCache(PrefixCache):
                 f"{node!r} has priority {node.priority} above its parent's {parent.priority}")
         if node.value is not None:
             assert len(node.value) == len(node.key), f"{node!r} value/key length mismatch"
+        assert parent is self.root or node.pin_ref <= parent.pin_ref, (
+            f"{node!r} pinned more than its parent")
+        assert parent is self.root or node.owners <= parent.owners, (
+            f"{node!r} is owned by sessions its parent is not: {node.owners - parent.owners}")
+        for session in node.owners:
+            assert node in self._owned.get(session, ()), f"{node!r} not listed by {session}"

@@ -1,6 +1,12 @@
 """Admin routes: empty cache tiers, read their occupancy; bearer-key or loopback-only access.
 
-    POST /admin/flush                     {"tiers": [...]} (default all three) -> {"freed": {...}}
+    POST /admin/flush                     {"tiers": [...], "unpin": false} (default all three)
+                                          -> {"freed": {...}}; pinned pages stay unless
+                                          `unpin` (which releases every pin first)
+    POST /admin/pin                       {text | input_ids, extra_key, ttl_seconds}: compute
+                                          the prefix if needed, keep its whole pages cached
+                                          (400 over cache.max_pinned_tokens)
+    POST /admin/unpin                     {text | input_ids, extra_key} (404: not pinned)
     GET  /admin/tiers                     capacity / used / evictable / protected / hits, tokens
                                           (storage also: errors, errors_by_op: faults;
                                           cost_model: estimates and decisions)
@@ -9,6 +15,12 @@
     PUT  /hicache/storage-backend         attach L3 at runtime (SGLang's body fields, below)
     DELETE /hicache/storage-backend       detach L3
     GET  /hicache/storage-backend         the attached L3: backend, section, policies
+    POST /close_session                   SGLang's: end a session's retention (not guarded:
+                                          a client's route, in server.http.native)
+
+/admin/tiers also has `pinned_tokens`, `max_pinned_tokens`, `pins: [{tokens, extra_key,
+expires_in_s}]`, and with `cache.session_retention` `sessions`: `{live_sessions,
+owned_device_tokens, owned_host_tokens}`.
 
 Attach and detach (`Engine.attach_storage` / `detach_storage`) answer 200
 `{"success": true, "message", ...GET's fields}`, or 400 with the reason (no L2, a bad
@@ -23,6 +35,7 @@ key they answer loopback clients only (403 otherwise).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 from collections.abc import Sequence
@@ -37,6 +50,7 @@ from hicache.stats import StorageStats
 from server.engine import Engine
 from server.http.body import brief, check_fields, check_type, read_object
 from server.http.errors import HttpError, error_response
+from server.http.native import handle_close_session
 from server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
@@ -107,7 +121,7 @@ def _guarded(handler: Handler, api_key: str | None) -> Handler:
 
 def parse_tiers(body: dict[str, Any]) -> tuple[str, ...]:
     """The `tiers` of a flush body: absent or null means all three."""
-    check_fields(body, ("tiers",))
+    check_fields(body, ("tiers", "unpin"))
     tiers = body.get("tiers")
     if tiers is None:
         return TIERS
@@ -120,16 +134,48 @@ def parse_tiers(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tiers))  # duplicates once, order kept
 
 
-async def _flush(engine: Engine, tiers: Sequence[str]) -> web.Response:
-    """Waits (off the loop) for running requests and copies, then empties the tiers."""
+async def _flush(engine: Engine, tiers: Sequence[str], unpin: bool = False) -> web.Response:
+    """Waits (off the loop) for running requests and copies, then empties the tiers
+    (pinned pages stay unless `unpin`)."""
     loop = asyncio.get_running_loop()
-    freed = await loop.run_in_executor(None, partial(engine.flush_cache, tiers))
-    return web.json_response({"freed": freed})
+    freed = await loop.run_in_executor(None, partial(engine.flush_cache, tiers, unpin=unpin))
+    return web.json_response({"freed": freed, **({"unpinned": True} if unpin else {})})
 
 
 async def handle_flush(request: web.Request) -> web.Response:
-    tiers = parse_tiers(await read_object(request, empty={}))
-    return await _flush(request.app[STATE].engine, tiers)
+    body = await read_object(request, empty={})
+    tiers = parse_tiers(body)
+    unpin = check_type(body, "unpin", (bool,), "a boolean") or False
+    return await _flush(request.app[STATE].engine, tiers, unpin)
+
+
+PIN_FIELDS = ("text", "input_ids", "extra_key", "ttl_seconds")
+
+
+async def handle_pin(request: web.Request) -> web.Response:
+    """`{text | input_ids, extra_key, ttl_seconds}` -> `Engine.pin`'s answer."""
+    body = await read_object(request)
+    check_fields(body, PIN_FIELDS)
+    if body.get("ttl_seconds") is None:
+        raise HttpError(400, "`ttl_seconds` is required: how long the prefix stays pinned")
+    engine = request.app[STATE].engine
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(None, partial(
+        engine.pin, body.get("text"), body.get("input_ids"), body.get("extra_key"),
+        ttl_seconds=body["ttl_seconds"])))
+
+
+async def handle_unpin(request: web.Request) -> web.Response:
+    """`{text | input_ids, extra_key}` as pinned -> 200 `{"success": true}`; 404 when that
+    prefix is not pinned."""
+    body = await read_object(request)
+    check_fields(body, PIN_FIELDS[:3])
+    engine = request.app[STATE].engine
+    done = await asyncio.get_running_loop().run_in_executor(None, partial(
+        engine.unpin, body.get("text"), body.get("input_ids"), body.get("extra_key")))
+    if not done:
+        raise HttpError(404, "that prefix is not pinned (under this extra_key): nothing to "
+                        "unpin; GET /admin/tiers lists the pins")
+    return web.json_response({"success": True})
 
 
 async def handle_sglang_flush(request: web.Request) -> web.Response:
@@ -188,8 +234,14 @@ async def handle_tiers(request: web.Request) -> web.Response:
         tiers["storage"]["errors"] = stats.storage.errors
         tiers["storage"]["errors_by_op"] = dict(stats.storage.errors_by_op)
         tiers["storage"]["cost_model"] = cost_model(stats.storage)
-    return web.json_response({"unit": "tokens", "page_size": engine.config.cache.page_size,
-                              "tiers": tiers})
+    out = {"unit": "tokens", "page_size": engine.config.cache.page_size, "tiers": tiers}
+    if stats.sessions is not None:
+        out["sessions"] = dataclasses.asdict(stats.sessions)
+    if stats.pins is not None:
+        out["pinned_tokens"] = stats.pins.pinned_tokens
+        out["max_pinned_tokens"] = stats.pins.max_pinned_tokens
+        out["pins"] = list(stats.pins.pins)
+    return web.json_response(out)
 
 
 def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:
@@ -197,6 +249,7 @@ def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) 
     if STATE not in app or app[STATE].engine is not engine:
         raise ValueError("add_admin_routes needs the app that create_app built for this engine")
     routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),
+              ("/admin/pin", "POST", handle_pin), ("/admin/unpin", "POST", handle_unpin),
               ("/flush_cache", "POST", handle_sglang_flush),
               ("/hicache/storage-backend/clear", "POST", handle_storage_clear),
               ("/hicache/storage-backend", "PUT", handle_storage_attach),
@@ -204,3 +257,5 @@ def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) 
               ("/hicache/storage-backend", "GET", handle_storage_backend))
     for path, method, handler in routes:
         app.router.add_route(method, path, _guarded(handler, api_key))
+    # SGLang's session route is a client's, like /generate: not guarded
+    app.router.add_post("/close_session", handle_close_session)

@@ -36,7 +36,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields
 from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import set_priorities
+from server.http.native import session_of, set_priorities, set_session
 from server.http.openai import (
     COMPLETION_UNSUPPORTED,
     OPENAI_PARAMS,
@@ -73,7 +73,8 @@ CHAT_UNSUPPORTED = {
 CHAT_FIELDS = frozenset({
     *OPENAI_PARAMS, *CHAT_UNSUPPORTED, "model", "messages", "max_completion_tokens", "stream",
     "stream_options", "n", "user", "logprobs", "top_logprobs", "return_token_ids",
-    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls", "priority"})
+    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls", "priority",
+    "session_id"})
 ROLES = ("system", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 PART_FIELDS = frozenset({"type", "text"})
@@ -94,6 +95,7 @@ class Chat(NamedTuple):
     cache_salt: str | None
     limit_field: str  # the field that set max_new_tokens, for error messages
     priority: int | None  # vLLM's field; eviction under --radix-eviction-policy priority
+    session_id: str | None = None  # the session whose prefixes stay cached longer
 
 
 def parse_chat(body: dict[str, Any]) -> Chat:
@@ -108,7 +110,7 @@ def parse_chat(body: dict[str, Any]) -> Chat:
     params, limit_field = openai_sampling_params(body, default_max_tokens=None)
     return Chat(messages, {**params, "n": n}, _logprobs(body), stream, usage, continuous,
                 flag(body, "return_token_ids"), body.get("cache_salt"), limit_field,
-                request_priority(body))
+                request_priority(body), session_of(body))
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:
@@ -320,6 +322,7 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
     except InvalidRequest as e:
         raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
     set_priorities(submitted, [chat.priority])
+    set_session(submitted, chat.session_id)
     streams = await start_all(engine, submitted)
     model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
     if not chat.stream:

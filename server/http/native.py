@@ -1,8 +1,10 @@
-"""SGLang's native route.
+"""SGLang's native routes.
 
+    POST /close_session {"session_id"} -> {"success", "message"}
     POST /generate    {"text" | "input_ids", "sampling_params", "stream", "rid",
                        "return_logprob", "logprob_start_len", "top_logprobs_num",
                        "return_text_in_logprobs", "extra_key" | "cache_salt", "priority",
+                       "session_id" | "session_params",
                        ...}
 
 The answer is the engine's result (`text`, `output_ids`, `meta_info`); with
@@ -16,18 +18,22 @@ each event is one of them with its place in that list as `index`, as SGLang stre
 engine each request keeps a unique id of its own, so two clients sending the same `rid`
 never abort or mix up each other's requests. `priority` (SGLang's: an integer, default 0; a
 list for a batch) keeps the prompt's cache entries longer under the `priority` eviction
-policy. docs/http.md has the table of every field.
+policy. `session_id` (a string; or SGLang's `session_params: {"id": ...}`, its `id` only)
+names the session whose prefixes the cache keeps longer (`--enable-session-radix-cache`;
+POST /close_session ends it). docs/http.md has the table of every field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from server.http.body import brief, check_type, read_object
+from server.http.body import brief, check_fields, check_type, read_object
 from server.http.errors import HttpError
 from server.http.fields import Only, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, Submitted, start_all, submit
@@ -40,7 +46,7 @@ from server.http.prompts import (
 )
 from server.http.state import live_engine
 from server.http.streaming import json_events, last_results, merged, send_sse
-from server.request import SamplingParams
+from server.request import InvalidRequest, SamplingParams, check_session_id
 
 ROUTE = "POST /generate"
 GENERATE_UNSUPPORTED = {
@@ -51,7 +57,6 @@ GENERATE_UNSUPPORTED = {
     "return_hidden_states": Only(False, "returning hidden states"),
     "return_routed_experts": Only(False, "returning routed experts (a mixture of experts')"),
     "custom_logit_processor": Only(None, "a custom logit processor"),
-    "session_params": Only(None, "sessions"),
     "token_ids_logprob": Only(None, "logprobs of chosen token ids"),
     "return_entropy": Only(False, "returning the entropy"),
 }
@@ -62,7 +67,8 @@ LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                   "return_text_in_logprobs")
 GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "stream_options", "rid", "extra_key",
-    "cache_salt", "return_cached_tokens_details", "priority", *LOGPROB_FIELDS,
+    "cache_salt", "return_cached_tokens_details", "priority", "session_id", "session_params",
+    *LOGPROB_FIELDS,
     *GENERATE_UNSUPPORTED})
 # Accepted and without effect: every event's meta_info already carries the token counts.
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
@@ -81,6 +87,7 @@ class Generate(NamedTuple):
     logprobs: list[LogprobOptions]
     stream: bool
     priorities: list[int | None]  # one per prompt; None: the default
+    session_id: str | None = None  # every prompt's; None: no session
 
 
 def parse_generate(body: dict[str, Any]) -> Generate:
@@ -96,7 +103,46 @@ def parse_generate(body: dict[str, Any]) -> Generate:
     check_batch_size(count, max(_choices(p) for p in params))
     return Generate(prompts, params, _rids(body.get("rid"), count, batch),
                     _extra_keys(body, count, batch), _logprobs(body, count, batch), stream,
-                    _priorities(body.get("priority"), count, batch))
+                    _priorities(body.get("priority"), count, batch),
+                    _session_params(body))
+
+
+def session_of(body: dict[str, Any]) -> str | None:
+    """The body's `session_id` (this server's field on every generation route), checked:
+    a non-empty string, or absent."""
+    try:
+        return check_session_id(body.get("session_id"))
+    except InvalidRequest as e:
+        raise HttpError(400, str(e)) from None
+
+
+def _session_params(body: dict[str, Any]) -> str | None:
+    """`session_id`, or SGLang's `session_params: {"id": ...}` (its `id` only: this server
+    keeps a session's prefixes cached, it does not branch or replace a session's turns)."""
+    session_id = session_of(body)
+    params = body.get("session_params")
+    if params is None:
+        return session_id
+    if not isinstance(params, dict):
+        raise HttpError(400, f"`session_params` must be an object like {{\"id\": "
+                        f"\"<session id>\"}}, got {brief(params)}")
+    other = sorted(k for k, v in params.items() if k != "id" and v not in (None, False))
+    if other:
+        raise HttpError(400, f"session_params: {', '.join(other)} not supported; this server "
+                        "takes `session_params.id` only (the session whose prefixes it keeps "
+                        "cached), not SGLang's branching of a session's turns")
+    sid = session_of({"session_id": params.get("id")})
+    if session_id is not None and sid is not None and sid != session_id:
+        raise HttpError(400, f"`session_id` ({session_id!r}) and `session_params.id` "
+                        f"({sid!r}) name different sessions; give one")
+    return session_id if sid is None else sid
+
+
+def set_session(submitted: Submitted, session_id: str | None) -> None:
+    """Give every request of `submitted` the session `session_id`, before they start."""
+    if session_id is not None:
+        for _, req in submitted.choices():
+            req.session_id = session_id
 
 
 def _prompts(body: dict[str, Any]) -> Prompts:
@@ -163,12 +209,33 @@ def _logprobs(body: dict[str, Any], count: int, batch: bool) -> list[LogprobOpti
             for i in range(count)]
 
 
+async def handle_close_session(request: web.Request) -> web.Response:
+    """SGLang's POST /close_session `{"session_id"}`: the session's prefixes lose their
+    retention. An id that is not open (unknown, closed, timed out, or retention off) is
+    200 `{"success": false}`, as SGLang answers 200 and only logs it."""
+    body = await read_object(request)
+    check_fields(body, ("session_id",))
+    session_id = session_of(body)
+    if session_id is None:
+        raise HttpError(400, "`session_id` is required: the session to close")
+    engine = live_engine(request)
+    closed = await asyncio.get_running_loop().run_in_executor(
+        None, partial(engine.close_session, session_id))
+    message = (f"session {session_id!r} closed" if closed else
+               f"session {session_id!r} is not open (never used, closed or timed out"
+               + ("" if engine.sessions is not None else
+                  "; session retention is off: start with --enable-session-radix-cache")
+               + "); nothing changed")
+    return web.json_response({"success": closed, "message": message})
+
+
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     generate = parse_generate(await read_object(request))
     engine = live_engine(request)
     submitted = submit(engine, generate.prompts, generate.sampling_params,
                        generate.extra_keys, generate.logprobs)
     set_priorities(submitted, generate.priorities)
+    set_session(submitted, generate.session_id)
     streams = [_renamed(s, rid) for s, rid in
                zip(await start_all(engine, submitted), _choice_ids(generate, submitted))]
     one = not generate.prompts.batch and len(streams) == 1

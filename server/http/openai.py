@@ -28,7 +28,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import set_priorities
+from server.http.native import session_of, set_priorities, set_session
 from server.http.openai_shapes import (
     CompletionShape,
     completion_chunks,
@@ -70,7 +70,8 @@ COMPLETION_UNSUPPORTED = {
 COMPLETION_FIELDS = frozenset({
     *OPENAI_PARAMS, *COMPLETION_UNSUPPORTED, "model", "prompt", "max_completion_tokens",
     "stream", "stream_options", "n", "best_of", "user", "logprobs", "echo", "return_token_ids",
-    "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt", "priority"})
+    "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt", "priority",
+    "session_id"})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
@@ -85,6 +86,7 @@ class Completion(NamedTuple):
     cache_salt: str | None
     limit_field: str  # the field that set max_new_tokens, for error messages
     priority: int | None  # None: the default
+    session_id: str | None = None  # the session whose prefixes stay cached longer
 
 
 def openai_body(body: dict[str, Any], allowed: tuple[str, ...], unsupported: dict[str, Only],
@@ -114,7 +116,7 @@ def parse_completion(body: dict[str, Any]) -> Completion:
     shape = _shape(body, stream)
     return Completion(prompts, {**params, "n": best_of}, n, logprobs, flag(body, "echo"),
                       stream, shape, body.get("cache_salt"), limit_field,
-                      request_priority(body))
+                      request_priority(body), session_of(body))
 
 
 def request_priority(body: dict[str, Any]) -> int | None:
@@ -200,6 +202,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     except InvalidRequest as e:
         raise HttpError(400, openai_message(str(e), completion.limit_field)) from None
     set_priorities(submitted, [completion.priority] * count)
+    set_session(submitted, completion.session_id)
     streams = await start_all(engine, submitted)
     model = served_model_name(engine)
     if not completion.stream:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from hicache.stack import CacheStack
+from hicache.tree.node import TreeNode
+from hicache.tree.sessions import SessionTable
 from server.request import Request
 
 
@@ -44,6 +46,20 @@ class RequestKV:
         self.pool = cache.device_pool
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for
+        self.sessions: SessionTable | None = None  # set with cache.session_retention
+
+    def _own(self, req: Request, node: TreeNode) -> None:
+        """`req`'s live session owns `node` and its ancestors (which it uses). A session
+        closed meanwhile stays closed: its late requests own nothing."""
+        if self.sessions is not None and req.session_id in self.sessions:
+            self.tree.own(node, req.session_id)
+
+    def _own_key(self, req: Request, tokens: list[int]) -> None:
+        """`_own` the path spelling `tokens` (just inserted)."""
+        if self.sessions is not None and req.session_id in self.sessions:
+            path = self.tree.peek_path(tokens, req.extra_key)
+            if path:
+                self.tree.own(path[-1], req.session_id)
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
@@ -82,6 +98,7 @@ class RequestKV:
         slots = torch.cat([node.value for node in path])
         assert slots.numel() == aligned, "an inserted key is whole nodes on the device"
         self.tree.inc_lock_ref(path[-1])
+        self._own(req, path[-1])
         self.tree.dec_lock_ref(req.last_node)
         req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
         req.last_node, req.tree_len = path[-1], aligned
@@ -105,9 +122,11 @@ class RequestKV:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
         if aligned > req.admit_hit:  # pages new since admission, maybe cached at prefill
-            self._insert(req, aligned, count_hit=count_use)  # (again): a fresh access time
+            tokens = self._insert(req, aligned, count_hit=count_use)  # (again): a fresh
+            self._own_key(req, tokens)                               # access time
         elif count_use:  # nothing computed to add (or failed): the prefix it held
             self.tree.count_use(req.last_node, req.priority)
+        self._own(req, req.last_node)
         rest = req.kv_slots[max(aligned, req.tree_len):]  # never the tree's
         if rest.numel():
             self.pool.free(rest)

@@ -40,6 +40,8 @@ import torch
 
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
+from hicache.tree.pins import PinTable
+from hicache.tree.sessions import SessionTable
 from server.inbox import Inbox, SchedulerStopped
 from server.model_runner import ForwardOutput, ModelRunner, sample_row
 from server.request import Request
@@ -69,7 +71,8 @@ def fill_end(req: Request) -> int:
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
-                 schedule_policy: str = "lpm") -> None:
+                 schedule_policy: str = "lpm", sessions: SessionTable | None = None,
+                 pins: PinTable | None = None) -> None:
         self.runner = runner
         self.cache = cache
         self.tree = cache.tree
@@ -81,6 +84,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.kv = RequestKV(cache, self.running)
+        self.sessions = self.kv.sessions = sessions  # None: session ids keep nothing
+        self.pins = pins
         self.admission = Admission(cache, self.kv, schedule_policy)
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
@@ -122,6 +127,8 @@ class Scheduler:
             return
         req: Request = payload
         req.arrival = time.monotonic()
+        if self.sessions is not None and req.session_id is not None:
+            self.sessions.touch(req.session_id, req.arrival)
         req.generator = torch.Generator()
         if req.params.seed is None:
             req.generator.seed()  # fresh entropy, as SGLang and vLLM do without a seed
@@ -150,6 +157,10 @@ class Scheduler:
             self.cache.settle(QUERY_SETTLE_S)
             self.cache.poll()
         self._run_commands()
+        if self.sessions is not None:  # O(1) unless the oldest session is due
+            self.sessions.expire(time.monotonic())
+        if self.pins:  # O(pins), and there are few
+            self.pins.expire(time.monotonic())
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
