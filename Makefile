@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-soak bench-radix bench-vs-vllm gpu-check clean
+.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ bench-shared-l3: $(STAMP)
 # ARGS="--redis" puts a real redis-server behind a throttling TCP proxy instead of LMDB.
 bench-l3-overlap: $(STAMP)
 	$(BIN)/python benchmarks/bench_l3_overlap.py $(ARGS)
+
+# Cache policies side by side (lpm, session retention, dfs-weight, fcfs) on many chats with a
+# long shared system prompt beside one-off requests that flood a small L1 (~4 min on 2 CPU
+# cores); benchmarks/results/policies.json.
+bench-policies: $(STAMP)
+	$(BIN)/python benchmarks/bench_policies.py $(ARGS)
 
 # One server (L1 + L2 + LMDB) under 8 multi-turn clients for 20 minutes, its heap and
 # file-backed RSS sampled every 10 s; table and benchmarks/results/soak.json.
