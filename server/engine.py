@@ -65,6 +65,8 @@ MAX_PIN_TTL_S = 7 * 24 * 3600.0
 # Of the lowest tier's capacity (L2, or L1 without L2), what pins may hold by default
 # (cache.max_pinned_tokens: null): the rest stays for running requests and ordinary reuse.
 DEFAULT_PIN_SHARE = 4
+# Without L2 pinned pages never leave L1: at most 1/this of it, whatever the config says.
+MAX_PIN_SHARE_OF_L1_ONLY = 2
 
 
 class EngineClosed(RuntimeError):
@@ -133,7 +135,9 @@ def _check_logprob_start(start: int, prompt_len: int) -> None:
 
 
 def _pin_ttl(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+    if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > MAX_PIN_TTL_S:
+        ttl = float("inf")  # a huge integer: out of range below, never an OverflowError
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl):
         raise InvalidRequest(f"`ttl_seconds` must be a number of seconds, got {ttl!r:.40}")
     if not 0 < ttl <= MAX_PIN_TTL_S:
         raise InvalidRequest(f"`ttl_seconds` must be in (0, {MAX_PIN_TTL_S:g}] (a week at "
@@ -233,11 +237,14 @@ class Engine:
     def _pin_cap(self) -> int:
         """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
         cap = self.config.cache.max_pinned_tokens
+        pool = self.cache.host_pool
+        l1 = self.cache.device_pool.allocator.total_size()
         if cap is None:
-            pool = self.cache.host_pool
-            total = (pool.total_size() if pool is not None
-                     else self.cache.device_pool.allocator.total_size())
-            cap = total // DEFAULT_PIN_SHARE
+            cap = (pool.total_size() if pool is not None else l1) // DEFAULT_PIN_SHARE
+        if pool is None:  # pinned pages never leave L1: keep (over) half of it for requests,
+            # so a request that fits beside a full cap of pins (`_check_params`) can be a
+            # pin's own computation (its prompt: the pinned pages and less than a page more)
+            cap = min(cap, (l1 - self.config.cache.page_size) // MAX_PIN_SHARE_OF_L1_ONLY)
         return cap // self.config.cache.page_size * self.config.cache.page_size
 
     def _init_model(self) -> None:
@@ -323,10 +330,16 @@ class Engine:
             params = dataclasses.replace(params, max_new_tokens=room,
                                          min_new_tokens=min(params.min_new_tokens, room))
         need = prompt_len + params.max_new_tokens
-        if need > self.cache.device_pool.allocator.total_size():
+        total = self.cache.device_pool.allocator.total_size()
+        if need > total:
             raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
-                                 f"cache ({self.cache.device_pool.allocator.total_size()} "
-                                 "tokens); lower max_new_tokens or raise --max-total-tokens")
+                                 f"cache ({total} tokens); lower max_new_tokens or raise "
+                                 "--max-total-tokens")
+        if self.cache.host_pool is None and need > total - self._pin_cap():
+            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed what the L1 "
+                                 f"KV cache ({total} tokens) keeps beside the pinned tokens "
+                                 f"it allows (cache.max_pinned_tokens: {self._pin_cap()}); "
+                                 "lower max_new_tokens or the pin cap")
         return params
 
     def _check_ids(self, ids: Any) -> list[int]:

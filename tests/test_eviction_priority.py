@@ -113,6 +113,8 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("match"), tokens, st.none() | priorities, st.booleans(), st.booleans()),
     st.tuples(st.just("use"), st.integers(0, 7), st.none() | priorities),
     st.tuples(st.just("unlock"), st.integers(0, 7)),
+    st.tuples(st.just("pin"), tokens),
+    st.tuples(st.just("unpin"), st.integers(0, 7)),
     st.tuples(st.just("evict"), st.integers(1, 4)),
 ), max_size=40)
 
@@ -139,6 +141,7 @@ def run_ops(policy: str, operations: list[tuple]) -> None:
     tree = RadixCache(RecordingAllocator(), page_size=1, eviction_policy=policy)
     model = EvictionModel(policy)
     locks: list[Any] = []  # (node, key) per lock taken
+    pins: list[Any] = []   # (node, key) per pin: without L2 a pinned path is never evicted
     with fake_clock() as clock:
         for op in operations:
             clock.now += 1
@@ -164,6 +167,18 @@ def run_ops(policy: str, operations: list[tuple]) -> None:
                 node, key = locks.pop(op[1] % len(locks))
                 tree.dec_lock_ref(node)
                 model.locked.remove(key)
+            elif op[0] == "pin":
+                m = tree.match_prefix(op[1], count_hit=False)
+                n = model.hit(op[1])
+                model.use(op[1][:n], None, clock.now, False, create=False)
+                if n:
+                    tree.pin(m.last_device_node)
+                    pins.append((m.last_device_node, op[1][:n]))
+                    model.locked.append(op[1][:n])
+            elif op[0] == "unpin" and pins:
+                node, key = pins.pop(op[1] % len(pins))
+                tree.unpin(node)
+                model.locked.remove(key)
             elif op[0] == "evict":
                 for _ in range(op[1]):
                     check_one_eviction(tree, model)
@@ -173,10 +188,10 @@ def run_ops(policy: str, operations: list[tuple]) -> None:
 @pytest.mark.parametrize("policy", ["priority", "lru", "lfu"])
 @given(operations=ops)
 def test_evicted_leaves_are_always_the_minimum_of_the_policy(policy, operations) -> None:
-    """Random inserts and matches (with priorities, counted or not), locks and evictions:
-    every evicted leaf has the minimal (priority, last access) among the evictable leaves
-    under `priority`; lru and lfu keep their orders (access; uses, then access), whatever
-    the priorities."""
+    """Random inserts and matches (with priorities, counted or not), locks, pins and
+    evictions: every evicted leaf has the minimal (priority, last access) among the
+    evictable leaves under `priority` (a pinned path, in a tree without L2, is never one);
+    lru and lfu keep their orders (access; uses, then access), whatever the priorities."""
     run_ops(policy, operations)
 
 

@@ -276,3 +276,65 @@ async def test_the_pin_routes_are_guarded(hier, route) -> None:
         assert (await c.post(route, json=body)).status == 401
         resp = await c.post(route, json=body, headers={"Authorization": "Bearer wrong"})
         assert resp.status == 403
+
+
+# ------------------------------------------------------- what admission may count on
+
+def test_pinned_pages_that_cannot_leave_l1_are_not_counted_as_freeable() -> None:
+    """Without L2 a pinned path is never evicted, so admission must not count it as room:
+    `evictable_size() - stuck_pinned_size()` is what `evict` can really free."""
+    tree = RadixCache(RecordingAllocator(), page_size=1)
+    tree.insert(list(range(8)))
+    tree.insert([100, 101, 102])
+    pinned = tree.peek_path(list(range(8)))[-1]
+    tree.pin(pinned)
+    assert tree.evictable_size() == 11 and tree.stuck_pinned_size() == 8
+    assert tree.stuck_pinned_size(pinned) == 0  # a request on that path counts it already
+    freeable = tree.evictable_size() - tree.stuck_pinned_size()
+    assert tree.evict(tree.total_size()) == freeable == 3
+    tree.inc_lock_ref(pinned)  # locked: out of evictable_size(), so not stuck either
+    assert tree.stuck_pinned_size() == 0
+    tree.dec_lock_ref(pinned)
+    tree.unpin(pinned)
+    assert tree.stuck_pinned_size() == 0 and tree.evict(8) == 8
+
+
+def test_a_pinned_node_backed_up_in_l2_can_still_leave_l1() -> None:
+    dev, host = make_pools(16, 16, 4)
+    tree = HiRadixCache(HiCacheController(dev, host, CpuTransferEngine(dev, host)), 4,
+                        write_policy="write_back")
+    slots = dev.alloc(8)
+    tree.insert(list(range(8)), slots)
+    node = tree.peek_path(list(range(8)))[-1]
+    tree.pin(node)
+    assert tree.stuck_pinned_size() == 8  # write_back: no copy in L2 yet
+    tree.back_up_path(node)
+    tree.writing_check(wait=True)
+    assert tree.stuck_pinned_size() == 0  # demotable: it may leave L1 for L2
+    tree.unpin(node)
+
+
+def test_requests_wait_rather_than_fail_when_pins_hold_l1(tmp_path) -> None:
+    """L1 only, half of it pinned: requests arriving together that fit only one at a time
+    in what is left all finish (none fails on room that admission counted but eviction
+    could not free), and a request that could never fit beside the pins is refused."""
+    import threading
+    with Engine(load_config(None, {"model.device": "cpu", "cache.page_size": 16,
+                                   "cache.max_total_tokens": 512,
+                                   "cache.max_pinned_tokens": 1024})) as e:  # clamped: 240
+        info = e.pin(input_ids=list(range(3, 3 + 250)), ttl_seconds=600)
+        assert info["pinned_tokens"] == 240
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 256) for _ in range(190)] for _ in range(3)]
+        outs: list[dict] = []
+        threads = [threading.Thread(target=lambda p=p: outs.append(e.generate(
+            input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 4})))
+            for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(o["meta_info"]["finish_reason"] for o in outs) == ["length"] * 3
+        assert e.stats()["counters"]["request_errors"] == 0
+        with pytest.raises(InvalidRequest, match="pinned"):
+            e.generate(input_ids=[5] * 300, sampling_params={"max_new_tokens": 4})

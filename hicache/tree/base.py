@@ -129,6 +129,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_size(self) -> int: ...
 
+    def stuck_pinned_size(self, path_end: TreeNode | None = None) -> int:
+        """Device tokens `evictable_size()` counts that no eviction can free (pinned); 0 for
+        a tree without pins."""
+        return 0
+
     @abstractmethod
     def protected_size(self) -> int: ...
 

@@ -98,6 +98,7 @@ class RadixCache(PrefixCache):
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
         # session id -> the live nodes it owns (each node's `owners` names it back)
         self._owned: dict[str, set[TreeNode]] = {}
+        self._pinned: set[TreeNode] = set()  # nodes with pin_ref > 0
 
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
@@ -276,6 +277,8 @@ class RadixCache(PrefixCache):
         new.priority = child.priority
         new.owners = child.owners
         new.pin_ref = child.pin_ref
+        if new.pin_ref:
+            self._pinned.add(new)
         for session in child.owners:
             self._owned[session].add(new)
         self._split_extra(new, child, n)
@@ -351,6 +354,7 @@ class RadixCache(PrefixCache):
         (this tree: never, without a lower tier to demote them to)."""
         while node is not self.root:
             node.pin_ref += 1
+            self._pinned.add(node)
             self._repush(node)
             node = node.parent
         self._maybe_rebuild_heaps()
@@ -361,9 +365,27 @@ class RadixCache(PrefixCache):
             if node.pin_ref <= 0:
                 raise AssertionError(f"unpin of unpinned {node!r}")
             node.pin_ref -= 1
+            if node.pin_ref == 0:
+                self._pinned.discard(node)
             self._repush(node)
             node = node.parent
         self._maybe_rebuild_heaps()
+
+    def stuck_pinned_size(self, path_end: TreeNode | None = None) -> int:
+        """Device tokens `evictable_size()` counts that eviction cannot free: unlocked pinned
+        nodes that cannot leave L1 (`_pin_demotable`), except those on the path from the root
+        to `path_end` (which `unlocked_on_path` already takes out). What admission must not
+        count on."""
+        on_path = set()
+        while path_end is not None and path_end is not self.root:
+            on_path.add(path_end)
+            path_end = path_end.parent
+        return sum(self._device_len(n) for n in self._pinned
+                   if n.lock_ref == 0 and n not in on_path and not self._pin_demotable(n))
+
+    def _pin_demotable(self, node: TreeNode) -> bool:
+        """Whether a pinned node may still leave L1 (this tree: never; with L2: by demotion)."""
+        return False
 
     def _repush(self, node: TreeNode) -> None:
         """Re-enter `node` in the eviction heaps after its key changed."""
@@ -400,6 +422,7 @@ class RadixCache(PrefixCache):
         del parent.children[child_key(node.key, 0, node.extra_key, self.page_size)]
         node.parent = None  # marks the node dead for stale heap entries
         self._num_nodes -= 1
+        self._pinned.discard(node)
         for session in node.owners:
             self._owned[session].discard(node)
         self._device_heap.push(parent)

@@ -153,7 +153,8 @@ class Admission:
         short = fill + self.ratio.estimate(req) + self.running_estimate() - free
         if short > 0:
             evictable = (self.tree.evictable_size()
-                         - self.tree.unlocked_on_path(m.last_device_node))
+                         - self.tree.unlocked_on_path(m.last_device_node)
+                         - self.tree.stuck_pinned_size(m.last_device_node))
             if evictable < short:
                 return None
         return AdmitPlan(m, fill, max(0, fill - free), stop)
