@@ -161,6 +161,9 @@ def _request_metrics(stats: CacheStats) -> Iterator[Metric]:
                    "on one request's behalf; the others went on)", r.request_errors)
     yield _counter("retracted_requests", "Decoding requests put back in the queue for lack of "
                    "L1 slots (they resume from the cache)", r.retracted_requests)
+    yield _counter("delayed_admissions", "Times admission held a waiting request back for a "
+                   "prefill in flight that computes its prefix (delay scheduling)",
+                   r.delayed_admissions)
     cached = _counter("cached_tokens", "Prompt tokens served from each tier instead of "
                       "being computed", label="tier")
     total = 0

@@ -40,6 +40,8 @@ class RequestCounters:
     request_errors: int = 0          # requests failed by a fault while serving them
     retracted_requests: int = 0      # retractions: a decoding request put back in the queue
                                      # for lack of L1 slots (a request may count more than once)
+    delayed_admissions: int = 0      # times admission held a waiting request back for a
+                                     # prefill in flight that computes its prefix
 
     def cached_tokens(self, tier: str) -> int:
         return getattr(self, f"cached_{tier}_tokens")
@@ -57,7 +59,8 @@ class RequestCounters:
                 "cached_host": self.cached_host_tokens,
                 "cached_storage": self.cached_storage_tokens,
                 "request_errors": self.request_errors,
-                "retracted_requests": self.retracted_requests}
+                "retracted_requests": self.retracted_requests,
+                "delayed_admissions": self.delayed_admissions}
 
 
 @dataclass(frozen=True)

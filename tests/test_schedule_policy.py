@@ -325,8 +325,10 @@ def test_a_sharer_waits_for_a_prefill_chunked_over_several_steps(
     waits through all three, then hits the whole shared prefix."""
     use_policy(engine, "lpm", max_batch_tokens=32)
     seen = batches(engine, monkeypatch)
+    delayed = engine.stats()["counters"]["delayed_admissions"]
     (first, second), results = run_together(engine)
     assert seen[:4] == [[first.rid]] * 3 + [[first.rid, second.rid]]
+    assert engine.stats()["counters"]["delayed_admissions"] - delayed >= 1
     assert results[1]["meta_info"]["cached_tokens_details"]["device"] == len(PREFIX)
     assert [r["output_ids"] for r in results] == alone_tokens
 

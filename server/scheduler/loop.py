@@ -192,7 +192,10 @@ class Scheduler:
             for req in self.admission.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
-                if self._held(req) or sharing.defers(req):
+                if self._held(req):
+                    continue
+                if sharing.defers(req):
+                    self.counters.delayed_admissions += 1
                     continue
                 if self._try_admit(req):
                     step[req] = min(fill_end(req) - req.num_computed, budget)
