@@ -232,9 +232,6 @@ class HiRadixCache(RadixCache):
                 and (node.pin_ref == 0 or node.backuped)
                 and all(c.evicted for c in node.children.values()))
 
-    def _pin_demotable(self, node: TreeNode) -> bool:
-        return node.backuped  # a pinned node leaves L1 only for L2
-
     def _is_host_leaf(self, node: TreeNode) -> bool:
         """Evicted from L1, no children, its host pages not protected nor pinned."""
         return (node.parent is not None and node.evicted and not node.children
@@ -299,45 +296,14 @@ class HiRadixCache(RadixCache):
 
     def evict_host(self, num_tokens: int) -> int:
         """Free host tokens from unprotected L2-only leaves, in the eviction policy's order
-        (the L1 heap's key: least recently used first under `lru`); when those fall short,
-        the host copies of nodes that are on L1 too (`_reclaim_copies`)."""
+        (the L1 heap's key: least recently used first under `lru`)."""
         freed = 0
         while freed < num_tokens and (node := self._host_heap.pop()) is not None:
             self.controller.host_pool.free(node.host_value)
             freed += len(node.key)
             self._delete_leaf(node)
-        if freed < num_tokens:
-            freed += self._reclaim_copies(num_tokens - freed)
         self.counters.host_evicted_tokens += freed
         return freed
-
-    def _reclaim_copies(self, num_tokens: int) -> int:
-        """Free the host copies of nodes that L1 holds too (their KV stays on the device), in
-        the eviction order, deepest first: an L2 smaller than L1 (or one full of copies under
-        write_through) makes room for new writes instead of dropping them (SGLang #33862).
-        A copy is kept while it is protected or pinned, being written or loaded, or while a
-        child has one (no node in L2 without its parent in L2). Such a node, evicted from L1
-        later, is deleted rather than demoted (or written back, under write_back)."""
-        loading = {n.id for nodes, _ in self._ongoing_loads.values() for n in nodes}
-        freed = 0
-        while freed < num_tokens:
-            candidates = sorted((n for n in self.iter_nodes() if self._copy_reclaimable(
-                n, loading)), key=self._priority)
-            if not candidates:
-                break
-            for node in candidates:
-                if freed >= num_tokens:
-                    break
-                self.controller.host_pool.free(node.host_value)
-                node.host_value = None
-                freed += len(node.key)
-        return freed
-
-    def _copy_reclaimable(self, node: HiTreeNode, loading: set[int]) -> bool:
-        return (node.parent is not None and node.host_value is not None and not node.evicted
-                and node.host_ref_counter == 0 and node.pin_ref == 0
-                and node.id not in self._ongoing_writes and node.id not in loading
-                and not any(c.host_value is not None for c in node.children.values()))
 
     def flush_host(self) -> int:
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
