@@ -232,6 +232,9 @@ class HiRadixCache(RadixCache):
                 and (node.pin_ref == 0 or node.backuped)
                 and all(c.evicted for c in node.children.values()))
 
+    def _pin_demotable(self, node: TreeNode) -> bool:
+        return node.backuped  # a pinned node leaves L1 only for L2
+
     def _is_host_leaf(self, node: TreeNode) -> bool:
         """Evicted from L1, no children, its host pages not protected nor pinned."""
         return (node.parent is not None and node.evicted and not node.children
