@@ -335,11 +335,6 @@ class Engine:
             raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
                                  f"cache ({total} tokens); lower max_new_tokens or raise "
                                  "--max-total-tokens")
-        if self.cache.host_pool is None and need > total - self._pin_cap():
-            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed what the L1 "
-                                 f"KV cache ({total} tokens) keeps beside the pinned tokens "
-                                 f"it allows (cache.max_pinned_tokens: {self._pin_cap()}); "
-                                 "lower max_new_tokens or the pin cap")
         return params
 
     def _check_ids(self, ids: Any) -> list[int]:

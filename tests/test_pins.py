@@ -317,7 +317,7 @@ def test_a_pinned_node_backed_up_in_l2_can_still_leave_l1() -> None:
 def test_requests_wait_rather_than_fail_when_pins_hold_l1(tmp_path) -> None:
     """L1 only, half of it pinned: requests arriving together that fit only one at a time
     in what is left all finish (none fails on room that admission counted but eviction
-    could not free), and a request that could never fit beside the pins is refused."""
+    could not free)."""
     import threading
     with Engine(load_config(None, {"model.device": "cpu", "cache.page_size": 16,
                                    "cache.max_total_tokens": 512,
@@ -336,5 +336,3 @@ def test_requests_wait_rather_than_fail_when_pins_hold_l1(tmp_path) -> None:
             t.join(120)
         assert sorted(o["meta_info"]["finish_reason"] for o in outs) == ["length"] * 3
         assert e.stats()["counters"]["request_errors"] == 0
-        with pytest.raises(InvalidRequest, match="pinned"):
-            e.generate(input_ids=[5] * 300, sampling_params={"max_new_tokens": 4})
