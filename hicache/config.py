@@ -189,7 +189,7 @@ class CacheConfig(_Section):
 @dataclass(frozen=True)
 class HostConfig(_Section):
     SECTION: ClassVar[str] = "host"
-    ratio: float = 2.0  # L2 tokens / L1 tokens; > 1 because L2 holds a superset of L1
+    ratio: float = 2.0  # L2 tokens / L1 tokens; below 1, L2 reclaims copies of L1's nodes
     size_gb: float | None = None  # when set, overrides ratio
     write_policy: str = "write_through"
     io_backend: str = "kernel"
@@ -197,7 +197,7 @@ class HostConfig(_Section):
     write_through_threshold: int = 2  # hits before write_through_selective copies a node
 
     def _validate(self) -> None:
-        self._at_least("ratio", 1.0, strict=True)
+        self._at_least("ratio", 0, strict=True)
         self._at_least("size_gb", 0, strict=True)
         self._choice("write_policy", WRITE_POLICIES)
         self._choice("io_backend", IO_BACKENDS)

@@ -207,6 +207,12 @@ def _transfer_metrics(stats: CacheStats) -> Iterator[Metric]:
     if host is not None:
         yield _counter("load_back_tokens", "Tokens loaded back from L2 to L1",
                        host.counters.load_back_tokens)
+        yield _counter("host_reclaimed_copy_tokens", "Tokens of L2 copies dropped to make "
+                       "room while L1 kept the pages (counted in evicted_tokens{tier=host})",
+                       host.counters.reclaimed_copy_tokens)
+        yield _counter("host_write_dropped_tokens", "Tokens whose D->H copy was skipped "
+                       "because L2 had no room even after evicting (they stay on L1 only)",
+                       host.counters.write_dropped_tokens)
     backup = _counter("backup_tokens", "Tokens copied down to a lower tier", label="dest")
     if host is not None:
         backup.add_metric(["host"], host.counters.written_tokens)

@@ -131,7 +131,7 @@ def test_l1_eviction_deletes_unbacked_nodes_and_demotes_backed_ones() -> None:
     tree.controller.close()
 
 
-def test_full_l2_evicts_host_leaves_then_drops_the_write() -> None:
+def test_full_l2_evicts_host_leaves_then_copies_then_drops_the_write() -> None:
     ps = 2
     dev, host = make_pools(16, 4, ps)  # L2 holds two sequences of 4 tokens
     tree = make_tree(dev, host, ps)
@@ -144,8 +144,35 @@ def test_full_l2_evicts_host_leaves_then_drops_the_write() -> None:
     tree.writing_check(wait=True)
     assert tree.match_prefix([1, 1, 1, 1]).host_hit_length == 0
     assert tree.counters.host_evicted_tokens == 4
-    tree.insert([4, 4, 4, 4], dev.alloc(4))  # nothing evictable in L2: dropped, counted
+    tree.insert([4, 4, 4, 4], dev.alloc(4))  # no L2-only leaf: [2,2,2,2]'s copy goes
+    tree.writing_check(wait=True)
+    two, three, four = (tree.peek_path([t] * 4)[-1] for t in (2, 3, 4))
+    assert two.host_value is None and not two.evicted  # still on L1
+    assert three.backuped and four.backuped and tree.counters.write_dropped_tokens == 0
+    tree.protect_host(three)
+    tree.protect_host(four)
+    tree.insert([5, 5, 5, 5], dev.alloc(4))  # nothing reclaimable: dropped, counted
     assert tree.counters.write_dropped_tokens == 4
+    assert tree.counters.host_evicted_tokens == 8
+    tree.release_host(three)
+    tree.release_host(four)
+    tree.check_integrity()
+    tree.controller.close()
+
+
+def test_a_write_never_reclaims_its_own_ancestors_copies() -> None:
+    """L2 full of one path's copies: writing a child below it must not free the parent's
+    copy to make room (that would leave a child in L2 without its parent)."""
+    ps = 2
+    dev, host = make_pools(16, 2, ps)  # L2: 4 tokens
+    tree = make_tree(dev, host, ps)
+    tree.insert([1, 1, 2, 2], dev.alloc(4))
+    tree.writing_check(wait=True)
+    tree.insert([1, 1, 2, 2, 3, 3], dev.alloc(6))  # the child finds no room: dropped
+    tree.writing_check(wait=True)
+    path = tree.peek_path([1, 1, 2, 2, 3, 3])
+    assert [n.backuped for n in path] == [True, False]
+    assert tree.counters.write_dropped_tokens == 2
     tree.check_integrity()
     tree.controller.close()
 

@@ -104,7 +104,9 @@ THREE_TIERS = CacheStats(
                     cached_host_tokens=16, cached_storage_tokens=32),
     DeviceStats(256, 64, 48, 16, 32),
     HostStats(512, 96, 80, 0, 16, HostCounters(written_tokens=96, device_evicted_tokens=32,
-                                               host_evicted_tokens=8, load_back_tokens=16)),
+                                               host_evicted_tokens=8, load_back_tokens=16,
+                                               reclaimed_copy_tokens=4,
+                                               write_dropped_tokens=2)),
     StorageStats.read({"pages": 3, "capacity_bytes": 10_000, "evicted_pages": 2,
                        "corrupt_pages": 1, "errors_by_op": {"get": 4, "set": 0}}, {}, 32,
                       StorageCounters(prefetched_tokens=32, backed_up_tokens=48)))
@@ -137,6 +139,8 @@ def test_three_tiers_convert_storage_pages_to_tokens() -> None:
     assert value(samples, "storage_errors_total", op="get") == 4
     assert value(samples, "storage_corrupt_pages_total") == 1
     assert value(samples, "backup_tokens_total", dest="storage") == 48
+    assert value(samples, "host_reclaimed_copy_tokens_total") == 4
+    assert value(samples, "host_write_dropped_tokens_total") == 2
     no_size = render(THREE_TIERS)  # without a page size, no storage capacity sample
     assert ("hicache:tier_capacity_tokens", (("tier", "storage"),)) not in no_size
 

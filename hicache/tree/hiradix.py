@@ -50,6 +50,7 @@ class HostCounters:
     write_dropped_tokens: int = 0   # writes skipped because L2 had no room
     device_evicted_tokens: int = 0  # L1 evictions (a demotion when an L2 copy stays)
     host_evicted_tokens: int = 0
+    reclaimed_copy_tokens: int = 0  # of those, copies of pages L1 kept (L2 smaller than L1)
     load_back_tokens: int = 0
     transfer_failures: int = 0      # copies that failed (counted per copy, not in tokens)
 
@@ -166,7 +167,7 @@ class HiRadixCache(RadixCache):
         """Queue node's D->H copy (making room in L2 if needed); False when dropped."""
         host = self.controller.write(node.value, node.id)
         if host is None:
-            self.evict_host(len(node.key))
+            self.evict_host(len(node.key), writing=node)
             host = self.controller.write(node.value, node.id)
         if host is None:
             self.counters.write_dropped_tokens += len(node.key)
@@ -297,16 +298,59 @@ class HiRadixCache(RadixCache):
         node.release_host()
         self._host_heap.push(node)
 
-    def evict_host(self, num_tokens: int) -> int:
+    def evict_host(self, num_tokens: int, writing: HiTreeNode | None = None) -> int:
         """Free host tokens from unprotected L2-only leaves, in the eviction policy's order
-        (the L1 heap's key: least recently used first under `lru`)."""
+        (the L1 heap's key: least recently used first under `lru`); when those fall short,
+        the host copies of nodes that are on L1 too (`_reclaim_copies`), except those of the
+        ancestors of `writing` (the node whose D->H copy needs the room)."""
         freed = 0
         while freed < num_tokens and (node := self._host_heap.pop()) is not None:
             self.controller.host_pool.free(node.host_value)
             freed += len(node.key)
             self._delete_leaf(node)
+        if freed < num_tokens:
+            freed += self._reclaim_copies(num_tokens - freed, writing)
         self.counters.host_evicted_tokens += freed
         return freed
+
+    def _reclaim_copies(self, num_tokens: int, writing: HiTreeNode | None) -> int:
+        """Free the host copies of nodes that L1 holds too (their KV stays on the device), in
+        the eviction order, deepest first: an L2 smaller than L1 (or one full of copies under
+        write_through) makes room for new writes instead of dropping them (SGLang #33862).
+
+        A copy is kept while it is protected or pinned, being written or loaded, while a
+        child has one, or when it is an ancestor of `writing`: no node is ever in L2 without
+        its parent. A node whose copy went, evicted from L1 later, is deleted rather than
+        demoted (or written back first, under write_back); write_through copies it again
+        the next time a request uses it."""
+        keep = set()
+        node = writing.parent if writing is not None else None
+        while node is not None:
+            keep.add(node.id)
+            node = node.parent
+        keep.update(self._ongoing_writes)
+        keep.update(n.id for nodes, _ in self._ongoing_loads.values() for n in nodes)
+        freed = 0
+        while freed < num_tokens:
+            candidates = sorted((n for n in self.iter_nodes()
+                                 if n.id not in keep and self._copy_reclaimable(n)),
+                                key=self._priority)
+            if not candidates:
+                break
+            for node in candidates:
+                if freed >= num_tokens:
+                    break
+                self.controller.host_pool.free(node.host_value)
+                node.host_value = None
+                freed += len(node.key)
+        self.counters.reclaimed_copy_tokens += freed
+        return freed
+
+    @staticmethod
+    def _copy_reclaimable(node: HiTreeNode) -> bool:
+        return (node.parent is not None and node.host_value is not None and not node.evicted
+                and node.host_ref_counter == 0 and node.pin_ref == 0
+                and not any(c.host_value is not None for c in node.children.values()))
 
     def flush_host(self) -> int:
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
