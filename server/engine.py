@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import threading
@@ -23,21 +22,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.config import (
-    STORAGE_BACKENDS,
-    TIERED_BACKEND,
-    TIERED_PARTS,
     Config,
-    ConfigError,
-    StorageConfig,
-    apply_overrides,
-    config_to_dict,
 )
 from hicache.policies import TIERS
 from hicache.stack import CacheStack, ModelKV, build_stack
 from hicache.stats import CacheStats, PinStats, SessionStats
 from hicache.tree.pins import PinRefused, PinTable
 from hicache.tree.sessions import SessionTable
-from server.args import _extra_overrides, _parse_extra
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
@@ -51,6 +42,7 @@ from server.request import (
     check_unicode,
 )
 from server.scheduler import Scheduler
+from server.storage_attach import StorageAttachment
 from server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,15 +63,6 @@ MAX_PIN_SHARE_OF_L1_ONLY = 2
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
-
-
-class StorageChangeRefused(InvalidRequest):
-    """An L3 attach or detach that was refused (HTTP 400, as SGLang answers); the message
-    says why. Nothing changed: the engine serves as before."""
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _choice(first: Request, index: int) -> Request:
@@ -145,18 +128,6 @@ def _pin_ttl(ttl: object) -> float:
     return float(ttl)
 
 
-def _extra_object(extra: object) -> dict[str, Any]:
-    """An extra config as sent: an object, its JSON text (SGLang sends text), or nothing."""
-    if extra is None or extra == "":
-        return {}
-    if isinstance(extra, str):
-        return _parse_extra(extra)
-    if not isinstance(extra, dict):
-        raise ConfigError("storage.extra_config", f"expected a JSON object (or its JSON "
-                          f"text), got {type(extra).__name__}")
-    return extra
-
-
 def in_passing_thread(fn: Callable[[], None]) -> None:
     """Run `fn` on a thread that exits when it returns (its exception re-raised here).
 
@@ -182,10 +153,6 @@ def in_passing_thread(fn: Callable[[], None]) -> None:
 
 
 class Engine:
-    # The storage section the engine was started with, kept at the first L3 attach or
-    # detach: every attach merges over it, every detach returns to it (backend "none").
-    _launch_storage: StorageConfig | None = None
-
     def __init__(self, config: Config) -> None:
         self.config = config
         in_passing_thread(self._start_up)
@@ -228,6 +195,7 @@ class Engine:
         self.sessions = (SessionTable(self.cache.tree, c.session_timeout_s)
                          if c.session_retention else None)
         self.pins = PinTable(self.cache.tree, self._pin_cap())
+        self._storage = StorageAttachment(self)
         self.scheduler = Scheduler(runner, self.cache, self.tokenizer,
                                    max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,
@@ -560,15 +528,15 @@ class Engine:
         attach while one is attached is refused. A store that cannot be opened, or does
         not answer, is refused too and the engine goes on without L3. Returns
         `{"success", "message"}` and `storage_backend()`'s fields, after the change."""
-        return self._call(lambda: self._attach_now(backend, extra_config, prefetch_policy,
-                                                   write_policy))
+        return self._call(lambda: self._storage.attach(backend, extra_config,
+                                                       prefetch_policy, write_policy))
 
     def detach_storage(self) -> dict:
         """Detach L3: in-flight backups land first, the store is closed (its pages stay in
         it), the tree forgets what it held; `config.storage` is the launch one again, with
         backend "none". With none attached, nothing changes (success, as SGLang answers).
         Returns what `attach_storage` does."""
-        return self._call(self._detach_now)
+        return self._call(self._storage.detach)
 
     def storage_backend(self) -> dict:
         """SGLang's `GET /hicache/storage-backend` fields: `hicache_storage_backend` (None
@@ -576,120 +544,7 @@ class Engine:
         text; the Redis password redacted), `hicache_storage_prefetch_policy`,
         `hicache_write_policy` (None without L2); and `backend_config`, that section as an
         object."""
-        return self._call(self._storage_view)
-
-    def _attach_now(self, backend: str, extra_config: dict | str | None,
-                    prefetch_policy: str | None, write_policy: str | None) -> dict:
-        config = self._storage_config(backend, extra_config, prefetch_policy, write_policy)
-        if self.cache.host_pool is None:
-            raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
-                                       "started without: restart it with "
-                                       "--enable-hierarchical-cache")
-        self._require_idle("attach")
-        if self.cache.storage is not None:
-            return self._reattach(config, prefetch_policy is not None)
-        try:
-            self.cache.attach_storage(config, self._model_kv())
-        except (OSError, ValueError) as e:
-            logger.error("attaching L3 (%s) failed; serving without L3: %s", backend, e)
-            raise StorageChangeRefused(f"could not open L3 ({backend}: "
-                                       f"{json.dumps(self._section(config))}): {e}; the "
-                                       "server goes on without L3") from None
-        self.config = config
-        logger.info("L3 (%s) attached at runtime", backend)
-        return {"success": True, "message": f"L3 ({backend}) attached",
-                **self._storage_view()}
-
-    def _reattach(self, config: Config, new_policy: bool) -> dict:
-        """An attach while L3 is attached: the same backend and section update the
-        prefetch policy (`new_policy`: one was given); anything else is refused."""
-        now, new = self.config.storage, config.storage
-        if not new_policy:
-            new = dataclasses.replace(new, prefetch_policy=now.prefetch_policy)
-            config = dataclasses.replace(config, storage=new)
-        if dataclasses.replace(new, prefetch_policy=now.prefetch_policy) != now:
-            raise StorageChangeRefused(f"L3 is attached already ({now.backend}: "
-                                       f"{json.dumps(self._section(self.config))}); detach "
-                                       f"it first, then attach {new.backend}")
-        self.cache.set_prefetch_policy(new.prefetch_policy)
-        self.config = config
-        return {"success": True,
-                "message": f"L3 ({now.backend}) was attached already with this "
-                           f"configuration; prefetch policy {new.prefetch_policy}",
-                **self._storage_view()}
-
-    def _detach_now(self) -> dict:
-        self._require_idle("detach")
-        name, launch = self.config.storage.backend, self._launch()
-        try:
-            detached = self.cache.detach_storage()
-        finally:  # the stack has dropped its tier even if closing it failed
-            self.config = dataclasses.replace(
-                self.config, storage=dataclasses.replace(launch, backend="none"))
-        if detached:
-            logger.info("L3 (%s) detached at runtime", name)
-        message = (f"L3 ({name}) detached; its pages stay in the store" if detached
-                   else "no L3 was attached; nothing changed")
-        return {"success": True, "message": message, **self._storage_view()}
-
-    def _storage_config(self, backend: str, extra_config: dict | str | None,
-                        prefetch_policy: str | None, write_policy: str | None) -> Config:
-        """The config with `backend` attached, validated; no side effects."""
-        allowed = [b for b in STORAGE_BACKENDS if b != "none"]
-        if not isinstance(backend, str) or backend not in allowed:
-            hint = "; to detach, use detach_storage" if backend == "none" else ""
-            raise StorageChangeRefused(f"storage.backend: {backend!r} is not one of "
-                                       f"{', '.join(allowed)}{hint}")
-        current = self.config.host.write_policy
-        if write_policy is not None and write_policy != current:
-            raise StorageChangeRefused(
-                f"host.write_policy: {write_policy!r} asks for a change the running server "
-                f"cannot make (the L2 write policy is fixed at start, now {current!r}); "
-                f"restart with --hicache-write-policy {write_policy}, or leave it out")
-        overrides: dict[str, object] = {"storage.backend": backend}
-        if prefetch_policy is not None:
-            overrides["storage.prefetch_policy"] = prefetch_policy
-        base = dataclasses.replace(self.config, storage=self._launch())
-        try:
-            overrides.update(_extra_overrides(backend, _extra_object(extra_config)))
-            return apply_overrides(base, overrides)
-        except ConfigError as e:
-            raise StorageChangeRefused(str(e)) from None
-
-    def _launch(self) -> StorageConfig:
-        """Scheduler thread: the launch storage section (kept before its first change)."""
-        if self._launch_storage is None:
-            self._launch_storage = self.config.storage
-        return self._launch_storage
-
-    def _require_idle(self, action: str) -> None:
-        """Scheduler thread: refuse unless no request runs or waits."""
-        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        if running or waiting:
-            raise StorageChangeRefused(
-                f"cannot {action} L3: the server is not idle: "
-                f"{_plural(running, 'request')} running, {waiting} waiting; retry once they "
-                "have finished (drain the traffic first)")
-
-    def _storage_view(self) -> dict:
-        attached = self.cache.storage is not None
-        section = self._section(self.config) if attached else None
-        s = self.config.storage
-        return {"hicache_storage_backend": s.backend if attached else None,
-                "hicache_storage_backend_extra_config":
-                    None if section is None else json.dumps(section),
-                "hicache_storage_prefetch_policy": s.prefetch_policy if attached else None,
-                "hicache_write_policy": self.config.host.write_policy
-                if self.cache.host_pool is not None else None,
-                "backend_config": section}
-
-    @staticmethod
-    def _section(config: Config) -> dict:
-        """The chosen backend's section(s) as plain data, the Redis password redacted."""
-        storage = config_to_dict(config, redact=True)["storage"]
-        if config.storage.backend == TIERED_BACKEND:
-            return {part: storage[part] for part in TIERED_PARTS}
-        return storage[config.storage.backend]
+        return self._call(self._storage.view)
 
     def _model_kv(self) -> ModelKV:
         mc = self.loaded.config

@@ -19,8 +19,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from conftest import small_engine
 
 from hicache.config import REDACTED, load_config
-from server.engine import Engine, StorageChangeRefused
+from server.engine import Engine
 from server.http import add_admin_routes, create_app
+from server.storage_attach import StorageChangeRefused
 
 ROUTE = "/hicache/storage-backend"
 KEY = "attach-admin-key"
