@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import pytest
 import torch
@@ -16,6 +18,11 @@ from hypothesis import HealthCheck, settings
 from hicache.config import load_config
 from server.engine import Engine
 from server.http import create_app
+from server.model_runner import ForwardOutput
+from server.request import Request
+
+T = TypeVar("T")
+WAIT_S = 60.0  # a bound on waits that never time out in a passing run
 
 # CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
 settings.register_profile(
@@ -87,6 +94,36 @@ def small_engine(**overrides: object) -> Iterator[Engine]:
                              **overrides})
     with Engine(cfg) as e:
         yield e
+
+
+def submit_in_one_step(e: Engine, reqs: list[Request]) -> list[Future]:
+    """Submit `reqs` while the scheduler waits in a command, so that one step takes them
+    all in, in this order; the futures of their results."""
+    started, gate = threading.Event(), threading.Event()
+    e.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
+    assert started.wait(WAIT_S)
+    futures = []
+    for req in reqs:
+        fut: Future = Future()
+        req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
+        e.scheduler.submit(req)
+        futures.append(fut)
+    gate.set()
+    return futures
+
+
+def record_forwards(e: Engine, monkeypatch: pytest.MonkeyPatch,
+                    what: Callable[[list[Request]], T]) -> list[T]:
+    """Wrap the engine's forward pass: each pass appends `what(its requests)` to the list
+    returned (the batch size, the requests' ids, ...)."""
+    seen: list[T] = []
+    forward = e.scheduler.runner.forward
+
+    def recording(reqs: list[Request], lens: list[int]) -> ForwardOutput:
+        seen.append(what(reqs))
+        return forward(reqs, lens)
+    monkeypatch.setattr(e.scheduler.runner, "forward", recording)
+    return seen
 
 
 @asynccontextmanager

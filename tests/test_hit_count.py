@@ -9,15 +9,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import pytest
+from conftest import submit_in_one_step
 from test_hiradix_cache import make_pools, make_tree
 
 from hicache.config import load_config
 from hicache.tree.radix import RadixCache
 from server.engine import Engine
-from server.request import Request
 
 PAGE = 16
 WAIT_S = 60.0  # a bound on waits that never time out in a passing run
@@ -106,22 +105,6 @@ def wait_decoding(e: Engine, tokens_out: int) -> None:
     while generated(e) < tokens_out:
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.005)
-
-
-def submit_in_one_step(e: Engine, reqs: list[Request]) -> list[Future]:
-    """Submit `reqs` while the scheduler waits in a command, so that one step takes them
-    all in; the futures of their results."""
-    started, gate = threading.Event(), threading.Event()
-    e.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
-    assert started.wait(WAIT_S)
-    futures = []
-    for req in reqs:
-        fut: Future = Future()
-        req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
-        e.scheduler.submit(req)
-        futures.append(fut)
-    gate.set()
-    return futures
 
 
 def hit_counts(e: Engine, key: list[int], n: int) -> list[int]:

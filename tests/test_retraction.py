@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
+from conftest import record_forwards, submit_in_one_step
 
 from hicache.config import load_config
 from hicache.metrics import CacheMetrics
 from server.engine import Engine
-from server.model_runner import ForwardOutput
 from server.request import Request
 
 PAGE = 4
@@ -70,32 +70,9 @@ def alone(e: Engine, prompt: list[int], max_new: int = GREEDY["max_new_tokens"],
                       **options)
 
 
-def run_together(e: Engine, reqs: list[Request]) -> list[Future]:
-    """Submit `reqs` while the scheduler waits in a command, so one step takes them all in,
-    in this order; the futures of their results."""
-    started, gate = threading.Event(), threading.Event()
-    e.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
-    assert started.wait(WAIT_S)
-    futures = []
-    for req in reqs:
-        fut: Future = Future()
-        req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
-        e.scheduler.submit(req)
-        futures.append(fut)
-    gate.set()
-    return futures
-
-
 def batch_sizes(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records how many requests each forward pass runs."""
-    sizes: list[int] = []
-    forward = e.scheduler.runner.forward
-
-    def counting(reqs: list[Request], lens: list[int]) -> ForwardOutput:
-        sizes.append(len(reqs))
-        return forward(reqs, lens)
-    monkeypatch.setattr(e.scheduler.runner, "forward", counting)
-    return sizes
+    return record_forwards(e, monkeypatch, len)
 
 
 def counters(e: Engine) -> dict[str, int]:
@@ -123,7 +100,7 @@ def test_requests_that_stop_early_run_more_at_once_than_their_max_new_tokens_all
         "temperature": 0, "max_new_tokens": LONG_MAX_NEW, "stop_token_ids": [stop]})
         for p, stop in zip(ps, stops)]
     sizes = batch_sizes(big, monkeypatch)
-    results = [f.result(WAIT_S) for f in run_together(big, reqs)]
+    results = [f.result(WAIT_S) for f in submit_in_one_step(big, reqs)]
     assert all(r["meta_info"]["finish_reason"] == "stop" for r in results)
     assert all(len(r["output_ids"]) <= 4 for r in results)
     full_reservation = 4096 // (LONG_MAX_NEW + 1)  # every request holds > 1,024 slots
@@ -149,7 +126,7 @@ def test_a_small_l1_retracts_and_every_request_gives_its_tokens_alone(
     ps, expected = SIX, six_alone
     before = counters(e)["retracted_requests"]
     reqs = [e.make_request(input_ids=p, sampling_params=GREEDY) for p in ps]
-    results = [f.result(WAIT_S) for f in run_together(e, reqs)]
+    results = [f.result(WAIT_S) for f in submit_in_one_step(e, reqs)]
     assert [r["output_ids"] for r in results] == expected
     assert all(r["meta_info"]["finish_reason"] == "length" for r in results)
     assert counters(e)["retracted_requests"] > before
@@ -171,7 +148,7 @@ def test_a_retracted_request_keeps_its_prompt_and_output_logprobs(
     expected = alone(big, ps[0], **options)
     reqs = [small.make_request(input_ids=ps[0], sampling_params=GREEDY, **options)]
     reqs += [small.make_request(input_ids=p, sampling_params=GREEDY) for p in ps[1:]]
-    got, *_ = [f.result(WAIT_S) for f in run_together(small, reqs)]
+    got, *_ = [f.result(WAIT_S) for f in submit_in_one_step(small, reqs)]
     assert reqs[0].retractions > 0
     assert got["output_ids"] == expected["output_ids"]
     for key in ("input_token_logprobs", "output_token_logprobs"):

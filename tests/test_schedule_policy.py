@@ -5,18 +5,16 @@ engine on the CPU, with the same greedy tokens."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_forwards, submit_in_one_step
 
 from hicache.config import SCHEDULE_POLICIES, ConfigError, load_config
 from hicache.stack import CacheStack, ModelKV, build_stack
 from server.engine import Engine
-from server.model_runner import ForwardOutput
 from server.request import Request, SamplingParams
 from server.scheduler import policy
 from server.scheduler.admission import Admission
@@ -267,31 +265,14 @@ def use_policy(e: Engine, name: str, max_batch_tokens: int | None = None) -> Non
 
 def batches(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Records the requests of each forward pass (their rids)."""
-    seen: list[list[str]] = []
-    forward = e.scheduler.runner.forward
-
-    def recording(reqs: list[Request], lens: list[int]) -> ForwardOutput:
-        seen.append([r.rid for r in reqs])
-        return forward(reqs, lens)
-    monkeypatch.setattr(e.scheduler.runner, "forward", recording)
-    return seen
+    return record_forwards(e, monkeypatch, lambda reqs: [r.rid for r in reqs])
 
 
 def run_together(e: Engine) -> tuple[list[Request], list[dict]]:
     """Submit PROMPTS while the scheduler waits in a command, so one step takes both in, in
     this order; the requests and their results."""
     reqs = [e.make_request(input_ids=p, sampling_params=GREEDY) for p in PROMPTS]
-    started, gate = threading.Event(), threading.Event()
-    e.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
-    assert started.wait(WAIT_S)
-    futures = []
-    for req in reqs:
-        fut: Future = Future()
-        req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
-        e.scheduler.submit(req)
-        futures.append(fut)
-    gate.set()
-    return reqs, [f.result(WAIT_S) for f in futures]
+    return reqs, [f.result(WAIT_S) for f in submit_in_one_step(e, reqs)]
 
 
 @pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
