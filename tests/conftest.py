@@ -96,18 +96,31 @@ def small_engine(**overrides: object) -> Iterator[Engine]:
         yield e
 
 
-def submit_in_one_step(e: Engine, reqs: list[Request]) -> list[Future]:
-    """Submit `reqs` while the scheduler waits in a command, so that one step takes them
-    all in, in this order; the futures of their results."""
+def hold_scheduler(e: Engine) -> threading.Event:
+    """Make the scheduler wait in a command (returns once it does) until the event is set:
+    what is submitted meanwhile is taken in by one step."""
     started, gate = threading.Event(), threading.Event()
     e.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
     assert started.wait(WAIT_S)
+    return gate
+
+
+def submit_all(e: Engine, reqs: list[Request]) -> list[Future]:
+    """Submit `reqs` in this order; the futures of their results."""
     futures = []
     for req in reqs:
         fut: Future = Future()
         req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
         e.scheduler.submit(req)
         futures.append(fut)
+    return futures
+
+
+def submit_in_one_step(e: Engine, reqs: list[Request]) -> list[Future]:
+    """Submit `reqs` while the scheduler is held, so that one step takes them all in, in
+    this order; the futures of their results."""
+    gate = hold_scheduler(e)
+    futures = submit_all(e, reqs)
     gate.set()
     return futures
 

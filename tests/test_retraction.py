@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
-from conftest import record_forwards, submit_in_one_step
+from conftest import hold_scheduler, record_forwards, submit_all, submit_in_one_step
 
 from hicache.config import load_config
 from hicache.metrics import CacheMetrics
@@ -167,9 +167,7 @@ def test_a_retracted_request_streams_each_token_once(big: Engine, small: Engine)
     others = [small.make_request(input_ids=p, sampling_params=GREEDY) for p in ps[1:]]
 
     async def stream() -> list[dict]:
-        started, gate = threading.Event(), threading.Event()
-        small.scheduler.call(lambda: (started.set(), gate.wait(WAIT_S)))
-        assert await asyncio.to_thread(started.wait, WAIT_S)
+        gate = await asyncio.to_thread(hold_scheduler, small)
         chunks = small.stream(streamed)
         first = asyncio.ensure_future(anext(chunks))
         await asyncio.sleep(0)  # the stream submits its request before it first waits
@@ -179,12 +177,7 @@ def test_a_retracted_request_streams_each_token_once(big: Engine, small: Engine)
         return out
 
     def run_after(reqs: list[Request], gate: threading.Event) -> list[Future]:
-        futures = []
-        for req in reqs:
-            fut: Future = Future()
-            req.on_update = lambda r, done, fut=fut: done and fut.set_result(r.result())
-            small.scheduler.submit(req)
-            futures.append(fut)
+        futures = submit_all(small, reqs)
         gate.set()
         return futures
 
