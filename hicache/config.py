@@ -40,6 +40,11 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 # --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
 SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 
+# KV events (`hicache.events`): publishers by name (vLLM's --kv-events-config values), and
+# the ZMQ transports an endpoint may use.
+EVENT_PUBLISHERS = ("null", "zmq")
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
 MAX_PORT = 65535
 BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
 TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
@@ -311,6 +316,39 @@ class StorageConfig(_Section):
 
 
 @dataclass(frozen=True)
+class EventsConfig(_Section):
+    """KV cache events for cache-aware routers, vLLM's `--kv-events-config` keys. Off unless
+    `publisher` is "zmq" (or `enable_kv_cache_events` is true with no publisher named)."""
+
+    SECTION: ClassVar[str] = "events"
+    publisher: str | None = None  # null | "null": off; "zmq": a ZMQ PUB socket
+    enable_kv_cache_events: bool | None = None  # vLLM's switch; false turns a publisher off
+    endpoint: str = "tcp://*:5557"  # PUB socket: a `*` host binds, another host connects
+    replay_endpoint: str | None = None  # ROUTER socket answering replays (binds); None: none
+    topic: str = ""  # first frame of every message (subscribers filter on it)
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark, in messages
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+
+    def _validate(self) -> None:
+        if self.publisher is not None:
+            self._choice("publisher", EVENT_PUBLISHERS)
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(ZMQ_SCHEMES):
+                self._fail(name, f"{value!r} must start with one of {', '.join(ZMQ_SCHEMES)}")
+        self._at_least("buffer_steps", 0)
+        self._at_least("hwm", 0)
+        self._at_least("max_queue_size", 1)
+
+    @property
+    def enabled(self) -> bool:
+        if self.enable_kv_cache_events is False or self.publisher == "null":
+            return False
+        return self.publisher == "zmq" or self.enable_kv_cache_events is True
+
+
+@dataclass(frozen=True)
 class Config(_Section):
     SECTION: ClassVar[str] = ""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -318,6 +356,7 @@ class Config(_Section):
     cache: CacheConfig = field(default_factory=CacheConfig)
     host: HostConfig = field(default_factory=HostConfig)  # L2, used when cache.hierarchical
     storage: StorageConfig = field(default_factory=StorageConfig)  # L3
+    events: EventsConfig = field(default_factory=EventsConfig)  # KV events for routers
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from hicache.config import BYTES_PER_GB, Config
+from hicache.config import BYTES_PER_GB, Config, EventsConfig
+from hicache.events import EventPublisher, EventRecorder, NullEventPublisher, ZmqEventPublisher
+from hicache.events.publisher import EventCounters
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool, available_memory_bytes
 from hicache.policies import PREFETCH_POLICIES, check_choice
@@ -93,6 +96,9 @@ class CacheStack:
     host_pool: HostKVPool | None = None
     controller: HiCacheController | None = None
     storage: StorageTier | None = None
+    # KV events: the tree records into `events` (None: off), `publish_events` sends them
+    events: EventRecorder | None = None
+    publisher: EventPublisher = field(default_factory=NullEventPublisher)
 
     @property
     def page_size(self) -> int:
@@ -126,6 +132,18 @@ class CacheStack:
         if self.storage is not None:
             for node in written:
                 self.storage.backup(node)
+
+    def publish_events(self) -> None:
+        """End of a scheduler step: send the step's KV events as one batch (if any). Never
+        blocks: the publisher queues it for its own thread."""
+        if self.events is not None:
+            batch = self.events.take()
+            if batch:
+                self.publisher.publish(batch)
+
+    def event_counters(self) -> EventCounters:
+        """Batches and events sent and dropped since start (a copy)."""
+        return replace(self.publisher.counters)
 
     def busy(self) -> bool:
         """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
@@ -206,13 +224,34 @@ class CacheStack:
         tier asked (0 for a tier the configuration lacks)."""
         out = dict.fromkeys(tiers, 0)
         self.quiesce()
+        mark = len(self.events.events) if self.events is not None else 0
         if "device" in tiers:
-            out["device"] = self.tree.evict(self.tree.total_size())
+            with self._flushing():
+                out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers:
             out["host"] = self.tree.flush_host()
         if "storage" in tiers and self.storage is not None:
             out["storage"] = self.storage.clear() * self.page_size
+        if self.events is not None and self._flushes_all(tiers):
+            self._restate(mark)
         return out
+
+    def _flushing(self) -> Any:
+        return self.events.flushing() if self.events is not None else nullcontext()
+
+    def _flushes_all(self, tiers: Sequence[str]) -> bool:
+        """Whether a flush of `tiers` empties L3 or every tier this stack has: its events
+        are then one `AllBlocksCleared` (L3's pages cannot be listed one by one)."""
+        has = ["device"] + ["host"] * (self.host_pool is not None)
+        return ("storage" in tiers and self.storage is not None) or all(t in tiers for t in has)
+
+    def _restate(self, mark: int = -1) -> None:
+        """`AllBlocksCleared` (in place of the events recorded since `mark`, when given),
+        then what the tree still holds (pinned pages a flush kept, L1 and L2 after L3 went)."""
+        if mark >= 0:
+            del self.events.events[mark:]
+        self.events.cleared()
+        self.tree.record_all()
 
     def stats(self, requests: RequestCounters) -> CacheStats:
         """One snapshot of every tier, in tokens (storage: its pages and bytes too); the
@@ -278,6 +317,8 @@ class CacheStack:
         finally:  # a close that failed still leaves the server serving without L3
             for node in self.tree.iter_nodes():
                 node.storage_backed = False
+            if self.events is not None:  # routers forget this server's L3 pages
+                self._restate()
         return True
 
     def set_prefetch_policy(self, policy: str) -> None:
@@ -288,11 +329,16 @@ class CacheStack:
             self.storage.policy = policy
 
     def close(self) -> None:
-        """Let every prefetch and backup finish, stop the I/O and copy threads."""
-        if self.storage is not None:
-            self.storage.close()
-        if self.controller is not None:
-            self.controller.close()
+        """Let every prefetch and backup finish, stop the I/O and copy threads; send the
+        last KV events and stop the publisher (its thread joined, its sockets closed)."""
+        try:
+            if self.storage is not None:
+                self.storage.close()
+            if self.controller is not None:
+                self.controller.close()
+            self.publish_events()
+        finally:
+            self.publisher.shutdown()
 
 
 def build_stack(config: Config, model: ModelKV) -> CacheStack:
@@ -303,17 +349,48 @@ def build_stack(config: Config, model: ModelKV) -> CacheStack:
     logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
                 pool.size_bytes / BYTES_PER_GB)
     if not c.enable_radix_cache:
-        return CacheStack(pool, RadixCache(pool, c.page_size, disable=True))
+        return _with_events(config, model, CacheStack(pool, RadixCache(pool, c.page_size,
+                                                                       disable=True)))
     if not c.hierarchical:
-        return CacheStack(pool, RadixCache(pool, c.page_size,
-                                           eviction_policy=c.eviction_policy))
+        return _with_events(config, model, CacheStack(pool, RadixCache(
+            pool, c.page_size, eviction_policy=c.eviction_policy)))
     host = _host_pool(config, pool, model)
     controller = HiCacheController(pool, host, make_transfer_engine(pool, host,
                                                                     config.host.io_backend))
     tree = HiRadixCache(controller, c.page_size, write_policy=config.host.write_policy,
                         write_through_threshold=config.host.write_through_threshold,
                         eviction_policy=c.eviction_policy)
-    return CacheStack(pool, tree, host, controller, _storage_tier(config, model, tree, host))
+    stack = _with_events(config, model, CacheStack(pool, tree, host, controller))
+    try:
+        stack.storage = _storage_tier(config, model, tree, host)
+    except BaseException:
+        stack.publisher.shutdown()
+        raise
+    return stack
+
+
+def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> CacheStack:
+    """Give `stack` its KV event recorder and publisher when `config.events` asks for them.
+    The first batch, sent at once, is `AllBlocksCleared`: this server starts empty."""
+    if not config.events.enabled:
+        return stack
+    stack.events = stack.tree.events = EventRecorder(_page_hasher(config, model),
+                                                     config.cache.page_size)
+    stack.publisher = _event_publisher(config.events)
+    stack.publish_events()
+    return stack
+
+
+def _event_publisher(e: EventsConfig) -> EventPublisher:
+    return ZmqEventPublisher(e.endpoint, e.replay_endpoint, e.topic, buffer_steps=e.buffer_steps,
+                             hwm=e.hwm, max_queue_size=e.max_queue_size)
+
+
+def _page_hasher(config: Config, model: ModelKV) -> PageHasher:
+    """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    return PageHasher(config.cache.page_size, model_fingerprint(model.path), dtype_name,
+                      *model.geometry)
 
 
 def _l1_pages(config: Config, model: ModelKV) -> int:
@@ -374,8 +451,8 @@ def _open_storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host:
     backend = create_backend(s.backend, s.backend_config, codec)
     if must_answer:
         _check_answers(s.backend, backend)
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    hasher = PageHasher(ps, model_fingerprint(model.path), dtype_name, *model.geometry)
+    events = tree.events  # one hasher for both: the same keys, each node's hashed once
+    hasher = events.hasher if events is not None else _page_hasher(config, model)
     if s.throttle.enabled:
         bandwidth = s.throttle.bandwidth_mb_s
         backend = ThrottledBackend(backend, None if bandwidth is None else bandwidth * MB,

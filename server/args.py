@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into the chosen backend's section, e.g. "
                         "'{\"path\": \"/data/lmdb\"}'; for lmdb+redis one object per "
                         "section: '{\"lmdb\": {...}, \"redis\": {...}}'")
+    p.add_argument("--kv-events-config", dest="kv_events_config",
+                   help="KV cache events as vLLM's flag takes them, a JSON object of the "
+                        "`events:` keys, e.g. '{\"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' [events]")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"), help="logging level")
     return p
@@ -99,6 +103,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     """Merge parsed flags over the YAML file; raises ConfigError."""
     overrides = {key: getattr(ns, key) for _, key, _, _ in _FLAGS
                  if getattr(ns, key) is not None}
+    if ns.kv_events_config:
+        overrides["events"] = _parse_json_object("events", ns.kv_events_config)
     cfg = load_config(ns.config, overrides)
     if ns.extra_config:
         extra = _parse_extra(ns.extra_config)
@@ -123,15 +129,18 @@ def _extra_overrides(backend: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_extra(text: str) -> dict[str, Any]:
+    return _parse_json_object("storage.extra_config", text)
+
+
+def _parse_json_object(key: str, text: str) -> dict[str, Any]:
+    """A flag's JSON object; ConfigError naming `key` when it is not one."""
     try:
-        extra = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError("storage.extra_config", f"not valid JSON: {e.msg} "
-                          f"(column {e.colno})") from None
-    if not isinstance(extra, dict):
-        raise ConfigError("storage.extra_config",
-                          f"expected a JSON object, got {type(extra).__name__}")
-    return extra
+        raise ConfigError(key, f"not valid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:

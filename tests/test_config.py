@@ -46,6 +46,9 @@ DESIGN_DEFAULTS: dict[str, Any] = {
                   "key_prefix": "hicache:", "ttl_seconds": None},
         "throttle": {"bandwidth_mb_s": None, "latency_ms": 0.0},
     },
+    "events": {"publisher": None, "enable_kv_cache_events": None,
+               "endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": "",
+               "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000},
 }
 
 

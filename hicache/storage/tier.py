@@ -37,10 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from hicache.events.schema import MEDIUM_DISK
 from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
 from hicache.storage.planner import CostEstimates, FetchPlanner
+from hicache.tree.node import node_hashes
 
 if TYPE_CHECKING:
     from hicache.tree.hiradix import HiRadixCache, HiTreeNode
@@ -133,15 +135,7 @@ class StorageTier:
 
     def node_hashes(self, node: HiTreeNode) -> list[bytes]:
         """The page hashes of `node`'s key, computed once down the chain from the root."""
-        chain = []
-        while node is not self.tree.root and node.hash_value is None:
-            chain.append(node)
-            node = node.parent
-        prev = None if node is self.tree.root else node.hash_value[-1]
-        for n in reversed(chain):
-            n.hash_value = self.hasher.hash_pages(n.key, prev, n.extra_key)
-            prev = n.hash_value[-1]
-        return chain[0].hash_value if chain else node.hash_value
+        return node_hashes(node, self.tree.root, self.hasher)
 
     def _last_hash(self, node: HiTreeNode) -> bytes | None:
         return None if node is self.tree.root else self.node_hashes(node)[-1]
@@ -162,6 +156,7 @@ class StorageTier:
             hashes = self.node_hashes(n)
             if self._stored.pop_all(hashes):  # L3 said it holds them: no second write
                 n.storage_backed = True
+                self.tree.record_stored(n, MEDIUM_DISK)
                 continue
             self.tree.protect_host(n)
             self._backups[n.id] = n
@@ -174,6 +169,7 @@ class StorageTier:
             if ack.ok:
                 node.storage_backed = True
                 self.counters.backed_up_tokens += len(node.key)
+                self.tree.record_stored(node, MEDIUM_DISK)
             else:
                 self.counters.backup_failures += 1
 
@@ -244,6 +240,8 @@ class StorageTier:
         """A QUERYING op whose query answered, or a WAITING op whose wait ended: fetch, wait
         for another fetch, hand back for a fresh match, or finish with nothing to fetch."""
         hit = op.hit_pages or 0
+        if op.state is PrefetchState.QUERYING:
+            self._record_found(op, hit)
         if op.cancelled or hit == 0 or hit * self.page_size < self.threshold:
             return self._done(op)
         head = self._head_pages(op, hit)
@@ -271,6 +269,13 @@ class StorageTier:
         op.host_indices, op.state = host, PrefetchState.FETCHING
         self.io.fetch(op)
         return None
+
+    def _record_found(self, op: PrefetchOp, hit: int) -> None:
+        """KV events: the `hit` pages the query found are on DISK (whether or not fetched)."""
+        events = self.tree.events
+        if events is not None and hit:
+            events.stored(op.hashes[:hit], self._last_hash(op.anchor),
+                          op.tokens[:hit * self.page_size], MEDIUM_DISK)
 
     def _head_pages(self, op: PrefetchOp, hit: int) -> int | None:
         """Pages at the start of an L3 hit of `hit` pages to recompute before the rest is

@@ -22,10 +22,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from hicache.events.schema import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_GPU,
+    REASON_DEMOTED,
+    REASON_EVICTED,
+)
 from hicache.policies import WRITE_POLICIES, check_choice
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
@@ -56,6 +64,13 @@ class HostCounters:
 
 
 
+def _depth(node: TreeNode) -> int:
+    depth = 0
+    while node.parent is not None:
+        depth, node = depth + 1, node.parent
+    return depth
+
+
 class HiRadixCache(RadixCache):
     """The L1 radix tree plus the L2 host tier; see the module docstring."""
 
@@ -82,6 +97,10 @@ class HiRadixCache(RadixCache):
         self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
         self._ongoing_writes: dict[int, HiTreeNode] = {}
         self._ongoing_loads: dict[int, tuple[list[HiTreeNode], float]] = {}
+        # KV events only: the upper halves split off a node while its D->H copy runs, by
+        # that write's node id (the same ack lands them in L2), and each half's write
+        self._split_writes: dict[int, list[HiTreeNode]] = {}
+        self._write_of: dict[int, int] = {}
 
     def reset(self) -> None:
         """Wait for copies in flight, then forget everything (the caller resets the pools and
@@ -131,6 +150,7 @@ class HiRadixCache(RadixCache):
             if node.evicted:
                 node.value = torch.narrow_copy(value, 0, pos, n)
                 self._evictable += n
+                self.record_stored(node, MEDIUM_GPU)
             else:
                 present += n
             pos += n
@@ -140,11 +160,13 @@ class HiRadixCache(RadixCache):
         if child.host_value is not None:
             new.host_value = child.host_value[:n]
             child.host_value = child.host_value[n:]
-        if child.hash_value is not None:
-            new.hash_value = child.hash_value[:n // self.page_size]
-            child.hash_value = child.hash_value[n // self.page_size:]
         new.host_ref_counter = child.host_ref_counter
         new.storage_backed = child.storage_backed
+        if self.events is not None:
+            write = self._write_of.get(child.id, child.id)
+            if write in self._ongoing_writes:
+                self._split_writes.setdefault(write, []).append(new)
+                self._write_of[new.id] = write
 
     # ----------------------------------------------------------------------- write policy
 
@@ -199,13 +221,26 @@ class HiRadixCache(RadixCache):
         written = []
         for ack in self.controller.poll_writes():
             node = self._ongoing_writes.pop(ack.node_id)
+            halves = self._split_halves(node)
             self.dec_lock_ref(node)
             if not ack.ok:
                 self._drop_backup(node)
                 continue
             self.counters.written_tokens += len(node.key)
+            for half in halves:
+                self.record_stored(half, MEDIUM_CPU)
             written.append(node)
         return written
+
+    def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
+        """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the
+        upper halves split off it meanwhile (KV events only: otherwise nobody asks)."""
+        if self.events is None:
+            return []
+        halves = self._split_writes.pop(node.id, [])
+        for half in halves:
+            del self._write_of[half.id]
+        return sorted(halves, key=_depth) + [node]
 
     def _drop_backup(self, node: HiTreeNode) -> None:
         """A failed write: forget the (garbage) host copies of `node` and its descendants.
@@ -276,6 +311,7 @@ class HiRadixCache(RadixCache):
     def _demote(self, node: HiTreeNode) -> int:
         """Free a backed-up node's device slots; it stays in the tree on L2."""
         n = len(node.key)
+        self.record_removed(node, MEDIUM_GPU, REASON_DEMOTED)
         self.allocator.free(node.value)
         node.value = None
         self._evictable -= n
@@ -305,6 +341,7 @@ class HiRadixCache(RadixCache):
         ancestors of `writing` (the node whose D->H copy needs the room)."""
         freed = 0
         while freed < num_tokens and (node := self._host_heap.pop()) is not None:
+            self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
             self.controller.host_pool.free(node.host_value)
             freed += len(node.key)
             self._delete_leaf(node)
@@ -340,6 +377,7 @@ class HiRadixCache(RadixCache):
             for node in candidates:
                 if freed >= num_tokens:
                     break
+                self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
                 self.controller.host_pool.free(node.host_value)
                 node.host_value = None
                 freed += len(node.key)
@@ -356,14 +394,29 @@ class HiRadixCache(RadixCache):
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
         copies of nodes still on L1. Call with no write in flight. Returns the host tokens freed."""
         assert not self._ongoing_writes, "flush_host with D->H copies in flight"
-        freed = self.evict_host(self.controller.host_pool.total_size())
-        for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
-            if (node.host_value is not None and node.host_ref_counter == 0
-                    and node.pin_ref == 0):
-                self.controller.host_pool.free(node.host_value)
-                freed += len(node.key)
-                node.host_value = None
+        with self._flushing():
+            freed = self.evict_host(self.controller.host_pool.total_size())
+            for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
+                if (node.host_value is not None and node.host_ref_counter == 0
+                        and node.pin_ref == 0):
+                    self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
+                    self.controller.host_pool.free(node.host_value)
+                    freed += len(node.key)
+                    node.host_value = None
         return freed
+
+    def record_all(self) -> None:
+        for node in self.iter_nodes():  # parents first
+            if node.value is not None:
+                self.record_stored(node, MEDIUM_GPU)
+            if node.host_value is not None:
+                self.record_stored(node, MEDIUM_CPU)
+            if node.storage_backed:
+                self.record_stored(node, MEDIUM_DISK)
+
+    def _flushing(self) -> AbstractContextManager[None]:
+        """Removals inside are a flush (`BlockRemoved.reason` "flushed")."""
+        return self.events.flushing() if self.events is not None else nullcontext()
 
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
@@ -397,6 +450,7 @@ class HiRadixCache(RadixCache):
         for n in nodes:
             n.value = device[offset:offset + len(n.key)]
             offset += len(n.key)
+            self.record_stored(n, MEDIUM_GPU)
         self._evictable += offset
         self.inc_lock_ref(last_host_node)
         self._ongoing_loads[last_host_node.id] = (nodes, time.monotonic())
@@ -465,9 +519,12 @@ class HiRadixCache(RadixCache):
         return new_tokens
 
     def _set_l3_copy(self, node: HiTreeNode, host: torch.Tensor, hashes: list[bytes]) -> None:
+        """`node`'s pages, fetched from L3, are in L2 now (and known to be in L3)."""
         node.host_value = host.clone()
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
+        self.record_stored(node, MEDIUM_CPU)
+        self.record_stored(node, MEDIUM_DISK)
 
     def copies_pending(self) -> bool:
         return self.controller.has_pending()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +21,14 @@ UNUSED_PRIORITY = float("-inf")
 NO_OWNERS: frozenset[str] = frozenset()  # a node no live session owns
 
 
+class PageHashes(Protocol):
+    """What names pages (`hicache.storage.hashing.PageHasher`): the hashes of `tokens`' whole
+    pages, chained after `prev` (None: from the root of namespace `extra_key`)."""
+
+    def hash_pages(self, tokens: Sequence[int], prev: bytes | None = None,
+                   extra_key: str | None = None) -> list[bytes]: ...
+
+
 class TreeNode:
     """One edge of the tree and the node it leads to.
 
@@ -32,11 +41,14 @@ class TreeNode:
     change, so a split shares it); owned nodes are evicted after unowned ones. A parent's
     owners include its child's. `pin_ref` counts the pins (POST /admin/pin) covering it: a
     pin, like a lock, covers a node and its ancestors; pinned nodes go last of all.
+    `hash_value` are the page hashes of `key` (one per page, `node_hashes`), computed only
+    when something needs them (L3, KV events); a split cuts them with the key.
     """
 
     __slots__ = (
         "children",
         "extra_key",
+        "hash_value",
         "hit_count",
         "id",
         "key",
@@ -64,6 +76,7 @@ class TreeNode:
         self.priority: float = UNUSED_PRIORITY
         self.owners: frozenset[str] = NO_OWNERS
         self.pin_ref = 0
+        self.hash_value: list[bytes] | None = None
 
     def __len__(self) -> int:
         return len(self.key)
@@ -74,13 +87,12 @@ class TreeNode:
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("hash_value", "host_ref_counter", "host_value", "storage_backed")
+    __slots__ = ("host_ref_counter", "host_value", "storage_backed")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.host_value: torch.Tensor | None = None
         self.host_ref_counter = 0
-        self.hash_value: list[bytes] | None = None  # page hashes, computed when L3 needs them
         self.storage_backed = False  # known to be in L3
 
     @property
@@ -107,3 +119,19 @@ class HiTreeNode(TreeNode):
         while node is not None:
             node.host_ref_counter -= 1
             node = node.parent
+
+
+def node_hashes(node: TreeNode, root: TreeNode, hasher: PageHashes) -> list[bytes]:
+    """The page hashes of `node`'s key, computed once down the chain from `root` (each
+    ancestor's cached in its `hash_value` on the way). The L3 keys and the KV events' block
+    hashes both come from here."""
+    chain = []
+    while node is not root and node.hash_value is None:
+        chain.append(node)
+        node = node.parent
+    prev = None if node is root else node.hash_value[-1]
+    for n in reversed(chain):
+        n.hash_value = hasher.hash_pages(n.key, prev, n.extra_key)
+        prev = n.hash_value[-1]
+    return chain[0].hash_value if chain else node.hash_value
+

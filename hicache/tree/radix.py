@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from hicache.events.recorder import EventRecorder
+from hicache.events.schema import MEDIUM_GPU, REASON_EVICTED
 from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, MatchResult, OwnedSizes, PrefixCache, concat
 from hicache.tree.leaf_heap import LeafHeap
-from hicache.tree.node import Key, TreeNode
+from hicache.tree.node import Key, TreeNode, node_hashes
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 # Stale entries accumulate in the lazy eviction heap; rebuild it once it holds more than
@@ -87,6 +89,8 @@ class RadixCache(PrefixCache):
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._priority = _owned_last(_PRIORITIES[eviction_policy])  # called per push
+        # KV events (set by the tier owner): None = off, and no page is hashed for them
+        self.events: EventRecorder | None = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -103,6 +107,33 @@ class RadixCache(PrefixCache):
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
         self._init_tree()
+        if self.events is not None:
+            self.events.cleared()
+
+    # --------------------------------------------------------------------------- events
+    # One event per node operation, naming the node's pages by their hashes. Splits change
+    # no hash, and send nothing.
+
+    def record_stored(self, node: TreeNode, medium: str) -> None:
+        """`node`'s pages have landed on `medium`."""
+        if self.events is not None:
+            hasher, parent = self.events.hasher, node.parent
+            hashes = node_hashes(node, self.root, hasher)
+            prev = None if parent is self.root else node_hashes(parent, self.root, hasher)[-1]
+            self.events.stored(hashes, prev, node.key, medium)
+
+    def record_all(self) -> None:
+        """Say again what every node holds (after an `AllBlocksCleared` that some nodes
+        outlived: a flush of L3, pinned pages a flush kept), parents first."""
+        for node in self.iter_nodes():
+            if node.value is not None:
+                self.record_stored(node, MEDIUM_GPU)
+
+    def record_removed(self, node: TreeNode, medium: str, reason: str) -> None:
+        """`node`'s pages have left `medium` (call while `node` is still attached)."""
+        if self.events is not None:
+            self.events.removed(node_hashes(node, self.root, self.events.hasher), medium,
+                                reason)
 
     # ----------------------------------------------------------------------------- keys
 
@@ -254,6 +285,7 @@ class RadixCache(PrefixCache):
         leaf.hit_count = 1
         leaf.priority = priority
         self._evictable += len(key)
+        self.record_stored(leaf, MEDIUM_GPU)
         return leaf
 
     def _attach(self, parent: TreeNode, key: Key, value: torch.Tensor | None,
@@ -277,6 +309,9 @@ class RadixCache(PrefixCache):
         new.priority = child.priority
         new.owners = child.owners
         new.pin_ref = child.pin_ref
+        if child.hash_value is not None:
+            pages = n // self.page_size
+            new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         if new.pin_ref:
             self._pinned.add(new)
         for session in child.owners:
@@ -414,6 +449,7 @@ class RadixCache(PrefixCache):
         if self.allocator is not None:
             self.allocator.free(node.value)
         self._evictable -= n
+        self.record_removed(node, MEDIUM_GPU, REASON_EVICTED)
         self._delete_leaf(node)
         return n
 

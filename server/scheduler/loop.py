@@ -166,6 +166,7 @@ class Scheduler:
             self._run_batch(*plan)
         else:
             self.cache.start_loading()  # loads never wait for a forward pass
+        self.cache.publish_events()  # this step's KV events, one batch (never blocks)
 
     def _run_commands(self) -> None:
         keep = []

@@ -1,0 +1,64 @@
+"""The events of one scheduler step, as the tree and the tiers report them.
+
+The tree calls `stored` / `removed` / `cleared` as it moves pages (scheduler thread only);
+the tier owner takes the step's events with `take()` at the end of the step and hands them
+to the publisher as one batch. A tree without a recorder (`events=None`) pays nothing: no
+page hash is computed for events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from hicache.events.schema import (
+    REASON_FLUSHED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+
+if TYPE_CHECKING:
+    from hicache.storage.hashing import PageHasher
+
+
+class EventRecorder:
+    """Collects events until `take()`. `hasher` names the pages (the L3 page hash chain),
+    `page_size` is tokens per page. Starts with `AllBlocksCleared`: a subscriber drops what
+    it knew of a server that restarted."""
+
+    def __init__(self, hasher: PageHasher, page_size: int) -> None:
+        self.hasher = hasher
+        self.page_size = page_size
+        self.events: list[KVEvent] = [AllBlocksCleared()]
+        self._reason: str | None = None  # overrides removals' reason (`flushing`)
+
+    def stored(self, hashes: list[bytes], parent: bytes | None, tokens: Sequence[int],
+               medium: str) -> None:
+        if hashes:
+            self.events.append(BlockStored(list(hashes), parent, list(tokens),
+                                           self.page_size, None, medium, None))
+
+    def removed(self, hashes: list[bytes], medium: str, reason: str) -> None:
+        if hashes:
+            self.events.append(BlockRemoved(list(hashes), medium,
+                                            reason=self._reason or reason))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+    @contextmanager
+    def flushing(self) -> Iterator[None]:
+        """Removals recorded inside are an operator's flush (reason "flushed")."""
+        outer, self._reason = self._reason, REASON_FLUSHED
+        try:
+            yield
+        finally:
+            self._reason = outer
+
+    def take(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
