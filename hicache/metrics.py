@@ -142,6 +142,7 @@ class _StatsCollector:
         yield from _transfer_metrics(stats)
         yield from _storage_faults(stats.storage)
         yield from _session_metrics(stats)
+        yield from _event_metrics(stats)
 
 
 def _counter(name: str, doc: str, value: float | None = None,
@@ -283,3 +284,16 @@ def _session_metrics(stats: CacheStats) -> Iterator[Metric]:
     if stats.host is not None:
         owned.add_metric(["host"], s.owned_host_tokens)
     yield owned
+
+
+def _event_metrics(stats: CacheStats) -> Iterator[Metric]:
+    """KV events sent and lost (absent with events off)."""
+    e = stats.events
+    if e is None:
+        return
+    yield _counter("kv_event_batches", "KV event batches published (one per scheduler step "
+                   "with changes)", e.batches)
+    yield _counter("kv_events", "KV events published (BlockStored, BlockRemoved, "
+                   "AllBlocksCleared)", e.events)
+    yield _counter("kv_events_dropped", "KV events lost to a full publisher queue or a "
+                   "failing socket", e.dropped_events)

@@ -272,7 +272,8 @@ class CacheStack:
                                         requests.cached_storage_tokens,
                                         replace(self.storage.counters),
                                         self.storage.estimates())
-        return CacheStats(replace(requests), device, host, storage)
+        events = self.event_counters() if self.events is not None else None
+        return CacheStats(replace(requests), device, host, storage, events=events)
 
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold."""

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hicache.events.publisher import EventCounters
 from hicache.storage.backends import base as backend_stats
 from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
@@ -174,6 +175,7 @@ class CacheStats:
     storage: StorageStats | None = None
     sessions: SessionStats | None = None  # None: session retention is off
     pins: PinStats | None = None
+    events: EventCounters | None = None  # None: KV events are off
 
     def tiers(self) -> dict[str, DeviceStats | HostStats | StorageStats]:
         """The tiers present, L1 first."""
@@ -194,6 +196,8 @@ class CacheStats:
             out["pins"] = {"pinned_tokens": self.pins.pinned_tokens,
                            "max_pinned_tokens": self.pins.max_pinned_tokens,
                            "pins": [dict(p) for p in self.pins.pins]}
+        if self.events is not None:
+            out["kv_events"] = asdict(self.events)
         return out
 
 

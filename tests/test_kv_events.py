@@ -375,8 +375,10 @@ def test_engine_events_through_every_tier(tmp_path) -> None:
             while pub.counters.batches < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             batches = sub.replay(0)
+            counted = e.stats()["kv_events"]
         finally:
             sub.close()
+    assert counted["batches"] >= len(batches) - 1 and counted["dropped_events"] == 0
     seqs = [s for s, _ in batches]
     assert seqs == list(range(len(seqs)))
     events = [ev for _, p in batches for ev in VLLM.decode(p).events]  # vLLM's decoder

@@ -233,3 +233,15 @@ def test_the_cost_model_reaches_metrics() -> None:
     assert value(samples, "storage_estimated_fetch_bytes_per_second") == 2e9
     assert value(samples, "storage_estimated_fetch_latency_seconds") == 1e-3
     assert warm.storage.as_dict()["cost_model"]["prefill_observations"] == 10
+
+
+def test_kv_event_counters_are_exported_only_when_events_are_on() -> None:
+    from dataclasses import replace
+
+    from hicache.events.publisher import EventCounters
+    on = render(replace(L1_ONLY, events=EventCounters(batches=3, events=7, dropped_batches=1,
+                                                      dropped_events=2)))
+    assert value(on, "kv_event_batches_total") == 3
+    assert value(on, "kv_events_total") == 7
+    assert value(on, "kv_events_dropped_total") == 2
+    assert not any(name.startswith("hicache:kv_event") for name, _ in render(L1_ONLY))
