@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+ROUTER_VENV  ?= .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
 
-.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm gpu-check clean
+.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The client software people already run (LiteLLM, lm-eval) against a real server on
@@ -87,6 +89,23 @@ $(VLLM_STAMP):
 # e.g. `make bench-vs-vllm ARGS="--quick"` (a smoke test) or ARGS="--only hicache".
 bench-vs-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
+
+# SGLang's router in its own venv (it pins its own fastapi and pydantic), installed once:
+# a Rust binary wheel with a Python launcher (~30 s). `make test` creates it for
+# tests/test_router.py (which skips without it, and fails under CI).
+$(ROUTER_STAMP):
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q --upgrade pip
+	$(ROUTER_VENV)/bin/pip install -q 'sglang-router>=0.3.2,<0.4'
+	touch $(ROUTER_STAMP)
+
+router-venv: $(ROUTER_STAMP)
+
+# Two servers behind a router: sglang-router's round_robin and cache_aware and the
+# KV-event-driven benchmarks/event_router.py, each with private L1+L2 and with a shared Redis
+# (~10 min on 2 CPU cores); table and benchmarks/results/router.json.
+bench-router: $(STAMP) $(ROUTER_STAMP)
+	$(BIN)/python benchmarks/bench_router.py $(ARGS)
 
 # On a machine with an NVIDIA GPU: CUDA tests + transfer and attention benchmarks.
 gpu-check: $(STAMP)

@@ -23,6 +23,7 @@ from server.engine import Engine, EngineClosed
 from server.http.chat import chat_route
 from server.http.discovery import (
     handle_detokenize,
+    handle_get_load,
     handle_model,
     handle_model_info,
     handle_models,
@@ -140,6 +141,7 @@ def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
         app.router.add_get(path, handle_model_info)
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, handle_server_info)
+    app.router.add_get("/get_load", handle_get_load)  # sglang-router's load monitor
     app.router.add_post("/tokenize", handle_tokenize)
     app.router.add_post("/detokenize", handle_detokenize)
     app.router.add_get("/health", handle_health)

@@ -9,6 +9,9 @@
                                          {"tokens", "count", "max_model_len"}
     POST /detokenize                     {"tokens"} -> {"text", "prompt"}
     GET  /v1/models, /v1/models/{id}     the one model, under its served name
+    GET  /get_load                       requests running and waiting and their tokens, in
+                                         SGLang's shape: one entry per data-parallel rank
+                                         (here always one); sglang-router reads `num_tokens`
 
 `served_model_name(engine)` is the model id every OpenAI route answers with (`model`) and
 lists; routes call it rather than reading the config. SGLang and vLLM answer /tokenize in
@@ -29,11 +32,12 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from hicache.config import config_to_dict
-from server.engine import Engine
+from server.engine import Engine, EngineClosed
 from server.http.body import brief, check_type, json_type, read_object
 from server.http.errors import HttpError
 from server.http.fields import known_fields
 from server.http.state import STATE
+from server.inbox import SchedulerStopped
 from server.launch import tier_sizes
 from server.request import check_unicode
 
@@ -116,6 +120,35 @@ async def handle_server_info(request: web.Request) -> web.Response:
             "enable_hierarchical_cache": cache.hierarchical,
             "config": config_to_dict(engine.config, redact=True)}
     return web.json_response(info)
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+def load_now(engine: Engine) -> dict[str, int]:
+    """What the scheduler holds now (run on its thread: it owns both lists). `num_tokens`
+    counts every token of a running request (prompt and output so far) and the prompts of
+    the waiting ones: the KV the server holds or will, which is what sglang-router's
+    load-based policies compare between workers."""
+    sched = engine.scheduler
+    return {"dp_rank": 0, "num_reqs": len(sched.running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_tokens": sum(r.seq_len for r in sched.running)
+            + sum(r.prompt_len for r in sched.waiting)}
+
+
+async def handle_get_load(request: web.Request) -> web.Response:
+    """SGLang's `GET /get_load`: a list with one entry per data-parallel rank. The
+    snapshot comes from the scheduler thread between steps (EngineClosed, a 503, once it has
+    stopped), so the answer waits for at most the step in progress."""
+    engine = request.app[STATE].engine
+    if not engine.alive():
+        raise EngineClosed("the scheduler thread has stopped; restart the server")
+    try:
+        load = await asyncio.wrap_future(engine.scheduler.call(lambda: load_now(engine)))
+    except SchedulerStopped as e:
+        raise EngineClosed(str(e)) from None
+    return web.json_response([load])
 
 
 # --------------------------------------------------------------------- tokenize, detokenize
