@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -86,6 +83,8 @@ CACHED_METRIC = "hicache:cached_tokens_total"
 PROMPT_METRIC = "hicache:prompt_tokens_total"
 REQUESTS_METRIC = "hicache:requests_total"
 DEFAULT_ROUNDS = 4  # 8 chats x 4 rounds: each configuration's run ~40 s on 2 cores
+# The workload flags the report records: run_multiturn's without request_rate and distribution.
+WORKLOAD_KEYS = tuple(k for k in rm.WORKLOAD_KEYS if k not in ("request_rate", "distribution"))
 # The flag the event policy needs; a server that exits at start with code 2 lacks it.
 KV_EVENTS_FLAG = "--kv-events-config"
 FLAG_REJECTED = 2
@@ -105,7 +104,7 @@ def http_json(url: str, timeout: float = HTTP_TIMEOUT_S) -> Any:
 # --------------------------------------------------------------------------------- router
 
 
-class Router:
+class Router(rm.ManagedProcess):
     """One router subprocess on 127.0.0.1 (a free port) in front of `worker_urls`, stopped
     in `__exit__`: sglang-router (`policy` one of its policies) or, for `policy="event"`,
     `event_router.py` (then `event_endpoints` lists each worker's KV events endpoint)."""
@@ -128,7 +127,7 @@ class Router:
                         "--log-level", "info"]
         self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Router:  # noqa: PYI034
+    def _start(self) -> None:
         if self.policy != EVENT and not ROUTER_PYTHON.exists():
             raise RuntimeError(f"sglang-router is not installed: {ROUTER_PYTHON} is missing; "
                                "run `make router-venv`")
@@ -138,15 +137,6 @@ class Router:
                                       stdout=log, stderr=subprocess.STDOUT,
                                       preexec_fn=rm._die_with_parent)  # noqa: PLW1509
         log.close()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def _wait_ready(self) -> None:
         """Until every worker is registered and healthy (`/readiness` of sglang-router, or
@@ -365,28 +355,20 @@ def table(cmp: dict[str, Any]) -> str:
             "server | same answers | status |")
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for c in cmp["configs"].values():
-        h = c["hit_rate"]
-        status = ("server died: " + c["server_died"] if c["server_died"]
-                  else f"{c['errors']} errors" if c["errors"] else "ok")
         lines.append(
             f"| {c['policy']} | {c['storage']} | {mr.fmt_ms(c['ttft_r2_mean_s'])} "
             f"| {mr.fmt_x(c['ttft_vs_baseline'])} | {c['request_throughput']:.3f} "
-            f"| {mr.fmt_x(c['throughput_vs_baseline'])} | {mr.fmt_pct(h['all'])} "
-            f"| {mr.fmt_pct(h['device'])} | {mr.fmt_pct(h['host'])} | {mr.fmt_pct(h['storage'])} "
+            f"| {mr.fmt_x(c['throughput_vs_baseline'])} | {mr.hit_cells(c['hit_rate'])} "
             f"| {mr.fmt_pct(c['stuck_rate'])} | {', '.join(map(str, c['requests_per_server']))} "
-            f"| {mr.fmt_pct(c['same_answers'])} | {status} |")
+            f"| {mr.fmt_pct(c['same_answers'])} | {mr.run_status(c)} |")
     return "\n".join(lines)
 
 
 def print_report(report: dict[str, Any]) -> None:
-    s, m, w = report["sizing"], report["machine"], report["workload"]
-    print(f"\nTwo servers behind a router, {report['date']}: {w['num_clients']} chats x "
-          f"{w['num_rounds']} rounds, {w['request_length']}-token questions, "
-          f"{w['output_length']}-token answers, {w['system_prompt_length']}-token shared "
-          f"system prompt; per server L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x "
-          f"L1; sglang-router {report['router_version']}; {m['cpu']}, {m['cores']} cores "
-          f"({report['cores_per_server'] or 'all'} pinned per server), "
-          f"GPU: {m['gpu'] or 'none'}.\n")
+    pinned = f" ({report['cores_per_server'] or 'all'} pinned per server)"
+    print(mr.intro(report, "Two servers behind a router",
+                   f"per server {mr.tiers_text(report['sizing'])}; "
+                   f"sglang-router {report['router_version']}", pinned))
     print(table(report))
     for policy, why in report["not_run"].items():
         print(f"\n{policy}: not run ({why})")
@@ -419,9 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cores-per-server", type=int, default=default_cores(),
                     help="CPU cores pinned to each server (taskset; 0: no pinning); default 1 "
                          "per server when the machine has a core for each, else 0")
-    ap.add_argument("--out", type=Path, default=rm.RESULTS / "router.json")
-    ap.add_argument("--log", type=Path, default=rm.RESULTS / "router_log.jsonl",
-                    help="per-request JSONL (rewritten by each run of the driver)")
+    rm.add_report_args(ap, "router")
     args = ap.parse_args(argv)
     rm.check_workload_args(ap, args)
     if set(args.policies) - {EVENT} and not ROUTER_PYTHON.exists():
@@ -432,30 +412,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, rm._exit_on_sigterm)  # unwinds: servers, routers, redis
     sizing = rm.size_tiers(args)
-    args.log.parent.mkdir(parents=True, exist_ok=True)
-    args.log.write_text("")
-    with tempfile.TemporaryDirectory(prefix="hicache-router-") as tmp:
-        args.workdir = Path(tmp)
+    with rm.driver_run(args, "hicache-router-"):  # SIGTERM unwinds: servers, routers, redis
         runs, not_run = run_all(args, sizing)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "machine": rm.machine(),
-        "router_version": router_version(),
+        **rm.report_stamp(), "router_version": router_version(),
         "cores_per_server": args.cores_per_server,
-        "workload": {k: getattr(args, k) for k in ("num_clients", "num_rounds",
-                                                   "request_length", "output_length",
-                                                   "system_prompt_length", "max_parallel",
-                                                   "seed")},
+        "workload": rm.workload_of(args, WORKLOAD_KEYS),
         "sizing": sizing._asdict() | {"page_size": rm.PAGE_SIZE,
                                       "prefetch_policy": PREFETCH_POLICY},
         **compare(runs), "not_run": not_run,
         "runs": {k: {f: v for f, v in r.items() if f != "records"} for k, r in runs.items()},
         "log": rm._shown(args.log), "out": rm._shown(args.out),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    rm.write_report(report, args.out)
     print_report(report)
     return report
 

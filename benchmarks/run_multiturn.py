@@ -20,6 +20,7 @@ read the ratios against "L1 only", not the absolute times.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import ctypes
@@ -54,6 +55,7 @@ from multiturn_report import (
     print_report,
     restarts,
 )
+from typing_extensions import Self
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -73,6 +75,9 @@ HTTP_TIMEOUT_S = 10.0
 # A traceback from a thread (the scheduler's) means the engine is dead while HTTP still
 # answers: every request would hang, so the driver kills the server and records why.
 THREAD_DEATH = "Exception in thread"
+# The workload flags (`add_workload_args`) a report keeps as its `workload`, in this order.
+WORKLOAD_KEYS = ("num_clients", "num_rounds", "request_length", "output_length",
+                 "system_prompt_length", "request_rate", "distribution", "max_parallel", "seed")
 SERVER_METRICS = ("hicache:load_back_seconds_sum", "hicache:load_back_seconds_count",
                   "hicache:prefetch_seconds_sum", "hicache:prefetch_seconds_count",
                   "hicache:load_back_tokens_total", "hicache:prefetch_tokens_total")
@@ -103,7 +108,38 @@ def _die_with_parent() -> None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class Server:
+class ManagedProcess(abc.ABC):
+    """A child process that lives as long as a `with` block: `__enter__` starts it
+    (`_start`) and returns once it is ready (`_wait_ready`); `stop` (a no-op once it has
+    exited) runs in `__exit__` and also when it does not come up, so that a failed start
+    leaves nothing running."""
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Launch the process; nothing to stop if this raises."""
+
+    @abc.abstractmethod
+    def _wait_ready(self) -> None:
+        """Return once the process serves; raise if it exits or times out first."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the process and wait for it; harmless when it has exited or never started."""
+
+    def __enter__(self) -> Self:
+        self._start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Server(ManagedProcess):
     """One `server.launch` subprocess: started on a free port, stopped in `__exit__`."""
 
     def __init__(self, label: str, flags: Sequence[str], home: Path, log_dir: Path) -> None:
@@ -116,7 +152,7 @@ class Server:
         self._ready = threading.Event()
         self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Server:  # noqa: PYI034
+    def _start(self) -> None:
         # preexec_fn is safe here: it calls one preloaded C function and takes no lock.
         self._proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, text=True,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -124,15 +160,6 @@ class Server:
                                       preexec_fn=_die_with_parent)  # noqa: PLW1509
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def pid(self) -> int:
@@ -413,6 +440,13 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                          "kept across runs so the embedded model is written once)")
 
 
+def add_report_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """--out and --log, by default `name`.json and `name`_log.jsonl under benchmarks/results."""
+    ap.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+    ap.add_argument("--log", type=Path, default=RESULTS / f"{name}_log.jsonl",
+                    help="per-request JSONL (rewritten by each run of the driver)")
+
+
 def check_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit (code 2) on a bad --l1-fraction; resolve the default --home."""
     if not 0 < args.l1_fraction <= 1:
@@ -435,9 +469,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "multi-turn rounds)")
     ap.add_argument("--no-reuse-repeats", type=int, default=2,
                     help="alternating passes over the no-reuse configurations; best kept")
-    ap.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
-    ap.add_argument("--log", type=Path, default=RESULTS / "multiturn_log.jsonl",
-                    help="per-request JSONL (rewritten by each run of the driver)")
+    add_report_args(ap, "multiturn")
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="record every server with py-spy (raw stacks) into this folder")
     args = ap.parse_args(argv)
@@ -453,14 +485,29 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)  # unwinds the `with Server` blocks: no server outlives the driver
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def driver_run(args: argparse.Namespace, prefix: str) -> Iterator[None]:
+    """Around a driver's runs (this one's, bench_shared_l3.py's, bench_router.py's): SIGTERM
+    unwinds the `with` blocks, so no server, router or redis-server outlives the driver; the
+    per-request log `args.log` starts empty; `args.workdir` is a fresh temporary folder
+    (`prefix`), removed when the block ends."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    sizing = size_tiers(args)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     args.log.write_text("")
-    with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         args.workdir = Path(tmp)
+        yield
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    sizing = size_tiers(args)
+    with driver_run(args, "hicache-bench-"):
         policy = args.restart_policies[0]
         runs = run_multiturn(args, configs(sizing, args.workdir / "lmdb", policy,
                                            shlex.split(args.server_args)))
@@ -470,10 +517,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from plot_multiturn import plot_all  # matplotlib loads only once the runs are done
 
     report["plots"] = [_shown(p) for p in plot_all(report, args.out.parent)]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out)
     print_report(report)
     return report
+
+
+def report_stamp() -> dict[str, Any]:
+    """When, how and where a driver ran: the first keys of every benchmark report."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, *sys.argv]), "machine": machine()}
+
+
+def workload_of(args: argparse.Namespace, keys: Sequence[str] = WORKLOAD_KEYS
+                ) -> dict[str, Any]:
+    """A report's `workload`: the values of the workload flags `keys`."""
+    return {k: getattr(args, k) for k in keys}
 
 
 def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
@@ -482,13 +540,8 @@ def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
     nrc = no_reuse_cost(nor)
     strip = {"records"}
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": machine(),
-        "workload": {k: getattr(args, k) for k in ("num_clients", "num_rounds",
-                                                   "request_length", "output_length",
-                                                   "system_prompt_length", "request_rate",
-                                                   "distribution", "max_parallel", "seed")},
+        **report_stamp(),
+        "workload": workload_of(args),
         "no_reuse_workload": {"num_rounds": args.no_reuse_rounds,
                               "repeats": args.no_reuse_repeats},
         "sizing": sizing._asdict() | {"page_size": PAGE_SIZE, "l1_fraction": args.l1_fraction},

@@ -17,16 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import event_router as er
 
-from hicache.events.schema import (
-    MEDIUM_CPU,
-    MEDIUM_DISK,
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
-
 PAGE = 4
 A, B = "http://127.0.0.1:1111", "http://127.0.0.1:2222"
 ENCODER = msgspec.msgpack.Encoder()
@@ -38,17 +28,17 @@ def h(i: int) -> bytes:
 
 
 def stored(tokens: list[int], first: int, parent: bytes | None = None,
-           medium: str = MEDIUM_GPU) -> BlockStored:
+           medium: str = er.MEDIUM_GPU) -> er.BlockStored:
     """The pages of `tokens` (full pages only), hashed h(first), h(first + 1), ..."""
     n = len(tokens) // PAGE
-    return BlockStored(block_hashes=[h(first + i) for i in range(n)], parent_block_hash=parent,
-                       token_ids=tokens[:n * PAGE], block_size=PAGE, lora_id=None,
-                       medium=medium, lora_name=None)
+    return er.BlockStored(block_hashes=[h(first + i) for i in range(n)],
+                          parent_block_hash=parent, token_ids=tokens[:n * PAGE],
+                          block_size=PAGE, lora_id=None, medium=medium, lora_name=None)
 
 
-def wire(*events: object) -> KVEventBatch:
+def wire(*events: object) -> er.KVEventBatch:
     """A batch as the subscriber sees it: encoded by the publisher's encoder, decoded."""
-    return er.DECODER.decode(ENCODER.encode(KVEventBatch(ts=1.0, events=list(events))))
+    return er.DECODER.decode(ENCODER.encode(er.KVEventBatch(ts=1.0, events=list(events))))
 
 
 TOKENS = list(range(100, 116))  # 4 pages
@@ -73,27 +63,27 @@ def test_the_same_page_under_another_parent_is_not_matched() -> None:
 
 def test_tiers_weigh_gpu_over_cpu_over_disk_and_a_page_counts_its_best_tier() -> None:
     index = er.PageIndex([A, B])
-    index.apply(A, wire(stored(TOKENS, 0, medium=MEDIUM_CPU)))
-    index.apply(B, wire(stored(TOKENS, 0, medium=MEDIUM_DISK)))
+    index.apply(A, wire(stored(TOKENS, 0, medium=er.MEDIUM_CPU)))
+    index.apply(B, wire(stored(TOKENS, 0, medium=er.MEDIUM_DISK)))
     assert index.scores(TOKENS) == {A: (4 * 2, 4), B: (4 * 1, 4)}
     assert index.best(TOKENS, {}) == A
-    index.apply(B, wire(stored(TOKENS[:4], 0, medium=MEDIUM_GPU)))
+    index.apply(B, wire(stored(TOKENS[:4], 0, medium=er.MEDIUM_GPU)))
     assert index.scores(TOKENS)[B] == (3 + 3 * 1, 4)
 
 
 def test_removal_per_tier_and_a_page_no_tier_holds_leaves_the_trie() -> None:
     index = er.PageIndex([A])
-    index.apply(A, wire(stored(TOKENS, 0), stored(TOKENS, 0, medium=MEDIUM_CPU)))
+    index.apply(A, wire(stored(TOKENS, 0), stored(TOKENS, 0, medium=er.MEDIUM_CPU)))
     # L1 drops pages 2 and 3 (demoted): L2 still holds them
-    index.apply(A, wire(BlockRemoved(block_hashes=[h(2), h(3)], medium=MEDIUM_GPU,
-                                     reason="demoted")))
+    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(2), h(3)], medium=er.MEDIUM_GPU,
+                                        reason="demoted")))
     assert index.scores(TOKENS)[A] == (3 + 3 + 2 + 2, 4)
     # L2 drops page 2 too: the chain ends before it, page 3 is unreachable
-    index.apply(A, wire(BlockRemoved(block_hashes=[h(2)], medium=MEDIUM_CPU)))
+    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(2)], medium=er.MEDIUM_CPU)))
     assert index.scores(TOKENS)[A] == (6, 2)
     assert h(2) not in index.pages[A].tiers and h(3) in index.pages[A].tiers
     # a removal of a page never stored is ignored
-    index.apply(A, wire(BlockRemoved(block_hashes=[h(42)], medium=MEDIUM_GPU)))
+    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(42)], medium=er.MEDIUM_GPU)))
     assert index.scores(TOKENS)[A] == (6, 2)
 
 
@@ -101,7 +91,7 @@ def test_all_blocks_cleared_forgets_only_that_server() -> None:
     index = er.PageIndex([A, B])
     index.apply(A, wire(stored(TOKENS, 0)))
     index.apply(B, wire(stored(TOKENS, 0)))
-    index.apply(A, wire(AllBlocksCleared()))
+    index.apply(A, wire(er.AllBlocksCleared()))
     assert index.scores(TOKENS) == {A: (0, 0), B: (12, 4)}
     assert index.events == {A: 2, B: 1}
 
@@ -154,12 +144,12 @@ async def _subscriber_run() -> None:
     pub, rep = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
     rep_port = rep.bind_to_random_port("tcp://127.0.0.1")
-    batches = {0: ENCODER.encode(KVEventBatch(ts=1.0, events=[stored(TOKENS[:4], 0)])),
-               1: ENCODER.encode(KVEventBatch(ts=1.0, events=[
+    batches = {0: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[stored(TOKENS[:4], 0)])),
+               1: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[4:8], 1, parent=h(0))])),
-               2: ENCODER.encode(KVEventBatch(ts=1.0, events=[
+               2: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[8:12], 2, parent=h(1))])),
-               3: ENCODER.encode(KVEventBatch(ts=1.0, events=[
+               3: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[12:], 3, parent=h(2))]))}
     replayer = asyncio.create_task(_serve_replay(rep, {0: batches[0]}))
     index = er.PageIndex([A])
