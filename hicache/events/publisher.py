@@ -128,10 +128,13 @@ class ZmqEventPublisher(EventPublisher):
     # ------------------------------------------------------------------- scheduler side
 
     def publish(self, events: list[KVEvent]) -> None:
-        batch = KVEventBatch(time.time(), events, self._rank)
+        self._put(KVEventBatch(time.time(), events, self._rank))
+
+    def _put(self, item: KVEventBatch | None) -> None:
+        """Queue `item` without waiting, dropping the oldest batches while the queue is full."""
         while True:
             try:
-                self._queue.put_nowait(batch)
+                self._queue.put_nowait(item)
                 return
             except queue.Full:
                 self._drop_oldest()
@@ -151,12 +154,7 @@ class ZmqEventPublisher(EventPublisher):
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         while not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
-        while True:
-            try:
-                self._queue.put_nowait(None)
-                break
-            except queue.Full:
-                self._drop_oldest()
+        self._put(None)  # the thread's stop sign
         self._thread.join()
         self._ctx.destroy(linger=0)  # closes both sockets
 
