@@ -30,7 +30,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+    """vLLM's base of the tagged events (a map with `"type"`)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -59,7 +59,7 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """vLLM's: no fields."""
 
 
 class KVEventBatch(EventBatch):

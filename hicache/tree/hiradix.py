@@ -95,6 +95,8 @@ class HiRadixCache(RadixCache):
         self.root.value = EMPTY
         self.root.host_value = EMPTY
         self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
+        # L2 copies of pages L1 holds too, deepest first (`_reclaim_copies`)
+        self._copy_heap = LeafHeap(self._priority, self._copy_reclaimable)
         self._ongoing_writes: dict[int, HiTreeNode] = {}
         self._ongoing_loads: dict[int, tuple[list[HiTreeNode], float]] = {}
         # KV events only: the upper halves split off a node while its D->H copy runs, by
@@ -135,11 +137,16 @@ class HiRadixCache(RadixCache):
                 break
         if path:
             self._host_heap.push(path[-1])
+        for node in reversed(path):  # the deepest copy on the path (the others have a child's)
+            if node.host_value is not None:
+                self._copy_heap.push(node)
+                break
         self._maybe_rebuild_heaps()
 
     def _repush(self, node: TreeNode) -> None:
         self._device_heap.push(node)
         self._host_heap.push(node)
+        self._copy_heap.push(node)
 
     def _insert_hits(self, path: list[HiTreeNode], value: torch.Tensor, matched: int) -> int:
         """Like the base tree, except that an L2-only node on the path adopts the caller's
@@ -227,6 +234,7 @@ class HiRadixCache(RadixCache):
                 self._drop_backup(node)
                 continue
             self.counters.written_tokens += len(node.key)
+            self._copy_heap.push(node)
             for half in halves:
                 self.record_stored(half, MEDIUM_CPU)
             written.append(node)
@@ -258,6 +266,7 @@ class HiRadixCache(RadixCache):
                 self.controller.host_pool.free(n.host_value)
                 n.host_value = None
             stack.extend(n.children.values())
+        self._copy_heap.push(node.parent)
 
     # --------------------------------------------------------------------------- evict
 
@@ -324,6 +333,7 @@ class HiRadixCache(RadixCache):
         parent = node.parent
         super()._delete_leaf(node)
         self._host_heap.push(parent)
+        self._copy_heap.push(parent)
 
     def protect_host(self, node: HiTreeNode) -> None:
         """Keep `node`'s and its ancestors' host pages (an L3 backup or prefetch reads them)."""
@@ -333,6 +343,7 @@ class HiRadixCache(RadixCache):
         """End a `protect_host`; the node becomes an L2 eviction candidate again."""
         node.release_host()
         self._host_heap.push(node)
+        self._copy_heap.push(node)
 
     def evict_host(self, num_tokens: int, writing: HiTreeNode | None = None) -> int:
         """Free host tokens from unprotected L2-only leaves, in the eviction policy's order
@@ -367,20 +378,25 @@ class HiRadixCache(RadixCache):
             node = node.parent
         keep.update(self._ongoing_writes)
         keep.update(n.id for nodes, _ in self._ongoing_loads.values() for n in nodes)
-        freed = 0
+        freed, kept, rebuilt = 0, [], False
         while freed < num_tokens:
-            candidates = sorted((n for n in self.iter_nodes()
-                                 if n.id not in keep and self._copy_reclaimable(n)),
-                                key=self._priority)
-            if not candidates:
-                break
-            for node in candidates:
-                if freed >= num_tokens:
+            node = self._copy_heap.pop()
+            if node is None:
+                if rebuilt:  # a candidate whose push was missed is found once per call
                     break
-                self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
-                self.controller.host_pool.free(node.host_value)
-                node.host_value = None
-                freed += len(node.key)
+                self._copy_heap.rebuild(self.iter_nodes())
+                rebuilt = True
+                continue
+            if node.id in keep:
+                kept.append(node)
+                continue
+            self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
+            self.controller.host_pool.free(node.host_value)
+            node.host_value = None
+            freed += len(node.key)
+            self._copy_heap.push(node.parent)  # its copy may be the deepest now
+        for node in kept:
+            self._copy_heap.push(node)
         self.counters.reclaimed_copy_tokens += freed
         return freed
 
@@ -422,6 +438,8 @@ class HiRadixCache(RadixCache):
         super()._maybe_rebuild_heaps()
         if len(self._host_heap) > 4 * self._num_nodes + 64:
             self._host_heap.rebuild(self.iter_nodes())
+        if len(self._copy_heap) > 4 * self._num_nodes + 64:
+            self._copy_heap.rebuild(self.iter_nodes())
 
     # ------------------------------------------------------------------------ load back
 
@@ -486,6 +504,8 @@ class HiRadixCache(RadixCache):
                 for n in reversed(nodes):  # garbage on the device: drop what is unused
                     if self._is_device_leaf(n):
                         self._demote(n)
+            for n in nodes:  # on L1 again with their copies: reclaimable once loaded
+                self._copy_heap.push(n)
         return len(acks)
 
     def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
@@ -523,6 +543,7 @@ class HiRadixCache(RadixCache):
         node.host_value = host.clone()
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
+        self._copy_heap.push(node)
         self.record_stored(node, MEDIUM_CPU)
         self.record_stored(node, MEDIUM_DISK)
 
