@@ -233,6 +233,8 @@ class HiRadixCache(RadixCache):
             if not ack.ok:
                 self._drop_backup(node)
                 continue
+            if node.host_value is None:  # dropped with a failed ancestor's copy (FIFO)
+                continue
             self.counters.written_tokens += len(node.key)
             self._copy_heap.push(node)
             for half in halves:
@@ -371,23 +373,13 @@ class HiRadixCache(RadixCache):
         its parent. A node whose copy went, evicted from L1 later, is deleted rather than
         demoted (or written back first, under write_back); write_through copies it again
         the next time a request uses it."""
-        keep = set()
-        node = writing.parent if writing is not None else None
-        while node is not None:
-            keep.add(node.id)
-            node = node.parent
-        keep.update(self._ongoing_writes)
-        keep.update(n.id for nodes, _ in self._ongoing_loads.values() for n in nodes)
-        freed, kept, rebuilt = 0, [], False
-        while freed < num_tokens:
-            node = self._copy_heap.pop()
-            if node is None:
-                if rebuilt:  # a candidate whose push was missed is found once per call
-                    break
-                self._copy_heap.rebuild(self.iter_nodes())
-                rebuilt = True
-                continue
-            if node.id in keep:
+        # Of `writing`'s ancestors only its parent can be a candidate (the others have a
+        # child with a copy); pages being loaded are read from their copies
+        loading = {n.id for nodes, _ in self._ongoing_loads.values() for n in nodes}
+        freed, kept = 0, []
+        while freed < num_tokens and (node := self._copy_heap.pop()) is not None:
+            if (writing is not None and node is writing.parent
+                    or node.id in self._ongoing_writes or node.id in loading):
                 kept.append(node)
                 continue
             self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
