@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import zmq
 
 from hicache.config import BYTES_PER_GB, Config, EventsConfig
 from hicache.events import EventPublisher, EventRecorder, NullEventPublisher, ZmqEventPublisher
@@ -242,7 +243,8 @@ class CacheStack:
     def _flushes_all(self, tiers: Sequence[str]) -> bool:
         """Whether a flush of `tiers` empties L3 or every tier this stack has: its events
         are then one `AllBlocksCleared` (L3's pages cannot be listed one by one)."""
-        has = ["device"] + ["host"] * (self.host_pool is not None)
+        has = (["device"] + ["host"] * (self.host_pool is not None)
+               + ["storage"] * (self.storage is not None))
         return ("storage" in tiers and self.storage is not None) or all(t in tiers for t in has)
 
     def _restate(self, mark: int = -1) -> None:
@@ -315,7 +317,9 @@ class CacheStack:
         storage, self.storage = self.storage, None
         try:
             storage.close()
-        finally:  # a close that failed still leaves the server serving without L3
+        except Exception:  # the tier is gone either way: the detach stands
+            logger.exception("closing L3 at its detach failed; the server goes on without it")
+        finally:
             for node in self.tree.iter_nodes():
                 node.storage_backed = False
             if self.events is not None:  # routers forget this server's L3 pages
@@ -383,8 +387,16 @@ def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> CacheStac
 
 
 def _event_publisher(e: EventsConfig) -> EventPublisher:
-    return ZmqEventPublisher(e.endpoint, e.replay_endpoint, e.topic, buffer_steps=e.buffer_steps,
-                             hwm=e.hwm, max_queue_size=e.max_queue_size)
+    """The ZMQ publisher; a socket that cannot be opened (a port in use: another server on
+    this host with the default endpoint) is a ValueError naming the keys."""
+    try:
+        return ZmqEventPublisher(e.endpoint, e.replay_endpoint, e.topic,
+                                 buffer_steps=e.buffer_steps, hwm=e.hwm,
+                                 max_queue_size=e.max_queue_size)
+    except zmq.ZMQError as err:
+        raise ValueError(f"events.endpoint {e.endpoint!r} or events.replay_endpoint "
+                         f"{e.replay_endpoint!r} cannot be opened: {err}; give each server "
+                         "on this host its own ports (or tcp://*:0)") from None
 
 
 def _page_hasher(config: Config, model: ModelKV) -> PageHasher:

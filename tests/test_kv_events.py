@@ -442,3 +442,40 @@ def test_disabled_by_default_costs_no_publisher(tmp_path) -> None:
         e.generate(input_ids=list(range(32)), sampling_params=GREEDY)
         assert e.cache.events is None and e.cache.tree.events is None
         assert all(n.hash_value is None for n in e.cache.tree.iter_nodes())
+
+
+def test_an_endpoint_in_use_is_an_error_naming_the_keys() -> None:
+    from hicache.config import load_config
+    from hicache.stack import _event_publisher
+    first = _event_publisher(load_config(None, EVENTS).events)
+    try:
+        port = first.endpoint.rsplit(":", 1)[1]
+        taken = load_config(None, {**EVENTS, "events.endpoint": f"tcp://*:{port}"}).events
+        with pytest.raises(ValueError, match="events.endpoint .* cannot be opened"):
+            _event_publisher(taken)
+    finally:
+        first.shutdown()
+    assert not any(t.name == "hicache-kv-events" for t in threading.enumerate())
+
+
+def test_flushing_l1_and_l2_keeps_what_routers_know_of_l3(tmp_path) -> None:
+    """L3 still holds the pages after a flush of device and host: removals per tier, no
+    AllBlocksCleared (which would make routers forget the DISK pages too)."""
+    prompt = [(5 * i) % 250 for i in range(100)]
+    with tiered(tmp_path, **EVENTS) as e:
+        pub = e.cache.publisher
+        sub = Subscriber(pub.endpoint, pub.replay_endpoint)
+        try:
+            e.generate(input_ids=prompt, sampling_params=GREEDY)
+            e.flush_cache(["device", "host"])
+            e.generate(input_ids=[1] * 16, sampling_params=GREEDY)  # a batch after the flush
+            deadline = time.monotonic() + TIMEOUT_S
+            while pub.counters.batches < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            batches = sub.replay(0)
+        finally:
+            sub.close()
+    flat = [k for _, p in batches for k in kinds(p)]
+    assert flat.count(("Cleared",)) == 1 and flat[0] == ("Cleared",)
+    assert ("Removed", "GPU", "flushed", 6) in flat and ("Removed", "CPU", "flushed", 6) in flat
+    assert ("Stored", "DISK", 6) in flat

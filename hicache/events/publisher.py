@@ -149,14 +149,11 @@ class ZmqEventPublisher(EventPublisher):
             self.counters.dropped_events += len(old.events)
 
     def shutdown(self) -> None:
-        if not self._thread.is_alive():
-            return
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        while not self._queue.empty() and time.monotonic() < deadline:
-            time.sleep(POLL_S / 5)
-        self._put(None)  # the thread's stop sign
-        self._thread.join()
-        self._ctx.destroy(linger=0)  # closes both sockets
+        if self._thread.is_alive():
+            self._put(None)  # the stop sign, after every batch queued before it
+            self._thread.join(SHUTDOWN_TIMEOUT_S)
+        if not self._ctx.closed:
+            self._ctx.destroy(linger=0)  # closes both sockets
 
     # ---------------------------------------------------------------------- the thread
 
