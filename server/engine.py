@@ -432,6 +432,9 @@ class Engine:
         `cache.max_pinned_tokens` (saying how much is pinned and the cap). Returns
         `{"success", "pinned_tokens", "expires_in_s", "total_pinned_tokens",
         "max_pinned_tokens"}`."""
+        if self.cache.tree.disable:
+            raise InvalidRequest("pins need the radix cache, which this server was started "
+                                 "without: restart it without --disable-radix-cache")
         ids, extra_key = self._pin_prefix(text, input_ids, extra_key)
         ttl = _pin_ttl(ttl_seconds)
         if len(ids) > self.pins.max_tokens:

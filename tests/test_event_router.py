@@ -161,7 +161,9 @@ async def _subscriber_run() -> None:
         # published live: seq 1; then 3 arrives without 2 -> a gap the replay fills
         replayer.cancel()
         replayer = asyncio.create_task(_serve_replay(rep, batches))
+        deadline = asyncio.get_running_loop().time() + 5.0
         while sub.last_seq != 1:  # a SUB misses what is sent before it has joined
+            assert asyncio.get_running_loop().time() < deadline, "timed out"
             await pub.send_multipart([b"", _seq(1), batches[1]])
             await asyncio.sleep(0.05)
         await pub.send_multipart([b"", _seq(3), batches[3]])

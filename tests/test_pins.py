@@ -174,6 +174,9 @@ def test_the_cap_refuses_with_what_is_pinned() -> None:
     with small_engine(**{"cache.max_pinned_tokens": 0}) as e, \
             pytest.raises(InvalidRequest, match="cap"):
         e.pin(input_ids=prompt(3, PAGE), ttl_seconds=60)
+    with small_engine(**{"cache.enable_radix_cache": False}) as e, \
+            pytest.raises(InvalidRequest, match="pins need the radix cache"):
+        e.pin(input_ids=prompt(3, PAGE), ttl_seconds=60)
 
 
 @pytest.fixture(scope="module")

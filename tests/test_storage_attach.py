@@ -360,3 +360,19 @@ async def test_attach_redis(client: TestClient, tmp_path: Path) -> None:
         await backed_up(client, len(OTHER))
         assert await storage_hit_after_flush(client, OTHER) >= len(OTHER) - PAGE
         await ok(await client.delete(ROUTE))
+
+
+def test_a_store_that_fails_to_close_is_detached_all_the_same(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """Closing L3 at its detach raises: the detach still succeeds (logged), the server goes
+    on without L3 and can attach one again."""
+    with Engine(load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
+                                   "model.device": "cpu"})) as e:
+        e.attach_storage("lmdb", {"path": str(tmp_path / "a")})
+
+        def broken_close() -> None:
+            raise OSError("disk gone")
+        monkeypatch.setattr(e.cache.storage, "close", broken_close)
+        assert e.detach_storage()["success"] is True
+        assert e.storage_backend()["hicache_storage_backend"] is None
+        assert e.attach_storage("lmdb", {"path": str(tmp_path / "b")})["success"] is True

@@ -411,6 +411,8 @@ class RadixCache(PrefixCache):
         nodes that cannot leave L1 (`_pin_demotable`), except those on the path from the root
         to `path_end` (which `unlocked_on_path` already takes out). What admission must not
         count on."""
+        if not self._pinned:  # asked at every admission attempt short of room
+            return 0
         on_path = set()
         while path_end is not None and path_end is not self.root:
             on_path.add(path_end)
