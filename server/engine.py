@@ -186,10 +186,7 @@ class Engine:
     def _start_up(self) -> None:
         """The model, the cache's tiers and the scheduler (on the passing thread)."""
         self._init_model()
-        mc = self.loaded.config
-        self.cache: CacheStack = build_stack(self.config, ModelKV(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.loaded.dtype,
-            self.loaded.device, self.loaded.path))
+        self.cache: CacheStack = build_stack(self.config, self._model_kv())
         runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.tree)
         c = self.config.cache
         self.sessions = (SessionTable(self.cache.tree, c.session_timeout_s)
@@ -511,6 +508,19 @@ class Engine:
     def stats(self) -> dict:
         """`cache_stats()` as plain data: `{"tiers": {tier: {...}}, "counters": {...}}`."""
         return self.cache_stats().as_dict()
+
+    def load(self) -> dict[str, int]:
+        """SGLang's load report (`GET /get_load`), read between scheduler steps: requests
+        running and waiting, and `num_tokens`, every token of the running ones (prompt and
+        output so far) plus the waiting prompts: the KV the server holds or will, which
+        sglang-router's load-based policies compare between workers."""
+        def now() -> dict[str, int]:
+            sched = self.scheduler
+            return {"dp_rank": 0, "num_reqs": len(sched.running),
+                    "num_waiting_reqs": len(sched.waiting),
+                    "num_tokens": sum(r.seq_len for r in sched.running)
+                    + sum(r.prompt_len for r in sched.waiting)}
+        return self._call(now)
 
     # ------------------------------------------------------------ L3 attach / detach
     # Each runs on the scheduler thread between steps and only when no request runs or

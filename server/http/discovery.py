@@ -32,12 +32,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from hicache.config import config_to_dict
-from server.engine import Engine, EngineClosed
+from server.engine import Engine
 from server.http.body import brief, check_type, json_type, read_object
 from server.http.errors import HttpError
 from server.http.fields import known_fields
 from server.http.state import STATE
-from server.inbox import SchedulerStopped
 from server.launch import tier_sizes
 from server.request import check_unicode
 
@@ -125,30 +124,12 @@ async def handle_server_info(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------------- load
 
 
-def load_now(engine: Engine) -> dict[str, int]:
-    """What the scheduler holds now (run on its thread: it owns both lists). `num_tokens`
-    counts every token of a running request (prompt and output so far) and the prompts of
-    the waiting ones: the KV the server holds or will, which is what sglang-router's
-    load-based policies compare between workers."""
-    sched = engine.scheduler
-    return {"dp_rank": 0, "num_reqs": len(sched.running),
-            "num_waiting_reqs": len(sched.waiting),
-            "num_tokens": sum(r.seq_len for r in sched.running)
-            + sum(r.prompt_len for r in sched.waiting)}
-
-
 async def handle_get_load(request: web.Request) -> web.Response:
-    """SGLang's `GET /get_load`: a list with one entry per data-parallel rank. The
-    snapshot comes from the scheduler thread between steps (EngineClosed, a 503, once it has
-    stopped), so the answer waits for at most the step in progress."""
+    """SGLang's `GET /get_load`: a list with one entry per data-parallel rank
+    (`Engine.load`; a 503 once the scheduler has stopped)."""
     engine = request.app[STATE].engine
-    if not engine.alive():
-        raise EngineClosed("the scheduler thread has stopped; restart the server")
-    try:
-        load = await asyncio.wrap_future(engine.scheduler.call(lambda: load_now(engine)))
-    except SchedulerStopped as e:
-        raise EngineClosed(str(e)) from None
-    return web.json_response([load])
+    return web.json_response([await asyncio.get_running_loop().run_in_executor(
+        None, engine.load)])
 
 
 # --------------------------------------------------------------------- tokenize, detokenize

@@ -119,7 +119,7 @@ class Admission:
             still = set(waiting)
             self.delays = {req: n for req, n in self.delays.items() if req in still}
         return InBatchSharing(self.tree, filter(filling, self.kv.running), self.delays,
-                              self.policy.cache_aware)
+                              self.policy.cache_aware and bool(waiting))
 
     def start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
         """Start the request's L3 prefetch, if there is L3 and something worth fetching."""

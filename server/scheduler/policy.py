@@ -71,17 +71,28 @@ class SchedulePolicy(ABC):
     def order(self, waiting: Sequence[Request]) -> list[Request]: ...
 
 
-class LongestPrefixMatch(SchedulePolicy):
-    name = "lpm"
+class CacheAwarePolicy(SchedulePolicy):
+    """An order that follows the tree (`_rank`); FCFS when the tree is off, or when more
+    than MAX_LPM_SCAN requests wait (ranking them would cost more than it finds)."""
+
     cache_aware = True
 
     def __init__(self, tree: PrefixCache) -> None:
         self.tree = tree
 
     def order(self, waiting: Sequence[Request]) -> list[Request]:
-        if len(waiting) > MAX_LPM_SCAN:
+        if self.tree.disable or len(waiting) > MAX_LPM_SCAN:
             return list(waiting)
+        return self._rank(waiting)
 
+    @abstractmethod
+    def _rank(self, waiting: Sequence[Request]) -> list[Request]: ...
+
+
+class LongestPrefixMatch(CacheAwarePolicy):
+    name = "lpm"
+
+    def _rank(self, waiting: Sequence[Request]) -> list[Request]:
         def hit(req: Request) -> int:
             return self.tree.peek_prefix(cache_key(req), req.extra_key)
         return sorted(waiting, key=hit, reverse=True)  # stable: FCFS among equals
@@ -106,16 +117,10 @@ class RandomOrder(SchedulePolicy):
         return out
 
 
-class DfsWeight(SchedulePolicy):
+class DfsWeight(CacheAwarePolicy):
     name = "dfs-weight"
-    cache_aware = True
 
-    def __init__(self, tree: PrefixCache) -> None:
-        self.tree = tree
-
-    def order(self, waiting: Sequence[Request]) -> list[Request]:
-        if self.tree.disable or len(waiting) > MAX_LPM_SCAN:  # nothing to share, or too many
-            return list(waiting)
+    def _rank(self, waiting: Sequence[Request]) -> list[Request]:
         trie = PrefixTrie()
         for req in waiting:
             trie.insert(cache_key(req), req.extra_key)
@@ -163,8 +168,9 @@ class InBatchSharing:
         self.enabled = enabled and not tree.disable
         self.delays = delays
         self.trie = PrefixTrie()
-        for req in in_flight:
-            self.admitted(req)
+        if self.enabled:  # else the fills in flight are not even looked at
+            for req in in_flight:
+                self.admitted(req)
 
     def defers(self, req: Request) -> bool:
         """Whether `req` waits this step (and the delay is counted): a prefill in flight
