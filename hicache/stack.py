@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -227,7 +226,7 @@ class CacheStack:
         self.quiesce()
         mark = len(self.events.events) if self.events is not None else 0
         if "device" in tiers:
-            with self._flushing():
+            with self.tree.flushing():
                 out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers:
             out["host"] = self.tree.flush_host()
@@ -236,9 +235,6 @@ class CacheStack:
         if self.events is not None and self._flushes_all(tiers):
             self._restate(mark)
         return out
-
-    def _flushing(self) -> Any:
-        return self.events.flushing() if self.events is not None else nullcontext()
 
     def _flushes_all(self, tiers: Sequence[str]) -> bool:
         """Whether a flush of `tiers` empties L3 or every tier this stack has: its events

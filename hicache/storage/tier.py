@@ -154,9 +154,8 @@ class StorageTier:
             node = node.parent
         for n in reversed(chain):
             hashes = self.node_hashes(n)
-            if self._stored.pop_all(hashes):  # L3 said it holds them: no second write
+            if self._stored.pop_all(hashes):  # L3 said it holds them (and events said so)
                 n.storage_backed = True
-                self.tree.record_stored(n, MEDIUM_DISK)
                 continue
             self.tree.protect_host(n)
             self._backups[n.id] = n

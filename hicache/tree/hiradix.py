@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -402,7 +401,7 @@ class HiRadixCache(RadixCache):
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
         copies of nodes still on L1. Call with no write in flight. Returns the host tokens freed."""
         assert not self._ongoing_writes, "flush_host with D->H copies in flight"
-        with self._flushing():
+        with self.flushing():
             freed = self.evict_host(self.controller.host_pool.total_size())
             for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
                 if (node.host_value is not None and node.host_ref_counter == 0
@@ -421,10 +420,6 @@ class HiRadixCache(RadixCache):
                 self.record_stored(node, MEDIUM_CPU)
             if node.storage_backed:
                 self.record_stored(node, MEDIUM_DISK)
-
-    def _flushing(self) -> AbstractContextManager[None]:
-        """Removals inside are a flush (`BlockRemoved.reason` "flushed")."""
-        return self.events.flushing() if self.events is not None else nullcontext()
 
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
@@ -536,8 +531,7 @@ class HiRadixCache(RadixCache):
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
         self._copy_heap.push(node)
-        self.record_stored(node, MEDIUM_CPU)
-        self.record_stored(node, MEDIUM_DISK)
+        self.record_stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
 
     def copies_pending(self) -> bool:
         return self.controller.has_pending()

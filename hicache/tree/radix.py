@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -405,6 +406,11 @@ class RadixCache(PrefixCache):
             self._repush(node)
             node = node.parent
         self._maybe_rebuild_heaps()
+
+    def flushing(self) -> AbstractContextManager[None]:
+        """KV events: removals inside are an operator's flush (`BlockRemoved.reason`
+        "flushed")."""
+        return self.events.flushing() if self.events is not None else nullcontext()
 
     def stuck_pinned_size(self, path_end: TreeNode | None = None) -> int:
         """Device tokens `evictable_size()` counts that eviction cannot free: unlocked pinned
