@@ -15,8 +15,6 @@
     PUT  /hicache/storage-backend         attach L3 at runtime (SGLang's body fields, below)
     DELETE /hicache/storage-backend       detach L3
     GET  /hicache/storage-backend         the attached L3: backend, section, policies
-    POST /close_session                   SGLang's: end a session's retention (not guarded:
-                                          a client's route, in server.http.native)
 
 /admin/tiers also has `pinned_tokens`, `max_pinned_tokens`, `pins: [{tokens, extra_key,
 expires_in_s}]`, and with `cache.session_retention` `sessions`: `{live_sessions,
@@ -50,7 +48,6 @@ from hicache.stats import StorageStats
 from server.engine import Engine
 from server.http.body import brief, check_fields, check_type, read_object
 from server.http.errors import HttpError, error_response
-from server.http.native import handle_close_session
 from server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
@@ -257,5 +254,3 @@ def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) 
               ("/hicache/storage-backend", "GET", handle_storage_backend))
     for path, method, handler in routes:
         app.router.add_route(method, path, _guarded(handler, api_key))
-    # SGLang's session route is a client's, like /generate: not guarded
-    app.router.add_post("/close_session", handle_close_session)

@@ -31,7 +31,7 @@ from server.http.discovery import (
     handle_tokenize,
 )
 from server.http.errors import HttpError, RequestFailed, error_response
-from server.http.native import handle_generate
+from server.http.native import handle_close_session, handle_generate
 from server.http.openai import handle_completions
 from server.http.state import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -133,6 +133,7 @@ def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
     app[STATE] = ServerState(engine, metrics or attach_metrics(engine), max_body_bytes,
                              int(time.time()), body_timeout_s)
     app.router.add_post("/generate", handle_generate)
+    app.router.add_post("/close_session", handle_close_session)  # SGLang's; a client route
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", chat_route(engine))
     app.router.add_get("/v1/models", handle_models)

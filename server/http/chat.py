@@ -36,7 +36,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields
 from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import session_of, set_priorities, set_session
+from server.http.native import session_of
 from server.http.openai import (
     COMPLETION_UNSUPPORTED,
     OPENAI_PARAMS,
@@ -318,11 +318,9 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
     prompts = Prompts([Prompt(None, ids)], False)
     try:
         submitted = submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
-                           [logprob_options(chat)])
+                           [logprob_options(chat)], [chat.priority], chat.session_id)
     except InvalidRequest as e:
         raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
-    set_priorities(submitted, [chat.priority])
-    set_session(submitted, chat.session_id)
     streams = await start_all(engine, submitted)
     model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
     if not chat.stream:

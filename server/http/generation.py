@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from server.engine import Engine
-from server.http.prompts import Prompt, Prompts, item_message
+from server.http.prompts import Prompts, item_message
 from server.http.streaming import start_streams
 from server.request import InvalidRequest, Request
 from server.tokenizer import Tokenizer
@@ -68,23 +68,23 @@ class Submitted(NamedTuple):
 
 
 def submit(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
-           extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions]) -> Submitted:
-    """Every request of `prompts` (`params`, `extra_keys`, `logprobs`: one per prompt);
-    InvalidRequest naming the prompt of a batch that is wrong."""
+           extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
+           priorities: Sequence[int | None] | None = None, session_id: str | None = None
+           ) -> Submitted:
+    """Every request of `prompts` (`params`, `extra_keys`, `logprobs`, `priorities`: one
+    per prompt; `session_id` for all); InvalidRequest naming the prompt of a batch that is
+    wrong."""
     groups = []
     for i, prompt in enumerate(prompts.items):
         try:
-            groups.append(_requests(engine, prompt, params[i], extra_keys[i], logprobs[i]))
+            groups.append(engine.make_requests(
+                prompt.text, prompt.input_ids, params[i], extra_keys[i],
+                **logprobs[i]._asdict(),
+                priority=None if priorities is None else priorities[i],
+                session_id=session_id))
         except InvalidRequest as e:
             raise InvalidRequest(item_message(i, prompts.batch, str(e))) from None
     return Submitted(prompts, groups)
-
-
-def _requests(engine: Engine, prompt: Prompt, params: dict[str, Any], extra_key: str | None,
-              logprobs: LogprobOptions) -> list[Request]:
-    """Prompt's request(s): one per choice."""
-    return engine.make_requests(prompt.text, prompt.input_ids, params, extra_key,
-                                **logprobs._asdict())
 
 
 async def start_all(engine: Engine, submitted: Submitted) -> list[AsyncIterator[dict]]:

@@ -138,13 +138,6 @@ def _session_params(body: dict[str, Any]) -> str | None:
     return session_id if sid is None else sid
 
 
-def set_session(submitted: Submitted, session_id: str | None) -> None:
-    """Give every request of `submitted` the session `session_id`, before they start."""
-    if session_id is not None:
-        for _, req in submitted.choices():
-            req.session_id = session_id
-
-
 def _prompts(body: dict[str, Any]) -> Prompts:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -194,14 +187,6 @@ def _priorities(priority: Any, count: int, batch: bool) -> list[int | None]:
     return priorities
 
 
-def set_priorities(submitted: Submitted, priorities: list[int | None]) -> None:
-    """Give each prompt's requests (all its choices) the prompt's priority, before they
-    start (None: the default the engine gave them)."""
-    for i, req in submitted.choices():
-        if priorities[i] is not None:
-            req.priority = priorities[i]
-
-
 def _logprobs(body: dict[str, Any], count: int, batch: bool) -> list[LogprobOptions]:
     """Each prompt's logprob options (the engine checks their values)."""
     columns = {name: per_prompt(name, body.get(name), count, batch) for name in LOGPROB_FIELDS}
@@ -233,9 +218,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     generate = parse_generate(await read_object(request))
     engine = live_engine(request)
     submitted = submit(engine, generate.prompts, generate.sampling_params,
-                       generate.extra_keys, generate.logprobs)
-    set_priorities(submitted, generate.priorities)
-    set_session(submitted, generate.session_id)
+                       generate.extra_keys, generate.logprobs, generate.priorities,
+                       generate.session_id)
     streams = [_renamed(s, rid) for s, rid in
                zip(await start_all(engine, submitted), _choice_ids(generate, submitted))]
     one = not generate.prompts.batch and len(streams) == 1

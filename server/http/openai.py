@@ -28,7 +28,7 @@ from server.http.discovery import served_model_name
 from server.http.errors import HttpError
 from server.http.fields import Only, check_int, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import session_of, set_priorities, set_session
+from server.http.native import session_of
 from server.http.openai_shapes import (
     CompletionShape,
     completion_chunks,
@@ -198,11 +198,10 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     count = len(completion.prompts.items)  # every prompt is asked the same
     try:
         submitted = submit(engine, completion.prompts, [completion.sampling_params] * count,
-                           [completion.cache_salt] * count, [logprob_options(completion)] * count)
+                           [completion.cache_salt] * count, [logprob_options(completion)] * count,
+                           [completion.priority] * count, completion.session_id)
     except InvalidRequest as e:
         raise HttpError(400, openai_message(str(e), completion.limit_field)) from None
-    set_priorities(submitted, [completion.priority] * count)
-    set_session(submitted, completion.session_id)
     streams = await start_all(engine, submitted)
     model = served_model_name(engine)
     if not completion.stream:
