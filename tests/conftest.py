@@ -8,21 +8,27 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import pytest
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, settings
 
 from hicache.config import load_config
+from hicache.stack import CacheStack, ModelKV, build_stack
 from server.engine import Engine
-from server.http import create_app
+from server.http import Handler, add_admin_routes, create_app
 from server.model_runner import ForwardOutput
 from server.request import Request
 
 T = TypeVar("T")
 WAIT_S = 60.0  # a bound on waits that never time out in a passing run
+# A model's KV geometry without a model (2 layers, 2 KV heads of 8 dims, float32 on the CPU),
+# for stacks built with no engine; the path only names it in the page hashes.
+TINY_KV = ModelKV(2, 2, 8, torch.float32, torch.device("cpu"), Path("unused"))
 
 # CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
 settings.register_profile(
@@ -48,6 +54,21 @@ def _seed_everything() -> None:
     torch.manual_seed(0)
 
 
+def cpu_stack(page_size: int, l1_tokens: int, **overrides: object) -> CacheStack:
+    """The cache stack of `TINY_KV` on the CPU, `l1_tokens` in L1 (more config keys, dotted,
+    in `overrides`), without an engine around it."""
+    cfg = load_config(None, {"cache.page_size": page_size, "cache.max_total_tokens": l1_tokens,
+                             "model.device": "cpu", **overrides})
+    return build_stack(cfg, TINY_KV)
+
+
+def cache_finished(stack: CacheStack, tokens: list[int]) -> None:
+    """A finished request's KV for `tokens`, in `stack`'s tree and unlocked (its slots past
+    what the tree already held are the tree's; the rest are freed)."""
+    slots = stack.device_pool.alloc(len(tokens))
+    stack.device_pool.free(slots[:stack.tree.insert(tokens, slots)])
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -61,6 +82,13 @@ def tiered_engine(lmdb_dir) -> Engine:
         "cache.max_total_tokens": 2048, "cache.hierarchical": True, "storage.backend": "lmdb",
         "storage.lmdb.path": str(lmdb_dir), "storage.prefetch_policy": "wait_complete",
         "storage.prefetch_threshold": 32, "model.device": "cpu"}))
+
+
+def tiered_engine_in(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Engine]:
+    """`tiered_engine` with its LMDB in a fresh temporary folder `name`, for module-scoped
+    fixtures (`yield from`, as `small_engine`)."""
+    with tiered_engine(tmp_path_factory.mktemp(name)) as e:
+        yield e
 
 
 def missing_tool(message: str) -> NoReturn:
@@ -139,11 +167,27 @@ def record_forwards(e: Engine, monkeypatch: pytest.MonkeyPatch,
     return seen
 
 
+def from_remote(remote: str) -> Handler:
+    """A middleware that makes every request look as if it came from `remote`."""
+    @web.middleware
+    async def spoof(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await handler(request.clone(remote=remote))
+    return spoof
+
+
 @asynccontextmanager
-async def app_client(engine: Engine, *, wait_idle: bool = True) -> AsyncIterator[TestClient]:
-    """The engine's app on loopback; then (`wait_idle`) waits until no request runs, so the
-    next test starts on an idle engine."""
-    async with TestClient(TestServer(create_app(engine))) as c:
+async def app_client(engine: Engine, *, wait_idle: bool = True, admin: bool = False,
+                     admin_key: str | None = None, remote: str | None = None
+                     ) -> AsyncIterator[TestClient]:
+    """The engine's app on loopback, with the admin routes (guarded by `admin_key`, as
+    `--admin-api-key`) when `admin`, every request seen as from `remote` when given; then
+    (`wait_idle`) waits until no request runs, so the next test starts on an idle engine."""
+    app = create_app(engine)
+    if remote is not None:
+        app.middlewares.append(from_remote(remote))
+    if admin:
+        add_admin_routes(app, engine, admin_key)
+    async with TestClient(TestServer(app)) as c:
         yield c
     if wait_idle:
         engine.flush_cache(())

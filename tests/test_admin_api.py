@@ -2,68 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from aiohttp import ClientResponse, web
-from aiohttp.test_utils import TestClient, TestServer
-from conftest import tiered_engine
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from conftest import app_client, tiered_engine_in
+from http_helpers import PAGE, backed_up, error_of, tiers
 
 from server.engine import Engine
-from server.http import (
-    AdminDenied,
-    Handler,
-    add_admin_routes,
-    check_admin_access,
-    create_app,
-    is_loopback,
-)
+from server.http import AdminDenied, add_admin_routes, check_admin_access, is_loopback
 
 KEY = "s3cret-admin-key"
-PAGE = 16
 PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 FIELDS = {"capacity", "used", "evictable", "protected", "hits"}
-SETTLE_TIMEOUT_S = 10.0
-SETTLE_POLL_S = 0.05
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with tiered_engine(tmp_path_factory.mktemp("admin_lmdb")) as e:
-        yield e
-
-
-async def serve(app: web.Application) -> TestClient:
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    return client
+    yield from tiered_engine_in(tmp_path_factory, "admin_lmdb")
 
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[TestClient]:
-    app = create_app(engine)
-    add_admin_routes(app, engine, None)
-    client = await serve(app)
-    yield client
-    await client.close()
-
-
-async def error_of(resp: ClientResponse, status: int) -> str:
-    assert resp.status == status, await resp.text()
-    body = await resp.json()
-    assert body["error"]["code"] == status and body["error"]["type"]
-    return body["error"]["message"]
-
-
-async def tiers(client: TestClient) -> dict[str, dict[str, int]]:
-    resp = await client.get("/admin/tiers")
-    assert resp.status == 200
-    body = await resp.json()
-    assert body["unit"] == "tokens" and body["page_size"] == PAGE
-    return body["tiers"]
+    async with app_client(engine, admin=True, wait_idle=False) as c:
+        yield c
 
 
 async def generate(client: TestClient, **extra: Any) -> dict[str, Any]:
@@ -71,18 +36,6 @@ async def generate(client: TestClient, **extra: Any) -> dict[str, Any]:
                                                 **extra})
     assert resp.status == 200
     return await resp.json()
-
-
-async def backed_up(client: TestClient, tokens: int) -> None:
-    """Until storage holds `tokens` and no copy is in flight. A request that matches a node
-    whose L1->L2 write is still in flight loses most of its L3 backup (reported to the
-    engine's owner), so these tests let each backup land first."""
-    for _ in range(int(SETTLE_TIMEOUT_S / SETTLE_POLL_S)):
-        shown = await tiers(client)
-        if shown["storage"]["used"] >= tokens and shown["host"]["protected"] == 0:
-            return
-        await asyncio.sleep(SETTLE_POLL_S)
-    raise AssertionError(f"storage never held {tokens} tokens: {shown}")
 
 
 async def flush(client: TestClient, body: Any = None) -> dict[str, int]:
@@ -195,34 +148,17 @@ def test_access_rules() -> None:
         assert err.value.status == status
 
 
-def _from(remote: str) -> Handler:
-    """A middleware that makes every request look as if it came from `remote`."""
-    @web.middleware
-    async def spoof(request: web.Request, handler: Handler) -> web.StreamResponse:
-        return await handler(request.clone(remote=remote))
-    return spoof
-
-
 async def test_without_key_only_loopback_gets_in(engine: Engine) -> None:
-    app = create_app(engine)
-    app.middlewares.append(_from("203.0.113.5"))
-    add_admin_routes(app, engine, None)
-    client = await serve(app)
-    try:
+    async with app_client(engine, admin=True, remote="203.0.113.5", wait_idle=False) as client:
         message = await error_of(await client.get("/admin/tiers"), 403)
         assert "loopback" in message and "203.0.113.5" in message
         await error_of(await client.post("/flush_cache"), 403)
         assert (await client.get("/health")).status == 200  # only admin routes are guarded
-    finally:
-        await client.close()
 
 
 async def test_with_key(engine: Engine) -> None:
-    app = create_app(engine)
-    app.middlewares.append(_from("203.0.113.5"))  # a key lets other machines in
-    add_admin_routes(app, engine, KEY)
-    client = await serve(app)
-    try:
+    async with app_client(engine, admin=True, admin_key=KEY, wait_idle=False,
+                          remote="203.0.113.5") as client:  # a key lets other machines in
         resp = await client.get("/admin/tiers")
         assert "Bearer" in await error_of(resp, 401)
         assert resp.headers["WWW-Authenticate"] == "Bearer"
@@ -232,8 +168,6 @@ async def test_with_key(engine: Engine) -> None:
         right = {"Authorization": f"Bearer {KEY}"}
         assert (await client.get("/admin/tiers", headers=right)).status == 200
         assert (await client.post("/hicache/storage-backend/clear", headers=right)).status == 200
-    finally:
-        await client.close()
 
 
 def test_admin_routes_need_the_engines_app(engine: Engine) -> None:

@@ -4,13 +4,10 @@ reserved; the new tokens of every request are estimated (`NewTokenRatio`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
+from conftest import cache_finished, cpu_stack
 
-from hicache.config import load_config
-from hicache.stack import CacheStack, ModelKV, build_stack
+from hicache.stack import CacheStack
 from server.request import Request, SamplingParams
 from server.scheduler.admission import (
     INIT_NEW_TOKEN_RATIO,
@@ -24,19 +21,6 @@ from server.scheduler.kv import RequestKV
 
 PS = 4
 L1_TOKENS = 64
-MODEL = ModelKV(2, 2, 8, torch.float32, torch.device("cpu"), Path("unused"))
-
-
-def stack_of(hierarchical: bool = False) -> CacheStack:
-    cfg = load_config(None, {"cache.page_size": PS, "cache.max_total_tokens": L1_TOKENS,
-                             "cache.hierarchical": hierarchical, "model.device": "cpu"})
-    return build_stack(cfg, MODEL)
-
-
-def cache(stack: CacheStack, tokens: list[int]) -> None:
-    """A finished request's KV, in the tree and unlocked."""
-    slots = stack.device_pool.alloc(len(tokens))
-    stack.device_pool.free(slots[:stack.tree.insert(tokens, slots)])
 
 
 def request(prompt: list[int], max_new: int) -> Request:
@@ -50,8 +34,8 @@ def admission_of(stack: CacheStack, running: list[Request] | None = None
 
 
 def test_an_ask_that_says_no_evicts_nothing() -> None:
-    stack = stack_of()
-    cache(stack, list(range(1000, 1048)))  # 48 evictable tokens, 16 free
+    stack = cpu_stack(PS, L1_TOKENS)
+    cache_finished(stack, list(range(1000, 1048)))  # 48 evictable tokens, 16 free
     admission, _ = admission_of(stack)
     assert admission.plan(request(list(range(80)), 8)) is None  # 80 + 0.7 * 8 of 64
     assert stack.tree.evictable_size() == 48 and stack.device_pool.available_size() == 16
@@ -61,9 +45,9 @@ def test_an_ask_that_says_no_evicts_nothing() -> None:
 def test_the_requests_own_hit_is_not_counted_as_room() -> None:
     """All 48 evictable tokens are the request's own prefix: evicting them to make room
     for the rest of it would throw the hit away. The ask says no and changes nothing."""
-    stack = stack_of()
+    stack = cpu_stack(PS, L1_TOKENS)
     prefix = list(range(48))
-    cache(stack, prefix)
+    cache_finished(stack, prefix)
     req = request(prefix + list(range(500, 509)), 8)  # 9 new (12 in pages) + 0.7 * 8: 18
     assert admission_of(stack)[0].plan(req) is None
     assert stack.tree.evictable_size() == 48
@@ -71,10 +55,10 @@ def test_the_requests_own_hit_is_not_counted_as_room() -> None:
 
 
 def test_commit_evicts_the_shortfall_keeps_the_hit_and_releases_cleanly() -> None:
-    stack = stack_of()
+    stack = cpu_stack(PS, L1_TOKENS)
     prefix = list(range(16))
-    cache(stack, prefix)
-    cache(stack, list(range(1000, 1032)))  # 32 tokens of another context
+    cache_finished(stack, prefix)
+    cache_finished(stack, list(range(1000, 1032)))  # 32 tokens of another context
     admission, kv = admission_of(stack)
     req = request(prefix + list(range(500, 521)), 8)  # hit 16; fill 21 -> 24 slots, 6 more
     plan = admission.plan(req)  # estimated: asked for (30 of 16 free), not promised
@@ -94,10 +78,10 @@ def test_commit_evicts_the_shortfall_keeps_the_hit_and_releases_cleanly() -> Non
 def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     """The lock is recorded on the request the moment it is taken, so the release that
     fails a request takes it back; nothing else is undone because nothing else happened."""
-    stack = stack_of(hierarchical=True)
+    stack = cpu_stack(PS, L1_TOKENS, **{"cache.hierarchical": True})
     prefix = list(range(32))
-    cache(stack, prefix[:16])
-    cache(stack, prefix)  # two nodes of 16
+    cache_finished(stack, prefix[:16])
+    cache_finished(stack, prefix)  # two nodes of 16
     stack.quiesce()
     assert stack.tree.evict(16) == 16  # the deeper one: L2 only now
     monkeypatch.setattr(stack.tree, "init_load_back", lambda node: 1 / 0)
@@ -118,7 +102,7 @@ def test_the_running_requests_estimated_tokens_are_kept_free() -> None:
     """A running request that may still generate 40 tokens is expected to use 0.7 of them:
     a newcomer whose fill fits in the free slots waits while that estimate leaves it no room,
     and is admitted once the estimate has come down."""
-    stack = stack_of()
+    stack = cpu_stack(PS, L1_TOKENS)
     running: list[Request] = []
     admission, kv = admission_of(stack, running)
     first = request(list(range(20)), 40)  # fill 20, estimate 28: 48 of 64
@@ -132,9 +116,9 @@ def test_the_running_requests_estimated_tokens_are_kept_free() -> None:
 
 
 def test_a_decode_beyond_the_fill_takes_unpromised_slots_and_evicts_for_them() -> None:
-    stack = stack_of()
-    cache(stack, list(range(1000, 1020)))
-    cache(stack, list(range(2000, 2020)))  # 40 evictable in two leaves, 24 free
+    stack = cpu_stack(PS, L1_TOKENS)
+    cache_finished(stack, list(range(1000, 1020)))
+    cache_finished(stack, list(range(2000, 2020)))  # 40 evictable in two leaves, 24 free
     running: list[Request] = []
     admission, kv = admission_of(stack, running)
     req = request(list(range(16)), 32)
@@ -153,7 +137,7 @@ def test_a_retracted_request_readmitted_matches_its_prompt_and_output() -> None:
     """Retracted, a request's whole pages of prompt and output go to the tree, unlocked;
     readmitted, it matches them (all but its last token, whose logits pick the next one),
     fills the rest, and keeps the cached counts its client was told the first time."""
-    stack = stack_of()
+    stack = cpu_stack(PS, L1_TOKENS)
     running: list[Request] = []
     admission, kv = admission_of(stack, running)
     req = request(list(range(10)), 20)

@@ -249,18 +249,31 @@ def test_paths_and_sizes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert ModelConfig().is_embedded and not ModelConfig(path="/models/x").is_embedded
 
 
-def test_served_model_name_flag_and_key(tmp_path: Path) -> None:
-    """`--served-model-name` (SGLang's and vLLM's flag) sets server.served_model_name over
-    the YAML; left out it stays null (the name is derived from the model)."""
+# Server keys with an SGLang flag: the default, a value set by override, one in the YAML, one
+# on the command line, and one the flag refuses.
+@pytest.mark.parametrize(("key", "flag", "default", "overridden", "in_yaml", "flagged",
+                          "refused"), [
+    ("served_model_name", "--served-model-name", None, "by-override", "from-yaml",
+     "org/llama-3", ""),
+    ("schedule_policy", "--schedule-policy", "lpm", "dfs-weight", "random", "fcfs", "sjf"),
+])
+def test_server_flag_over_yaml(tmp_path: Path, key: str, flag: str, default: str | None,
+                               overridden: str, in_yaml: str, flagged: str,
+                               refused: str) -> None:
+    """`--served-model-name` (SGLang's and vLLM's flag) and `--schedule-policy` set their
+    server key over the YAML; left out, it keeps its default (a null name is derived from
+    the model); a refused value exits as argparse does, with 2."""
     from server.args import parse_config
 
-    yaml = write(tmp_path, "server:\n  served_model_name: from-yaml\n")
-    assert parse_config([])[0].server.served_model_name is None
-    assert parse_config(["--config", str(yaml)])[0].server.served_model_name == "from-yaml"
-    cfg, _ = parse_config(["--config", str(yaml), "--served-model-name", "org/llama-3"])
-    assert cfg.server.served_model_name == "org/llama-3"
+    yaml = write(tmp_path, f"server:\n  {key}: {in_yaml}\n")
+    assert getattr(load_config().server, key) == default
+    assert getattr(parse_config([])[0].server, key) == default
+    assert getattr(load_config(None, {f"server.{key}": overridden}).server, key) == overridden
+    assert getattr(parse_config(["--config", str(yaml)])[0].server, key) == in_yaml
+    cfg, _ = parse_config(["--config", str(yaml), flag, flagged])
+    assert getattr(cfg.server, key) == flagged
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--served-model-name", ""])
+        parse_config([flag, refused])
     assert exit_info.value.code == 2
 
 
@@ -300,6 +313,7 @@ def test_unknown_keys(overrides: dict[str, Any], key: str, message: str) -> None
     ("host.mem_layout", "page_first, layer_first"),
     ("storage.backend", "none, lmdb, redis, lmdb+redis"),
     ("storage.prefetch_policy", "best_effort, wait_complete, timeout"),
+    ("server.schedule_policy", "lpm, fcfs, random, dfs-weight"),
 ])
 def test_bad_enum_value(key: str, allowed: str) -> None:
     err = raises({key: "eventualy"})

@@ -25,11 +25,11 @@ import server.scheduler.loop as scheduler_module
 from hicache.config import load_config
 from server import launch
 from server.engine import Engine, EngineClosed
-from server.http import add_admin_routes, create_app
+from server.http import create_app
 from server.inbox import SchedulerStopped
 from server.model_runner import sample_row
 from server.request import SamplingParams
-from tests.conftest import tiered_engine
+from tests.conftest import app_client, tiered_engine_in
 
 PROMPT = "The fault of one request is its own. " * 4  # 148 byte tokens
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -44,17 +44,13 @@ WAIT_S = 30.0
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with tiered_engine(tmp_path_factory.mktemp("faults_lmdb")) as e:
-        yield e
+    yield from tiered_engine_in(tmp_path_factory, "faults_lmdb")
 
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[TestClient]:
-    app = create_app(engine)
-    add_admin_routes(app, engine, ADMIN_KEY)
-    async with TestClient(TestServer(app)) as c:
+    async with app_client(engine, admin=True, admin_key=ADMIN_KEY) as c:  # then waits for idle
         yield c
-    engine.flush_cache(())  # until idle
 
 
 def greedy_ids(engine: Engine, text: str = PROMPT) -> list[int]:

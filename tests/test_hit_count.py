@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-from conftest import submit_in_one_step
+from conftest import WAIT_S, submit_in_one_step
 from test_hiradix_cache import make_pools, make_tree
 
 from hicache.config import load_config
@@ -19,7 +19,6 @@ from hicache.tree.radix import RadixCache
 from server.engine import Engine
 
 PAGE = 16
-WAIT_S = 60.0  # a bound on waits that never time out in a passing run
 
 
 # ------------------------------------------------------------------------------- tree

@@ -10,7 +10,7 @@ from typing import Any
 import lmdb
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import tiered_engine
+from conftest import app_client, tiered_engine, tiered_engine_in
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +20,7 @@ from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
 from hicache.tree import HostCounters
 from server.engine import Engine
-from server.http import add_admin_routes, attach_metrics, create_app
+from server.http import attach_metrics, create_app
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16
@@ -46,8 +46,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with tiered_engine(tmp_path_factory.mktemp("metrics_lmdb")) as e:
-        yield e
+    yield from tiered_engine_in(tmp_path_factory, "metrics_lmdb")
 
 
 async def test_every_metric_after_traffic_through_all_tiers(engine: Engine) -> None:
@@ -200,9 +199,7 @@ def test_faults_a_backend_catches_itself_reach_metrics_and_admin_tiers(
         assert value(samples, "storage_errors_total", op="batch_set") >= 1
 
         async def tiers() -> dict[str, Any]:
-            app = create_app(e)
-            add_admin_routes(app, e, None)
-            async with TestClient(TestServer(app)) as client:
+            async with app_client(e, admin=True, wait_idle=False) as client:
                 return (await (await client.get("/admin/tiers")).json())["tiers"]["storage"]
 
         storage = asyncio.run(tiers())

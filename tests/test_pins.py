@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from conftest import app_client
 from test_eviction_priority import RecordingAllocator
 from test_hiradix_cache import make_pools
 
@@ -22,7 +23,6 @@ from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.pins import PinRefused, PinTable
 from hicache.tree.radix import RadixCache
 from server.engine import Engine
-from server.http import add_admin_routes, create_app
 from server.request import InvalidRequest
 
 PAGE = 16
@@ -214,12 +214,8 @@ def test_unpin(hier) -> None:
 
 # ----------------------------------------------------------------------------- HTTP
 
-@asynccontextmanager
-async def client(e: Engine, api_key: str | None = KEY) -> AsyncIterator[TestClient]:
-    app = create_app(e)
-    add_admin_routes(app, e, api_key)
-    async with TestClient(TestServer(app)) as c:
-        yield c
+def client(e: Engine) -> AbstractAsyncContextManager[TestClient]:
+    return app_client(e, admin=True, admin_key=KEY, wait_idle=False)
 
 
 async def test_the_pin_routes(hier) -> None:

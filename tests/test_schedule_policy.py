@@ -6,14 +6,18 @@ engine on the CPU, with the same greedy tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import record_forwards, submit_in_one_step
+from conftest import (
+    WAIT_S,
+    cache_finished,
+    cpu_stack,
+    record_forwards,
+    submit_in_one_step,
+)
 
-from hicache.config import SCHEDULE_POLICIES, ConfigError, load_config
-from hicache.stack import CacheStack, ModelKV, build_stack
+from hicache.config import SCHEDULE_POLICIES, load_config
+from hicache.stack import CacheStack
 from server.engine import Engine
 from server.request import Request, SamplingParams
 from server.scheduler import policy
@@ -30,21 +34,10 @@ from server.scheduler.policy import (
 
 PS = 4
 L1_TOKENS = 256
-MODEL = ModelKV(2, 2, 8, torch.float32, torch.device("cpu"), Path("unused"))
-WAIT_S = 60.0  # a bound on waits that never time out in a passing run
 
 
 def stack_of(enable_radix_cache: bool = True) -> CacheStack:
-    cfg = load_config(None, {"cache.page_size": PS, "cache.max_total_tokens": L1_TOKENS,
-                             "cache.enable_radix_cache": enable_radix_cache,
-                             "model.device": "cpu"})
-    return build_stack(cfg, MODEL)
-
-
-def cache(stack: CacheStack, tokens: list[int]) -> None:
-    """A finished request's KV, in the tree and unlocked."""
-    slots = stack.device_pool.alloc(len(tokens))
-    stack.device_pool.free(slots[:stack.tree.insert(tokens, slots)])
+    return cpu_stack(PS, L1_TOKENS, **{"cache.enable_radix_cache": enable_radix_cache})
 
 
 def request(prompt: list[int], max_new: int = 4, extra_key: str | None = None) -> Request:
@@ -66,8 +59,8 @@ def names(order: list[Request], reqs: dict[str, Request]) -> list[str]:
 def test_lpm_ranks_by_cached_prefix_stable_among_equals_and_fcfs_past_the_scan(
         monkeypatch: pytest.MonkeyPatch) -> None:
     stack = stack_of()
-    cache(stack, seq(0, 16))
-    cache(stack, seq(100, 32))
+    cache_finished(stack, seq(0, 16))
+    cache_finished(stack, seq(100, 32))
     reqs = {"none": request(seq(500, 9)), "short": request(seq(0, 8) + [7]),
             "long": request(seq(100, 32) + [7]), "none2": request(seq(600, 9)),
             "mid": request(seq(0, 16) + [7])}
@@ -83,7 +76,7 @@ def test_lpm_ranks_by_cached_prefix_stable_among_equals_and_fcfs_past_the_scan(
 
 def test_fcfs_keeps_arrival_order_whatever_is_cached() -> None:
     stack = stack_of()
-    cache(stack, seq(0, 32))
+    cache_finished(stack, seq(0, 32))
     reqs = {"a": request(seq(500, 9)), "b": request(seq(0, 32) + [1]), "c": request([3, 4])}
     assert names(make_policy("fcfs", stack.tree).order(list(reqs.values())), reqs) == ["a", "b", "c"]
 
@@ -190,7 +183,7 @@ def test_a_request_sharing_a_long_uncached_prefix_with_a_filling_one_waits() -> 
 
 def test_a_shared_prefix_already_cached_is_no_reason_to_wait() -> None:
     stack = stack_of()
-    cache(stack, SHARED[:24])
+    cache_finished(stack, SHARED[:24])
     admission, _ = admitted_one(stack, SHARED + seq(1, 8))
     partly = request(SHARED + seq(50, 8))  # 40 shared, 24 of them cached: 16 to gain
     assert not admission.sharing([partly]).defers(partly)
@@ -312,25 +305,3 @@ def test_a_sharer_waits_for_a_prefill_chunked_over_several_steps(
     assert engine.stats()["counters"]["delayed_admissions"] - delayed >= 1
     assert results[1]["meta_info"]["cached_tokens_details"]["device"] == len(PREFIX)
     assert [r["output_ids"] for r in results] == alone_tokens
-
-
-# ------------------------------------------------------------------- config and flag
-
-def test_schedule_policy_key_and_flag(tmp_path: Path) -> None:
-    from server.args import parse_config
-
-    assert load_config().server.schedule_policy == "lpm"
-    assert load_config(None, {"server.schedule_policy": "dfs-weight"}).server.schedule_policy \
-        == "dfs-weight"
-    with pytest.raises(ConfigError) as info:
-        load_config(None, {"server.schedule_policy": "sjf"})
-    assert str(info.value) == ("server.schedule_policy: 'sjf' is not one of lpm, fcfs, random, "
-                               "dfs-weight")
-    yaml = tmp_path / "c.yaml"
-    yaml.write_text("server:\n  schedule_policy: random\n", encoding="utf-8")
-    assert parse_config(["--config", str(yaml)])[0].server.schedule_policy == "random"
-    cfg, _ = parse_config(["--config", str(yaml), "--schedule-policy", "fcfs"])
-    assert cfg.server.schedule_policy == "fcfs"
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--schedule-policy", "sjf"])
-    assert exit_info.value.code == 2

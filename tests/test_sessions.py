@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from conftest import app_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_eviction_priority import RecordingAllocator, fake_clock
@@ -24,7 +24,6 @@ from hicache.tree.radix import RadixCache
 from hicache.tree.sessions import SessionTable
 from server.args import parse_config
 from server.engine import Engine
-from server.http import add_admin_routes, create_app
 from server.http.native import parse_generate
 from server.request import InvalidRequest
 
@@ -221,12 +220,9 @@ def test_the_flag_and_the_config_keys() -> None:
 
 # ----------------------------------------------------------------------------- HTTP
 
-@asynccontextmanager
-async def client(e: Engine) -> AsyncIterator[TestClient]:
-    app = create_app(e)
-    add_admin_routes(app, e, "secret")  # /close_session is not guarded by the admin key
-    async with TestClient(TestServer(app)) as c:
-        yield c
+def client(e: Engine) -> AbstractAsyncContextManager[TestClient]:
+    # /close_session is not guarded by the admin key
+    return app_client(e, admin=True, admin_key="secret", wait_idle=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,26 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from conftest import small_engine
+from aiohttp.test_utils import TestClient
+from conftest import app_client, small_engine
+from http_helpers import PAGE, backed_up, error_of, tiers
 
 from hicache.config import REDACTED, load_config
 from server.engine import Engine
-from server.http import add_admin_routes, create_app
 from server.storage_attach import StorageChangeRefused
 
 ROUTE = "/hicache/storage-backend"
 KEY = "attach-admin-key"
-PAGE = 16
 PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
 OTHER = [(11 * i + 3) % 250 for i in range(8 * PAGE)]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 # A stream long enough to be running whenever the test asks: the tiny model on the CPU
 # takes seconds for it; the test reads one event, asks, then closes the stream (an abort).
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
-SETTLE_TIMEOUT_S = 10.0
-SETTLE_POLL_S = 0.05
 NONE_ATTACHED = {"hicache_storage_backend": None, "hicache_storage_backend_extra_config": None,
                  "hicache_storage_prefetch_policy": None,
                  "hicache_write_policy": "write_through", "backend_config": None}
@@ -49,21 +45,12 @@ def engine() -> Iterator[Engine]:
         yield e
 
 
-async def serve(app: web.Application) -> TestClient:
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    return client
-
-
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[TestClient]:
-    """The app with admin routes (loopback, no key); each test ends with L3 detached."""
-    app = create_app(engine)
-    add_admin_routes(app, engine, None)
-    c = await serve(app)
-    yield c
-    await c.close()
-    engine.flush_cache(())  # no request left running
+    """The app with admin routes (loopback, no key); each test ends with no request running
+    and L3 detached."""
+    async with app_client(engine, admin=True) as c:
+        yield c
     engine.detach_storage()
     engine.flush_cache()
 
@@ -80,13 +67,6 @@ async def ok(resp: Any) -> dict[str, Any]:
     return await resp.json()
 
 
-async def error_of(resp: Any, status: int = 400) -> str:
-    assert resp.status == status, await resp.text()
-    body = await resp.json()
-    assert body["error"]["code"] == status
-    return body["error"]["message"]
-
-
 async def attach(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
     return await ok(await client.put(ROUTE, json=body))
 
@@ -95,24 +75,10 @@ async def backend(client: TestClient) -> dict[str, Any]:
     return await ok(await client.get(ROUTE))
 
 
-async def tiers(client: TestClient) -> dict[str, dict[str, int]]:
-    return (await ok(await client.get("/admin/tiers")))["tiers"]
-
-
 async def generate(client: TestClient, ids: list[int] = PROMPT) -> dict[str, int]:
     body = await ok(await client.post("/generate", json={"input_ids": ids,
                                                          "sampling_params": GREEDY}))
     return body["meta_info"]["cached_tokens_details"]
-
-
-async def backed_up(client: TestClient, tokens: int) -> None:
-    """Until storage holds `tokens` and no copy or backup is in flight."""
-    for _ in range(int(SETTLE_TIMEOUT_S / SETTLE_POLL_S)):
-        shown = await tiers(client)
-        if shown["storage"]["used"] >= tokens and shown["host"]["protected"] == 0:
-            return
-        await asyncio.sleep(SETTLE_POLL_S)
-    raise AssertionError(f"storage never held {tokens} tokens: {shown}")
 
 
 async def flush_upper(client: TestClient) -> None:
@@ -298,26 +264,14 @@ def l1_only() -> Iterator[Engine]:
 
 
 async def test_without_hierarchical_cache(l1_only: Engine, tmp_path: Path) -> None:
-    app = create_app(l1_only)
-    add_admin_routes(app, l1_only, None)
-    client = await serve(app)
-    try:
+    async with app_client(l1_only, admin=True, wait_idle=False) as client:
         message = await error_of(await client.put(ROUTE, json=lmdb_body(tmp_path)))
         assert "host tier (L2)" in message and "--enable-hierarchical-cache" in message
         assert (await ok(await client.delete(ROUTE)))["success"] is True
         assert await backend(client) == {**NONE_ATTACHED, "hicache_write_policy": None}
-    finally:
-        await client.close()
 
 
 # --------------------------------------------------------------------------------- access
-
-
-def _from(remote: str) -> Any:
-    @web.middleware
-    async def spoof(request: web.Request, handler: Any) -> web.StreamResponse:
-        return await handler(request.clone(remote=remote))
-    return spoof
 
 
 @pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
@@ -325,19 +279,16 @@ async def test_admin_access(engine: Engine, tmp_path: Path, method: str) -> None
     body = lmdb_body(tmp_path / "l3") if method == "PUT" else None
     for key, headers, status in [(None, {}, 403), (KEY, {}, 401),
                                  (KEY, {"Authorization": "Bearer wrong"}, 403)]:
-        app = create_app(engine)
-        app.middlewares.append(_from("203.0.113.5"))
-        add_admin_routes(app, engine, key)
-        client = await serve(app)
         try:
-            await error_of(await client.request(method, ROUTE, json=body, headers=headers),
-                           status)
-            assert engine.storage_backend()["hicache_storage_backend"] is None
-            if key is not None:
-                right = {"Authorization": f"Bearer {KEY}"}
-                await ok(await client.request(method, ROUTE, json=body, headers=right))
+            async with app_client(engine, admin=True, admin_key=key, wait_idle=False,
+                                  remote="203.0.113.5") as client:
+                await error_of(await client.request(method, ROUTE, json=body,
+                                                    headers=headers), status)
+                assert engine.storage_backend()["hicache_storage_backend"] is None
+                if key is not None:
+                    right = {"Authorization": f"Bearer {KEY}"}
+                    await ok(await client.request(method, ROUTE, json=body, headers=right))
         finally:
-            await client.close()
             engine.detach_storage()
 
 
