@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: the CUDA tests (kernels, transfer engine, the engine end to end
-# on the GPU, the server process on the GPU), then the transfer, attention and tier-TTFT
-# benchmarks, ending with a short table. `make gpu-check` runs it inside the project's .venv;
+# on the GPU, the server process on the GPU), then the transfer, decode attention, prefill
+# attention and tier-TTFT benchmarks, ending with a short table. `make gpu-check` runs it inside the project's .venv;
 # elsewhere set PYTHON (and PYTHONPATH to the repository root).
 #   GPU_RESULTS   where JSON and logs go (default benchmarks/results)
-#   GPU_BENCHES   which benchmarks run (default "transfer attention tier")
+#   GPU_BENCHES   which benchmarks run (default "transfer attention prefill tier")
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
 RESULTS=${GPU_RESULTS:-benchmarks/results}
-BENCHES=${GPU_BENCHES:-transfer attention tier}
+BENCHES=${GPU_BENCHES:-transfer attention prefill tier}
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 mkdir -p "$RESULTS"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
@@ -20,7 +20,8 @@ mkdir -p "$RESULTS"
 status=0
 per_test=()  # a hung test fails with its traceback instead of eating the whole run
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
-tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_transfer.py
+tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_attention.py
+       tests/test_transfer.py
        tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
        tests/test_server_process.py)
 # The server-process tests start `python -m server.launch` with `model.device: cuda`.
@@ -40,13 +41,14 @@ bench() {  # name, then the command; output to $RESULTS/<name>_gpu.log
 bench transfer "$PY" benchmarks/bench_transfer.py --geometries tiny llama3-8b \
   --page-sizes 16 64 --repeats 5 --out "$RESULTS/transfer_gpu.json"
 bench attention "$PY" benchmarks/bench_attention.py --out "$RESULTS/attention_gpu.json"
+bench prefill "$PY" benchmarks/bench_prefill_attention.py --out "$RESULTS/prefill_attention_gpu.json"
 bench tier "$PY" benchmarks/bench_tier_ttft.py --random-model llama-1b \
   --prompt-lens 1024 4096 16384 --repeats 3 --out "$RESULTS/tier_gpu.json"
 
 echo
 echo "== gpu-check summary =="
 grep -E "(passed|failed)" "$RESULTS/gpu_tests.log" | tail -1
-for name in transfer attention tier; do
+for name in transfer attention prefill tier; do
   [ -f "$RESULTS/${name}_gpu.log" ] && grep -E "^(\||goal|page )" "$RESULTS/${name}_gpu.log"
 done
 exit $status

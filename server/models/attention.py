@@ -12,9 +12,15 @@ the pool through `seq_slots[i]`. GQA: query head h reads KV head `h // (heads //
                          are never repeated
     prefill sequences    one gather of all their K/V; per sequence one SDPA call with K/V
                          broadcast over the query heads of each KV head (a stride-0 view, no
-                         copy); SDPA's causal path when nothing is cached (CPU), otherwise
-                         the offset-causal mask `j <= prefix + t`, built once per batch and
-                         shared by every layer
+                         copy). On the CPU: SDPA's causal path when nothing is cached,
+                         otherwise the additive offset-causal mask `j <= prefix + t`, built
+                         once per batch and shared by every layer. On CUDA: no mask at all,
+                         torch's lower-right causal bias (`causal_lower_right`), which is that
+                         same rule and which SDPA runs in the flash kernel (FlashAttention's
+                         causal flag is lower-right aligned when the key length exceeds the
+                         query length; the memory-efficient kernel where flash does not run,
+                         as in float32), so a cached prefix is read at flash speed and a
+                         prompt from scratch takes the very same kernel
 
 What a batch needs for this (tables, masks, index tensors) is built at the first layer and
 kept on the ForwardBatch (`ForwardBatch.memo`). `ReferenceAttention` is the plain per-sequence
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
@@ -70,7 +77,9 @@ class _Prefill:
 
     rows: slice                # its new tokens in `[T]`
     keys: slice                # its keys in the plan's prefill gather
-    mask: torch.Tensor | None  # [extend, seq_len] additive (0 / -inf), None: SDPA's causal path
+    # [extend, seq_len] additive (0 / -inf); None: SDPA's causal path; or the lower-right
+    # causal bias (no tensor: the kernel applies `j <= prefix + t` itself)
+    mask: torch.Tensor | CausalBias | None
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,8 @@ class _Plan:
     prefills: tuple[_Prefill, ...]
 
 
-def _plan(batch: ForwardBatch, causal_flag: bool, dtype: torch.dtype) -> _Plan:
+def _plan(batch: ForwardBatch, causal_flag: bool, lower_right: bool,
+          dtype: torch.dtype) -> _Plan:
     device = batch.device
     decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
     prefill = [i for i, e in enumerate(batch.extend_lens) if e > 1]
@@ -107,8 +117,12 @@ def _plan(batch: ForwardBatch, causal_flag: bool, dtype: torch.dtype) -> _Plan:
     gather = []
     for i in prefill:
         prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
-        m = (None if (prefix == 0 and causal_flag)
-             else _additive(_causal_mask(prefix, extend, device), dtype))
+        if lower_right:
+            m = causal_lower_right(extend, prefix + extend)
+        elif prefix == 0 and causal_flag:
+            m = None
+        else:
+            m = _additive(_causal_mask(prefix, extend, device), dtype)
         parts.append(_Prefill(slice(starts[i], starts[i] + extend),
                               slice(offset, offset + prefix + extend), m))
         gather.append(batch.seq_slots[i])
@@ -139,20 +153,25 @@ def _causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor
 class TorchAttention(AttentionBackend):
     """Batched attention through SDPA on any device (see the module docstring).
 
-    A sequence with no cached prefix takes SDPA's causal path on the CPU instead of a
+    On the CPU a sequence with no cached prefix takes SDPA's causal path instead of a
     materialised mask: bit-identical to the masked call (checked over 642 shapes in float32
     and bfloat16, and in tests), so a prompt computed from scratch and one extending a cached
-    prefix give the same tokens. On CUDA the causal flag picks another kernel than the mask
-    does, so the mask stays there until that is checked on a GPU.
+    prefix give the same tokens. `lower_right` (default: on CUDA) runs every prefill through
+    the lower-right causal bias instead, mask-free; on the CPU torch materialises that bias
+    on each call, which is why it is not the CPU's default (tests use it there to check it).
     """
+
+    def __init__(self, lower_right: bool | None = None) -> None:
+        self.lower_right = lower_right
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)  # each [num_slots, kv_heads, head_dim]
-        plan = batch.memo("torch_attention",
-                          lambda: _plan(batch, q.device.type == "cpu", q.dtype))
+        cpu = q.device.type == "cpu"
+        lower_right = not cpu if self.lower_right is None else self.lower_right
+        plan = batch.memo("torch_attention", lambda: _plan(batch, cpu, lower_right, q.dtype))
         if plan.all_decode:
             return _decode(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)  # [T, heads, head_dim]
@@ -184,7 +203,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor | None) -> torch.Tensor:
+             mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
     """One sequence's new tokens: `q` `[extend, heads, d]`, keys/values `[seq_len, kvh, d]`."""
     extend, heads, dim = q.shape
     seq_len, kv_heads = keys.shape[:2]
