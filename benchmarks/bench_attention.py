@@ -147,11 +147,17 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     if not torch.cuda.is_available():
         print("\nno CUDA device: only the torch paths ran (on the CPU)")
+    write_results(args, rows)
+
+
+def write_results(args: argparse.Namespace, rows: list[dict]) -> None:
+    """`args.out`: the date, the machine, the GPU, torch's version, the arguments and rows."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
 
 

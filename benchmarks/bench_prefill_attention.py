@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from bench_attention import timed
+from bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
 from server.models.attention import TorchAttention
@@ -144,13 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     if not torch.cuda.is_available():
         print("\nno CUDA device: CPU cases, float32 (the flash kernel is CUDA's)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    write_results(args, rows)
 
 
 if __name__ == "__main__":
