@@ -30,6 +30,7 @@ from server.models import loader as loader_mod
 from server.models.llama import (
     ONEDNN_MAX_ROWS,
     Linear,
+    RMSNorm,
     linear,
     onednn_linear_works,
     onednn_packing_works,
@@ -461,3 +462,18 @@ def test_loaded_cpu_model_is_packed_and_reloads(checkpoint: tuple[Path, torch.nn
     lm.model.load_weights(checkpoint[1].state_dict().items())
     assert all(m.packed for m in linears)
     assert torch.equal(run(lm, pool, tokens, slots, prefix=0), before)
+
+
+@pytest.mark.parametrize("hidden", [64, 512, 2048])
+@pytest.mark.parametrize("rows", [1, 8, 257])
+def test_float32_rms_norm_is_transformers_bit_for_bit(hidden: int, rows: int) -> None:
+    """float32 takes torch's fused rms_norm: the very bits of transformers' LlamaRMSNorm."""
+    gen = torch.Generator().manual_seed(SEED)
+    norm = RMSNorm(hidden, 1e-5, torch.float32, torch.device("cpu"))
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        w = torch.randn(hidden, generator=gen) * 0.1 + 1
+        norm.weight.copy_(w)
+        hf.weight.copy_(w)
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    assert torch.equal(norm(x), hf(x))

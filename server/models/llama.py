@@ -144,6 +144,8 @@ class RMSNorm(nn.Module):
         self.weight = _param((size,), dtype, device, fill=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same bits (a test checks)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
