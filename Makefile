@@ -107,7 +107,7 @@ router-venv: $(ROUTER_STAMP)
 bench-router: $(STAMP) $(ROUTER_STAMP)
 	$(BIN)/python benchmarks/bench_router.py $(ARGS)
 
-# On a machine with an NVIDIA GPU: CUDA tests + transfer and attention benchmarks.
+# On a machine with an NVIDIA GPU: CUDA tests + transfer, attention and tier benchmarks.
 gpu-check: $(STAMP)
 	$(BIN)/pip install -q -e '.[cuda]'
 	PYTHON=$(BIN)/python benchmarks/gpu_check.sh

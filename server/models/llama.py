@@ -43,10 +43,14 @@ def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
 # Rows up to which a plain CPU weight goes through oneDNN rather than MKL's sgemm: decode-
 # sized batches, where MKL spends its time packing the weight (vLLM's CPU backend switches at
 # the same size). Only the tied LM head (it is the embedding table too) and a weight that
-# cannot be packed still take this path; every other CPU Linear is packed (`Linear.pack`).
+# cannot be packed take this path; the other CPU Linears have a packed copy (`Linear.pack`).
 ONEDNN_MAX_ROWS = 32
+# Rows up to which a Linear with a packed copy uses it; past that MKL's sgemm on the plain
+# weight is faster. Measured on 2 cores, the embedded model's four shapes, packed against
+# F.linear: 0.84x-1.06x the time at 256 rows, 0.98x-1.09x at 512, 1.08x-1.26x at 2,048.
+PACKED_MAX_ROWS = 256
 # The batch size oneDNN is told to expect when it reorders a weight: any hint from 2 up gives
-# the same layout and speed from 1 to 2,048 rows here (a hint of 1 keeps it unblocked).
+# the same layout and speed from 1 to 256 rows here (a hint of 1 keeps it unblocked).
 PACK_ROWS_HINT = 16
 
 
@@ -93,12 +97,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Module):
     """`y = x @ W.T (+ b)`; W stacks `len(out_sizes)` matrices row-wise (q|k|v, gate|up).
 
-    On the CPU, once the weights are loaded, `pack` replaces W by oneDNN's blocked copy of it
-    (no second copy is kept): a matmul then skips oneDNN's per-call reorder of the weight
-    (measured on 2 cores, the embedded model's gate|up at 8 rows: 505 -> 272 us; at 2,048
-    rows 58 -> 46 ms), and a row's result no longer depends on how many rows share the call
-    (MKL's sgemm blocks by the batch's size), so a token computes alike whatever it is
-    batched with. `unpack` brings the plain weight back (loading writes into it).
+    On the CPU, once the weights are loaded, `pack` keeps a second copy of W in oneDNN's
+    blocked layout, for batches of at most PACKED_MAX_ROWS rows (decode steps, small
+    extends): a matmul then skips oneDNN's per-call reorder of the weight (measured on 2
+    cores, the embedded model's gate|up at 8 rows: 505 -> 272 us), and a row's result does
+    not depend on how many rows share the call. Larger batches run MKL's sgemm on the plain
+    W, which is faster there. The copy doubles the memory of the Linear weights (not of the
+    embedding table nor of a tied LM head).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
@@ -109,27 +114,22 @@ class Linear(nn.Module):
         self.bias = _param((sum(out_sizes),), dtype, device) if bias else None
         self.onednn = device.type == "cpu" and onednn_linear_works(dtype)
         self.packable = device.type == "cpu" and onednn_packing_works(dtype)
-
-    @property
-    def packed(self) -> bool:
-        return self.weight.is_mkldnn
+        self.packed: torch.Tensor | None = None  # not a parameter: derived from W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias, self.onednn)
 
     @torch.no_grad()
     def pack(self) -> None:
-        """Reorder W into oneDNN's layout, where that works (CPU); else nothing."""
-        if self.packable and not self.packed:
-            self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(
-                self.weight.detach(), PACK_ROWS_HINT), requires_grad=False)
+        """(Re)build the packed copy of W, where packing works (CPU); else nothing."""
+        if self.packable:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                  PACK_ROWS_HINT)
 
-    @torch.no_grad()
     def unpack(self) -> None:
-        if self.packed:
-            self.weight = nn.Parameter(self.weight.to_dense(), requires_grad=False)
+        self.packed = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         """Rows of stacked matrix `index` in `param` (the weight or the bias), a view."""
@@ -329,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy transformers-named tensors in (cast to the model's dtype and device).
 
         ValueError for an unknown name, a shape mismatch, or a weight missing at the end.
-        The CPU Linears are unpacked while loading and packed again after (`Linear.pack`).
+        The CPU Linears' packed copies are dropped while loading and rebuilt after.
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
