@@ -45,10 +45,6 @@ def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
 # the same size). Only the tied LM head (it is the embedding table too) and a weight that
 # cannot be packed take this path; the other CPU Linears have a packed copy (`Linear.pack`).
 ONEDNN_MAX_ROWS = 32
-# Rows up to which a Linear with a packed copy uses it; past that MKL's sgemm on the plain
-# weight is faster. Measured on 2 cores, the embedded model's four shapes, packed against
-# F.linear: 0.84x-1.06x the time at 256 rows, 0.98x-1.09x at 512, 1.08x-1.26x at 2,048.
-PACKED_MAX_ROWS = 256
 # The batch size oneDNN is told to expect when it reorders a weight: any hint from 2 up gives
 # the same layout and speed from 1 to 256 rows here (a hint of 1 keeps it unblocked).
 PACK_ROWS_HINT = 16
@@ -98,12 +94,15 @@ class Linear(nn.Module):
     """`y = x @ W.T (+ b)`; W stacks `len(out_sizes)` matrices row-wise (q|k|v, gate|up).
 
     On the CPU, once the weights are loaded, `pack` keeps a second copy of W in oneDNN's
-    blocked layout, for batches of at most PACKED_MAX_ROWS rows (decode steps, small
-    extends): a matmul then skips oneDNN's per-call reorder of the weight (measured on 2
-    cores, the embedded model's gate|up at 8 rows: 505 -> 272 us), and a row's result does
-    not depend on how many rows share the call. Larger batches run MKL's sgemm on the plain
-    W, which is faster there. The copy doubles the memory of the Linear weights (not of the
-    embedding table nor of a tied LM head).
+    blocked layout, and every matmul runs on it (vLLM's CPU backend does the same): no
+    per-call reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8
+    rows: 505 -> 272 us), and a row's result does not depend on how many rows share the
+    call. MKL's sgemm on the plain W is not used for large batches either: on the AMD EPYCs
+    here it was 8% faster for a 2,048-token prefill on one machine and 10-20% slower on
+    another (the 2026-12-02 one, whole forward passes alternated), and one kernel for every
+    batch size keeps a token's K/V the same bits whether it was prefilled or extended. The
+    copy doubles the memory of the Linear weights (not of the embedding table nor of a tied
+    LM head).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
@@ -117,7 +116,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # not a parameter: derived from W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias, self.onednn)
 
