@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +56,7 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
     CPU) runs here in `dtype` and agrees with `F.linear`; checked once per dtype."""
     if not torch.backends.mkldnn.is_available():
         return False
-    x, w = torch.randn(3, 16).to(dtype), torch.randn(8, 16).to(dtype)
-    try:
-        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
+    return _onednn_agrees(dtype, lambda w: w)
 
 
 @functools.cache
@@ -71,14 +66,24 @@ def onednn_packing_works(dtype: torch.dtype) -> bool:
     here in `dtype`, gives `F.linear`'s result, and unpacks to the same weight."""
     if not onednn_linear_works(dtype):
         return False
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        if not torch.equal(packed.to_dense(), w):
+            raise RuntimeError("the packed weight does not unpack to itself")
+        return packed
+    return _onednn_agrees(dtype, pack)
+
+
+def _onednn_agrees(dtype: torch.dtype,
+                   prepare: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """oneDNN's linear on `prepare(w)` runs and gives `F.linear(x, w)` in `dtype`."""
     x, w = torch.randn(5, 16).to(dtype), torch.randn(8, 16).to(dtype)
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        same = torch.equal(packed.to_dense(), w)
+        y = torch.ops.mkldnn._linear_pointwise(x, prepare(w), None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
-    return same and bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
+    return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
