@@ -4,12 +4,14 @@
                 a materialised mask (the engine's path before batching)
     batched     TorchAttention: one decode SDPA per layer over a padded slot table, one
                 gather for all prefills, KV heads broadcast by stride, masks built per batch
+    kernel      CpuKernelAttention (CPU float32 where the C kernel builds, the engine's CPU
+                default): every sequence in one call, K/V read through the slots
 
 Same model (the embedded one unless `--model-path`), same weights, same pool, the shapes the
 engine runs: a 2,048-token prefill from scratch, a 512-token extend on a 1,536-token cached
 prefix, decode steps at batch 1 and 8 (700 tokens of context each) and a mixed batch (7
-decodes + a 256-token prefill). Prints milliseconds (best of `--repeats`) and the speed-up,
-and the largest logit difference between the two backends; writes JSON.
+decodes + a 256-token prefill). Prints milliseconds (best of `--repeats`), the speed-ups,
+and the largest logit difference from the reference; writes JSON.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 import torch
 
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import ReferenceAttention, TorchAttention
+from kernels import cpu_attention
+from server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
-from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+from server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model
 
 # name -> (prefix, extend) per sequence
 SHAPES = {
@@ -94,31 +97,42 @@ def run(args: argparse.Namespace) -> list[dict]:
     tokens = max(sum(p + e for p, e in seqs) for seqs in SHAPES.values())
     pool = DeviceKVPool(-(-tokens // PAGE_SIZE) + 1, PAGE_SIZE, c.num_hidden_layers,
                         c.num_key_value_heads, c.head_dim, lm.dtype, lm.device)
-    backends = {"reference": ReferenceAttention(), "batched": TorchAttention()}
+    backends: dict[str, object] = {"reference": ReferenceAttention(),
+                                   "batched": TorchAttention()}
+    kernel = cpu_attention.load(hicache_home() / KERNELS_DIR)
+    if lm.device.type == "cpu" and lm.dtype == torch.float32 and kernel is not None:
+        backends["kernel"] = CpuKernelAttention(kernel)
     rows = []
     for name, seqs in SHAPES.items():
         batch = make_batch(seqs, c.vocab_size, args.seed)
         set_backend(model, backends["batched"])
-        fill_prefixes(model, pool, batch, c.vocab_size, args.seed + 1)  # shared by both
+        fill_prefixes(model, pool, batch, c.vocab_size, args.seed + 1)  # shared by all
         row, logits = {"shape": name}, {}
         for label, backend in backends.items():
             set_backend(model, backend)
             logits[label] = model.forward(batch, pool)
             row[f"{label}_ms"] = timed(functools.partial(model.forward, batch, pool),
                                        args.repeats) * 1e3
-        row["speedup"] = row["reference_ms"] / row["batched_ms"]
-        row["max_logit_diff"] = float((logits["reference"] - logits["batched"]).abs().max())
+        for label in backends:
+            if label != "reference":
+                row[f"{label}_speedup"] = row["reference_ms"] / row[f"{label}_ms"]
+                row[f"{label}_max_logit_diff"] = float(
+                    (logits["reference"] - logits[label]).abs().max())
         rows.append(row)
-        print(f"{name}: reference {row['reference_ms']:.1f} ms, batched "
-              f"{row['batched_ms']:.1f} ms", flush=True)
+        print(f"{name}: " + ", ".join(f"{label} {row[f'{label}_ms']:.1f} ms"
+                                      for label in backends), flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| shape | reference ms | batched ms | speed-up | max logit diff |",
-           "|---|---:|---:|---:|---:|"]
-    out += [f"| {r['shape']} | {r['reference_ms']:,.1f} | {r['batched_ms']:,.1f} | "
-            f"{r['speedup']:.2f}x | {r['max_logit_diff']:.1e} |" for r in rows]
+    labels = [k[:-3] for k in rows[0] if k.endswith("_ms") and k != "reference_ms"]
+    head = "| shape | reference ms | " + " | ".join(
+        f"{lb} ms | {lb} speed-up | {lb} max logit diff" for lb in labels) + " |"
+    out = [head, "|---|---:|" + "---:|---:|---:|" * len(labels)]
+    for r in rows:
+        cells = [f"{r[f'{lb}_ms']:,.1f} | {r[f'{lb}_speedup']:.2f}x | "
+                 f"{r[f'{lb}_max_logit_diff']:.1e}" for lb in labels]
+        out.append(f"| {r['shape']} | {r['reference_ms']:,.1f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

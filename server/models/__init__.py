@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from server.models.attention import (
     AttentionBackend,
+    CpuKernelAttention,
     CudaPagedAttention,
     ReferenceAttention,
     TorchAttention,
@@ -25,6 +26,7 @@ from server.models.loader import (
 __all__ = [
     "EMBEDDED_TINY_LLAMA",
     "AttentionBackend",
+    "CpuKernelAttention",
     "CudaPagedAttention",
     "ForwardBatch",
     "LlamaForCausalLM",

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +42,16 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
+from kernels import cpu_attention
 from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# `HICACHE_CPU_ATTENTION=sdpa` keeps a CPU model on TorchAttention even where the C kernel
+# builds (`kernel`, the default, falls back to SDPA by itself where it cannot).
+CPU_ATTENTION_ENV = "HICACHE_CPU_ATTENTION"
+CPU_ATTENTION_CHOICES = ("kernel", "sdpa")
 
 
 class AttentionBackend(ABC):
@@ -267,10 +275,55 @@ class CudaPagedAttention(AttentionBackend):
         return out.to(q.dtype)
 
 
-def make_attention_backend(device: str | torch.device) -> AttentionBackend:
-    """CudaPagedAttention on a CUDA device with CuPy installed, otherwise TorchAttention."""
+class CpuKernelAttention(AttentionBackend):
+    """Every float32 CPU batch (prefill, extend, decode, mixed) in one call of the C kernel
+    (kernels/cpu_attention.c), K/V read from the pool through each sequence's slots: no
+    gather, no mask, no per-sequence loop. A row's result depends only on its query and its
+    keys, so a token gets the same bits prefilled, extended on a cached prefix, or decoded,
+    and recomputed and cached K/V agree bit for bit across every path. Other dtypes go to
+    TorchAttention."""
+
+    def __init__(self, kernel: cpu_attention.CpuAttentionKernel) -> None:
+        self.kernel = kernel
+        self._fallback = TorchAttention()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+        batch: ForwardBatch, kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_pool.get_kv(layer)
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return self._fallback.forward(q, k, v, layer, batch, kv_pool)
+        slots, seqs = batch.memo("cpu_kernel_attention", lambda: _kernel_plan(batch))
+        return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]))
+
+
+def _kernel_plan(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's `slots` (every sequence's, concatenated) and `seqs` rows (first row in
+    `[T]`, prefix_len, extend_len, first entry in `slots`), once per batch."""
+    lens = batch.seq_lens
+    firsts = [0]
+    for n in lens[:-1]:
+        firsts.append(firsts[-1] + n)
+    seqs = torch.tensor(list(zip(batch.extend_starts, batch.prefix_lens, batch.extend_lens,
+                                 firsts)), dtype=torch.int64)  # [S, 4]
+    slots = torch.cat(batch.seq_slots).to(torch.int64).contiguous()
+    return slots, seqs
+
+
+def make_attention_backend(device: str | torch.device,
+                           kernel_dir: Path | None = None) -> AttentionBackend:
+    """On CUDA: CudaPagedAttention with CuPy installed, else TorchAttention. On the CPU:
+    CpuKernelAttention where the C kernel builds into `kernel_dir` (None: not tried) and
+    `HICACHE_CPU_ATTENTION` does not say `sdpa`, else TorchAttention."""
     if torch.device(device).type != "cuda":
-        return TorchAttention()
+        choice = os.environ.get(CPU_ATTENTION_ENV, "kernel")
+        if choice not in CPU_ATTENTION_CHOICES:
+            raise ValueError(f"{CPU_ATTENTION_ENV}={choice!r}: expected one of "
+                             f"{', '.join(CPU_ATTENTION_CHOICES)}")
+        kernel = (cpu_attention.load(kernel_dir)
+                  if kernel_dir is not None and choice == "kernel" else None)
+        return TorchAttention() if kernel is None else CpuKernelAttention(kernel)
     try:
         import cupy  # noqa: F401  (optional dependency: the `cuda` extra)
     except ImportError:

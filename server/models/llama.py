@@ -48,6 +48,10 @@ ONEDNN_MAX_ROWS = 32
 # The batch size oneDNN is told to expect when it reorders a weight: any hint from 2 up gives
 # the same layout and speed from 1 to 256 rows here (a hint of 1 keeps it unblocked).
 PACK_ROWS_HINT = 16
+# A packed matmul of one row takes another oneDNN kernel whose bits differ from the same row
+# in a batch of 2 or more (seen for in_features 1,536, the embedded model's down_proj), so a
+# lone decode token would not match its prefilled self: it runs as 2 copies of itself.
+SINGLE_ROW_PAD = 2
 
 
 @functools.cache
@@ -121,9 +125,14 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # not a parameter: derived from W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return linear(x, self.weight, self.bias, self.onednn)
+        if self.packed is None:
+            return linear(x, self.weight, self.bias, self.onednn)
+        if x.shape[0] == 1:  # see SINGLE_ROW_PAD
+            return self._packed(x.expand(SINGLE_ROW_PAD, -1).contiguous())[:1]
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @torch.no_grad()
     def pack(self) -> None:

@@ -45,6 +45,7 @@ EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_NAME = "tiny-llama"
 EMBEDDED_TINY_LLAMA = EMBEDDED_PREFIX + EMBEDDED_NAME
 DEFAULT_HICACHE_HOME = "~/.cache/hicache"
+KERNELS_DIR = "kernels"  # under hicache_home(): compiled CPU kernels, keyed by source
 EMBEDDED_SEED = 20250101  # any fixed value; changing it changes every page hash of the model
 EMBEDDED_WEIGHT_STD = 0.02  # transformers' initializer_range default
 
@@ -240,7 +241,8 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
                        config.sliding_window, config.sliding_window)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
-    model = LlamaForCausalLM(config, make_attention_backend(dev), torch_dtype, dev)
+    backend = make_attention_backend(dev, kernel_dir=hicache_home() / KERNELS_DIR)
+    model = LlamaForCausalLM(config, backend, torch_dtype, dev)
     model.load_weights(iter_safetensors(folder))
     return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
 

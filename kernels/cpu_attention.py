@@ -1,0 +1,197 @@
+"""Paged causal attention on the CPU: the C kernel of cpu_attention.c and its torch reference.
+
+Layouts (float32 only)::
+
+    q          [T, H, D]            the batch's new tokens; rows may be strided (a view of q|k|v)
+    k/v_cache  [num_slots, KVH, D]  one layer of the device KV pool, contiguous
+    slots      [sum of seq_lens]    int64: sequence 0's slots, then sequence 1's, ...
+    seqs       [S, 4]               int64 rows (first row in T, prefix_len, extend_len,
+                                    first entry in `slots`)
+    out        [T, H, D]
+
+New token t of sequence i (position `prefix_len + t`) attends keys `0 .. prefix_len + t` of
+that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the case
+`extend_len == 1`; one call serves any mix.
+
+The kernel computes each row the same way whatever else is in the call, so a token gets the
+same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
+how). It needs AVX-512F and a C compiler: `load()` compiles the source once with the system
+compiler (`$CC`, else `cc`) into `cache_dir` (~1 s), keyed by the source, flags and compiler,
+and returns None where either is missing or the build fails (the caller keeps torch's SDPA).
+The .so uses OpenMP through libgomp.so.1, the very runtime torch loaded (same soname), so
+the two share one thread pool.
+
+Threading: a kernel call may come from any thread; it uses `num_threads` OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_SYMBOL = "hicache_paged_attention_f32"
+_WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
+# AVX-512F intrinsics, not -march=native: one build runs on every AVX-512 machine
+_FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+MAX_HEAD_DIM = 256  # must match cpu_attention.c
+HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
+_ERRORS = {-1: "unsupported shape", -2: "out of memory"}
+_COMPILE_TIMEOUT_S = 120
+
+
+class CpuAttentionKernel:
+    """The compiled kernel (see the module docstring); build it with `load()`."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fn = getattr(library, _SYMBOL)
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ]
+        self._workspace_fn = getattr(library, _WORKSPACE_SYMBOL)
+        self._workspace_fn.restype = ctypes.c_int64
+        self._workspace_fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        # per calling thread: a float32 buffer kept and grown, so no call allocates pages
+        self._local = threading.local()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, seqs: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output `[T, H, D]` float32 (see the module docstring for the layouts)."""
+        _validate(q, k_cache, v_cache, slots, seqs)
+        tokens, heads, dim = q.shape
+        out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+        if tokens == 0:
+            return out
+        threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
+        need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                      slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim,
+                      scale, out.data_ptr(), self._workspace(need).data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"CPU attention kernel failed: {_ERRORS.get(rc, rc)}")
+        return out
+
+
+    def _workspace(self, floats: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < floats:
+            buf = self._local.buf = torch.empty(floats, dtype=torch.float32)  # 64-B aligned
+        return buf
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slots: torch.Tensor, seqs: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """The kernel's signature in plain torch: per sequence, gather, repeat KV heads, SDPA
+    with the offset-causal mask."""
+    _validate(q, k_cache, v_cache, slots, seqs)
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for first, prefix, extend, slot0 in seqs.tolist():
+        own = slots[slot0:slot0 + prefix + extend]
+        ks = k_cache.index_select(0, own).repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v_cache.index_select(0, own).repeat_interleave(group, dim=1).transpose(0, 1)
+        allowed = (torch.arange(prefix + extend)[None, :]
+                   <= torch.arange(prefix, prefix + extend)[:, None])  # [extend, seq_len]
+        qs = q[first:first + extend].transpose(0, 1)  # [H, extend, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        out[first:first + extend] = o.transpose(0, 1)
+    return out
+
+
+def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor, seqs: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    dim, kv_heads = k_cache.shape[2], k_cache.shape[1]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must be contiguous and of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[2] != dim or q.shape[1] % kv_heads or q.stride(2) != 1 or q.stride(1) != dim:
+        raise ValueError(f"q must be [T, H, {dim}] with H a multiple of {kv_heads} and each "
+                         f"row's heads contiguous, got shape {tuple(q.shape)} strides "
+                         f"{q.stride()}")
+    if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_MULTIPLE} up to "
+                         f"{MAX_HEAD_DIM}, got {dim}")
+    for name, t in (("slots", slots), ("seqs", seqs)):
+        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 CPU tensor, got {t.dtype} "
+                             f"on {t.device}")
+    if seqs.dim() != 2 or seqs.shape[1] != 4:
+        raise ValueError(f"seqs must be [S, 4], got {tuple(seqs.shape)}")
+
+
+def supported() -> bool:
+    """AVX-512F on this CPU (what torch dispatches its own kernels on) and a C compiler."""
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and shutil.which(_compiler()) is not None)
+
+
+@functools.cache
+def load(cache_dir: Path) -> CpuAttentionKernel | None:
+    """The kernel, compiled into `cache_dir` on first use; None where unsupported or the
+    build fails (logged once)."""
+    if not supported():
+        logger.info("CPU attention kernel unavailable (needs AVX-512F and %s): using SDPA",
+                    _compiler())
+        return None
+    try:
+        path = _build(cache_dir)
+        return CpuAttentionKernel(ctypes.CDLL(str(path)), path)
+    except subprocess.CalledProcessError as exc:
+        logger.warning("CPU attention kernel did not build (%s exited %s: %s): using SDPA",
+                       exc.cmd[0], exc.returncode, (exc.stderr or "").strip()[-500:])
+        return None
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("CPU attention kernel did not build or load (%s): using SDPA", exc)
+        return None
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _build(cache_dir: Path) -> Path:
+    """Compile once per (source, flags, compiler); a finished build is renamed into place,
+    so concurrent processes never load a half-written file."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True,
+                             timeout=_COMPILE_TIMEOUT_S).stdout  # a broken one fails below
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
+                         + version.encode()).hexdigest()[:16]
+    path = cache_dir / f"cpu_attention-{key}.so"
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

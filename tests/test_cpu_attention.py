@@ -1,0 +1,180 @@
+"""The CPU attention kernel (kernels/cpu_attention.c) against its torch reference, the
+row-invariance it promises (a token's bits do not depend on how its sequence was split into
+prefix, extend and decode), and the model on it: cached and recomputed K/V bit-identical.
+
+Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
+skipped elsewhere, and a supported machine whose build fails fails here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention import make_case, new_kv
+
+from kernels import cpu_attention
+from kernels.cpu_attention import paged_attention_reference
+from server.models.attention import (
+    CPU_ATTENTION_ENV,
+    CpuKernelAttention,
+    TorchAttention,
+    make_attention_backend,
+)
+from server.models.forward_batch import ForwardBatch
+from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+
+SEED = 5
+KV_HEADS = 2
+SCALE = 0.125
+TOLERANCE = 2e-5  # float32: the kernel's exp and summation order against SDPA's
+# (prefix, extend): decode rows, prompts from scratch and on a cached prefix, lengths on and
+# around the kernel's key block (64) and token tile (16)
+MIXED = ((0, 37), (120, 1), (0, 1), (64, 1), (48, 17), (5, 1), (200, 64), (1, 2), (300, 1),
+         (63, 66), (0, 129))
+
+pytestmark = pytest.mark.skipif(not cpu_attention.supported(),
+                                reason="the CPU attention kernel needs AVX-512F and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttentionKernel:
+    built = cpu_attention.load(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, "supported() is true, so the kernel must build and load"
+    return built
+
+
+def case(seqs: tuple[tuple[int, int], ...], heads: int, dim: int = 64,
+         num_slots: int = 4096) -> tuple[torch.Tensor, ...]:
+    """q as a strided view (the model's q of q|k), pools, scattered slots, the seqs rows."""
+    gen = torch.Generator().manual_seed(SEED)
+    k_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen)
+    v_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen)
+    perm = torch.randperm(num_slots, generator=gen)
+    rows, used, first = [], 0, 0
+    for prefix, extend in seqs:
+        rows.append([first, prefix, extend, used])
+        used += prefix + extend
+        first += extend
+    q = torch.randn((first, heads + KV_HEADS, dim), generator=gen)[:, :heads]
+    return q, k_cache, v_cache, perm[:used].clone(), torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("ratio", (1, 4, 8))
+@pytest.mark.parametrize("dim", (64, 80, 128))
+def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None:
+    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * ratio, dim)
+    got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
+    want = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("ratio", (1, 4, 8))
+def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: int) -> None:
+    """From scratch, extending a cached prefix at any split, decoded one token at a time,
+    or beside other sequences: every row of a 300-token sequence gets the same bits."""
+    q, kc, vc, slots, seqs = case(((0, 300),), KV_HEADS * ratio)
+    full = kernel(q, kc, vc, slots, seqs, SCALE)
+    for prefix in (1, 15, 16, 63, 64, 65, 200, 299):
+        ext = kernel(q[prefix:], kc, vc, slots, torch.tensor([[0, prefix, 300 - prefix, 0]]),
+                     SCALE)
+        assert torch.equal(ext, full[prefix:]), prefix
+    for pos in (0, 1, 63, 64, 150, 299):
+        one = kernel(q[pos:pos + 1], kc, vc, slots, torch.tensor([[0, pos, 1, 0]]), SCALE)
+        assert torch.equal(one, full[pos:pos + 1]), pos
+    # the same sequence's tail as the second of a batch with an unrelated prefill first
+    other, tail = 40, 300 - 100
+    mixed_q = torch.cat([torch.randn(other, q.shape[1], q.shape[2]), q[100:]])
+    rows = torch.tensor([[0, 0, other, 0], [other, 100, tail, 0]])
+    got = kernel(mixed_q, kc, vc, slots, rows, SCALE)
+    assert torch.equal(got[other:], full[100:])
+
+
+def test_bad_inputs_are_value_errors(kernel) -> None:
+    q, kc, vc, slots, seqs = case(((0, 8),), 8)
+    with pytest.raises(ValueError, match="float32"):
+        kernel(q.to(torch.bfloat16), kc, vc, slots, seqs, SCALE)
+    with pytest.raises(ValueError, match="head_dim"):
+        kernel(q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(),
+               slots, seqs, SCALE)
+    with pytest.raises(ValueError, match="seqs"):
+        kernel(q, kc, vc, slots, seqs[:, :3].contiguous(), SCALE)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        kernel(q[:, :3], kc, vc, slots, seqs, SCALE)
+
+
+def test_the_backend_matches_torch_attention_on_a_pool(kernel) -> None:
+    """Through the AttentionBackend contract, on a NaN pool whose only finite slots are the
+    sequences' (a read of any other slot would turn the result NaN)."""
+    pool, batch, q = make_case(MIXED, KV_HEADS * 4, torch.float32)
+    k, v = new_kv(pool, batch)
+    got = CpuKernelAttention(kernel).forward(q, k, v, 0, batch, pool)
+    want = TorchAttention().forward(q, k, v, 0, batch, pool)
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_make_attention_backend_picks_the_kernel_unless_told(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    assert isinstance(make_attention_backend("cpu", kernel_dir=tmp_path), CpuKernelAttention)
+    assert isinstance(make_attention_backend("cpu"), TorchAttention)  # no kernel dir
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "sdpa")
+    assert isinstance(make_attention_backend("cpu", kernel_dir=tmp_path), TorchAttention)
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "flash")
+    with pytest.raises(ValueError, match="kernel, sdpa"):
+        make_attention_backend("cpu", kernel_dir=tmp_path)
+
+
+def test_a_failed_build_falls_back_to_none(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert cpu_attention.load(tmp_path / "failing") is None
+
+
+def test_the_build_is_kept_and_reused(tmp_path: Path) -> None:
+    first = cpu_attention._build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention._build(tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def _pool_kv(pool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [buf[slots].clone() for buf in (*pool.k_buffers, *pool.v_buffers)]
+
+
+def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Path) -> None:
+    """The embedded model on the kernel: a 150-token prompt prefilled at once; the same prompt
+    as a cached 70-token prefix then an extend; and 20 of its tokens decoded one at a time
+    after the first 130: every layer's K/V of every token is the same bits, and so are the
+    last token's logits."""
+    from hicache.memory.device import DeviceKVPool
+
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
+    lm = load_model(EMBEDDED_TINY_LLAMA, "float32", "cpu")
+    assert isinstance(lm.model.model.layers[0].self_attn.backend, CpuKernelAttention)
+    c = lm.config
+    ids = torch.randint(0, c.vocab_size, (150,), generator=torch.Generator().manual_seed(SEED))
+
+    def fresh_pool() -> DeviceKVPool:
+        return DeviceKVPool(16, 16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                            torch.float32, "cpu")
+
+    def run(pool: DeviceKVPool, prefix: int, extend: int) -> torch.Tensor:
+        slots = torch.arange(16, 16 + prefix + extend)
+        batch = ForwardBatch(ids[prefix:prefix + extend], torch.arange(prefix, prefix + extend),
+                             slots[prefix:], [slots], [prefix], [extend])
+        return lm.model.forward(batch, pool)
+
+    whole = fresh_pool()
+    logits = run(whole, 0, 150)
+    split = fresh_pool()
+    run(split, 0, 70)
+    assert torch.equal(run(split, 70, 80), logits)
+    decoded = fresh_pool()
+    run(decoded, 0, 130)
+    for pos in range(130, 150):
+        last = run(decoded, pos, 1)
+    assert torch.equal(last, logits)
+    slots = torch.arange(16, 166)
+    for a, b, d in zip(_pool_kv(whole, slots), _pool_kv(split, slots), _pool_kv(decoded, slots)):
+        assert torch.equal(a, b) and torch.equal(a, d)
