@@ -9,6 +9,8 @@ as the engine holds them:
                  causal path from scratch and an additive mask built once per batch
     masked       `TorchAttention(lower_right=False)`: a materialised `[new, prefix + new]`
                  mask on every device (CUDA's prefill path before the flash one)
+    kernel       on the CPU, float32, where it builds: `CpuKernelAttention`, the engine's
+                 CPU default (kernels/cpu_attention.c: K/V read through the slots, no gather)
     contiguous   SDPA on K/V already contiguous, KV heads repeated, the same causal rule
                  (`is_causal`, or the lower-right bias past a prefix): the flash path's
                  speed with nothing to gather, the bound the engine is measured against
@@ -31,8 +33,10 @@ import torch.nn.functional as F
 from bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
-from server.models.attention import TorchAttention
+from kernels import cpu_attention
+from server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
+from server.models.loader import KERNELS_DIR, hicache_home
 
 # name -> (query heads, kv heads, head dim, dtype on CUDA); the CPU runs float32
 GEOMETRIES = {
@@ -62,7 +66,7 @@ def make_case(prefix: int, extend: int, geom: str, page_size: int, device: str, 
     return q, k, v, slots.to(device)
 
 
-def engine(q, k, v, slots, prefix: int, lower_right: bool | None):
+def engine(q, k, v, slots, prefix: int, backend: AttentionBackend):
     """A fresh batch each call, as each forward pass builds its own plan."""
     extend = q.shape[0]
     batch = ForwardBatch(
@@ -71,7 +75,7 @@ def engine(q, k, v, slots, prefix: int, lower_right: bool | None):
         out_slots=slots[prefix:], seq_slots=[slots], prefix_lens=[prefix],
         extend_lens=[extend])
     pool = SimpleNamespace(get_kv=lambda layer: (k, v))
-    return TorchAttention(lower_right=lower_right).forward(q, None, None, 0, batch, pool)
+    return backend.forward(q, None, None, 0, batch, pool)
 
 
 def contiguous(q, keys, values, prefix: int):
@@ -86,6 +90,11 @@ def contiguous(q, keys, values, prefix: int):
 def run(args: argparse.Namespace) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    backends: dict[str, AttentionBackend] = {"engine": TorchAttention(),
+                                             "masked": TorchAttention(lower_right=False)}
+    kernel = None if cuda else cpu_attention.load(hicache_home() / KERNELS_DIR)
+    if kernel is not None:
+        backends["kernel"] = CpuKernelAttention(kernel)
     rows = []
     for geom in args.geometries:
         for case in args.cases or (CUDA_CASES if cuda else CPU_CASES):
@@ -99,27 +108,27 @@ def run(args: argparse.Namespace) -> list[dict]:
                    "prefix": prefix, "extend": extend, "device": device}
             row["contiguous_s"] = timed(
                 functools.partial(contiguous, q, keys, values, prefix), args.repeats, cuda)
-            for label, lower_right in (("engine", None), ("masked", False)):
-                fn = functools.partial(engine, q, k, v, slots, prefix, lower_right)
+            for label, backend in backends.items():
+                fn = functools.partial(engine, q, k, v, slots, prefix, backend)
                 row[f"{label}_s"] = timed(fn, args.repeats, cuda)
                 row[f"{label}_max_err"] = float((fn().float() - want.float()).abs().max())
             rows.append(row)
-            print(f"{geom} {case}: engine {row['engine_s'] * 1e3:.2f} ms, masked "
-                  f"{row['masked_s'] * 1e3:.2f} ms, contiguous {row['contiguous_s'] * 1e3:.2f}"
-                  " ms", flush=True)
+            print(f"{geom} {case}: " + ", ".join(
+                f"{label} {row[f'{label}_s'] * 1e3:.2f} ms" for label in (*backends, "contiguous")),
+                flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = [("| geometry | dtype | prefix + new | device | engine ms | masked ms | contiguous "
-            "ms | engine / contiguous | masked / contiguous | engine max err |"),
-           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    labels = [k[:-2] for k in rows[0] if k.endswith("_s") and k != "contiguous_s"]
+    out = ["| geometry | dtype | prefix + new | device | contiguous ms | "
+           + " | ".join(f"{lb} ms | {lb} / contiguous | {lb} max err" for lb in labels) + " |",
+           "|---|---|---|---|---:|" + "---:|---:|---:|" * len(labels)]
     for r in rows:
+        cells = [f"{r[f'{lb}_s'] * 1e3:,.2f} | {r[f'{lb}_s'] / r['contiguous_s']:.2f}x | "
+                 f"{r[f'{lb}_max_err']:.1e}" for lb in labels]
         out.append(f"| {r['geometry']} | {r['dtype']} | {r['prefix']:,} + {r['extend']:,} | "
-                   f"{r['device']} | {r['engine_s'] * 1e3:,.2f} | {r['masked_s'] * 1e3:,.2f} | "
-                   f"{r['contiguous_s'] * 1e3:,.2f} | "
-                   f"{r['engine_s'] / r['contiguous_s']:.2f}x | "
-                   f"{r['masked_s'] / r['contiguous_s']:.2f}x | {r['engine_max_err']:.1e} |")
+                   f"{r['device']} | {r['contiguous_s'] * 1e3:,.2f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

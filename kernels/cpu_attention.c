@@ -87,14 +87,16 @@ static inline void transpose16(__m512 r[VEC]) {
     }
 }
 
-/* Phase 1: K of (seq, kv_head) transposed to [D][ld] (ld = keys rounded up to KEY_BLOCK,
- * zero past the last key), so that 16 keys of one dimension are one vector. */
-static void transpose_keys(float *kt, int64_t ld, const float *k_cache, const int64_t *slots,
-                           int64_t num_keys, int64_t kv_heads, int64_t kv_head, int64_t dim) {
-    for (int64_t j0 = 0; j0 < ld; j0 += VEC)
+/* K of keys [0, num_keys) (their slots from `slots`) transposed to [D][ld], columns
+ * [num_keys, cols) zero (finite scores past the last key: P is 0 there); cols is a
+ * multiple of 16. Each key's values land unchanged, so every Kt holds the same bits. */
+static void transpose_keys(float *kt, int64_t ld, int64_t cols, const float *k_cache,
+                           const int64_t *slots, int64_t num_keys, int64_t kv_heads,
+                           int64_t kv_head, int64_t dim) {
+    for (int64_t j0 = 0; j0 < cols; j0 += VEC)
         for (int64_t d0 = 0; d0 < dim; d0 += VEC) {
             __m512 r[VEC];
-            for (int i = 0; i < VEC; ++i)  /* zero past the last key: finite scores, P = 0 */
+            for (int i = 0; i < VEC; ++i)
                 r[i] = j0 + i < num_keys
                     ? _mm512_loadu_ps(k_cache + (slots[j0 + i] * kv_heads + kv_head) * dim + d0)
                     : _mm512_setzero_ps();
@@ -199,14 +201,17 @@ static inline void pv_tile(float *o, const float *p, const float *alpha, const f
 
 typedef struct {
     float *qs, *s, *o, *m, *l, *alpha;
+    float *kt_block;  /* [D][KEY_BLOCK]: one block of Kt, for a sequence with one item */
     int64_t *pos;
 } Scratch;
 
-/* Phase 2: one work item, the rows (token, group head) of up to TOKEN_TILE new tokens. */
+/* Phase 2: one work item, the rows (token, group head) of up to TOKEN_TILE new tokens.
+ * `kt`: the sequence's Kt from phase 1, or NULL for a sequence with one item (decode, short
+ * extends), whose blocks are transposed here, each into the thread's L1-sized kt_block. */
 static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_stride,
-                     const float *kt, int64_t ld, const float *v_cache, const int64_t *slots,
-                     const int64_t *seq, int64_t heads, int64_t kv_heads, int64_t dim,
-                     float scale, float *out) {
+                     const float *kt, int64_t ld, const float *k_cache, const float *v_cache,
+                     const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
+                     int64_t dim, float scale, float *out) {
     const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
     const int64_t rows = it->num_tokens * group;
     const int64_t padded = (rows + MICRO_ROWS - 1) / MICRO_ROWS * MICRO_ROWS;
@@ -223,8 +228,16 @@ static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_strid
     const int64_t num_keys = prefix + it->first_token + it->num_tokens;  /* last row's + 1 */
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
         int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
+        const float *kb = kt + j0;
+        int64_t kb_ld = ld;
+        if (kt == NULL) {
+            transpose_keys(w->kt_block, KEY_BLOCK, KEY_BLOCK, k_cache, slots + slot0 + j0, block,
+                           kv_heads, it->kv_head, dim);
+            kb = w->kt_block;
+            kb_ld = KEY_BLOCK;
+        }
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
-            qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kt + j0, ld, dim, scale);
+            qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
         for (int64_t r = 0; r < padded; ++r)
             w->alpha[r] = softmax_step(w->s + r * KEY_BLOCK, w->pos[r] - j0 + 1, &w->m[r],
                                        &w->l[r]);
@@ -243,21 +256,28 @@ static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_strid
 
 static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-/* Floats of workspace one thread needs for its rows (queries, scores, output, m, l, alpha,
- * and positions as int64). */
+/* Floats of workspace one thread needs: a block of Kt, and for its rows queries, scores,
+ * output, m, l, alpha, and positions as int64. */
 static int64_t scratch_floats(int64_t group, int64_t dim) {
     const int64_t rows = round_up(TOKEN_TILE * group, MICRO_ROWS);
-    return round_up(rows * (2 * dim + KEY_BLOCK + 3 + 2), VEC);
+    return round_up(rows * (2 * dim + KEY_BLOCK + 3 + 2) + KEY_BLOCK * dim, VEC);
 }
 
 /* Floats of workspace a call needs: every (seq, kv head)'s transposed K, then one scratch
  * per thread. */
+/* Whether (seq, kv head) pairs of this sequence get a whole-sequence Kt in phase 1: those
+ * with several items share it; a one-item sequence transposes block by block instead. */
+static int shares_kt(const int64_t *seq) { return seq[2] > TOKEN_TILE; }
+
+static int64_t kt_floats(const int64_t *seq, int64_t dim) {
+    return shares_kt(seq) ? dim * round_up(seq[1] + seq[2], KEY_BLOCK) : 0;
+}
+
 int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
                                           int64_t heads, int64_t kv_heads, int64_t dim,
                                           int num_threads) {
     int64_t n = 0;
-    for (int64_t i = 0; i < num_seqs; ++i)
-        n += kv_heads * dim * round_up(seqs[4 * i + 1] + seqs[4 * i + 2], KEY_BLOCK);
+    for (int64_t i = 0; i < num_seqs; ++i) n += kv_heads * kt_floats(seqs + 4 * i, dim);
     return n + (int64_t)num_threads * scratch_floats(heads / kv_heads, dim);
 }
 
@@ -269,7 +289,8 @@ int hicache_paged_attention_f32(const float *q, int64_t q_stride, const float *k
                                 float scale, float *out, float *workspace, int num_threads) {
     if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0)
         return -1;
-    /* Kt of every (seq, kv head) at kt_off in the workspace; work items, heaviest first */
+    /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
+     * first */
     int64_t *kt_off = malloc(sizeof(int64_t) * (num_seqs * kv_heads + 1));
     int64_t num_items = 0;
     if (!kt_off) return -2;
@@ -277,8 +298,7 @@ int hicache_paged_attention_f32(const float *q, int64_t q_stride, const float *k
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t *sq = seqs + 4 * i;
         for (int64_t h = 0; h < kv_heads; ++h)
-            kt_off[i * kv_heads + h + 1] = kt_off[i * kv_heads + h]
-                                           + dim * round_up(sq[1] + sq[2], KEY_BLOCK);
+            kt_off[i * kv_heads + h + 1] = kt_off[i * kv_heads + h] + kt_floats(sq, dim);
         num_items += kv_heads * ((sq[2] + TOKEN_TILE - 1) / TOKEN_TILE);
     }
     Item *items = malloc(sizeof(Item) * (size_t)num_items);
@@ -301,11 +321,15 @@ int hicache_paged_attention_f32(const float *q, int64_t q_stride, const float *k
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_seqs * kv_heads; ++p) {
             const int64_t *sq = seqs + 4 * (p / kv_heads);
-            transpose_keys(kt + kt_off[p], round_up(sq[1] + sq[2], KEY_BLOCK), k_cache,
-                           slots + sq[3], sq[1] + sq[2], kv_heads, p % kv_heads, dim);
+            int64_t ld = round_up(sq[1] + sq[2], KEY_BLOCK);
+            if (shares_kt(sq))
+                transpose_keys(kt + kt_off[p], ld, ld, k_cache, slots + sq[3], sq[1] + sq[2],
+                               kv_heads, p % kv_heads, dim);
         }
         float *mine = scratch + omp_get_thread_num() * scratch_floats(group, dim);
-        Scratch w = {.qs = mine, .o = mine + max_rows * dim, .s = mine + 2 * max_rows * dim};
+        Scratch w = {.kt_block = mine, .qs = mine + KEY_BLOCK * dim};
+        w.o = w.qs + max_rows * dim;
+        w.s = w.o + max_rows * dim;
         w.m = w.s + max_rows * KEY_BLOCK;
         w.l = w.m + max_rows;
         w.alpha = w.l + max_rows;
@@ -314,9 +338,10 @@ int hicache_paged_attention_f32(const float *q, int64_t q_stride, const float *k
         for (int64_t p = 0; p < num_items; ++p) {
             const Item *it = items + p;
             const int64_t *sq = seqs + 4 * it->seq;
-            run_item(it, &w, q, q_stride, kt + kt_off[it->seq * kv_heads + it->kv_head],
-                     round_up(sq[1] + sq[2], KEY_BLOCK), v_cache, slots, sq, heads, kv_heads,
-                     dim, scale, out);
+            const float *own = shares_kt(sq) ? kt + kt_off[it->seq * kv_heads + it->kv_head]
+                                             : NULL;
+            run_item(it, &w, q, q_stride, own, round_up(sq[1] + sq[2], KEY_BLOCK), k_cache,
+                     v_cache, slots, sq, heads, kv_heads, dim, scale, out);
         }
     }
     free(kt_off);

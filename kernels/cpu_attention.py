@@ -132,7 +132,7 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"q must be [T, H, {dim}] with H a multiple of {kv_heads} and each "
                          f"row's heads contiguous, got shape {tuple(q.shape)} strides "
                          f"{q.stride()}")
-    if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
+    if not supports_head_dim(dim):
         raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_MULTIPLE} up to "
                          f"{MAX_HEAD_DIM}, got {dim}")
     for name, t in (("slots", slots), ("seqs", seqs)):
@@ -141,6 +141,11 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"on {t.device}")
     if seqs.dim() != 2 or seqs.shape[1] != 4:
         raise ValueError(f"seqs must be [S, 4], got {tuple(seqs.shape)}")
+
+
+def supports_head_dim(dim: int) -> bool:
+    """Whether the kernel takes this head dim (a multiple of 16, up to MAX_HEAD_DIM)."""
+    return dim % HEAD_DIM_MULTIPLE == 0 and 0 < dim <= MAX_HEAD_DIM
 
 
 def supported() -> bool:

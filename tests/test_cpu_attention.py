@@ -114,6 +114,21 @@ def test_the_backend_matches_torch_attention_on_a_pool(kernel) -> None:
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_head_dims_the_kernel_does_not_take_go_to_sdpa(kernel) -> None:
+    """head_dim 40 (not a multiple of 16): the backend answers through TorchAttention."""
+    gen = torch.Generator().manual_seed(SEED)
+    pool, batch, q = make_case(MIXED, KV_HEADS * 4, torch.float32)
+    small = type(pool)(pool.num_pages, pool.page_size, 1, KV_HEADS, 40, torch.float32, "cpu")
+    for src, dst in zip((*pool.k_buffers, *pool.v_buffers), (*small.k_buffers,
+                                                              *small.v_buffers)):
+        dst.copy_(src[..., :40])
+    q40 = torch.randn((q.shape[0], q.shape[1], 40), generator=gen)
+    k, v = new_kv(small, batch)
+    got = CpuKernelAttention(kernel).forward(q40, k, v, 0, batch, small)
+    want = TorchAttention().forward(q40, k, v, 0, batch, small)
+    assert torch.equal(got, want)
+
+
 def test_make_attention_backend_picks_the_kernel_unless_told(tmp_path: Path,
                                                               monkeypatch) -> None:
     assert isinstance(make_attention_backend("cpu", kernel_dir=tmp_path), CpuKernelAttention)

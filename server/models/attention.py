@@ -25,6 +25,12 @@ the pool through `seq_slots[i]`. GQA: query head h reads KV head `h // (heads //
 What a batch needs for this (tables, masks, index tensors) is built at the first layer and
 kept on the ForwardBatch (`ForwardBatch.memo`). `ReferenceAttention` is the plain per-sequence
 loop, kept as the reference the tests compare against.
+
+On the CPU in float32 the engine's default is `CpuKernelAttention`, one call of the C kernel
+(kernels/cpu_attention.c) per layer for the whole batch, K/V read through the slots; it
+computes each row alike however its sequence was split, so prefilled, extended and decoded
+tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel cannot
+(no AVX-512 or C compiler, bfloat16, `HICACHE_CPU_ATTENTION=sdpa`).
 """
 
 from __future__ import annotations
@@ -280,8 +286,8 @@ class CpuKernelAttention(AttentionBackend):
     (kernels/cpu_attention.c), K/V read from the pool through each sequence's slots: no
     gather, no mask, no per-sequence loop. A row's result depends only on its query and its
     keys, so a token gets the same bits prefilled, extended on a cached prefix, or decoded,
-    and recomputed and cached K/V agree bit for bit across every path. Other dtypes go to
-    TorchAttention."""
+    and recomputed and cached K/V agree bit for bit across every path. Other dtypes, and head
+    dims the kernel does not take, go to TorchAttention."""
 
     def __init__(self, kernel: cpu_attention.CpuAttentionKernel) -> None:
         self.kernel = kernel
@@ -292,7 +298,8 @@ class CpuKernelAttention(AttentionBackend):
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        if (q.dtype != torch.float32 or k_cache.dtype != torch.float32
+                or not cpu_attention.supports_head_dim(q.shape[-1])):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool)
         slots, seqs = batch.memo("cpu_kernel_attention", lambda: _kernel_plan(batch))
         return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]))
