@@ -48,10 +48,12 @@ ONEDNN_MAX_ROWS = 32
 # The batch size oneDNN is told to expect when it reorders a weight: any hint from 2 up gives
 # the same layout and speed from 1 to 256 rows here (a hint of 1 keeps it unblocked).
 PACK_ROWS_HINT = 16
-# A packed matmul of one row takes another oneDNN kernel whose bits differ from the same row
-# in a batch of 2 or more (seen for in_features 1,536, the embedded model's down_proj), so a
-# lone decode token would not match its prefilled self: it runs as 2 copies of itself.
+# A packed matmul of one row may take another oneDNN kernel whose bits differ from the same
+# row in a batch of 2 or more (seen for in_features 1,536, the embedded model's down_proj,
+# not for 512), so a lone decode token would not match its prefilled self. `Linear.pack`
+# checks each weight once; where one row differs, a lone row runs as 2 copies of itself.
 SINGLE_ROW_PAD = 2
+SINGLE_ROW_PROBE_SEED = 0  # any: the probe's input only has to be random-looking
 
 
 @functools.cache
@@ -123,11 +125,12 @@ class Linear(nn.Module):
         self.onednn = device.type == "cpu" and onednn_linear_works(dtype)
         self.packable = device.type == "cpu" and onednn_packing_works(dtype)
         self.packed: torch.Tensor | None = None  # not a parameter: derived from W
+        self.pad_single_row = False  # set by `pack`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return linear(x, self.weight, self.bias, self.onednn)
-        if x.shape[0] == 1:  # see SINGLE_ROW_PAD
+        if x.shape[0] == 1 and self.pad_single_row:  # see SINGLE_ROW_PAD
             return self._packed(x.expand(SINGLE_ROW_PAD, -1).contiguous())[:1]
         return self._packed(x)
 
@@ -140,6 +143,10 @@ class Linear(nn.Module):
         if self.packable:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   PACK_ROWS_HINT)
+            gen = torch.Generator().manual_seed(SINGLE_ROW_PROBE_SEED)
+            x = torch.randn((SINGLE_ROW_PAD, self.weight.shape[1]), generator=gen).to(
+                self.weight.dtype)
+            self.pad_single_row = not torch.equal(self._packed(x[:1]), self._packed(x)[:1])
 
     def unpack(self) -> None:
         self.packed = None
