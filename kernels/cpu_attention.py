@@ -73,9 +73,16 @@ class CpuAttentionKernel:
         self._local = threading.local()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, seqs: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention output `[T, H, D]` float32 (see the module docstring for the layouts)."""
+                 slots: torch.Tensor, seqs: torch.Tensor, scale: float,
+                 indices_checked: bool = False) -> torch.Tensor:
+        """Attention output `[T, H, D]` float32 (see the module docstring for the layouts).
+
+        The kernel reads wherever `slots` and `seqs` point, so they are checked first
+        (`check_indices`), unless the caller already did for these very tensors
+        (`indices_checked`: the attention backend checks once per batch, not per layer)."""
         _validate(q, k_cache, v_cache, slots, seqs)
+        if not indices_checked:
+            check_indices(slots, seqs, q.shape[0], k_cache.shape[0])
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=torch.float32)
         if tokens == 0:
@@ -141,6 +148,21 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"on {t.device}")
     if seqs.dim() != 2 or seqs.shape[1] != 4:
         raise ValueError(f"seqs must be [S, 4], got {tuple(seqs.shape)}")
+
+
+def check_indices(slots: torch.Tensor, seqs: torch.Tensor, tokens: int,
+                  num_slots: int) -> None:
+    """ValueError unless every `seqs` row is `(first, prefix, extend, slot0)` with its new
+    tokens inside `[0, tokens)`, extend >= 1, its slots inside `slots`, and every slot inside
+    the pool `[0, num_slots)`."""
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        raise ValueError(f"slots must lie in [0, {num_slots}), got [{int(slots.min())}, "
+                         f"{int(slots.max())}]")
+    for i, (first, prefix, extend, slot0) in enumerate(seqs.tolist()):
+        if (first < 0 or prefix < 0 or extend < 1 or first + extend > tokens or slot0 < 0
+                or slot0 + prefix + extend > slots.numel()):
+            raise ValueError(f"seqs[{i}] = {(first, prefix, extend, slot0)} does not fit "
+                             f"{tokens} query rows and {slots.numel()} slots")
 
 
 def supports_head_dim(dim: int) -> bool:

@@ -102,6 +102,10 @@ def test_bad_inputs_are_value_errors(kernel) -> None:
         kernel(q, kc, vc, slots, seqs[:, :3].contiguous(), SCALE)
     with pytest.raises(ValueError, match="multiple of 2"):
         kernel(q[:, :3], kc, vc, slots, seqs, SCALE)
+    with pytest.raises(ValueError, match=r"slots must lie in \[0, 4096\)"):
+        kernel(q, kc, vc, slots + 4096, seqs, SCALE)  # past the pool: never read
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(q, kc, vc, slots[:4], seqs, SCALE)  # fewer slots than the sequence has
 
 
 def test_the_backend_matches_torch_attention_on_a_pool(kernel) -> None:

@@ -301,13 +301,16 @@ class CpuKernelAttention(AttentionBackend):
         if (q.dtype != torch.float32 or k_cache.dtype != torch.float32
                 or not cpu_attention.supports_head_dim(q.shape[-1])):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool)
-        slots, seqs = batch.memo("cpu_kernel_attention", lambda: _kernel_plan(batch))
-        return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]))
+        slots, seqs = batch.memo("cpu_kernel_attention",
+                                 lambda: _kernel_plan(batch, k_cache.shape[0]))
+        return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]),
+                           indices_checked=True)
 
 
-def _kernel_plan(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_plan(batch: ForwardBatch, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's `slots` (every sequence's, concatenated) and `seqs` rows (first row in
-    `[T]`, prefix_len, extend_len, first entry in `slots`), once per batch."""
+    `[T]`, prefix_len, extend_len, first entry in `slots`), built and checked once per batch
+    (every layer's pool has `num_slots` slots)."""
     lens = batch.seq_lens
     firsts = [0]
     for n in lens[:-1]:
@@ -315,6 +318,7 @@ def _kernel_plan(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     seqs = torch.tensor(list(zip(batch.extend_starts, batch.prefix_lens, batch.extend_lens,
                                  firsts)), dtype=torch.int64)  # [S, 4]
     slots = torch.cat(batch.seq_slots).to(torch.int64).contiguous()
+    cpu_attention.check_indices(slots, seqs, batch.num_tokens, num_slots)
     return slots, seqs
 
 
