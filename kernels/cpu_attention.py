@@ -74,15 +74,14 @@ class CpuAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, seqs: torch.Tensor, scale: float,
-                 indices_checked: bool = False) -> torch.Tensor:
+                 checked: bool = False) -> torch.Tensor:
         """Attention output `[T, H, D]` float32 (see the module docstring for the layouts).
 
-        The kernel reads wherever `slots` and `seqs` point, so they are checked first
-        (`check_indices`), unless the caller already did for these very tensors
-        (`indices_checked`: the attention backend checks once per batch, not per layer)."""
-        _validate(q, k_cache, v_cache, slots, seqs)
-        if not indices_checked:
-            check_indices(slots, seqs, q.shape[0], k_cache.shape[0])
+        The kernel reads wherever its arguments point, so they are checked first (`check`),
+        unless the caller already did for tensors of these very shapes, strides and indices
+        (`checked`: the attention backend checks once per batch, not at every layer)."""
+        if not checked:
+            check(q, k_cache, v_cache, slots, seqs)
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=torch.float32)
         if tokens == 0:
@@ -148,6 +147,14 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"on {t.device}")
     if seqs.dim() != 2 or seqs.shape[1] != 4:
         raise ValueError(f"seqs must be [S, 4], got {tuple(seqs.shape)}")
+
+
+def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          slots: torch.Tensor, seqs: torch.Tensor) -> None:
+    """ValueError unless the arguments have the kernel's layouts (dtypes, devices, shapes,
+    strides) and every index points inside what it indexes (`check_indices`)."""
+    _validate(q, k_cache, v_cache, slots, seqs)
+    check_indices(slots, seqs, q.shape[0], k_cache.shape[0])
 
 
 def check_indices(slots: torch.Tensor, seqs: torch.Tensor, tokens: int,

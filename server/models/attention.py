@@ -35,6 +35,7 @@ tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -302,23 +303,21 @@ class CpuKernelAttention(AttentionBackend):
                 or not cpu_attention.supports_head_dim(q.shape[-1])):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool)
         slots, seqs = batch.memo("cpu_kernel_attention",
-                                 lambda: _kernel_plan(batch, k_cache.shape[0]))
+                                 lambda: _kernel_plan(batch, q, k_cache, v_cache))
         return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]),
-                           indices_checked=True)
+                           checked=True)
 
 
-def _kernel_plan(batch: ForwardBatch, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_plan(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's `slots` (every sequence's, concatenated) and `seqs` rows (first row in
-    `[T]`, prefix_len, extend_len, first entry in `slots`), built and checked once per batch
-    (every layer's pool has `num_slots` slots)."""
-    lens = batch.seq_lens
-    firsts = [0]
-    for n in lens[:-1]:
-        firsts.append(firsts[-1] + n)
+    `[T]`, prefix_len, extend_len, first entry in `slots`), built once per batch and checked
+    against the first layer's tensors (every layer's q and pool have the same layout)."""
+    firsts = itertools.accumulate(batch.seq_lens[:-1], initial=0)
     seqs = torch.tensor(list(zip(batch.extend_starts, batch.prefix_lens, batch.extend_lens,
                                  firsts)), dtype=torch.int64)  # [S, 4]
     slots = torch.cat(batch.seq_slots).to(torch.int64).contiguous()
-    cpu_attention.check_indices(slots, seqs, batch.num_tokens, num_slots)
+    cpu_attention.check(q, k_cache, v_cache, slots, seqs)
     return slots, seqs
 
 
