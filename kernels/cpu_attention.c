@@ -228,13 +228,14 @@ static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_strid
     const int64_t num_keys = prefix + it->first_token + it->num_tokens;  /* last row's + 1 */
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
         int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
-        const float *kb = kt + j0;
-        int64_t kb_ld = ld;
-        if (kt == NULL) {
+        const float *kb = w->kt_block;
+        int64_t kb_ld = KEY_BLOCK;
+        if (kt != NULL) {
+            kb = kt + j0;
+            kb_ld = ld;
+        } else {
             transpose_keys(w->kt_block, KEY_BLOCK, KEY_BLOCK, k_cache, slots + slot0 + j0, block,
                            kv_heads, it->kv_head, dim);
-            kb = w->kt_block;
-            kb_ld = KEY_BLOCK;
         }
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
             qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
