@@ -95,7 +95,6 @@ class CpuAttentionKernel:
             raise RuntimeError(f"CPU attention kernel failed: {_ERRORS.get(rc, rc)}")
         return out
 
-
     def _workspace(self, floats: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < floats:

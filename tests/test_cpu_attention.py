@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_attention import make_case, new_kv
 
+from hicache.memory.device import DeviceKVPool
 from kernels import cpu_attention
 from kernels.cpu_attention import paged_attention_reference
 from server.models.attention import (
@@ -170,7 +171,7 @@ def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Pat
 
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
     lm = load_model(EMBEDDED_TINY_LLAMA, "float32", "cpu")
-    assert isinstance(lm.model.model.layers[0].self_attn.backend, CpuKernelAttention)
+    assert isinstance(lm.model.attn_backend, CpuKernelAttention)
     c = lm.config
     ids = torch.randint(0, c.vocab_size, (150,), generator=torch.Generator().manual_seed(SEED))
 

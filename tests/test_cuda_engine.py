@@ -42,7 +42,7 @@ def test_the_gpu_engine_uses_the_cuda_paths(tmp_path) -> None:
         assert e.cache.device_pool.device.type == "cuda"
         assert e.cache.host_pool.is_pinned
         assert isinstance(e.cache.controller.transfer, CudaTransferEngine)
-        backend = e.loaded.model.model.layers[0].self_attn.backend
+        backend = e.loaded.model.attn_backend
         assert type(backend).__name__ == "CudaPagedAttention"
 
 

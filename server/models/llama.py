@@ -325,6 +325,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype,
                                   self.device)
 
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        """The attention backend (every layer shares one)."""
+        return self.model.layers[0].self_attn.backend
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
         """`[num_seqs, vocab]` float32 logits of each sequence's last new token, or
