@@ -28,29 +28,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from kernels import cpu_build
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _SYMBOL = "hicache_paged_attention_f32"
 _WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
-# AVX-512F intrinsics, not -march=native: one build runs on every AVX-512 machine
-_FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 MAX_HEAD_DIM = 256  # must match cpu_attention.c
 HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
-_COMPILE_TIMEOUT_S = 120
 
 
 class CpuAttentionKernel:
@@ -177,54 +168,18 @@ def supports_head_dim(dim: int) -> bool:
 
 
 def supported() -> bool:
-    """AVX-512F on this CPU (what torch dispatches its own kernels on) and a C compiler."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and shutil.which(_compiler()) is not None)
+    """AVX-512F on this CPU and a C compiler (`cpu_build.supported`)."""
+    return cpu_build.supported()
 
 
 @functools.cache
 def load(cache_dir: Path) -> CpuAttentionKernel | None:
     """The kernel, compiled into `cache_dir` on first use; None where unsupported or the
     build fails (logged once)."""
-    if not supported():
-        logger.info("CPU attention kernel unavailable (needs AVX-512F and %s): using SDPA",
-                    _compiler())
-        return None
-    try:
-        path = _build(cache_dir)
-        return CpuAttentionKernel(ctypes.CDLL(str(path)), path)
-    except subprocess.CalledProcessError as exc:
-        logger.warning("CPU attention kernel did not build (%s exited %s: %s): using SDPA",
-                       exc.cmd[0], exc.returncode, (exc.stderr or "").strip()[-500:])
-        return None
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        logger.warning("CPU attention kernel did not build or load (%s): using SDPA", exc)
-        return None
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
+    return cpu_build.load(_SOURCE, cache_dir, CpuAttentionKernel, "CPU attention kernel",
+                          "SDPA")
 
 
 def _build(cache_dir: Path) -> Path:
-    """Compile once per (source, flags, compiler); a finished build is renamed into place,
-    so concurrent processes never load a half-written file."""
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True,
-                             timeout=_COMPILE_TIMEOUT_S).stdout  # a broken one fails below
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
-                         + version.encode()).hexdigest()[:16]
-    path = cache_dir / f"cpu_attention-{key}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """The compiled kernel's path (`cpu_build.build`)."""
+    return cpu_build.build(_SOURCE, cache_dir)

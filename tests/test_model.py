@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from hicache.memory.device import DeviceKVPool
+from kernels import cpu_linear
 from server.models import (
     EMBEDDED_TINY_LLAMA,
     ForwardBatch,
@@ -28,6 +29,8 @@ from server.models import (
 )
 from server.models import loader as loader_mod
 from server.models.llama import (
+    CPU_LINEAR_CHOICES,
+    CPU_LINEAR_ENV,
     ONEDNN_MAX_ROWS,
     Linear,
     RMSNorm,
@@ -448,19 +451,31 @@ def test_packed_linear_matches_f_linear_and_ignores_its_batch(rows: int,
 
 
 @needs_packing
+@pytest.mark.parametrize("choice", CPU_LINEAR_CHOICES)
 def test_loaded_cpu_model_is_packed_and_reloads(checkpoint: tuple[Path, torch.nn.Module],
-                                               tokens: torch.Tensor) -> None:
-    """load_model leaves every CPU Linear with its packed copy; loading again (it drops the
-    copies, writes, packs) gives the same logits."""
+                                               tokens: torch.Tensor, choice: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model leaves every CPU Linear with its packed copy (the C kernel's panels where
+    it builds, unless HICACHE_CPU_LINEAR=onednn; else oneDNN's layout, one copy only);
+    loading again (it drops the copies, writes, packs) gives the same logits."""
+    monkeypatch.setenv(CPU_LINEAR_ENV, choice)
     lm = load_model(str(checkpoint[0]), device="cpu")
     linears = [m for m in lm.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    on_kernel = choice == "kernel" and cpu_linear.supported()
+    assert lm.model.linear_backend == ("CpuLinearKernel" if on_kernel else "oneDNN")
+
+    def packed_once() -> bool:
+        return all((m.panels is not None) == on_kernel and (m.packed is None) == on_kernel
+                   for m in linears)
+
+    assert linears and packed_once()
     pool = make_pool(lm.config)
     slots = pool.alloc(48)[:SEQ_LEN]
     before = run(lm, pool, tokens, slots, prefix=0)
     lm.model.load_weights(checkpoint[1].state_dict().items())
-    assert all(m.packed is not None for m in linears)
+    assert packed_once()
     assert torch.equal(run(lm, pool, tokens, slots, prefix=0), before)
+    assert_rel_close(before[-1:], hf_logits(checkpoint[1], tokens)[-1:])
 
 
 @pytest.mark.parametrize("hidden", [64, 512, 2048])

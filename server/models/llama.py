@@ -11,17 +11,24 @@ Threading: `forward` runs on the scheduler thread, which owns the KV pool it wri
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hicache.memory.device import DeviceKVPool
+from kernels import cpu_linear
+from kernels.cpu_linear import CpuLinearKernel
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
 from server.models.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 # transformers' separate projections -> (our stacked parameter, shard index within it)
 _STACKED = {
@@ -92,6 +99,26 @@ def _onednn_agrees(dtype: torch.dtype,
     return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
 
 
+# The CPU linear kernel by default; `onednn` keeps every Linear on oneDNN (comparisons).
+CPU_LINEAR_ENV = "HICACHE_CPU_LINEAR"
+CPU_LINEAR_CHOICES = ("kernel", "onednn")
+
+
+def make_linear_kernel(device: str | torch.device, dtype: torch.dtype,
+                       kernel_dir: Path | None) -> CpuLinearKernel | None:
+    """The C linear kernel for a float32 model on the CPU, built into `kernel_dir` (None: not
+    tried), unless `HICACHE_CPU_LINEAR` says `onednn`; None leaves the Linears on oneDNN
+    (or, on CUDA, on cuBLAS)."""
+    choice = os.environ.get(CPU_LINEAR_ENV, "kernel")
+    if choice not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of "
+                         f"{', '.join(CPU_LINEAR_CHOICES)}")
+    if (torch.device(device).type != "cpu" or dtype != torch.float32 or kernel_dir is None
+            or choice != "kernel"):
+        return None
+    return cpu_linear.load(kernel_dir)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            onednn: bool = False) -> torch.Tensor:
     """`F.linear`, through oneDNN for a CPU batch of at most ONEDNN_MAX_ROWS rows when
@@ -104,14 +131,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Module):
     """`y = x @ W.T (+ b)`; W stacks `len(out_sizes)` matrices row-wise (q|k|v, gate|up).
 
-    On the CPU, once the weights are loaded, `pack` keeps a second copy of W in oneDNN's
-    blocked layout, and every matmul runs on it (vLLM's CPU backend does the same): no
-    per-call reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8
-    rows: 505 -> 272 us), and a row's result does not depend on how many rows share the
-    call. MKL's sgemm on the plain W is not used for large batches either: on the AMD EPYCs
-    here it was 8% faster for a 2,048-token prefill on one machine and 10-20% slower on
-    another (the 2026-12-02 one, whole forward passes alternated), and one kernel for every
-    batch size keeps a token's K/V the same bits whether it was prefilled or extended. The
+    On the CPU, once the weights are loaded, `pack` keeps a second copy of W laid out for the
+    matmul, and every call runs on it:
+
+    - float32 where the C kernel builds (`kernel`, set by `LlamaForCausalLM.use_linear_kernel`;
+      kernels/cpu_linear.c): every output one FMA chain over the inputs in order, whatever
+      the batch size, so a row's bits do not depend on the rows beside it; a decode batch
+      streams the weight at memory bandwidth (the embedded model's 97 MB of weights in a
+      one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores), a prefill runs at oneDNN's
+      speed.
+    - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
+      reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
+      505 -> 272 us), and a row's result does not depend on how many rows share the call
+      (but see SINGLE_ROW_PAD). MKL's sgemm on the plain W is not used for large batches
+      either: on the AMD EPYCs here it was 8% faster for a 2,048-token prefill on one
+      machine and 10-20% slower on another.
+
+    Either way a token's K/V are the same bits whether it was prefilled or extended. The
     copy doubles the memory of the Linear weights (not of the embedding table nor of a tied
     LM head).
     """
@@ -126,8 +162,13 @@ class Linear(nn.Module):
         self.packable = device.type == "cpu" and onednn_packing_works(dtype)
         self.packed: torch.Tensor | None = None  # not a parameter: derived from W
         self.pad_single_row = False  # set by `pack`
+        self.kernel: CpuLinearKernel | None = None  # the C kernel, for float32 on the CPU
+        self.panels: torch.Tensor | None = None  # W packed for `kernel`, by `pack`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return self.kernel(x, self.panels, self.weight.shape[0], self.bias)
         if self.packed is None:
             return linear(x, self.weight, self.bias, self.onednn)
         if x.shape[0] == 1 and self.pad_single_row:  # see SINGLE_ROW_PAD
@@ -139,8 +180,11 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def pack(self) -> None:
-        """(Re)build the packed copy of W, where packing works (CPU); else nothing."""
-        if self.packable:
+        """(Re)build the packed copy of W: the kernel's panels where it takes this weight,
+        else oneDNN's layout where packing works (CPU); else nothing."""
+        if self.kernel is not None and self.weight.dtype == torch.float32:
+            self.panels = self.kernel.pack(self.weight)
+        elif self.packable:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   PACK_ROWS_HINT)
             gen = torch.Generator().manual_seed(SINGLE_ROW_PROBE_SEED)
@@ -149,7 +193,7 @@ class Linear(nn.Module):
             self.pad_single_row = not torch.equal(self._packed(x[:1]), self._packed(x)[:1])
 
     def unpack(self) -> None:
-        self.packed = None
+        self.packed = self.panels = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         """Rows of stacked matrix `index` in `param` (the weight or the bias), a view."""
@@ -329,6 +373,24 @@ class LlamaForCausalLM(nn.Module):
     def attn_backend(self) -> AttentionBackend:
         """The attention backend (every layer shares one)."""
         return self.model.layers[0].self_attn.backend
+
+    @property
+    def linear_backend(self) -> str:
+        """What the Linears run on: CpuLinearKernel, oneDNN (packed) or torch."""
+        first = self.model.layers[0].self_attn.qkv_proj
+        if first.panels is not None:
+            return type(first.kernel).__name__
+        return "oneDNN" if first.packed is not None else "torch"
+
+    @torch.no_grad()
+    def use_linear_kernel(self, kernel: CpuLinearKernel | None) -> None:
+        """Run the Linears on `kernel` (None: back to oneDNN), repacking loaded weights."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.kernel = kernel if m.weight.device.type == "cpu" else None
+                if m.packed is not None or m.panels is not None:
+                    m.unpack()
+                    m.pack()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:

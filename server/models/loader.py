@@ -30,7 +30,7 @@ from tqdm import tqdm
 from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
-from server.models.llama import LlamaForCausalLM
+from server.models.llama import LlamaForCausalLM, make_linear_kernel
 from server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
@@ -241,8 +241,10 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
                        config.sliding_window, config.sliding_window)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
-    backend = make_attention_backend(dev, kernel_dir=hicache_home() / KERNELS_DIR)
-    model = LlamaForCausalLM(config, backend, torch_dtype, dev)
+    kernel_dir = hicache_home() / KERNELS_DIR
+    model = LlamaForCausalLM(config, make_attention_backend(dev, kernel_dir=kernel_dir),
+                             torch_dtype, dev)
+    model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
     model.load_weights(iter_safetensors(folder))
     return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
 

@@ -1,0 +1,186 @@
+"""The CPU linear kernel (kernels/cpu_linear.c): F.linear's result, the exact arithmetic it
+promises (one FMA chain per output, in input order), and that a row's bits depend on
+nothing else in the call: not the rows beside it, their number, the row stride nor the
+thread count. The model on it: see test_cpu_attention's cached-vs-recomputed bits test,
+which runs on both kernels.
+
+Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
+skipped elsewhere, and a supported machine whose build fails fails here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_linear
+from server.models.llama import (
+    CPU_LINEAR_ENV,
+    Linear,
+    make_linear_kernel,
+)
+from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+
+SEED = 11
+# (out_features, in_features): the embedded model's q|k|v, gate|up, down and LM head; and
+# sizes off the kernel's panel (64 outputs), register tile (6 rows) and vector (16) grids
+SHAPES = ((768, 512), (3072, 512), (512, 1536), (260, 512), (100, 40), (65, 17), (1, 7))
+ROWS = (1, 2, 5, 6, 7, 13, 300)
+
+pytestmark = pytest.mark.skipif(not cpu_linear.supported(),
+                                reason="the CPU linear kernel needs AVX-512F and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+    built = cpu_linear.load(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, "supported() is true, so the kernel must build and load"
+    return built
+
+
+def weights(n: int, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED + n + k)
+    return (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
+            torch.randn(rows, k, generator=gen))
+
+
+def fma_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """acc = fma(x[m][k], w[n][k], acc) for k in order from 0, then + b: in float64, where
+    the product of two float32s is exact and one rounding to float32 follows the add."""
+    xs, ws = x.double().numpy(), w.double().numpy()
+    acc = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+    for k in range(x.shape[1]):
+        acc = (acc.astype(np.float64) + xs[:, k, None] * ws[None, :, k]).astype(np.float32)
+    out = torch.from_numpy(acc)
+    return out if b is None else out + b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_the_kernel_gives_f_linear(kernel, shape: tuple[int, int], rows: int) -> None:
+    n, k = shape
+    w, b, x = weights(n, k, rows)
+    packed = kernel.pack(w)
+    for bias in (None, b):
+        got = kernel(x, packed, n, bias)
+        want = torch.nn.functional.linear(x, w, bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(k, 16) ** 0.5)
+
+
+@pytest.mark.parametrize("shape", [(100, 40), (65, 17), (130, 64)])
+def test_every_output_is_one_fma_chain_in_input_order(kernel, shape: tuple[int, int]) -> None:
+    n, k = shape
+    w, b, x = weights(n, k, 13)
+    packed = kernel.pack(w)
+    assert torch.equal(kernel(x, packed, n), fma_chain(x, w, None))
+    assert torch.equal(kernel(x, packed, n, b), fma_chain(x, w, b))
+
+
+@pytest.mark.parametrize("shape", [(768, 512), (512, 1536), (65, 17)])
+def test_a_rows_bits_depend_on_nothing_else_in_the_call(kernel, shape: tuple[int, int]) -> None:
+    """Any slice of the rows, one row alone, a strided view, one thread or two: the same
+    bits as the whole batch's call (so decode, extend and prefill agree)."""
+    n, k = shape
+    w, b, x = weights(n, k, 300)
+    packed = kernel.pack(w)
+    whole = kernel(x, packed, n, b)
+    for lo, hi in [(0, 1), (5, 6), (7, 9), (13, 300), (299, 300), (1, 200), (0, 299)]:
+        assert torch.equal(kernel(x[lo:hi], packed, n, b), whole[lo:hi])
+    wide = torch.zeros(300, k + 9)
+    wide[:, 3:3 + k] = x
+    assert torch.equal(kernel(wide[:, 3:3 + k], packed, n, b), whole)  # row stride k + 9
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(x, packed, n, b), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_rows_and_bad_arguments(kernel) -> None:
+    w, b, x = weights(70, 32, 4)
+    packed = kernel.pack(w)
+    assert kernel(x[:0], packed, 70).shape == (0, 70)
+    with pytest.raises(ValueError, match="2-D float32"):
+        kernel(x.double(), packed, 70)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel(x.t().contiguous().t(), packed, 70)
+    with pytest.raises(ValueError, match="overlap"):
+        kernel(x[:1].expand(4, -1), packed, 70)
+    with pytest.raises(ValueError, match="panels of a \\[70, 16\\]"):
+        kernel(x[:, :16], packed, 70)
+    with pytest.raises(ValueError, match="panels of a \\[200, 32\\]"):
+        kernel(x, packed, 200)
+    with pytest.raises(ValueError, match="bias must be \\[70\\]"):
+        kernel(x, packed, 70, b[:60])
+    with pytest.raises(ValueError, match="2-D float32 CPU"):
+        kernel.pack(w.to(torch.bfloat16))
+
+
+def test_linear_runs_on_the_kernel_once_packed(kernel) -> None:
+    """A Linear given the kernel packs panels (and no oneDNN copy), and its rows match a
+    Linear on oneDNN within float rounding; unpack drops the panels."""
+    gen = torch.Generator().manual_seed(SEED)
+    lins = [Linear(512, [512, 256], True, torch.float32, torch.device("cpu")) for _ in range(2)]
+    w, b = torch.randn(768, 512, generator=gen), torch.randn(768, generator=gen)
+    for lin in lins:
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+    lins[0].kernel = kernel
+    for lin in lins:
+        lin.pack()
+    assert lins[0].panels is not None and lins[0].packed is None
+    x = torch.randn(9, 512, generator=gen)
+    with torch.inference_mode():
+        got = lins[0](x)
+        assert torch.equal(got, kernel(x, lins[0].panels, 768, b))
+        torch.testing.assert_close(got, lins[1](x), rtol=1e-5, atol=1e-4)
+        assert torch.equal(lins[0](x.t().contiguous().t()), got)  # made contiguous first
+    lins[0].unpack()
+    assert lins[0].panels is None
+
+
+def test_the_kernel_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(make_linear_kernel("cpu", torch.float32, tmp_path),
+                      cpu_linear.CpuLinearKernel)
+    assert make_linear_kernel("cpu", torch.float32, None) is None  # no kernel dir
+    assert make_linear_kernel("cpu", torch.bfloat16, tmp_path) is None  # oneDNN's bf16
+    assert make_linear_kernel("cuda", torch.float32, tmp_path) is None  # cuBLAS
+    monkeypatch.setenv(CPU_LINEAR_ENV, "onednn")
+    assert make_linear_kernel("cpu", torch.float32, tmp_path) is None
+    monkeypatch.setenv(CPU_LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match="kernel, onednn"):
+        make_linear_kernel("cpu", torch.float32, tmp_path)
+
+
+def test_a_failed_build_falls_back_to_none(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert cpu_linear.load(tmp_path / "failing") is None
+
+
+def test_the_embedded_model_on_either_linear_backend(monkeypatch, tmp_path: Path) -> None:
+    """The embedded model loads on the kernel by default and on oneDNN when asked; their
+    logits over a prompt agree within float rounding."""
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
+    from hicache.memory.device import DeviceKVPool
+    from server.models.forward_batch import ForwardBatch
+
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(SEED))
+    slots = torch.arange(16, 56)
+    batch = ForwardBatch(ids, torch.arange(40), slots, [slots], [0], [40])
+    logits = {}
+    for choice in ("kernel", "onednn"):
+        monkeypatch.setenv(CPU_LINEAR_ENV, choice)
+        lm = load_model(EMBEDDED_TINY_LLAMA, "float32", "cpu")
+        c = lm.config
+        pool = DeviceKVPool(4, 16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                            torch.float32, "cpu")
+        logits[choice] = lm.model.forward_all_logits(batch, pool)
+        assert lm.model.linear_backend == {"kernel": "CpuLinearKernel",
+                                           "onednn": "oneDNN"}[choice]
+    scale = logits["onednn"].abs().max()
+    assert (logits["kernel"] - logits["onednn"]).abs().max() <= 1e-4 * scale
