@@ -199,6 +199,19 @@ static inline void pv_tile(float *o, const float *p, const float *alpha, const f
         pv_tile_1(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
 }
 
+/* Ask for the cache lines of the K or V rows of keys [0, num_keys) of one KV head (their
+ * slots in `slots`): a decode row reads each row once, through slots the hardware
+ * prefetcher cannot follow across pages, so without this it waits on memory at every key.
+ * Into L2: a block's worth of rows is more than L1's line-fill buffers hold. */
+static inline void prefetch_rows(const float *cache, const int64_t *slots, int64_t num_keys,
+                                 int64_t kv_heads, int64_t kv_head, int64_t dim) {
+    for (int64_t j = 0; j < num_keys; ++j) {
+        const char *row = (const char *)(cache + (slots[j] * kv_heads + kv_head) * dim);
+        for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+            _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+}
+
 typedef struct {
     float *qs, *s, *o, *m, *l, *alpha;
     float *kt_block;  /* [D][KEY_BLOCK]: one block of Kt, for a sequence with one item */
@@ -234,6 +247,13 @@ static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_strid
             kb = kt + j0;
             kb_ld = ld;
         } else {
+            /* this block's V rows (read after its scores) and the next block's K rows
+             * travel while this block is computed */
+            const int64_t next = num_keys - j0 - block < KEY_BLOCK ? num_keys - j0 - block
+                                                                   : KEY_BLOCK;
+            prefetch_rows(v_cache, slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
+            prefetch_rows(k_cache, slots + slot0 + j0 + block, next, kv_heads, it->kv_head,
+                          dim);
             transpose_keys(w->kt_block, KEY_BLOCK, KEY_BLOCK, k_cache, slots + slot0 + j0, block,
                            kv_heads, it->kv_head, dim);
         }
