@@ -3,8 +3,9 @@
     path = build(Path("kernels/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-<key>.so
     kernel = load(source, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN")
 
-The .so is keyed by a hash of the source, the flags and the compiler's version, and kept in
-`cache_dir` (`$HICACHE_HOME/kernels`): a machine compiles each kernel once (about a second).
+The .so is keyed by a hash of the source, the folder's headers (`cpu_exp.h`), the flags and
+the compiler's version, and kept in `cache_dir` (`$HICACHE_HOME/kernels`): a machine
+compiles each kernel once (about a second).
 A finished build is renamed into place, so concurrent processes never load a half-written
 file. The kernels use AVX-512F intrinsics, not -march=native, so one build runs on every
 AVX-512 machine; OpenMP comes from libgomp.so.1, the very runtime torch loaded (same
@@ -52,7 +53,8 @@ def build(source: Path, cache_dir: Path, flags: Sequence[str] = FLAGS) -> Path:
     cc = compiler()
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True,
                              timeout=COMPILE_TIMEOUT_S).stdout  # a broken one fails below
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + version.encode()).hexdigest()[:16]
     path = cache_dir / f"{source.stem}-{key}.so"
     if path.exists():

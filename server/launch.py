@@ -137,9 +137,10 @@ def log_startup(engine: Engine, runner: web.AppRunner) -> None:
     logger.info("hicache-server listening on http://%s:%d", shown, port)
     logger.info("model: %s (%s)", engine.config.model.path, engine.loaded.path)
     loaded = engine.loaded
-    logger.info("%s on %s, attention: %s, linear: %s",
+    logger.info("%s on %s, attention: %s, linear: %s, norm/rope/silu: %s",
                 str(loaded.dtype).removeprefix("torch."), loaded.device,
-                type(loaded.model.attn_backend).__name__, loaded.model.linear_backend)
+                type(loaded.model.attn_backend).__name__, loaded.model.linear_backend,
+                loaded.model.layer_ops)
     for tier, (tokens, size) in tier_sizes(engine).items():
         logger.info("tier %-7s %d tokens, %.2f GB", tier, tokens, size / BYTES_PER_GB)
     for handler in logging.getLogger().handlers:

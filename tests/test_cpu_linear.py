@@ -1,8 +1,8 @@
 """The CPU linear kernel (kernels/cpu_linear.c): F.linear's result, the exact arithmetic it
 promises (one FMA chain per output, in input order), and that a row's bits depend on
 nothing else in the call: not the rows beside it, their number, the row stride nor the
-thread count. The model on it: see test_cpu_attention's cached-vs-recomputed bits test,
-which runs on both kernels.
+thread count. The model on it: test_cpu_layer (either backend, the same logits) and
+test_cpu_attention (cached and recomputed K/V, the same bits).
 
 Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
 skipped elsewhere, and a supported machine whose build fails fails here.
@@ -22,7 +22,6 @@ from server.models.llama import (
     Linear,
     make_linear_kernel,
 )
-from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
 SEED = 11
 # (out_features, in_features): the embedded model's q|k|v, gate|up, down and LM head; and
@@ -160,27 +159,3 @@ def test_the_kernel_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_failed_build_falls_back_to_none(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert cpu_linear.load(tmp_path / "failing") is None
-
-
-def test_the_embedded_model_on_either_linear_backend(monkeypatch, tmp_path: Path) -> None:
-    """The embedded model loads on the kernel by default and on oneDNN when asked; their
-    logits over a prompt agree within float rounding."""
-    monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
-    from hicache.memory.device import DeviceKVPool
-    from server.models.forward_batch import ForwardBatch
-
-    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(SEED))
-    slots = torch.arange(16, 56)
-    batch = ForwardBatch(ids, torch.arange(40), slots, [slots], [0], [40])
-    logits = {}
-    for choice in ("kernel", "onednn"):
-        monkeypatch.setenv(CPU_LINEAR_ENV, choice)
-        lm = load_model(EMBEDDED_TINY_LLAMA, "float32", "cpu")
-        c = lm.config
-        pool = DeviceKVPool(4, 16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                            torch.float32, "cpu")
-        logits[choice] = lm.model.forward_all_logits(batch, pool)
-        assert lm.model.linear_backend == {"kernel": "CpuLinearKernel",
-                                           "onednn": "oneDNN"}[choice]
-    scale = logits["onednn"].abs().max()
-    assert (logits["kernel"] - logits["onednn"]).abs().max() <= 1e-4 * scale

@@ -16,19 +16,22 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_linear
+from kernels import cpu_layer, cpu_linear
+from kernels.cpu_layer import CpuLayerKernel, check_positions
 from kernels.cpu_linear import CpuLinearKernel
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
 from server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+KernelT = TypeVar("KernelT")
 
 # transformers' separate projections -> (our stacked parameter, shard index within it)
 _STACKED = {
@@ -109,14 +112,36 @@ def make_linear_kernel(device: str | torch.device, dtype: torch.dtype,
     """The C linear kernel for a float32 model on the CPU, built into `kernel_dir` (None: not
     tried), unless `HICACHE_CPU_LINEAR` says `onednn`; None leaves the Linears on oneDNN
     (or, on CUDA, on cuBLAS)."""
-    choice = os.environ.get(CPU_LINEAR_ENV, "kernel")
-    if choice not in CPU_LINEAR_CHOICES:
-        raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of "
-                         f"{', '.join(CPU_LINEAR_CHOICES)}")
+    return _cpu_kernel(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES, device, dtype, kernel_dir,
+                       cpu_linear.load)
+
+
+# RMSNorm, RoPE and SiLU * up in C by default; `torch` keeps torch's ops (comparisons).
+CPU_LAYER_OPS_ENV = "HICACHE_CPU_LAYER_OPS"
+CPU_LAYER_OPS_CHOICES = ("kernel", "torch")
+
+
+def make_layer_kernel(device: str | torch.device, dtype: torch.dtype,
+                      kernel_dir: Path | None) -> CpuLayerKernel | None:
+    """The C kernels of a decoder layer's RMSNorm, RoPE and SiLU * up, for a float32 model
+    on the CPU, built into `kernel_dir` (None: not tried), unless `HICACHE_CPU_LAYER_OPS`
+    says `torch`; None leaves them on torch's ops."""
+    return _cpu_kernel(CPU_LAYER_OPS_ENV, CPU_LAYER_OPS_CHOICES, device, dtype, kernel_dir,
+                       cpu_layer.load)
+
+
+def _cpu_kernel(env: str, choices: tuple[str, str], device: str | torch.device,
+                dtype: torch.dtype, kernel_dir: Path | None,
+                load: Callable[[Path], KernelT | None]) -> KernelT | None:
+    """`load(kernel_dir)` for float32 on the CPU when `env` says `choices[0]` (its default);
+    else None. ValueError names an `env` value that is not one of `choices`."""
+    choice = os.environ.get(env, choices[0])
+    if choice not in choices:
+        raise ValueError(f"{env}={choice!r}: expected one of {', '.join(choices)}")
     if (torch.device(device).type != "cpu" or dtype != torch.float32 or kernel_dir is None
-            or choice != "kernel"):
+            or choice != choices[0]):
         return None
-    return cpu_linear.load(kernel_dir)
+    return load(kernel_dir)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -206,8 +231,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param((size,), dtype, device, fill=1.0)
+        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: one C pass
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(self(residual + x), residual + x)`: the residual add and the norm in one pass
+        on the kernel (the sum is the same bits either way)."""
+        if (self.kernel is not None and x.dtype == torch.float32 and x.dim() == 2
+                and residual.is_contiguous()):
+            return self.kernel.rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self.kernel.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op, the same bits (a test checks)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
@@ -250,6 +288,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: in place, in C
 
     def cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[T, 1, head_dim // 2]` of the batch's positions, once per forward."""
@@ -259,7 +298,12 @@ class RotaryEmbedding(nn.Module):
         return batch.memo("rope", build)
 
     def forward(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
-        """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs)."""
+        """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs);
+        on the kernel in place (the same bits)."""
+        if self.kernel is not None and x.dtype == torch.float32 and self.cos.device.type == "cpu":
+            batch.memo("rope_positions",
+                       lambda: check_positions(batch.positions, self.cos.shape[0]))
+            return self.kernel.rope_(x, batch.positions, self.cos, self.sin, checked=True)
         cos, sin = self.cos_sin(batch, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
         out = torch.empty_like(x)
@@ -306,9 +350,13 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], False, dtype, device)
         self.down_proj = Linear(inter, [config.hidden_size], False, dtype, device)
+        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: SiLU * up in C
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernel is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+            return self.down_proj(self.kernel.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -324,8 +372,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
                 kv_pool: DeviceKVPool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, kv_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), rope, batch, kv_pool)
+        x, h = self.post_attention_layernorm.add_forward(a, h)
+        return h + self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -381,6 +430,18 @@ class LlamaForCausalLM(nn.Module):
         if first.panels is not None:
             return type(first.kernel).__name__
         return "oneDNN" if first.packed is not None else "torch"
+
+    @property
+    def layer_ops(self) -> str:
+        """What RMSNorm, RoPE and SiLU * up run on: CpuLayerKernel or torch."""
+        kernel = self.model.norm.kernel
+        return "torch" if kernel is None else type(kernel).__name__
+
+    def use_layer_kernel(self, kernel: CpuLayerKernel | None) -> None:
+        """Run RMSNorm, RoPE and SiLU * up on `kernel` (None: torch ops), on the CPU."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding, LlamaMLP)):
+                m.kernel = kernel if self.device.type == "cpu" else None
 
     @torch.no_grad()
     def use_linear_kernel(self, kernel: CpuLinearKernel | None) -> None:

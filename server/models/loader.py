@@ -30,7 +30,7 @@ from tqdm import tqdm
 from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
-from server.models.llama import LlamaForCausalLM, make_linear_kernel
+from server.models.llama import LlamaForCausalLM, make_layer_kernel, make_linear_kernel
 from server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
@@ -245,6 +245,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     model = LlamaForCausalLM(config, make_attention_backend(dev, kernel_dir=kernel_dir),
                              torch_dtype, dev)
     model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
+    model.use_layer_kernel(make_layer_kernel(dev, torch_dtype, kernel_dir))
     model.load_weights(iter_safetensors(folder))
     return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
 

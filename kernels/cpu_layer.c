@@ -1,0 +1,111 @@
+/* The rest of a decoder layer on the CPU (AVX-512F, OpenMP), float32: RMSNorm (with the
+ * residual add before it), RoPE in place, and SiLU(gate) * up. Each is one pass over its
+ * rows where torch runs four to eight ops, each a read and a write of the whole tensor plus
+ * a dispatch (a 512-wide decode row's RMSNorm: ~15 us in torch).
+ *
+ * Layouts (kernels/cpu_layer.py checks them):
+ *
+ *   rms_norm   x [M, H] rows `ldx` apart; residual and sum [M, H] contiguous, or NULL;
+ *              weight [H]; out [M, H] contiguous
+ *   rope       x [T, heads, head_dim] rows `ldx` apart, each row's heads contiguous;
+ *              positions [T] int64; cos, sin [max_positions, head_dim / 2]
+ *   silu_mul   gate_up [M, 2 I] contiguous (gate | up); out [M, I] contiguous
+ *
+ * What must stay true: every row is computed alone, the same way whatever rows share the
+ * call (a token's bits do not depend on its batch). RoPE is exactly torch's arithmetic
+ * (x1 cos - x2 sin, x2 cos + x1 sin, each product rounded: no FMA contraction, as -std=c11
+ * gives), so it changes no bit of the model; RMSNorm and SiLU round differently from torch,
+ * within float32 rounding.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "cpu_exp.h"
+
+#define VEC 16
+#define PARALLEL_MIN_FLOATS 65536  /* below this a call stays on the calling thread */
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= VEC ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* out = weight * (h / sqrt(mean(h^2) + eps)), h = x, or with a residual h = residual + x,
+ * written to sum (which may be the residual itself). The squares are summed in 16 lanes in
+ * order, then across the lanes. */
+void hicache_rms_norm_f32(const float *x, int64_t ldx, const float *residual, float *sum,
+                          const float *weight, float eps, int64_t M, int64_t H, float *out,
+                          int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * H >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xr = x + m * ldx;
+        float *hs = residual ? sum + m * H : NULL, *o = out + m * H;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
+            if (hs) {
+                h = _mm512_add_ps(_mm512_maskz_loadu_ps(k, residual + m * H + i), h);
+                _mm512_mask_storeu_ps(hs + i, k, h);
+            }
+            sq = _mm512_fmadd_ps(h, h, sq);
+        }
+        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
+        const __m512 s = _mm512_set1_ps(scale);
+        const float *h_src = hs ? hs : xr;
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            const __m512 h = _mm512_maskz_loadu_ps(k, h_src + i);
+            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, weight + i),
+                                                          _mm512_mul_ps(h, s)));
+        }
+    }
+}
+
+/* Rotate-half RoPE of every head of every row, in place. */
+void hicache_rope_f32(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t head_dim,
+                      const int64_t *positions, const float *cos_table, const float *sin_table,
+                      int threads) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (T * heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + t * ldx + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i += VEC) {
+                const __mmask16 k = tail_mask(half - i);
+                const __m512 a = _mm512_maskz_loadu_ps(k, x1 + i), b = _mm512_maskz_loadu_ps(k, x2 + i);
+                const __m512 cv = _mm512_maskz_loadu_ps(k, c + i), sv = _mm512_maskz_loadu_ps(k, s + i);
+                _mm512_mask_storeu_ps(x1 + i, k, _mm512_sub_ps(_mm512_mul_ps(a, cv),
+                                                               _mm512_mul_ps(b, sv)));
+                _mm512_mask_storeu_ps(x2 + i, k, _mm512_add_ps(_mm512_mul_ps(b, cv),
+                                                               _mm512_mul_ps(a, sv)));
+            }
+        }
+    }
+}
+
+/* out = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from e = exp(-|gate|) <= 1:
+ * 1 / (1 + e) for gate >= 0, e / (1 + e) below (no overflow either side). */
+void hicache_silu_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * I >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t i = 0; i < I; i += VEC) {
+            const __mmask16 k = tail_mask(I - i);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 num = _mm512_mask_mov_ps(one, neg, e);
+            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(o + i, k,
+                                  _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + i)));
+        }
+    }
+}

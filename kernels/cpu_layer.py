@@ -1,0 +1,143 @@
+"""The rest of a decoder layer on the CPU: RMSNorm (after the residual add), RoPE and
+SiLU(gate) * up, from the C kernels of cpu_layer.c (float32, AVX-512F, OpenMP).
+
+    layer = load(cache_dir)                          # None where unsupported: torch ops
+    out = layer.rms_norm(x, weight, eps)             # or, with the residual add first:
+    out, h = layer.rms_norm(x, weight, eps, residual)  # h = residual + x, out = norm(h)
+    layer.rope_(qk, positions, cos, sin)             # in place, [T, heads, head_dim]
+    act = layer.silu_mul(gate_up)                    # [M, 2I] -> [M, I]
+
+Each is one pass over its rows where torch dispatches four to eight ops; every row is
+computed alone, so a row's bits do not depend on its batch. RoPE is torch's arithmetic
+exactly; RMSNorm and SiLU round differently from torch, within float32 rounding.
+
+Threading: any thread; large calls use torch's OpenMP thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_build
+
+_SOURCE = Path(__file__).with_name("cpu_layer.c")
+
+
+def _float_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (
+            t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        raise ValueError(f"{name}'s rows overlap: strides {t.stride()}")
+    if width is not None and t.shape[1] != width:
+        raise ValueError(f"{name} must have {width} columns, got {tuple(t.shape)}")
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[-1] if t.dim() == 2 else t.shape[1] * t.shape[2]
+
+
+class CpuLayerKernel:
+    """The compiled kernels (see the module docstring); build them with `load()`."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._norm = library.hicache_rms_norm_f32
+        self._norm.restype = None
+        self._norm.argtypes = [ptr, i64, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
+        self._rope = library.hicache_rope_f32
+        self._rope.restype = None
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+        self._silu = library.hicache_silu_mul_f32
+        self._silu.restype = None
+        self._silu.argtypes = [ptr, i64, i64, ptr, i32]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`weight * x / sqrt(mean(x^2) + eps)` per row of x `[M, H]`. With `residual`
+        (contiguous `[M, H]`): `(norm(residual + x), residual + x)`, the sum a new tensor."""
+        _float_rows("x", x)
+        rows, hidden = x.shape
+        if weight.dtype != torch.float32 or weight.shape != (hidden,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be [{hidden}] contiguous float32, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        total = None
+        if residual is not None:
+            _float_rows("residual", residual, hidden)
+            if residual.shape[0] != rows or not residual.is_contiguous():
+                raise ValueError(f"residual must be contiguous [{rows}, {hidden}], got "
+                                 f"{tuple(residual.shape)} strides {residual.stride()}")
+            total = torch.empty((rows, hidden), dtype=torch.float32)
+        out = torch.empty((rows, hidden), dtype=torch.float32)
+        if rows:
+            self._norm(x.data_ptr(), _row_stride(x),
+                       None if residual is None else residual.data_ptr(),
+                       None if total is None else total.data_ptr(), weight.data_ptr(), eps,
+                       rows, hidden, out.data_ptr(), torch.get_num_threads())
+        return out if total is None else (out, total)
+
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """Rotate `x` `[T, heads, head_dim]` (each row's heads contiguous, rows any stride)
+        in place by `positions` (int64 `[T]`, each below cos's rows): rotate-half pairs,
+        cos and sin `[max_positions, head_dim // 2]` contiguous float32. Returns x.
+        `checked`: the caller already checked the positions' range (once per batch)."""
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3
+                or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2
+                or (x.shape[0] > 1 and x.stride(0) < x.shape[1] * x.shape[2])):
+            raise ValueError(f"x must be float32 [T, heads, head_dim] with each row's heads "
+                             f"contiguous, got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        tokens, heads, dim = x.shape
+        for name, t in (("cos", cos), ("sin", sin)):
+            if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != dim // 2
+                    or not t.is_contiguous()):
+                raise ValueError(f"{name} must be contiguous float32 [positions, {dim // 2}], "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if (positions.dtype != torch.int64 or positions.shape != (tokens,)
+                or not positions.is_contiguous()):
+            raise ValueError(f"positions must be contiguous int64 [{tokens}], got "
+                             f"{positions.dtype} {tuple(positions.shape)}")
+        if not checked:
+            check_positions(positions, cos.shape[0])
+        if tokens:
+            self._rope(x.data_ptr(), _row_stride(x), tokens, heads, dim, positions.data_ptr(),
+                       cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of contiguous `[M, 2 I]` (gate | up) -> `[M, I]`."""
+        _float_rows("gate_up", gate_up)
+        if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be contiguous [M, 2 I], got "
+                             f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=torch.float32)
+        if rows:
+            self._silu(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def check_positions(positions: torch.Tensor, limit: int) -> None:
+    """ValueError unless every position lies in [0, limit)."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= limit):
+        raise ValueError(f"positions must lie in [0, {limit}), got [{int(positions.min())}, "
+                         f"{int(positions.max())}]")
+
+
+def supported() -> bool:
+    """AVX-512F on this CPU and a C compiler (`cpu_build.supported`)."""
+    return cpu_build.supported()
+
+
+@functools.cache
+def load(cache_dir: Path) -> CpuLayerKernel | None:
+    """The kernels, compiled into `cache_dir` on first use; None where unsupported or the
+    build fails (logged once)."""
+    return cpu_build.load(_SOURCE, cache_dir, CpuLayerKernel, "CPU layer kernels", "torch ops")
