@@ -87,6 +87,36 @@ static void transpose_keys(float *kt, int64_t ld, int64_t cols, const float *k_c
         }
 }
 
+/* transpose_keys of one block for a decode row (or a short extend), asking meanwhile for
+ * the lines it will read next: with each key's chunk of K, the same chunk of that key's V
+ * (read after this block's scores) and of the next block's key's K. A decode row reads
+ * every row once, through slots the hardware prefetcher cannot follow across pages; asked
+ * for one line per load, spread over the block's work, the memory keeps many lines in
+ * flight without stalling the loads. Into L2: more lines than L1's fill buffers hold. */
+static void transpose_block(float *kt, const float *k_cache, const float *v_cache,
+                            const int64_t *slots, int64_t num_keys, int64_t next_keys,
+                            int64_t kv_heads, int64_t kv_head, int64_t dim) {
+    for (int64_t j0 = 0; j0 < KEY_BLOCK; j0 += VEC)
+        for (int64_t d0 = 0; d0 < dim; d0 += VEC) {
+            __m512 r[VEC];
+            for (int i = 0; i < VEC; ++i) {
+                const int64_t j = j0 + i;
+                if (j < num_keys) {
+                    const int64_t at = (slots[j] * kv_heads + kv_head) * dim + d0;
+                    _mm_prefetch((const char *)(v_cache + at), _MM_HINT_T1);
+                    r[i] = _mm512_loadu_ps(k_cache + at);
+                } else {
+                    r[i] = _mm512_setzero_ps();
+                }
+                if (j < next_keys)
+                    _mm_prefetch((const char *)(k_cache + (slots[KEY_BLOCK + j] * kv_heads
+                                                           + kv_head) * dim + d0), _MM_HINT_T1);
+            }
+            transpose16(r);
+            for (int c = 0; c < VEC; ++c) _mm512_storeu_ps(kt + (d0 + c) * KEY_BLOCK + j0, r[c]);
+        }
+}
+
 /* S[r][0..64) = scale * q_r . k_j for 4 rows, from Kt's block (column j = key j). */
 static inline void qk_tile(float *s, const float *qs, const float *kt, int64_t ld, int64_t dim,
                            float scale) {
@@ -181,19 +211,6 @@ static inline void pv_tile(float *o, const float *p, const float *alpha, const f
         pv_tile_1(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
 }
 
-/* Ask for the cache lines of the K or V rows of keys [0, num_keys) of one KV head (their
- * slots in `slots`): a decode row reads each row once, through slots the hardware
- * prefetcher cannot follow across pages, so without this it waits on memory at every key.
- * Into L2: a block's worth of rows is more than L1's line-fill buffers hold. */
-static inline void prefetch_rows(const float *cache, const int64_t *slots, int64_t num_keys,
-                                 int64_t kv_heads, int64_t kv_head, int64_t dim) {
-    for (int64_t j = 0; j < num_keys; ++j) {
-        const char *row = (const char *)(cache + (slots[j] * kv_heads + kv_head) * dim);
-        for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
-            _mm_prefetch(row + b, _MM_HINT_T1);
-    }
-}
-
 typedef struct {
     float *qs, *s, *o, *m, *l, *alpha;
     float *kt_block;  /* [D][KEY_BLOCK]: one block of Kt, for a sequence with one item */
@@ -229,15 +246,10 @@ static void run_item(const Item *it, Scratch *w, const float *q, int64_t q_strid
             kb = kt + j0;
             kb_ld = ld;
         } else {
-            /* this block's V rows (read after its scores) and the next block's K rows
-             * travel while this block is computed */
             const int64_t next = num_keys - j0 - block < KEY_BLOCK ? num_keys - j0 - block
                                                                    : KEY_BLOCK;
-            prefetch_rows(v_cache, slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
-            prefetch_rows(k_cache, slots + slot0 + j0 + block, next, kv_heads, it->kv_head,
-                          dim);
-            transpose_keys(w->kt_block, KEY_BLOCK, KEY_BLOCK, k_cache, slots + slot0 + j0, block,
-                           kv_heads, it->kv_head, dim);
+            transpose_block(w->kt_block, k_cache, v_cache, slots + slot0 + j0, block, next,
+                            kv_heads, it->kv_head, dim);
         }
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
             qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
