@@ -1,11 +1,15 @@
-"""The model's forward pass, attention backend against attention backend, in one run.
+"""The model's forward pass, CPU/GPU configuration against configuration, in one run.
 
     reference   ReferenceAttention: per sequence, gather its K/V, repeat KV heads, SDPA with
-                a materialised mask (the engine's path before batching)
+                a materialised mask (the engine's path before batching); Linears on oneDNN
+                (CUDA: cuBLAS), norms, RoPE and SiLU as torch ops
     batched     TorchAttention: one decode SDPA per layer over a padded slot table, one
-                gather for all prefills, KV heads broadcast by stride, masks built per batch
-    kernel      CpuKernelAttention (CPU float32 where the C kernel builds, the engine's CPU
-                default): every sequence in one call, K/V read through the slots
+                gather for all prefills, KV heads broadcast by stride, masks built per batch;
+                the rest as reference
+    kernel      CpuKernelAttention (CPU float32 where the C kernel builds): every sequence in
+                one call, K/V read through the slots; the rest as reference
+    all-C       kernel, with the Linears on CpuLinearKernel and RMSNorm, RoPE and SiLU * up
+                on CpuLayerKernel: the engine's CPU float32 default
 
 Same model (the embedded one unless `--model-path`), same weights, same pool, the shapes the
 engine runs: a 2,048-token prefill from scratch, a 512-token extend on a 1,536-token cached
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_layer, cpu_linear
 from server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
 from server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model
@@ -61,6 +65,14 @@ def make_batch(seqs: list[tuple[int, int]], vocab: int, seed: int) -> ForwardBat
 def set_backend(model: torch.nn.Module, backend: object) -> None:
     for layer in model.model.layers:
         layer.self_attn.backend = backend
+
+
+def set_config(model: torch.nn.Module, config: tuple[object, object, object]) -> None:
+    """(attention backend, linear kernel or None, layer kernel or None) on every layer."""
+    backend, linear_kernel, layer_kernel = config
+    set_backend(model, backend)
+    model.use_linear_kernel(linear_kernel)
+    model.use_layer_kernel(layer_kernel)
 
 
 def fill_prefixes(model: torch.nn.Module, pool: DeviceKVPool, batch: ForwardBatch,
@@ -97,19 +109,24 @@ def run(args: argparse.Namespace) -> list[dict]:
     tokens = max(sum(p + e for p, e in seqs) for seqs in SHAPES.values())
     pool = DeviceKVPool(-(-tokens // PAGE_SIZE) + 1, PAGE_SIZE, c.num_hidden_layers,
                         c.num_key_value_heads, c.head_dim, lm.dtype, lm.device)
-    backends: dict[str, object] = {"reference": ReferenceAttention(),
-                                   "batched": TorchAttention()}
-    kernel = cpu_attention.load(hicache_home() / KERNELS_DIR)
-    if lm.device.type == "cpu" and lm.dtype == torch.float32 and kernel is not None:
-        backends["kernel"] = CpuKernelAttention(kernel)
+    backends: dict[str, tuple[object, object, object]] = {
+        "reference": (ReferenceAttention(), None, None),
+        "batched": (TorchAttention(), None, None)}
+    kernels = hicache_home() / KERNELS_DIR
+    attention, linear, layer = (cpu_attention.load(kernels), cpu_linear.load(kernels),
+                                cpu_layer.load(kernels))
+    if lm.device.type == "cpu" and lm.dtype == torch.float32 and attention is not None:
+        backends["kernel"] = (CpuKernelAttention(attention), None, None)
+        if linear is not None and layer is not None:
+            backends["all-C"] = (CpuKernelAttention(attention), linear, layer)
     rows = []
     for name, seqs in SHAPES.items():
         batch = make_batch(seqs, c.vocab_size, args.seed)
-        set_backend(model, backends["batched"])
+        set_config(model, backends["batched"])
         fill_prefixes(model, pool, batch, c.vocab_size, args.seed + 1)  # shared by all
         row, logits = {"shape": name}, {}
         for label, backend in backends.items():
-            set_backend(model, backend)
+            set_config(model, backend)
             logits[label] = model.forward(batch, pool)
             row[f"{label}_ms"] = timed(functools.partial(model.forward, batch, pool),
                                        args.repeats) * 1e3

@@ -21,6 +21,7 @@ from server.models.llama import (
     CPU_LINEAR_ENV,
     Linear,
     make_linear_kernel,
+    onednn_matches_kernel,
 )
 
 SEED = 11
@@ -120,8 +121,8 @@ def test_no_rows_and_bad_arguments(kernel) -> None:
 
 
 def test_linear_runs_on_the_kernel_once_packed(kernel) -> None:
-    """A Linear given the kernel packs panels (and no oneDNN copy), and its rows match a
-    Linear on oneDNN within float rounding; unpack drops the panels."""
+    """A Linear given the kernel packs panels (and a oneDNN copy only where its bits
+    match), and its rows match a Linear on oneDNN within float rounding; unpack drops both."""
     gen = torch.Generator().manual_seed(SEED)
     lins = [Linear(512, [512, 256], True, torch.float32, torch.device("cpu")) for _ in range(2)]
     w, b = torch.randn(768, 512, generator=gen), torch.randn(768, generator=gen)
@@ -132,7 +133,8 @@ def test_linear_runs_on_the_kernel_once_packed(kernel) -> None:
     lins[0].kernel = kernel
     for lin in lins:
         lin.pack()
-    assert lins[0].panels is not None and lins[0].packed is None
+    assert lins[0].panels is not None
+    assert (lins[0].packed is not None) == onednn_matches_kernel(kernel, 768, 512, True)
     x = torch.randn(9, 512, generator=gen)
     with torch.inference_mode():
         got = lins[0](x)
@@ -140,7 +142,28 @@ def test_linear_runs_on_the_kernel_once_packed(kernel) -> None:
         torch.testing.assert_close(got, lins[1](x), rtol=1e-5, atol=1e-4)
         assert torch.equal(lins[0](x.t().contiguous().t()), got)  # made contiguous first
     lins[0].unpack()
-    assert lins[0].panels is None
+    assert lins[0].panels is None and lins[0].packed is None
+
+
+@pytest.mark.parametrize("in_features", [512, 1536])
+def test_a_linear_on_the_kernel_gives_a_row_the_same_bits_in_any_batch(
+        kernel, in_features: int) -> None:
+    """Chunks of ONEDNN_MIN_ROWS rows or more may take oneDNN's copy (where its bits match:
+    512 inputs here, not 1,536); a row's bits are the same in a 2,048-row prefill, a 600-row
+    chunk and a decode batch either way."""
+    gen = torch.Generator().manual_seed(SEED)
+    lin = Linear(in_features, [512, 256], True, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(768, in_features, generator=gen))
+        lin.bias.copy_(torch.randn(768, generator=gen))
+    lin.kernel = kernel
+    lin.pack()
+    assert (lin.packed is not None) == onednn_matches_kernel(kernel, 768, in_features, True)
+    x = torch.randn(2048, in_features, generator=gen)
+    with torch.inference_mode():
+        whole = lin(x)
+        for lo, hi in [(0, 1), (3, 11), (100, 700), (1500, 2048), (7, 519)]:
+            assert torch.equal(lin(x[lo:hi]), whole[lo:hi])
 
 
 def test_the_kernel_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

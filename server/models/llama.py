@@ -102,6 +102,38 @@ def _onednn_agrees(dtype: torch.dtype,
     return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
 
 
+# On the kernel, a batch of this many rows or more (a prefill chunk) runs on oneDNN's packed
+# copy instead where oneDNN gives the kernel's very bits for that weight's shape
+# (`onednn_matches_kernel`): oneDNN's blocking was 2-5% faster on 1,024-2,048 rows here, the
+# kernel as fast up to ~300 rows and 1.4-2x faster on decode batches.
+ONEDNN_MIN_ROWS = 512
+ONEDNN_PROBE_ROWS = (ONEDNN_MIN_ROWS, 2048)  # 2,048: the engine's largest chunk
+ONEDNN_PROBE_SEED = 1
+
+
+@functools.cache
+def onednn_matches_kernel(kernel: CpuLinearKernel, out_features: int, in_features: int,
+                          bias: bool) -> bool:
+    """Whether oneDNN's packed matmul gives the kernel's bits (one FMA chain per output in
+    input order, then the bias) for a float32 weight of this shape, at ONEDNN_PROBE_ROWS
+    rows: so on oneDNN 3.x with 512 inputs, not with 1,536 (it sums blocks of 1,024).
+    Checked once per shape with random values, which any other order would not match."""
+    if not onednn_packing_works(torch.float32):
+        return False
+    gen = torch.Generator().manual_seed(ONEDNN_PROBE_SEED)
+    w = torch.randn((out_features, in_features), generator=gen)
+    b = torch.randn((out_features,), generator=gen) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+    panels = kernel.pack(w)
+    for rows in ONEDNN_PROBE_ROWS:
+        x = torch.randn((rows, in_features), generator=gen)
+        with torch.inference_mode():
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            if not torch.equal(got, kernel(x, panels, out_features, b)):
+                return False
+    return True
+
+
 # The CPU linear kernel by default; `onednn` keeps every Linear on oneDNN (comparisons).
 CPU_LINEAR_ENV = "HICACHE_CPU_LINEAR"
 CPU_LINEAR_CHOICES = ("kernel", "onednn")
@@ -163,8 +195,8 @@ class Linear(nn.Module):
       kernels/cpu_linear.c): every output one FMA chain over the inputs in order, whatever
       the batch size, so a row's bits do not depend on the rows beside it; a decode batch
       streams the weight at memory bandwidth (the embedded model's 97 MB of weights in a
-      one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores), a prefill runs at oneDNN's
-      speed.
+      one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores). Chunks of ONEDNN_MIN_ROWS
+      rows or more take a oneDNN copy too, where its bits are the kernel's.
     - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
       reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
       505 -> 272 us), and a row's result does not depend on how many rows share the call
@@ -172,9 +204,9 @@ class Linear(nn.Module):
       either: on the AMD EPYCs here it was 8% faster for a 2,048-token prefill on one
       machine and 10-20% slower on another.
 
-    Either way a token's K/V are the same bits whether it was prefilled or extended. The
-    copy doubles the memory of the Linear weights (not of the embedding table nor of a tied
-    LM head).
+    Either way a token's K/V are the same bits whether it was prefilled or extended. Each
+    copy adds the memory of the Linear weights once (not of the embedding table nor of a
+    tied LM head): one copy on oneDNN, one or two on the kernel.
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
@@ -192,6 +224,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
+            if self.packed is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
+                return self._packed(x)  # the same bits (`onednn_matches_kernel`)
             x = x if x.stride(-1) == 1 else x.contiguous()
             return self.kernel(x, self.panels, self.weight.shape[0], self.bias)
         if self.packed is None:
@@ -209,6 +243,10 @@ class Linear(nn.Module):
         else oneDNN's layout where packing works (CPU); else nothing."""
         if self.kernel is not None and self.weight.dtype == torch.float32:
             self.panels = self.kernel.pack(self.weight)
+            if self.packable and onednn_matches_kernel(self.kernel, *self.weight.shape,
+                                                       self.bias is not None):
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                      PACK_ROWS_HINT)
         elif self.packable:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   PACK_ROWS_HINT)
