@@ -18,13 +18,9 @@ import torch.nn.functional as F
 from hicache.memory.device import DeviceKVPool
 from kernels import cpu_layer
 from server.models.config import ModelArchConfig
+from server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
 from server.models.forward_batch import ForwardBatch
-from server.models.llama import (
-    CPU_LAYER_OPS_ENV,
-    CPU_LINEAR_ENV,
-    RotaryEmbedding,
-    make_layer_kernel,
-)
+from server.models.llama import RotaryEmbedding
 from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
 SEED = 23

@@ -17,12 +17,8 @@ import pytest
 import torch
 
 from kernels import cpu_linear
-from server.models.llama import (
-    CPU_LINEAR_ENV,
-    Linear,
-    make_linear_kernel,
-    onednn_matches_kernel,
-)
+from server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
+from server.models.linear import Linear, onednn_matches_kernel
 
 SEED = 11
 # (out_features, in_features): the embedded model's q|k|v, gate|up, down and LM head; and

@@ -28,18 +28,16 @@ from server.models import (
     resolve_model_path,
 )
 from server.models import loader as loader_mod
-from server.models.llama import (
-    CPU_LINEAR_CHOICES,
-    CPU_LINEAR_ENV,
+from server.models.cpu_kernels import CPU_LINEAR_CHOICES, CPU_LINEAR_ENV
+from server.models.linear import (
     ONEDNN_MAX_ROWS,
     Linear,
-    RMSNorm,
     linear,
     onednn_linear_works,
     onednn_matches_kernel,
     onednn_packing_works,
-    rope_inv_freq,
 )
+from server.models.llama import RMSNorm, rope_inv_freq
 from server.tokenizer import byte_tokenizer_json
 
 SEED = 1234

@@ -10,28 +10,20 @@ Threading: `forward` runs on the scheduler thread, which owns the KV pool it wri
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import os
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
-from typing import TypeVar
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_layer, cpu_linear
 from kernels.cpu_layer import CpuLayerKernel, check_positions
 from kernels.cpu_linear import CpuLinearKernel
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
 from server.models.forward_batch import ForwardBatch
-
-logger = logging.getLogger(__name__)
-KernelT = TypeVar("KernelT")
+from server.models.linear import Linear, linear, make_param, onednn_linear_works
 
 # transformers' separate projections -> (our stacked parameter, shard index within it)
 _STACKED = {
@@ -42,233 +34,11 @@ _STACKED = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-           fill: float | None = None) -> nn.Parameter:
-    t = torch.empty(tuple(shape), dtype=dtype, device=device)
-    if fill is not None:
-        t.fill_(fill)
-    return nn.Parameter(t, requires_grad=False)
-
-
-# Rows up to which a plain CPU weight goes through oneDNN rather than MKL's sgemm: decode-
-# sized batches, where MKL spends its time packing the weight (vLLM's CPU backend switches at
-# the same size). Only the tied LM head (it is the embedding table too) and a weight that
-# cannot be packed take this path; the other CPU Linears have a packed copy (`Linear.pack`).
-ONEDNN_MAX_ROWS = 32
-# The batch size oneDNN is told to expect when it reorders a weight: any hint from 2 up gives
-# the same layout and speed from 1 to 256 rows here (a hint of 1 keeps it unblocked).
-PACK_ROWS_HINT = 16
-# A packed matmul of one row may take another oneDNN kernel whose bits differ from the same
-# row in a batch of 2 or more (seen for in_features 1,536, the embedded model's down_proj,
-# not for 512), so a lone decode token would not match its prefilled self. `Linear.pack`
-# checks each weight once; where one row differs, a lone row runs as 2 copies of itself.
-SINGLE_ROW_PAD = 2
-SINGLE_ROW_PROBE_SEED = 0  # any: the probe's input only has to be random-looking
-
-
-@functools.cache
-def onednn_linear_works(dtype: torch.dtype) -> bool:
-    """Whether torch's oneDNN linear (`mkldnn._linear_pointwise`, what inductor calls on the
-    CPU) runs here in `dtype` and agrees with `F.linear`; checked once per dtype."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return _onednn_agrees(dtype, lambda w: w)
-
-
-@functools.cache
-def onednn_packing_works(dtype: torch.dtype) -> bool:
-    """Whether a weight reordered once into oneDNN's blocked layout
-    (`mkldnn._reorder_linear_weight`, what inductor's weight freezing does on the CPU) runs
-    here in `dtype`, gives `F.linear`'s result, and unpacks to the same weight."""
-    if not onednn_linear_works(dtype):
-        return False
-
-    def pack(w: torch.Tensor) -> torch.Tensor:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        if not torch.equal(packed.to_dense(), w):
-            raise RuntimeError("the packed weight does not unpack to itself")
-        return packed
-    return _onednn_agrees(dtype, pack)
-
-
-def _onednn_agrees(dtype: torch.dtype,
-                   prepare: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """oneDNN's linear on `prepare(w)` runs and gives `F.linear(x, w)` in `dtype`."""
-    x, w = torch.randn(5, 16).to(dtype), torch.randn(8, 16).to(dtype)
-    try:
-        y = torch.ops.mkldnn._linear_pointwise(x, prepare(w), None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
-
-
-# On the kernel, a batch of this many rows or more (a prefill chunk) runs on oneDNN's packed
-# copy instead where oneDNN gives the kernel's very bits for that weight's shape
-# (`onednn_matches_kernel`): oneDNN's blocking was 2-5% faster on 1,024-2,048 rows here, the
-# kernel as fast up to ~300 rows and 1.4-2x faster on decode batches.
-ONEDNN_MIN_ROWS = 512
-ONEDNN_PROBE_ROWS = (ONEDNN_MIN_ROWS, 2048)  # 2,048: the engine's largest chunk
-ONEDNN_PROBE_SEED = 1
-
-
-@functools.cache
-def onednn_matches_kernel(kernel: CpuLinearKernel, out_features: int, in_features: int,
-                          bias: bool) -> bool:
-    """Whether oneDNN's packed matmul gives the kernel's bits (one FMA chain per output in
-    input order, then the bias) for a float32 weight of this shape, at ONEDNN_PROBE_ROWS
-    rows: so on oneDNN 3.x with 512 inputs, not with 1,536 (it sums blocks of 1,024).
-    Checked once per shape with random values, which any other order would not match."""
-    if not onednn_packing_works(torch.float32):
-        return False
-    gen = torch.Generator().manual_seed(ONEDNN_PROBE_SEED)
-    w = torch.randn((out_features, in_features), generator=gen)
-    b = torch.randn((out_features,), generator=gen) if bias else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-    panels = kernel.pack(w)
-    for rows in ONEDNN_PROBE_ROWS:
-        x = torch.randn((rows, in_features), generator=gen)
-        with torch.inference_mode():
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            if not torch.equal(got, kernel(x, panels, out_features, b)):
-                return False
-    return True
-
-
-# The CPU linear kernel by default; `onednn` keeps every Linear on oneDNN (comparisons).
-CPU_LINEAR_ENV = "HICACHE_CPU_LINEAR"
-CPU_LINEAR_CHOICES = ("kernel", "onednn")
-
-
-def make_linear_kernel(device: str | torch.device, dtype: torch.dtype,
-                       kernel_dir: Path | None) -> CpuLinearKernel | None:
-    """The C linear kernel for a float32 model on the CPU, built into `kernel_dir` (None: not
-    tried), unless `HICACHE_CPU_LINEAR` says `onednn`; None leaves the Linears on oneDNN
-    (or, on CUDA, on cuBLAS)."""
-    return _cpu_kernel(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES, device, dtype, kernel_dir,
-                       cpu_linear.load)
-
-
-# RMSNorm, RoPE and SiLU * up in C by default; `torch` keeps torch's ops (comparisons).
-CPU_LAYER_OPS_ENV = "HICACHE_CPU_LAYER_OPS"
-CPU_LAYER_OPS_CHOICES = ("kernel", "torch")
-
-
-def make_layer_kernel(device: str | torch.device, dtype: torch.dtype,
-                      kernel_dir: Path | None) -> CpuLayerKernel | None:
-    """The C kernels of a decoder layer's RMSNorm, RoPE and SiLU * up, for a float32 model
-    on the CPU, built into `kernel_dir` (None: not tried), unless `HICACHE_CPU_LAYER_OPS`
-    says `torch`; None leaves them on torch's ops."""
-    return _cpu_kernel(CPU_LAYER_OPS_ENV, CPU_LAYER_OPS_CHOICES, device, dtype, kernel_dir,
-                       cpu_layer.load)
-
-
-def _cpu_kernel(env: str, choices: tuple[str, str], device: str | torch.device,
-                dtype: torch.dtype, kernel_dir: Path | None,
-                load: Callable[[Path], KernelT | None]) -> KernelT | None:
-    """`load(kernel_dir)` for float32 on the CPU when `env` says `choices[0]` (its default);
-    else None. ValueError names an `env` value that is not one of `choices`."""
-    choice = os.environ.get(env, choices[0])
-    if choice not in choices:
-        raise ValueError(f"{env}={choice!r}: expected one of {', '.join(choices)}")
-    if (torch.device(device).type != "cpu" or dtype != torch.float32 or kernel_dir is None
-            or choice != choices[0]):
-        return None
-    return load(kernel_dir)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           onednn: bool = False) -> torch.Tensor:
-    """`F.linear`, through oneDNN for a CPU batch of at most ONEDNN_MAX_ROWS rows when
-    `onednn` (the model checked `onednn_linear_works`)."""
-    if onednn and x.shape[0] <= ONEDNN_MAX_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Module):
-    """`y = x @ W.T (+ b)`; W stacks `len(out_sizes)` matrices row-wise (q|k|v, gate|up).
-
-    On the CPU, once the weights are loaded, `pack` keeps a second copy of W laid out for the
-    matmul, and every call runs on it:
-
-    - float32 where the C kernel builds (`kernel`, set by `LlamaForCausalLM.use_linear_kernel`;
-      kernels/cpu_linear.c): every output one FMA chain over the inputs in order, whatever
-      the batch size, so a row's bits do not depend on the rows beside it; a decode batch
-      streams the weight at memory bandwidth (the embedded model's 97 MB of weights in a
-      one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores). Chunks of ONEDNN_MIN_ROWS
-      rows or more take a oneDNN copy too, where its bits are the kernel's.
-    - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
-      reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
-      505 -> 272 us), and a row's result does not depend on how many rows share the call
-      (but see SINGLE_ROW_PAD). MKL's sgemm on the plain W is not used for large batches
-      either: on the AMD EPYCs here it was 8% faster for a 2,048-token prefill on one
-      machine and 10-20% slower on another.
-
-    Either way a token's K/V are the same bits whether it was prefilled or extended. Each
-    copy adds the memory of the Linear weights once (not of the embedding table nor of a
-    tied LM head): one copy on oneDNN, one or two on the kernel.
-    """
-
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.out_sizes = list(out_sizes)
-        self.weight = _param((sum(out_sizes), in_features), dtype, device)
-        self.bias = _param((sum(out_sizes),), dtype, device) if bias else None
-        self.onednn = device.type == "cpu" and onednn_linear_works(dtype)
-        self.packable = device.type == "cpu" and onednn_packing_works(dtype)
-        self.packed: torch.Tensor | None = None  # not a parameter: derived from W
-        self.pad_single_row = False  # set by `pack`
-        self.kernel: CpuLinearKernel | None = None  # the C kernel, for float32 on the CPU
-        self.panels: torch.Tensor | None = None  # W packed for `kernel`, by `pack`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            if self.packed is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
-                return self._packed(x)  # the same bits (`onednn_matches_kernel`)
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            return self.kernel(x, self.panels, self.weight.shape[0], self.bias)
-        if self.packed is None:
-            return linear(x, self.weight, self.bias, self.onednn)
-        if x.shape[0] == 1 and self.pad_single_row:  # see SINGLE_ROW_PAD
-            return self._packed(x.expand(SINGLE_ROW_PAD, -1).contiguous())[:1]
-        return self._packed(x)
-
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    @torch.no_grad()
-    def pack(self) -> None:
-        """(Re)build the packed copy of W: the kernel's panels where it takes this weight,
-        else oneDNN's layout where packing works (CPU); else nothing."""
-        if self.kernel is not None and self.weight.dtype == torch.float32:
-            self.panels = self.kernel.pack(self.weight)
-            if self.packable and onednn_matches_kernel(self.kernel, *self.weight.shape,
-                                                       self.bias is not None):
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                      PACK_ROWS_HINT)
-        elif self.packable:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                  PACK_ROWS_HINT)
-            gen = torch.Generator().manual_seed(SINGLE_ROW_PROBE_SEED)
-            x = torch.randn((SINGLE_ROW_PAD, self.weight.shape[1]), generator=gen).to(
-                self.weight.dtype)
-            self.pad_single_row = not torch.equal(self._packed(x[:1]), self._packed(x)[:1])
-
-    def unpack(self) -> None:
-        self.packed = self.panels = None
-
-    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
-        """Rows of stacked matrix `index` in `param` (the weight or the bias), a view."""
-        start = sum(self.out_sizes[:index])
-        return param[start:start + self.out_sizes[index]]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param((size,), dtype, device, fill=1.0)
+        self.weight = make_param((size,), dtype, device, fill=1.0)
         self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: one C pass
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor
@@ -420,7 +190,7 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
+        self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, dtype, device)
             for i in range(config.num_hidden_layers)

@@ -30,7 +30,8 @@ from tqdm import tqdm
 from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
-from server.models.llama import LlamaForCausalLM, make_layer_kernel, make_linear_kernel
+from server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
+from server.models.llama import LlamaForCausalLM
 from server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
