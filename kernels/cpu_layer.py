@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ _SOURCE = Path(__file__).with_name("cpu_layer.c")
 
 
 def _float_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] < 1 or (
             t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
                          f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
@@ -39,7 +40,8 @@ def _float_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
 
 
 def _row_stride(t: torch.Tensor) -> int:
-    return t.stride(0) if t.shape[0] > 1 else t.shape[-1] if t.dim() == 2 else t.shape[1] * t.shape[2]
+    """Floats from one row to the next; a lone row's is never read: its own size."""
+    return t.stride(0) if t.shape[0] > 1 else math.prod(t.shape[1:])
 
 
 class CpuLayerKernel:
