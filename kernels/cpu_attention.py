@@ -15,11 +15,9 @@ that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the
 
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
-how). It needs AVX-512F and a C compiler: `load()` compiles the source once with the system
-compiler (`$CC`, else `cc`) into `cache_dir` (~1 s), keyed by the source, flags and compiler,
-and returns None where either is missing or the build fails (the caller keeps torch's SDPA).
-The .so uses OpenMP through libgomp.so.1, the very runtime torch loaded (same soname), so
-the two share one thread pool.
+how). It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
+(`kernels/cpu_build.py`: the key, the compiler, the shared OpenMP runtime) and returns None
+where either is missing or the build fails (the caller keeps torch's SDPA).
 
 Threading: a kernel call may come from any thread; it uses `num_threads` OpenMP threads.
 """
