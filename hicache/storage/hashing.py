@@ -32,6 +32,10 @@ _TOKEN_DTYPE = np.dtype("<u4")
 
 MODEL_CONFIG = "config.json"
 SAFETENSORS_GLOB = "*.safetensors"
+# config.json key of a folder whose weights are a GGUF file elsewhere (server/models/gguf.py):
+# its "identity" is that file's digest (header, tensor table, data samples), so the config
+# alone identifies the weights and the folder holds no safetensors.
+GGUF_IDENTITY_KEY = "hicache_gguf"
 # A safetensors file starts with its header length (uint64, little-endian), then the JSON
 # header (names, dtypes, shapes, byte offsets). The format caps the header at 100 MB.
 _SAFETENSORS_LEN = struct.Struct("<Q")
@@ -74,6 +78,9 @@ def _safetensors_identity(path: Path) -> list[bytes]:
 def model_fingerprint(model_dir: str | Path) -> str:
     """Hex xxh3_128 of a model folder's identity: its config and its weights' headers.
 
+    A GGUF companion folder is identified by its config alone, which carries the GGUF file's
+    own identity digest (`GGUF_IDENTITY_KEY`).
+
     Hashed, each part length-prefixed: the canonical JSON of `config.json`, then for every
     `*.safetensors` file in name order its name, its size, its header (length + JSON: every
     tensor's dtype, shape and byte offsets) and 4 KiB of tensor data at the start, middle
@@ -85,12 +92,17 @@ def model_fingerprint(model_dir: str | Path) -> str:
     config_path = folder / MODEL_CONFIG
     if not config_path.is_file():
         raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: no {MODEL_CONFIG}")
-    weights = sorted(folder.glob(SAFETENSORS_GLOB), key=lambda p: p.name)
-    if not weights:
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    gguf = config.get(GGUF_IDENTITY_KEY)
+    weights = [] if gguf else sorted(folder.glob(SAFETENSORS_GLOB), key=lambda p: p.name)
+    if gguf and not (isinstance(gguf, dict) and gguf.get("identity")):
+        raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: its "
+                         f"{GGUF_IDENTITY_KEY} names no identity")
+    if not weights and not gguf:
         raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: no "
                          f"{SAFETENSORS_GLOB} files (only safetensors weights are supported)")
     digest = xxhash.xxh3_128()
-    parts = [canonical_json(json.loads(config_path.read_text(encoding="utf-8")))]
+    parts = [canonical_json(config)]
     for path in weights:
         parts += [path.name.encode(), str(path.stat().st_size).encode(),
                   *_safetensors_identity(path)]

@@ -1,7 +1,11 @@
-"""Model folders: the embedded default model, safetensors loading, dtype and device choice.
+"""Model folders: the embedded test model, named and GGUF models, safetensors loading, dtype
+and device choice.
 
-A model path is either `embedded:tiny-llama` or a local Hugging Face folder holding
-`config.json` and `model.safetensors` (or shards listed in `model.safetensors.index.json`).
+A model path is one of: `embedded:tiny-llama`; a model name (`smollm2-135m-instruct`, see
+`server/models/named.py`); a `.gguf` file, or a folder holding one (`server/models/gguf.py`:
+served through a companion folder of its metadata, weights dequantised from the file); a
+local Hugging Face folder holding `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`).
 The embedded model is written once under `hicache_home()/models/tiny-llama` as an ordinary
 Hugging Face folder (transformers loads it too, model and tokenizer); its weights come from a
 fixed seed, so every machine generates byte-identical files (for a given torch version).
@@ -31,7 +35,9 @@ from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
+from server.models.gguf import find_gguf, gguf_source, iter_gguf_tensors
 from server.models.llama import LlamaForCausalLM
+from server.models.named import named_model_file
 from server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
@@ -108,19 +114,38 @@ def hicache_home() -> Path:
     return Path(os.environ.get("HICACHE_HOME") or DEFAULT_HICACHE_HOME).expanduser()
 
 
-def resolve_model_path(path: str) -> Path:
-    """The folder of `path`; the embedded model's is generated on first use.
+class ModelSource(NamedTuple):
+    folder: Path  # config.json, tokenizer, chat template (a GGUF file's companion folder)
+    gguf: Path | None  # the GGUF file the weights come from; None: the folder's safetensors
 
-    FileNotFoundError for a folder that does not exist; ValueError for an unknown embedded name.
+
+def resolve_model_path(path: str) -> Path:
+    """The folder of `path` (see `resolve_model`)."""
+    return resolve_model(path).folder
+
+
+def resolve_model(path: str) -> ModelSource:
+    """Where `path`'s config and weights are; the embedded model's folder and a GGUF file's
+    companion folder are written on first use.
+
+    FileNotFoundError for a path that does not exist or a named model not installed;
+    ValueError for an unknown embedded name or a GGUF file the engine cannot serve.
     """
+    models_dir = hicache_home() / "models"
     if path.startswith(EMBEDDED_PREFIX):
         if path != EMBEDDED_TINY_LLAMA:
             raise ValueError(f"unknown embedded model {path!r}; available: {EMBEDDED_TINY_LLAMA}")
-        return _ensure_embedded(hicache_home() / "models" / EMBEDDED_NAME)
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no model folder: {folder} does not exist or is not a folder")
-    return folder
+        return ModelSource(_ensure_embedded(models_dir / EMBEDDED_NAME), None)
+    local = named_model_file(path) or Path(path).expanduser()
+    gguf = find_gguf(local)
+    if gguf is not None:
+        source = gguf_source(gguf, models_dir)
+        return ModelSource(source.folder, source.file)
+    if not local.is_dir():
+        raise FileNotFoundError(f"no model folder: {local} does not exist or is not a folder "
+                                "(a model path is a Hugging Face folder, a .gguf file, "
+                                f"{EMBEDDED_TINY_LLAMA} or a model name)")
+    return ModelSource(local, None)
 
 
 def _ensure_embedded(final: Path) -> Path:
@@ -234,7 +259,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     dtype "auto": the checkpoint's dtype on CUDA, float32 on CPU. FileNotFoundError names a
     missing folder, config.json or weights file.
     """
-    folder = resolve_model_path(path)
+    folder, gguf = resolve_model(path)
     config = ModelArchConfig.from_file(folder)
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         logger.warning("%s: sliding_window=%d is not applied (full attention): logits are exact "
@@ -247,7 +272,11 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
                              torch_dtype, dev)
     model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
     model.use_layer_kernel(make_layer_kernel(dev, torch_dtype, kernel_dir))
-    model.load_weights(iter_safetensors(folder))
+    if gguf is not None:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        model.load_weights(iter_gguf_tensors(gguf, raw))
+    else:
+        model.load_weights(iter_safetensors(folder))
     return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
 
 

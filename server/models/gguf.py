@@ -1,0 +1,357 @@
+"""GGUF checkpoints (llama.cpp's format): the architecture, tokenizer and chat template from the
+file's metadata, and its tensors dequantised with the `gguf` package, llama.cpp's own reader.
+
+A GGUF file is served through a *companion folder*, written once under
+`hicache_home()/models/gguf/<stem>-<identity>/`: an ordinary Hugging Face folder without the
+weights (`config.json`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
+with the chat template) built from the metadata, so the tokenizer, the chat template and
+transformers' AutoTokenizer all read it as they read any model folder, and the weights are
+streamed from the GGUF file itself at every load (`iter_gguf_tensors`).
+
+What must stay true:
+- `config.json` carries `hicache_gguf` with the file's identity (`gguf_identity`: its size,
+  its whole header, i.e. every metadata value and every tensor's name, type, shape and offset,
+  and samples of its data), so page hashes of two quantisations, or of two fine-tunes, never
+  meet; the file's path is not part of it (two machines share pages of the same file).
+- Tensors come out under transformers' names and layout: llama.cpp stores a Llama's q and k
+  rows permuted for its RoPE (`convert_hf_to_gguf.py`'s `permute`), undone here
+  (`_unpermute`); Qwen2 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import xxhash
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizerImpl
+from tqdm import tqdm
+
+from hicache.storage.hashing import GGUF_IDENTITY_KEY
+
+GGUF_SUFFIX = ".gguf"
+COMPANION_DIR = "gguf"  # under hicache_home()/models
+_IDENTITY_SAMPLE_BYTES = 4096  # data sampled at the start, middle and end (as for safetensors)
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's `llama_token_type`
+# GGUF architecture -> the transformers class this engine runs it as. Mistral's GGUFs say
+# "llama" (the same decoder); `permute` says whether q/k rows are stored RoPE-permuted.
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True),
+                  "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+# GGUF tensor name -> transformers name; `{}` is the layer index.
+_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+# `tokenizer.ggml.pre` -> the split its merges were learned with (llama.cpp's llama-vocab.cpp;
+# SmolLM's is the StarCoder tokenizer's: digits one by one, then GPT-2's byte-level regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT}
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")  # Llama 3's tokenizer.json: whole words first
+_BYTE_LEVEL_PRE = ("default", "gpt2", "smollm", "starcoder")
+SUPPORTED_PRE_TOKENIZERS = (*_BYTE_LEVEL_PRE, *_SPLITS)
+logger = logging.getLogger(__name__)
+
+
+class GGUFError(ValueError):
+    """A GGUF file this engine cannot serve; the message names the file and what was found."""
+
+
+class GGUFSource(NamedTuple):
+    file: Path  # the .gguf file
+    folder: Path  # its companion folder
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file `path` names: itself when it is a `.gguf` file, the one `.gguf` in a folder
+    without a config.json; None for anything else. GGUFError for a folder of several."""
+    if path.is_file():
+        return path if path.suffix == GGUF_SUFFIX else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*" + GGUF_SUFFIX))
+    if len(files) > 1:
+        raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)})"
+                        "; name one: --model-path " + str(files[0]))
+    return files[0] if files else None
+
+
+def gguf_source(file: Path, models_dir: Path) -> GGUFSource:
+    """`file` and its companion folder under `models_dir`, written when missing."""
+    reader = _reader(file)
+    identity = gguf_identity(file, reader)
+    folder = models_dir / COMPANION_DIR / f"{file.stem}-{identity[:16]}"
+    if not (folder / "config.json").is_file():
+        _write_companion(reader, file, identity, folder)
+    return GGUFSource(file, folder)
+
+
+def _reader(file: Path) -> Any:
+    import gguf  # here, not at import: only GGUF models need it
+
+    try:
+        return gguf.GGUFReader(str(file))
+    except (ValueError, OSError) as e:  # a bad magic, a truncated file
+        raise GGUFError(f"{file} is not a readable GGUF file: {e}") from None
+
+
+def gguf_identity(file: Path, reader: Any) -> str:
+    """Hex xxh3_128 of the file's size, its header (metadata and tensor table) and three data
+    samples: milliseconds for any size, distinct for two quantisations or two fine-tunes."""
+    size = file.stat().st_size
+    data_start = int(reader.data_offset)
+    digest = xxhash.xxh3_128(str(size).encode())
+    with file.open("rb") as f:
+        digest.update(f.read(data_start))
+        data_bytes = size - data_start
+        for offset in (0, data_bytes // 2, max(0, data_bytes - _IDENTITY_SAMPLE_BYTES)):
+            f.seek(data_start + offset)
+            digest.update(f.read(_IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _write_companion(reader: Any, file: Path, identity: str, final: Path) -> None:
+    """Write the companion folder into a temporary sibling, then rename it into place (atomic:
+    of two processes writing it at once one wins, and both see it whole)."""
+    meta = _metadata(reader)
+    files = {"config.json": hf_config(meta, reader, file, identity),
+             "generation_config.json": _generation_config(meta),
+             "tokenizer_config.json": _tokenizer_config(meta)}
+    tokenizer = tokenizer_json(meta, file)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        for name, data in files.items():
+            (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
+                                    encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("GGUF %s: config, tokenizer and chat template written to %s", file, final)
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata key -> its Python value (strings, numbers, lists)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the header's own counts, not metadata
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> dict[str, Any]:
+    """config.json (transformers' keys) of a GGUF file's metadata; GGUFError for an
+    architecture or a feature the engine does not run."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(f"{file}: GGUF architecture {arch!r} is not supported; supported: "
+                        f"{', '.join(_ARCHITECTURES)} (Llama, Mistral, Qwen2)")
+    hf_arch, model_type, _ = _ARCHITECTURES[arch]
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{file}: per-frequency RoPE factors (rope_freqs, Llama 3.1's rope "
+                        "scaling) are not supported in GGUF files; serve the model's Hugging "
+                        "Face folder instead")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(f"{file}: metadata {arch}.{name} is missing")
+        return value
+
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"{file}: partial rotary embeddings (rope.dimension_count "
+                        f"{key('rope.dimension_count')} < head dim {head_dim}) are not supported")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config = {
+        "architectures": [hf_arch], "model_type": model_type,
+        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(meta, arch, file),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "torch_dtype": _checkpoint_dtype(reader),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        GGUF_IDENTITY_KEY: {"identity": identity, "name": meta.get("general.name"),
+                          "file_name": file.name, "tensor_types": _tensor_types(reader)},
+    }
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    return config
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, file: Path) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    raise GGUFError(f"{file}: rope scaling {kind!r} is not supported; supported: none, linear")
+
+
+def _tensor_types(reader: Any) -> dict[str, int]:
+    """Quantisation type name -> how many tensors use it (the file's quantisation mix)."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _checkpoint_dtype(reader: Any) -> str:
+    """The dtype `--dtype auto` picks on a GPU: float32 for an all-F32 file, float16 for F16
+    weights, else bfloat16 (what a quantised model is served in there)."""
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    if kinds == {"F32"}:
+        return "float32"
+    return "float16" if kinds == {"F16"} else "bfloat16"
+
+
+def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos_ids = sorted({int(e) for e in eos if e is not None})
+    return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
+
+
+def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def text(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text("bos"),
+        "eos_token": text("eos"), "unk_token": text("unknown"), "pad_token": text("padding"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def tokenizer_json(meta: dict[str, Any], file: Path) -> str:
+    """tokenizer.json of a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Llama 3,
+    Qwen2, SmolLM, ...) built with `tokenizers`; GGUFError for any other tokenizer."""
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise GGUFError(f"{file}: tokenizer model {kind!r} is not supported; supported: gpt2 "
+                        "(byte-level BPE)")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise GGUFError(f"{file}: pre-tokenizer {pre!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = _HFTokenizerImpl(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                      ignore_merges=pre in _IGNORE_MERGES))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == _TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == _TOKEN_USER_DEFINED])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], int(bos))])
+    return tok.to_str(pretty=True)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        byte_level])
+    return byte_level
+
+
+def iter_gguf_tensors(file: str | Path, config: dict[str, Any]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 CPU tensor) of every weight of a GGUF file, dequantised one
+    at a time (`gguf.quants.dequantize`: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, ...);
+    GGUFError for a tensor of no known name or of a type the reader cannot dequantise."""
+    from gguf.quants import dequantize  # here, not at import: only GGUF models need it
+
+    file = Path(file)
+    reader = _reader(file)
+    arch = _ARCHITECTURES[str(reader.fields["general.architecture"].contents())]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in tqdm(reader.tensors, desc="Dequantising GGUF", unit="tensor", file=sys.stderr):
+        name = _hf_name(t.name, file)
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which the gguf "
+                            "package cannot dequantise") from None
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(
+            [int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
+            values = values.copy()
+        if arch[2] and name.endswith(("q_proj.weight", "k_proj.weight")):
+            values = _unpermute(values, heads if "q_proj" in name else kv_heads)
+        yield name, torch.from_numpy(values)
+
+
+def _hf_name(name: str, file: Path) -> str:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+        template = ".".join(["blk", "{}", *parts[2:]])
+        if template in _TENSOR_NAMES:
+            return _TENSOR_NAMES[template].format(parts[1])
+    elif name in _TENSOR_NAMES:
+        return _TENSOR_NAMES[name]
+    raise GGUFError(f"{file}: tensor {name!r} has no place in a Llama-family model")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of q/k rows: per head, [half of pairs, 2] -> [2, half]."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
