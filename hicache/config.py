@@ -134,7 +134,7 @@ class _Section:
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     SECTION: ClassVar[str] = "model"
-    path: str = "embedded:tiny-llama"  # or a local Hugging Face folder
+    path: str = "embedded:tiny-llama"  # or a model name, a .gguf file, a Hugging Face folder
     dtype: str = "auto"
     device: str = "auto"
 

@@ -81,8 +81,9 @@ def test_defaults_equal_design_schema() -> None:
     assert isinstance(Config().storage.lmdb.max_size_gb, float)
 
 
-def test_default_yaml_is_design_defaults_except_three_keys() -> None:
+def test_default_yaml_is_design_defaults_except_four_keys() -> None:
     expected = apply_overrides(Config(), {
+        "model.path": "smollm2-135m-instruct",
         "cache.hierarchical": True,
         "storage.backend": "lmdb",
         "storage.lmdb.path": "./.hicache/lmdb",

@@ -212,7 +212,7 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         GGUF_IDENTITY_KEY: {"identity": identity, "name": meta.get("general.name"),
-                          "file_name": file.name, "tensor_types": _tensor_types(reader)},
+                          "tensor_types": _tensor_types(reader)},
     }
     if model_type == "qwen2":
         config["use_sliding_window"] = False
