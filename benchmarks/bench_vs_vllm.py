@@ -714,10 +714,18 @@ def venv_versions(python: Path | None) -> dict[str, str | None]:
     return json.loads(out.stdout)
 
 
-def default_model_path() -> Path:
-    from server.models.loader import resolve_model_path
+def model_folder(model: str | None) -> Path:
+    """The HF folder both engines serve: the embedded model's (written once under
+    $HICACHE_HOME), a local folder, or for a GGUF (a name or a file) the folder of its
+    dequantised float32 weights, exported once beside its companion folder."""
+    from server.models.gguf import GGUFSource, export_hf_folder
+    from server.models.loader import resolve_model
 
-    return resolve_model_path(EMBEDDED_MODEL)  # written once under $HICACHE_HOME
+    source = resolve_model(model or EMBEDDED_MODEL)
+    if source.gguf is None:
+        return source.folder
+    export = source.folder.parent / f"{source.folder.name}-hf-float32"
+    return export_hf_folder(GGUFSource(source.gguf, source.folder), export)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -729,8 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run one engine's servers only")
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
                     help="the interpreter of the venv vLLM is installed in")
-    ap.add_argument("--model-path", type=Path, default=None,
-                    help="a local HF model folder (default: the embedded model's folder)")
+    ap.add_argument("--model", "--model-path", dest="model", default=None,
+                    help="a model name (smollm2-135m-instruct), a .gguf file or a local HF "
+                         "folder (default: the embedded model); a GGUF is served to both "
+                         "engines as the HF folder of its dequantised weights")
     ap.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32")
     ap.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
                     help="KV capacity of every server in tokens (hicache's L1)")
@@ -805,9 +815,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def resolve_paths(args: argparse.Namespace) -> None:
     """The model folder (writing the embedded model when it is missing), the log folder,
     and a check that the vLLM interpreter exists when vLLM runs."""
-    args.model_path = (args.model_path or default_model_path()).resolve()
+    try:
+        args.model_path = model_folder(args.model).resolve()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model {args.model}: {e}") from None
     if not (args.model_path / "config.json").is_file():
-        raise SystemExit(f"--model-path {args.model_path}: no config.json there")
+        raise SystemExit(f"--model {args.model_path}: no config.json there")
     if args.only != HICACHE and not args.vllm_python.exists():
         raise SystemExit(f"--vllm-python {args.vllm_python} does not exist: install vLLM with "
                          "`make bench-vs-vllm`, or pass --only hicache")

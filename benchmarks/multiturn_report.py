@@ -217,7 +217,8 @@ def goals_table(rows: list[dict]) -> str:
 def print_report(report: dict[str, Any]) -> None:
     s, last = report["sizing"], report["workload"]["num_rounds"]
     print(intro(report, "Multi-turn benchmark",
-                f"working set {s['working_set']:,} tokens, {tiers_text(s)}"))
+                f"model {report.get('model', 'embedded:tiny-llama')}, working set "
+                f"{s['working_set']:,} tokens, {tiers_text(s)}"))
     print(config_table(report["configs"]))
     print("\nMean TTFT per round:\n")
     print(rounds_table(report["runs"]))

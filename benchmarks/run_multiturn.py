@@ -432,9 +432,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                     help="seconds a stream may stay silent before its request fails")
     ap.add_argument("--l1-fraction", type=float, default=L1_FRACTION,
                     help="L1 capacity as a share of the working set")
+    ap.add_argument("--model", default=None,
+                    help="the model every server serves: a name (smollm2-135m-instruct), a "
+                         ".gguf file or a local HF folder (default: the embedded model)")
     ap.add_argument("--server-args", default="",
                     help="more hicache-server flags for every server, e.g. "
-                         "\"--model-path /models/llama --dtype bfloat16\"")
+                         "\"--dtype bfloat16\"")
     ap.add_argument("--home", type=Path, default=None,
                     help="HICACHE_HOME for the servers (default: a folder under the temp dir, "
                          "kept across runs so the embedded model is written once)")
@@ -451,6 +454,8 @@ def check_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -
     """Exit (code 2) on a bad --l1-fraction; resolve the default --home."""
     if not 0 < args.l1_fraction <= 1:
         ap.error(f"--l1-fraction must be in (0, 1], got {args.l1_fraction}")
+    if args.model is not None:  # the flag hicache-server takes, ahead of --server-args
+        args.server_args = shlex.join(["--model-path", args.model]) + " " + args.server_args
     args.home = args.home or Path(tempfile.gettempdir()) / "hicache-bench-home"
 
 
@@ -542,6 +547,7 @@ def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
     return {
         **report_stamp(),
         "workload": workload_of(args),
+        "model": args.model or "embedded:tiny-llama", "server_args": args.server_args,
         "no_reuse_workload": {"num_rounds": args.no_reuse_rounds,
                               "repeats": args.no_reuse_repeats},
         "sizing": sizing._asdict() | {"page_size": PAGE_SIZE, "l1_fraction": args.l1_fraction},

