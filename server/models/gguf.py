@@ -10,7 +10,7 @@ streamed from the GGUF file itself at every load (`iter_gguf_tensors`).
 
 What must stay true:
 - `config.json` carries `hicache_gguf` with the file's identity (`gguf_identity`: its size,
-  its whole header, i.e. every metadata value and every tensor's name, type, shape and offset,
+  its header, i.e. every metadata value and every tensor's name, type, shape and offset,
   and samples of its data), so page hashes of two quantisations, or of two fine-tunes, never
   meet; the file's path is not part of it (two machines share pages of the same file).
 - Tensors come out under transformers' names and layout: llama.cpp stores a Llama's q and k
@@ -41,7 +41,10 @@ from hicache.storage.hashing import GGUF_IDENTITY_KEY
 
 GGUF_SUFFIX = ".gguf"
 COMPANION_DIR = "gguf"  # under hicache_home()/models
-_IDENTITY_SAMPLE_BYTES = 4096  # data sampled at the start, middle and end (as for safetensors)
+# A GGUF header holds the whole vocabulary: ~2 MB for SmolLM2's 49k tokens and merges, ~8 MB
+# for Qwen2's 152k; 32 MiB covers any of them and the start of the data, read in ~10 ms.
+_IDENTITY_HEAD_BYTES = 32 << 20
+_IDENTITY_SAMPLE_BYTES = 4096  # data sampled at the middle and the end (as for safetensors)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's `llama_token_type`
 # GGUF architecture -> the transformers class this engine runs it as. Mistral's GGUFs say
 # "llama" (the same decoder); `permute` says whether q/k rows are stored RoPE-permuted.
@@ -104,11 +107,10 @@ def find_gguf(path: Path) -> Path | None:
 
 def gguf_source(file: Path, models_dir: Path) -> GGUFSource:
     """`file` and its companion folder under `models_dir`, written when missing."""
-    reader = _reader(file)
-    identity = gguf_identity(file, reader)
+    identity = gguf_identity(file)
     folder = models_dir / COMPANION_DIR / f"{file.stem}-{identity[:16]}"
     if not (folder / "config.json").is_file():
-        _write_companion(reader, file, identity, folder)
+        _write_companion(_reader(file), file, identity, folder)
     return GGUFSource(file, folder)
 
 
@@ -121,17 +123,17 @@ def _reader(file: Path) -> Any:
         raise GGUFError(f"{file} is not a readable GGUF file: {e}") from None
 
 
-def gguf_identity(file: Path, reader: Any) -> str:
-    """Hex xxh3_128 of the file's size, its header (metadata and tensor table) and three data
-    samples: milliseconds for any size, distinct for two quantisations or two fine-tunes."""
+def gguf_identity(file: Path) -> str:
+    """Hex xxh3_128 of the file's size, its first `_IDENTITY_HEAD_BYTES` (the header: every
+    metadata value and every tensor's name, type, shape and offset, for any vocabulary
+    llama.cpp writes today) and data samples at the middle and the end: milliseconds for any
+    size, no parse, distinct for two quantisations or two fine-tunes."""
     size = file.stat().st_size
-    data_start = int(reader.data_offset)
     digest = xxhash.xxh3_128(str(size).encode())
     with file.open("rb") as f:
-        digest.update(f.read(data_start))
-        data_bytes = size - data_start
-        for offset in (0, data_bytes // 2, max(0, data_bytes - _IDENTITY_SAMPLE_BYTES)):
-            f.seek(data_start + offset)
+        digest.update(f.read(_IDENTITY_HEAD_BYTES))
+        for offset in (size // 2, max(0, size - _IDENTITY_SAMPLE_BYTES)):
+            f.seek(offset)
             digest.update(f.read(_IDENTITY_SAMPLE_BYTES))
     return digest.hexdigest()
 
