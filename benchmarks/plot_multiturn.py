@@ -6,6 +6,8 @@ multiturn_ttft.png      mean TTFT per round, one line per configuration; the rep
                         last round (after a restart, or uncached) as separate markers
 multiturn_hit_rate.png  prompt tokens served per tier (device / host / storage) per round,
                         one panel per configuration that cached anything
+
+(`multiturn` is the report's name: `multiturn_smollm2.json` gives `multiturn_smollm2_ttft.png`.)
 """
 
 from __future__ import annotations
@@ -97,9 +99,13 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def plot_all(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The two plots, named after the report's JSON (`multiturn.json` -> `multiturn_ttft.png`,
+    `multiturn_smollm2.json` -> `multiturn_smollm2_ttft.png`), so runs never overwrite
+    another's plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [plot_ttft(report, out_dir / "multiturn_ttft.png"),
-            plot_hit_rate(report, out_dir / "multiturn_hit_rate.png")]
+    stem = Path(report.get("out") or "multiturn.json").stem
+    return [plot_ttft(report, out_dir / f"{stem}_ttft.png"),
+            plot_hit_rate(report, out_dir / f"{stem}_hit_rate.png")]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -38,8 +38,8 @@ class _Parser(argparse.ArgumentParser):
 # (flag, dotted config key, argparse kwargs, help). `store_true` flags set the value shown.
 _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--model-path", "model.path", {},
-     "model: a name (smollm2-135m-instruct), a .gguf file, a local HF folder, or "
-     "`embedded:tiny-llama`"),
+     ("model: a name (smollm2-135m-instruct), a .gguf file, a local HF folder, or "
+      "`embedded:tiny-llama`")),
     ("--dtype", "model.dtype", {"choices": DTYPES}, "weight and KV dtype"),
     ("--device", "model.device", {"choices": DEVICES}, "where the model and L1 live"),
     ("--host", "server.host", {}, "address to bind (default 127.0.0.1)"),

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lm_eval_tasks
 import pytest
 import torch
-
 from conftest import app_client, missing_tool
+
 from hicache.config import load_config
 from server.chat_template import load_chat_template
 from server.engine import Engine
@@ -199,20 +200,9 @@ def test_smollm_splits_digits_first(reference: tuple[Any, Any]) -> None:
 
 
 def write_tasks(folder: Path) -> list[str]:
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {QA_ROWS}\n"
-              "test_split: test\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n")
-    (folder / "mc.yaml").write_text(
-        "task: hicache_real_mc\n" + common + "output_type: multiple_choice\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n")
-    (folder / "gen.yaml").write_text(
-        "task: hicache_real_gen\n" + common + "output_type: generate_until\n"
-        "doc_to_target: \"{{choices[answer]}}\"\n"
-        f"generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: {GEN_TOKENS}\n"
-        "  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n    ignore_case: true\n"
-        "    ignore_punctuation: true\n")
-    return ["hicache_real_mc", "hicache_real_gen"]
+    return list(lm_eval_tasks.write_tasks(
+        folder, QA_ROWS, "hicache_real", "Question: {{question}}\\nAnswer:", GEN_TOKENS,
+        "    ignore_case: true\n    ignore_punctuation: true\n"))
 
 
 def evaluate(lm_eval: Any, model: Any, tasks: list[str], folder: Path,

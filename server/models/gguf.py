@@ -46,10 +46,17 @@ COMPANION_DIR = "gguf"  # under hicache_home()/models
 _IDENTITY_HEAD_BYTES = 32 << 20
 _IDENTITY_SAMPLE_BYTES = 4096  # data sampled at the middle and the end (as for safetensors)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's `llama_token_type`
-# GGUF architecture -> the transformers class this engine runs it as. Mistral's GGUFs say
-# "llama" (the same decoder); `permute` says whether q/k rows are stored RoPE-permuted.
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True),
-                  "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+
+
+class _Architecture(NamedTuple):
+    hf_class: str  # the transformers class this engine runs it as
+    model_type: str
+    permuted_qk: bool  # q/k rows stored permuted for llama.cpp's RoPE (undone at load)
+
+
+# Mistral's GGUFs say "llama" (the same decoder).
+_ARCHITECTURES = {"llama": _Architecture("LlamaForCausalLM", "llama", True),
+                  "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", False)}
 # GGUF tensor name -> transformers name; `{}` is the layer index.
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -337,7 +344,7 @@ def iter_gguf_tensors(file: str | Path, config: dict[str, Any]
             [int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
             values = values.copy()
-        if arch[2] and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = _unpermute(values, heads if "q_proj" in name else kv_heads)
         yield name, torch.from_numpy(values)
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.compat
 litellm = pytest.importorskip("litellm")
 lm_eval = pytest.importorskip("lm_eval")
 
-from test_server_process import running  # after the skips: the libraries are optional
+import lm_eval_tasks  # after the skips: the libraries are optional
+from test_server_process import running
 
 MAX_TOKENS = 8
 ROWS = [  # question, choices, index of the answer: any rows do, the model is noise
@@ -75,18 +76,7 @@ def test_litellm_completion_and_text_completion(server: tuple[str, str]) -> None
 def write_tasks(folder: Path) -> None:
     rows = folder / "rows.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {rows}\n"
-              "test_split: test\ndoc_to_text: \"{{question}}\"\n")
-    (folder / "mc.yaml").write_text(
-        "task: hicache_tiny_mc\n" + common + "output_type: multiple_choice\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n")
-    (folder / "gen.yaml").write_text(
-        "task: hicache_tiny_gen\n" + common + "output_type: generate_until\n"
-        "doc_to_target: \"{{choices[answer]}}\"\n"
-        f"generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: {MAX_TOKENS}\n"
-        "  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+    lm_eval_tasks.write_tasks(folder, rows, "hicache_tiny", "{{question}}", MAX_TOKENS)
 
 
 def evaluate(model: str, model_args: dict[str, Any], tasks: list[str], folder: Path,
