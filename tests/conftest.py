@@ -44,8 +44,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(autouse=True, scope="session")
 def _hicache_home(tmp_path_factory) -> None:
-    """The embedded model is generated once per test session, never in the user's home."""
+    """The embedded model is generated once per test session, never in the user's home; so
+    are the datasets lm-eval's tasks load (`datasets` caches every JSON file it reads)."""
     os.environ["HICACHE_HOME"] = str(tmp_path_factory.mktemp("hicache_home"))
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
 
 
 @pytest.fixture(autouse=True)

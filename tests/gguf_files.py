@@ -28,7 +28,7 @@ K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Byte offsets of the float16 scales inside one 256-value block (ggml-common.h's block_qN_K).
 _K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                     Q.Q6_K: (208,)}
-_K_SCALE = 2e-4  # small enough that 63 * 15 * scale keeps every weight below 0.2
+_K_SCALE = 2e-4  # keeps every weight below 0.2 (Q4_K: 63 * 15 * scale), 0.82 (Q6_K: 128 * 32)
 WEIGHT_STD = 0.05
 
 
@@ -92,8 +92,10 @@ def _tensor(name: str, shape: tuple[int, ...], qtype: Q, arch: str,
 
 
 def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool = False,
-               seed: int = 0, pre: str = "smollm", chat_template: str | None = CHATML) -> Path:
-    """A small model of `arch` with its matrices in `qtype`, written to `path`."""
+               seed: int = 0, pre: str = "smollm", chat_template: str | None = CHATML,
+               extra: dict[str, int] | None = None) -> Path:
+    """A small model of `arch` with its matrices in `qtype`, written to `path`; `extra`:
+    more uint32 metadata (`split.count`, ...)."""
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary()
     w = gguf.GGUFWriter(str(path), arch)
@@ -118,6 +120,8 @@ def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool 
     w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
     for name, shape in _shapes(arch, tied).items():
         data, kind = _tensor(name, shape, qtype, arch, rng)
         w.add_tensor(name, data, raw_dtype=kind)

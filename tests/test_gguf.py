@@ -79,6 +79,15 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) -> N
     assert list(config["hicache_gguf"]["tensor_types"]) == ["F32"]
 
 
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+def test_other_pre_tokenizers_split_as_transformers_does(pre: str, tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / f"{pre}.gguf", pre=pre)
+    ours = load_tokenizer(resolve_model_path(str(path)))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [*TEXTS, "  1234567 and 89", "it's   the\n\n\nend"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+
+
 def test_a_file_without_a_template_says_so(tmp_path: Path) -> None:
     folder = resolve_model_path(str(write_gguf(tmp_path / "plain.gguf", chat_template=None)))
     with pytest.raises(NoChatTemplate, match="no chat template"):
@@ -110,9 +119,14 @@ def test_what_cannot_be_served_is_refused_by_name(tmp_path: Path) -> None:
     falcon = write_gguf(tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(GGUFError, match="architecture 'falcon' is not supported"):
         load_model(str(falcon), device="cpu")
-    odd = write_gguf(tmp_path / "odd.gguf", pre="chatglm-bpe")
-    with pytest.raises(GGUFError, match="pre-tokenizer 'chatglm-bpe'"):
-        load_model(str(odd), device="cpu")
+    for pre in ("chatglm-bpe", "default"):  # "default": llama.cpp's own regexes, not GPT-2's
+        odd = write_gguf(tmp_path / f"{pre}.gguf", pre=pre)
+        with pytest.raises(GGUFError, match=f"pre-tokenizer '{pre}'"):
+            load_model(str(odd), device="cpu")
+    for key, what in (("split.count", "a split GGUF"), ("llama.expert_count", "experts")):
+        path = write_gguf(tmp_path / f"{key}.gguf", extra={key: 2})
+        with pytest.raises(GGUFError, match=what):
+            load_model(str(path), device="cpu")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(GGUFError, match="not a readable GGUF"):

@@ -100,7 +100,8 @@ def model_fingerprint(model_dir: str | Path) -> str:
                          f"{GGUF_IDENTITY_KEY} names no identity")
     if not weights and not gguf:
         raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: no "
-                         f"{SAFETENSORS_GLOB} files (only safetensors weights are supported)")
+                         f"{SAFETENSORS_GLOB} files (weights are safetensors, or a GGUF file whose "
+                         f"companion folder's config carries {GGUF_IDENTITY_KEY})")
     digest = xxhash.xxh3_128()
     parts = [canonical_json(config)]
     for path in weights:

@@ -44,7 +44,14 @@ COMPANION_DIR = "gguf"  # under hicache_home()/models
 # A GGUF header holds the whole vocabulary: ~2 MB for SmolLM2's 49k tokens and merges, ~8 MB
 # for Qwen2's 152k; 32 MiB covers any of them and the start of the data, read in ~10 ms.
 _IDENTITY_HEAD_BYTES = 32 << 20
-_IDENTITY_SAMPLE_BYTES = 4096  # data sampled at the middle and the end (as for safetensors)
+# Then 4 KiB at 256 evenly spaced offsets (1 MiB read): a fine-tune that changed only some
+# layers' weights changes some of them whatever the file's size (every tensor of a 7B Q4 file
+# is 3-100 MB, samples fall every ~16 MB).
+_IDENTITY_SAMPLES = 256
+_IDENTITY_SAMPLE_BYTES = 4096
+# Bumped when the companion folder's files change meaning: folders of another version are
+# written anew (a new name), never reused.
+COMPANION_VERSION = 1
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's `llama_token_type`
 
 
@@ -84,7 +91,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT}
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")  # Llama 3's tokenizer.json: whole words first
-_BYTE_LEVEL_PRE = ("default", "gpt2", "smollm", "starcoder")
+_BYTE_LEVEL_PRE = ("gpt2", "smollm", "starcoder")
 SUPPORTED_PRE_TOKENIZERS = (*_BYTE_LEVEL_PRE, *_SPLITS)
 logger = logging.getLogger(__name__)
 
@@ -115,10 +122,23 @@ def find_gguf(path: Path) -> Path | None:
 def gguf_source(file: Path, models_dir: Path) -> GGUFSource:
     """`file` and its companion folder under `models_dir`, written when missing."""
     identity = gguf_identity(file)
-    folder = models_dir / COMPANION_DIR / f"{file.stem}-{identity[:16]}"
-    if not (folder / "config.json").is_file():
+    folder = models_dir / COMPANION_DIR / f"{file.stem}-{identity[:16]}-v{COMPANION_VERSION}"
+    if not _companion_of(folder, identity):
         _write_companion(_reader(file), file, identity, folder)
     return GGUFSource(file, folder)
+
+
+def _companion_of(folder: Path, identity: str) -> bool:
+    """Whether `folder` is a whole companion folder of the file of `identity` (a prefix of the
+    identity names it: the full one is checked)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if config.get(GGUF_IDENTITY_KEY, {}).get("identity") != identity:
+        raise GGUFError(f"{folder} belongs to another GGUF file (an identity collision on its "
+                        "name's prefix); remove it and start again")
+    return True
 
 
 def _reader(file: Path) -> Any:
@@ -133,14 +153,16 @@ def _reader(file: Path) -> Any:
 def gguf_identity(file: Path) -> str:
     """Hex xxh3_128 of the file's size, its first `_IDENTITY_HEAD_BYTES` (the header: every
     metadata value and every tensor's name, type, shape and offset, for any vocabulary
-    llama.cpp writes today) and data samples at the middle and the end: milliseconds for any
-    size, no parse, distinct for two quantisations or two fine-tunes."""
+    llama.cpp writes today) and `_IDENTITY_SAMPLES` data samples spread evenly over the
+    file: milliseconds for any size, no parse, distinct for two quantisations or two
+    fine-tunes."""
     size = file.stat().st_size
     digest = xxhash.xxh3_128(str(size).encode())
     with file.open("rb") as f:
         digest.update(f.read(_IDENTITY_HEAD_BYTES))
-        for offset in (size // 2, max(0, size - _IDENTITY_SAMPLE_BYTES)):
-            f.seek(offset)
+        span = max(0, size - _IDENTITY_SAMPLE_BYTES)
+        for i in range(_IDENTITY_SAMPLES + 1):
+            f.seek(span * i // _IDENTITY_SAMPLES)
             digest.update(f.read(_IDENTITY_SAMPLE_BYTES))
     return digest.hexdigest()
 
@@ -156,17 +178,26 @@ def _write_companion(reader: Any, file: Path, identity: str, final: Path) -> Non
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
+        _shareable(tmp)
         for name, data in files.items():
             (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
                                     encoding="utf-8")
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
         os.rename(tmp, final)
-    except OSError:
+    except OSError as e:
         if not (final / "config.json").is_file():  # not a lost race: a real failure
-            raise
+            raise OSError(f"cannot write the GGUF companion folder {final}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("GGUF %s: config, tokenizer and chat template written to %s", file, final)
+
+
+def _shareable(folder: Path) -> None:
+    """mkdtemp's 0700 -> what a plain mkdir gives (the umask's): other users of a shared
+    $HICACHE_HOME read the folder too."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
 
 
 def _metadata(reader: Any) -> dict[str, Any]:
@@ -188,10 +219,7 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
                         f"{', '.join(_ARCHITECTURES)} (Llama, Mistral, Qwen2)")
     hf_arch, model_type, _ = _ARCHITECTURES[arch]
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(f"{file}: per-frequency RoPE factors (rope_freqs, Llama 3.1's rope "
-                        "scaling) are not supported in GGUF files; serve the model's Hugging "
-                        "Face folder instead")
+    _refuse_unsupported(meta, names, arch, file)
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -220,12 +248,31 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
         "torch_dtype": _checkpoint_dtype(reader),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        GGUF_IDENTITY_KEY: {"identity": identity, "name": meta.get("general.name"),
+        GGUF_IDENTITY_KEY: {"identity": identity, "version": COMPANION_VERSION,
+                            "name": meta.get("general.name"),
                           "tensor_types": _tensor_types(reader)},
     }
     if model_type == "qwen2":
         config["use_sliding_window"] = False
     return config
+
+
+def _refuse_unsupported(meta: dict[str, Any], names: set[str], arch: str, file: Path) -> None:
+    """GGUFError, before any weight is read, for what a Llama/Qwen2 file may hold that this
+    engine does not run."""
+    refused = {
+        "a split GGUF (split.count > 1; merge it with llama-gguf-split --merge)":
+            int(meta.get("split.count", 1)) > 1,
+        f"mixture of experts ({arch}.expert_count)": int(meta.get(f"{arch}.expert_count", 0)) > 0,
+        "per-frequency RoPE factors (rope_freqs, Llama 3.1's rope scaling)":
+            "rope_freqs.weight" in names,
+        "attention biases in a Llama file": arch == "llama" and any(
+            n.endswith(("attn_q.bias", "attn_output.bias")) for n in names),
+    }
+    for what, present in refused.items():
+        if present:
+            raise GGUFError(f"{file}: {what} is not supported in GGUF files; serve the "
+                            "model's Hugging Face folder instead")
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, file: Path) -> dict[str, Any] | None:
@@ -255,10 +302,11 @@ def _checkpoint_dtype(reader: Any) -> str:
 
 
 def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = sorted({int(e) for e in eos if e is not None})
     return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+            # None, not []: load_tokenizer then falls back on tokenizer_config's eos_token
+            "eos_token_id": (eos_ids[0] if len(eos_ids) == 1 else eos_ids) or None,
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
 
 
@@ -284,6 +332,8 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 def tokenizer_json(meta: dict[str, Any], file: Path) -> str:
     """tokenizer.json of a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Llama 3,
     Qwen2, SmolLM, ...) built with `tokenizers`; GGUFError for any other tokenizer."""
+    # No `pre` (files written before mid-2024) is llama.cpp's "default": four regexes of its
+    # own, not GPT-2's; refused rather than tokenized almost right.
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
         raise GGUFError(f"{file}: tokenizer model {kind!r} is not supported; supported: gpt2 "
@@ -369,7 +419,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def export_hf_folder(source: GGUFSource, dest: Path) -> Path:
     """`dest` as an ordinary Hugging Face folder of the GGUF's model (its companion folder's
     files and the dequantised weights as float32 `model.safetensors`), for engines that do
-    not read GGUF on this platform (vLLM's CPU build); written once, atomically."""
+    not read GGUF on this platform (vLLM's CPU build); written once, atomically. Holds every
+    float32 weight in memory at once (4 bytes a parameter: 0.54 GB for SmolLM2-135M)."""
     from safetensors.torch import save_file
 
     if (dest / "model.safetensors").is_file():
