@@ -718,14 +718,14 @@ def model_folder(model: str | None) -> Path:
     """The HF folder both engines serve: the embedded model's (written once under
     $HICACHE_HOME), a local folder, or for a GGUF (a name or a file) the folder of its
     dequantised float32 weights, exported once beside its companion folder."""
-    from server.models.gguf import GGUFSource, export_hf_folder
+    from server.models.gguf import export_hf_folder
     from server.models.loader import resolve_model
 
     source = resolve_model(model or EMBEDDED_MODEL)
     if source.gguf is None:
         return source.folder
     export = source.folder.parent / f"{source.folder.name}-hf-float32"
-    return export_hf_folder(GGUFSource(source.gguf, source.folder), export)
+    return export_hf_folder(source.gguf, source.folder, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,12 +78,13 @@ def cuda_available() -> bool:
 requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
 
 
-def tiered_engine(lmdb_dir) -> Engine:
-    """An engine on the CPU with all three tiers (LMDB in `lmdb_dir`), prefetches waited for."""
+def tiered_engine(lmdb_dir, **overrides: object) -> Engine:
+    """An engine on the CPU with all three tiers (LMDB in `lmdb_dir`), prefetches waited for;
+    more config keys, dotted, in `overrides`."""
     return Engine(load_config(None, {
         "cache.max_total_tokens": 2048, "cache.hierarchical": True, "storage.backend": "lmdb",
         "storage.lmdb.path": str(lmdb_dir), "storage.prefetch_policy": "wait_complete",
-        "storage.prefetch_threshold": 32, "model.device": "cpu"}))
+        "storage.prefetch_threshold": 32, "model.device": "cpu", **overrides}))
 
 
 def tiered_engine_in(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Engine]:

@@ -19,7 +19,7 @@ from test_model import assert_rel_close, hf_logits, make_pool, run
 from hicache.storage.hashing import model_fingerprint
 from server.chat_template import NoChatTemplate, load_chat_template
 from server.models import named
-from server.models.gguf import GGUFError, GGUFSource, export_hf_folder, find_gguf
+from server.models.gguf import GGUFError, export_hf_folder, find_gguf
 from server.models.loader import load_model, resolve_model, resolve_model_path
 from server.tokenizer import load_tokenizer
 
@@ -145,8 +145,8 @@ def test_exported_folder_serves_the_same_model(tmp_path: Path) -> None:
     """What bench-vs-vllm gives vLLM: the GGUF's weights as an ordinary safetensors folder."""
     path = write_gguf(tmp_path / "tiny.gguf", Q.Q4_K)
     source = resolve_model(str(path))
-    folder = export_hf_folder(GGUFSource(source.gguf, source.folder), tmp_path / "hf")
-    assert export_hf_folder(GGUFSource(source.gguf, source.folder), folder) == folder  # once
+    folder = export_hf_folder(source.gguf, source.folder, tmp_path / "hf")
+    assert export_hf_folder(source.gguf, source.folder, folder) == folder  # once
     from_gguf = load_model(str(path), dtype="float32", device="cpu")
     from_folder = load_model(str(folder), dtype="float32", device="cpu")
     assert resolve_model(str(folder)).gguf is None

@@ -16,9 +16,8 @@ from typing import Any
 import lm_eval_tasks
 import pytest
 import torch
-from conftest import app_client, missing_tool
+from conftest import app_client, missing_tool, tiered_engine
 
-from hicache.config import load_config
 from server.chat_template import load_chat_template
 from server.engine import Engine
 from server.http.chat import chat_prompt_ids
@@ -66,11 +65,9 @@ def reference() -> tuple[Any, Any]:
 
 
 def tiered(lmdb: Path) -> Engine:
-    return Engine(load_config(None, {
-        "model.path": DEFAULT_MODEL, "model.device": "cpu", "model.dtype": "float32",
-        "cache.page_size": PAGE, "cache.max_total_tokens": 4096, "cache.hierarchical": True,
-        "storage.backend": "lmdb", "storage.lmdb.path": str(lmdb),
-        "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": PAGE}))
+    return tiered_engine(lmdb, **{"model.path": DEFAULT_MODEL, "model.dtype": "float32",
+                                  "cache.page_size": PAGE, "cache.max_total_tokens": 4096,
+                                  "storage.prefetch_threshold": PAGE})
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +120,8 @@ def test_weights_are_transformers_dequantisation_bit_for_bit(
     source = resolve_model(DEFAULT_MODEL)
     config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
     names = []
-    for name, tensor in iter_gguf_tensors(source.gguf, config):
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, tensor in iter_gguf_tensors(source.gguf, heads, kv_heads):
         assert torch.equal(tensor, state[name]), name
         names.append(name)
     assert len(names) == 1 + 1 + 9 * 30  # embedding (tied), final norm, 9 per layer

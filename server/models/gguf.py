@@ -2,7 +2,7 @@
 file's metadata, and its tensors dequantised with the `gguf` package, llama.cpp's own reader.
 
 A GGUF file is served through a *companion folder*, written once under
-`hicache_home()/models/gguf/<stem>-<identity>/`: an ordinary Hugging Face folder without the
+`hicache_home()/models/gguf/<stem>-<identity>-v<COMPANION_VERSION>/`: an ordinary Hugging Face folder without the
 weights (`config.json`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
 with the chat template) built from the metadata, so the tokenizer, the chat template and
 transformers' AutoTokenizer all read it as they read any model folder, and the weights are
@@ -13,6 +13,7 @@ What must stay true:
   its header, i.e. every metadata value and every tensor's name, type, shape and offset,
   and samples of its data), so page hashes of two quantisations, or of two fine-tunes, never
   meet; the file's path is not part of it (two machines share pages of the same file).
+- The tokenizer is built from the metadata by `server/models/gguf_tokenizer.py`.
 - Tensors come out under transformers' names and layout: llama.cpp stores a Llama's q and k
   rows permuted for its RoPE (`convert_hf_to_gguf.py`'s `permute`), undone here
   (`_unpermute`); Qwen2 files are not permuted.
@@ -22,10 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,11 +32,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import xxhash
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as _HFTokenizerImpl
 from tqdm import tqdm
 
 from hicache.storage.hashing import GGUF_IDENTITY_KEY
+from server.models.folders import write_folder
+from server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
 
 GGUF_SUFFIX = ".gguf"
 COMPANION_DIR = "gguf"  # under hicache_home()/models
@@ -52,7 +51,6 @@ _IDENTITY_SAMPLE_BYTES = 4096
 # Bumped when the companion folder's files change meaning: folders of another version are
 # written anew (a new name), never reused.
 COMPANION_VERSION = 1
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's `llama_token_type`
 
 
 class _Architecture(NamedTuple):
@@ -82,27 +80,7 @@ _TENSOR_NAMES = {
     "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
     "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
 }
-# `tokenizer.ggml.pre` -> the split its merges were learned with (llama.cpp's llama-vocab.cpp;
-# SmolLM's is the StarCoder tokenizer's: digits one by one, then GPT-2's byte-level regex).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT}
-_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")  # Llama 3's tokenizer.json: whole words first
-_BYTE_LEVEL_PRE = ("gpt2", "smollm", "starcoder")
-SUPPORTED_PRE_TOKENIZERS = (*_BYTE_LEVEL_PRE, *_SPLITS)
 logger = logging.getLogger(__name__)
-
-
-class GGUFError(ValueError):
-    """A GGUF file this engine cannot serve; the message names the file and what was found."""
-
-
-class GGUFSource(NamedTuple):
-    file: Path  # the .gguf file
-    folder: Path  # its companion folder
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -119,13 +97,13 @@ def find_gguf(path: Path) -> Path | None:
     return files[0] if files else None
 
 
-def gguf_source(file: Path, models_dir: Path) -> GGUFSource:
-    """`file` and its companion folder under `models_dir`, written when missing."""
+def companion_folder(file: Path, models_dir: Path) -> Path:
+    """`file`'s companion folder under `models_dir`, written when missing."""
     identity = gguf_identity(file)
     folder = models_dir / COMPANION_DIR / f"{file.stem}-{identity[:16]}-v{COMPANION_VERSION}"
     if not _companion_of(folder, identity):
         _write_companion(_reader(file), file, identity, folder)
-    return GGUFSource(file, folder)
+    return folder
 
 
 def _companion_of(folder: Path, identity: str) -> bool:
@@ -135,7 +113,8 @@ def _companion_of(folder: Path, identity: str) -> bool:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if config.get(GGUF_IDENTITY_KEY, {}).get("identity") != identity:
+    recorded = config.get(GGUF_IDENTITY_KEY)
+    if not isinstance(recorded, dict) or recorded.get("identity") != identity:
         raise GGUFError(f"{folder} belongs to another GGUF file (an identity collision on its "
                         "name's prefix); remove it and start again")
     return True
@@ -173,31 +152,17 @@ def _write_companion(reader: Any, file: Path, identity: str, final: Path) -> Non
     meta = _metadata(reader)
     files = {"config.json": hf_config(meta, reader, file, identity),
              "generation_config.json": _generation_config(meta),
-             "tokenizer_config.json": _tokenizer_config(meta)}
+             "tokenizer_config.json": tokenizer_config(meta)}
     tokenizer = tokenizer_json(meta, file)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        _shareable(tmp)
+
+    def fill(tmp: Path) -> None:
         for name, data in files.items():
             (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
                                     encoding="utf-8")
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
-        os.rename(tmp, final)
-    except OSError as e:
-        if not (final / "config.json").is_file():  # not a lost race: a real failure
-            raise OSError(f"cannot write the GGUF companion folder {final}: {e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_folder(final, fill)
     logger.info("GGUF %s: config, tokenizer and chat template written to %s", file, final)
-
-
-def _shareable(folder: Path) -> None:
-    """mkdtemp's 0700 -> what a plain mkdir gives (the umask's): other users of a shared
-    $HICACHE_HOME read the folder too."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
 
 
 def _metadata(reader: Any) -> dict[str, Any]:
@@ -279,9 +244,11 @@ def _rope_scaling(meta: dict[str, Any], arch: str, file: Path) -> dict[str, Any]
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    raise GGUFError(f"{file}: rope scaling {kind!r} is not supported; supported: none, linear")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor is not None:
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise GGUFError(f"{file}: rope scaling {kind!r} (factor {factor}) is not supported; "
+                    "supported: none, linear with a factor")
 
 
 def _tensor_types(reader: Any) -> dict[str, int]:
@@ -310,79 +277,17 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
 
 
-def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-
-    def text(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text("bos"),
-        "eos_token": text("eos"), "unk_token": text("unknown"), "pad_token": text("padding"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "clean_up_tokenization_spaces": False,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
-        config["chat_template"] = template
-    return {k: v for k, v in config.items() if v is not None}
-
-
-def tokenizer_json(meta: dict[str, Any], file: Path) -> str:
-    """tokenizer.json of a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Llama 3,
-    Qwen2, SmolLM, ...) built with `tokenizers`; GGUFError for any other tokenizer."""
-    # No `pre` (files written before mid-2024) is llama.cpp's "default": four regexes of its
-    # own, not GPT-2's; refused rather than tokenized almost right.
-    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise GGUFError(f"{file}: tokenizer model {kind!r} is not supported; supported: gpt2 "
-                        "(byte-level BPE)")
-    if pre not in SUPPORTED_PRE_TOKENIZERS:
-        raise GGUFError(f"{file}: pre-tokenizer {pre!r} is not supported; supported: "
-                        f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    tok = _HFTokenizerImpl(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                      ignore_merges=pre in _IGNORE_MERGES))
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    types = list(meta.get("tokenizer.ggml.token_type") or [])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == _TOKEN_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == _TOKEN_USER_DEFINED])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], int(bos))])
-    return tok.to_str(pretty=True)
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        byte_level])
-    return byte_level
-
-
-def iter_gguf_tensors(file: str | Path, config: dict[str, Any]
+def iter_gguf_tensors(file: str | Path, heads: int, kv_heads: int
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, float32 CPU tensor) of every weight of a GGUF file, dequantised one
     at a time (`gguf.quants.dequantize`: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, ...);
-    GGUFError for a tensor of no known name or of a type the reader cannot dequantise."""
+    GGUFError for a tensor of no known name or of a type the reader cannot dequantise.
+    `heads`, `kv_heads`: the model's query and KV heads (the q/k rows' un-permute)."""
     from gguf.quants import dequantize  # here, not at import: only GGUF models need it
 
     file = Path(file)
     reader = _reader(file)
     arch = _ARCHITECTURES[str(reader.fields["general.architecture"].contents())]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in tqdm(reader.tensors, desc="Dequantising GGUF", unit="tensor", file=sys.stderr):
         name = _hf_name(t.name, file)
         try:
@@ -416,31 +321,27 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export_hf_folder(source: GGUFSource, dest: Path) -> Path:
+def export_hf_folder(file: Path, companion: Path, dest: Path) -> Path:
     """`dest` as an ordinary Hugging Face folder of the GGUF's model (its companion folder's
     files and the dequantised weights as float32 `model.safetensors`), for engines that do
     not read GGUF on this platform (vLLM's CPU build); written once, atomically. Holds every
     float32 weight in memory at once (4 bytes a parameter: 0.54 GB for SmolLM2-135M)."""
     from safetensors.torch import save_file
 
-    if (dest / "model.safetensors").is_file():
+    if dest.is_dir():
         return dest
-    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
-    weights = dict(iter_gguf_tensors(source.file, config))
+    config = json.loads((companion / "config.json").read_text(encoding="utf-8"))
     config.pop(GGUF_IDENTITY_KEY)
     config["torch_dtype"] = "float32"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
+        weights = dict(iter_gguf_tensors(file, config["num_attention_heads"],
+                                         config["num_key_value_heads"]))
         for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(source.folder / name, tmp / name)
+            shutil.copyfile(companion / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
                                          encoding="utf-8")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.rename(tmp, dest)
-    except OSError:
-        if not (dest / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_folder(dest, fill)
     return dest

@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +33,8 @@ from hicache.memory.device import resolve_device
 from server.models.attention import make_attention_backend
 from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
-from server.models.gguf import find_gguf, gguf_source, iter_gguf_tensors
+from server.models.folders import write_folder
+from server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
 from server.models.llama import LlamaForCausalLM
 from server.models.named import named_model_file
 from server.tokenizer import (
@@ -139,8 +138,7 @@ def resolve_model(path: str) -> ModelSource:
     local = named_model_file(path) or Path(path).expanduser()
     gguf = find_gguf(local)
     if gguf is not None:
-        source = gguf_source(gguf, models_dir)
-        return ModelSource(source.folder, source.file)
+        return ModelSource(companion_folder(gguf, models_dir), gguf)
     if not local.is_dir():
         raise FileNotFoundError(f"no model folder: {local} does not exist or is not a folder "
                                 "(a model path is a Hugging Face folder, a .gguf file, "
@@ -157,18 +155,9 @@ def _ensure_embedded(final: Path) -> Path:
 
 
 def _write_embedded_folder(final: Path) -> None:
-    """Write the embedded model into a temporary sibling, then rename it into place: rename is
-    atomic, so a process that sees `final` sees it whole, and of two writers one wins."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write_embedded_model(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename won
+    """Write the embedded model whole (`write_folder`): a process that sees `final` sees it
+    whole, and of two writers one wins."""
+    write_folder(final, write_embedded_model)
 
 
 def embedded_tokenizer_files() -> dict[str, str]:
@@ -273,8 +262,8 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
     model.use_layer_kernel(make_layer_kernel(dev, torch_dtype, kernel_dir))
     if gguf is not None:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        model.load_weights(iter_gguf_tensors(gguf, raw))
+        model.load_weights(iter_gguf_tensors(gguf, config.num_attention_heads,
+                                             config.num_key_value_heads))
     else:
         model.load_weights(iter_safetensors(folder))
     return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
