@@ -6,10 +6,10 @@
     batched     TorchAttention: one decode SDPA per layer over a padded slot table, one
                 gather for all prefills, KV heads broadcast by stride, masks built per batch;
                 the rest as reference
-    kernel      CpuKernelAttention (CPU float32 where the C kernel builds): every sequence in
+    kernel      CpuKernelAttention (CPU float32 or bfloat16 where the C kernel builds): every sequence in
                 one call, K/V read through the slots; the rest as reference
     all-C       kernel, with the Linears on CpuLinearKernel and RMSNorm, RoPE and SiLU * up
-                on CpuLayerKernel: the engine's CPU float32 default
+                on CpuLayerKernel: the engine's CPU default (float32 and bfloat16)
 
 Same model (the embedded one unless `--model-path`), same weights, same pool, the shapes the
 engine runs: a 2,048-token prefill from scratch, a 512-token extend on a 1,536-token cached
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     kernels = hicache_home() / KERNELS_DIR
     attention, linear, layer = (cpu_attention.load(kernels), cpu_linear.load(kernels),
                                 cpu_layer.load(kernels))
-    if lm.device.type == "cpu" and lm.dtype == torch.float32 and attention is not None:
+    if lm.device.type == "cpu" and lm.dtype in cpu_attention.DTYPES and attention is not None:
         backends["kernel"] = (CpuKernelAttention(attention), None, None)
         if linear is not None and layer is not None:
             backends["all-C"] = (CpuKernelAttention(attention), linear, layer)

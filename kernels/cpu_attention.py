@@ -1,6 +1,6 @@
 """Paged causal attention on the CPU: the C kernel of cpu_attention.c and its torch reference.
 
-Layouts (float32 only)::
+Layouts (float32 or bfloat16, one dtype for q, the pool and the output)::
 
     q          [T, H, D]            the batch's new tokens; rows may be strided (a view of q|k|v)
     k/v_cache  [num_slots, KVH, D]  one layer of the device KV pool, contiguous
@@ -15,7 +15,8 @@ that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the
 
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
-how). It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
+how). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as the float32
+kernel does, and rounds the output once. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
 (`kernels/cpu_build.py`: the key, the compiler, the shared OpenMP runtime) and returns None
 where either is missing or the build fails (the caller keeps torch's SDPA).
 
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 from kernels import cpu_build
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-_SYMBOL = "hicache_paged_attention_f32"
+_SYMBOLS = {torch.float32: "hicache_paged_attention_f32",
+            torch.bfloat16: "hicache_paged_attention_bf16"}
+DTYPES = tuple(_SYMBOLS)
 _WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
 MAX_HEAD_DIM = 256  # must match cpu_attention.c
 HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
@@ -47,13 +50,17 @@ class CpuAttentionKernel:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._fn = getattr(library, _SYMBOL)
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-        ]
+        self._fns = {}
+        for dtype, symbol in _SYMBOLS.items():
+            fn = getattr(library, symbol)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_int,
+            ]
+            self._fns[dtype] = fn
         self._workspace_fn = getattr(library, _WORKSPACE_SYMBOL)
         self._workspace_fn.restype = ctypes.c_int64
         self._workspace_fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -64,7 +71,8 @@ class CpuAttentionKernel:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, seqs: torch.Tensor, scale: float,
                  checked: bool = False) -> torch.Tensor:
-        """Attention output `[T, H, D]` float32 (see the module docstring for the layouts).
+        """Attention output `[T, H, D]` in q's dtype (see the module docstring for the
+        layouts).
 
         The kernel reads wherever its arguments point, so they are checked first (`check`),
         unless the caller already did for tensors of these very shapes, strides and indices
@@ -72,12 +80,12 @@ class CpuAttentionKernel:
         if not checked:
             check(q, k_cache, v_cache, slots, seqs)
         tokens, heads, dim = q.shape
-        out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+        out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         if tokens == 0:
             return out
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
         need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
-        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        rc = self._fns[q.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                       slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim,
                       scale, out.data_ptr(), self._workspace(need).data_ptr(), threads)
         if rc != 0:
@@ -98,7 +106,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     with the offset-causal mask."""
     _validate(q, k_cache, v_cache, slots, seqs)
     group = q.shape[1] // k_cache.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype)
     for first, prefix, extend, slot0 in seqs.tolist():
         own = slots[slot0:slot0 + prefix + extend]
         ks = k_cache.index_select(0, own).repeat_interleave(group, dim=1).transpose(0, 1)
@@ -114,9 +122,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor, seqs: torch.Tensor) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t.dtype not in DTYPES or t.device.type != "cpu" or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D float32 or bfloat16 CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must be of q's dtype {q.dtype}, got {t.dtype}")
     dim, kv_heads = k_cache.shape[2], k_cache.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape):

@@ -7,8 +7,9 @@ The .so is keyed by a hash of the source, the folder's headers (`cpu_exp.h`), th
 the compiler's version, and kept in `cache_dir` (`$HICACHE_HOME/kernels`): a machine
 compiles each kernel once (about a second).
 A finished build is renamed into place, so concurrent processes never load a half-written
-file. The kernels use AVX-512F intrinsics, not -march=native, so one build runs on every
-AVX-512 machine; OpenMP comes from libgomp.so.1, the very runtime torch loaded (same
+file. The kernels use AVX-512 (F, BW, VL, DQ) intrinsics, not -march=native, so one build
+runs on every AVX-512 machine; the bfloat16 linear kernel's AVX512-BF16 and AMX paths are
+compiled per function (`target` attributes) and chosen at run time from CPUID. OpenMP comes from libgomp.so.1, the very runtime torch loaded (same
 soname), so torch and the kernels share one thread pool.
 
 Threading: any thread.
@@ -32,7 +33,8 @@ import torch
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+         "-fPIC", "-shared", "-std=c11")  # AVX-512 F+BW+VL+DQ: what torch calls AVX512
 COMPILE_TIMEOUT_S = 120
 
 

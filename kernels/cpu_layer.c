@@ -1,5 +1,5 @@
-/* The rest of a decoder layer on the CPU (AVX-512F, OpenMP), float32: RMSNorm (with the
- * residual add before it), RoPE in place, and SiLU(gate) * up. Each is one pass over its
+/* The rest of a decoder layer on the CPU (AVX-512F, OpenMP), float32 and bfloat16: RMSNorm
+ * (with the residual add before it), RoPE in place, and SiLU(gate) * up. Each is one pass over its
  * rows where torch runs four to eight ops, each a read and a write of the whole tensor plus
  * a dispatch (a 512-wide decode row's RMSNorm: ~15 us in torch).
  *
@@ -16,12 +16,20 @@
  * (x1 cos - x2 sin, x2 cos + x1 sin, each product rounded: no FMA contraction, as -std=c11
  * gives), so it changes no bit of the model; RMSNorm and SiLU round differently from torch,
  * within float32 rounding.
+ *
+ * bfloat16 (the _bf16 functions, same layouts in uint16): float32 math inside, rounded to
+ * bfloat16 where transformers' bfloat16 modules round (each of their ops computes in
+ * float32 and stores bfloat16): the residual sum; RMSNorm's normalised row, then its product
+ * with the weight; RoPE's four products and two sums (cos and sin rounded to bfloat16
+ * first), so it is torch's bfloat16 arithmetic exactly; SiLU(gate), then its product with
+ * up.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
+#include "cpu_bf16.h"
 #include "cpu_exp.h"
 
 #define VEC 16
@@ -106,6 +114,82 @@ void hicache_silu_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out
             const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
             _mm512_mask_storeu_ps(o + i, k,
                                   _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + i)));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------- bfloat16 */
+
+void hicache_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *residual,
+                           uint16_t *sum, const uint16_t *weight, float eps, int64_t M,
+                           int64_t H, uint16_t *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * H >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t *xr = x + m * ldx;
+        uint16_t *hs = residual ? sum + m * H : NULL, *o = out + m * H;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            __m512 h = load_bf16(k, xr + i);
+            if (hs) {
+                h = rne_bf16(_mm512_add_ps(load_bf16(k, residual + m * H + i), h));
+                store_bf16_ps(k, hs + i, h);
+            }
+            sq = _mm512_fmadd_ps(h, h, sq);
+        }
+        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
+        const __m512 s = _mm512_set1_ps(scale);
+        const uint16_t *h_src = hs ? hs : xr;
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            const __m512 h = rne_bf16(_mm512_mul_ps(load_bf16(k, h_src + i), s));
+            store_bf16_ps(k, o + i, _mm512_mul_ps(load_bf16(k, weight + i), h));
+        }
+    }
+}
+
+/* cos and sin: bfloat16 [max_positions, head_dim / 2] (torch's cos.to(bfloat16)). */
+void hicache_rope_bf16(uint16_t *x, int64_t ldx, int64_t T, int64_t heads, int64_t head_dim,
+                       const int64_t *positions, const uint16_t *cos_table,
+                       const uint16_t *sin_table, int threads) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (T * heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t *x1 = x + t * ldx + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i += VEC) {
+                const __mmask16 k = tail_mask(half - i);
+                const __m512 a = load_bf16(k, x1 + i), b = load_bf16(k, x2 + i);
+                const __m512 cv = load_bf16(k, c + i), sv = load_bf16(k, s + i);
+                store_bf16_ps(k, x1 + i, _mm512_sub_ps(rne_bf16(_mm512_mul_ps(a, cv)),
+                                                       rne_bf16(_mm512_mul_ps(b, sv))));
+                store_bf16_ps(k, x2 + i, _mm512_add_ps(rne_bf16(_mm512_mul_ps(b, cv)),
+                                                       rne_bf16(_mm512_mul_ps(a, sv))));
+            }
+        }
+    }
+}
+
+void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16_t *out,
+                           int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * I >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
+        uint16_t *o = out + m * I;
+        for (int64_t i = 0; i < I; i += VEC) {
+            const __mmask16 k = tail_mask(I - i);
+            const __m512 gv = load_bf16(k, g + i);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 num = _mm512_mask_mov_ps(one, neg, e);
+            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
+            const __m512 act = rne_bf16(_mm512_mul_ps(gv, sig));
+            store_bf16_ps(k, o + i, _mm512_mul_ps(act, load_bf16(k, u + i)));
         }
     }
 }

@@ -1,5 +1,6 @@
 """The rest of a decoder layer on the CPU: RMSNorm (after the residual add), RoPE and
-SiLU(gate) * up, from the C kernels of cpu_layer.c (float32, AVX-512F, OpenMP).
+SiLU(gate) * up, from the C kernels of cpu_layer.c (float32 and bfloat16, AVX-512F,
+OpenMP).
 
     layer = load(cache_dir)                          # None where unsupported: torch ops
     out = layer.rms_norm(x, weight, eps)             # or, with the residual add first:
@@ -9,7 +10,10 @@ SiLU(gate) * up, from the C kernels of cpu_layer.c (float32, AVX-512F, OpenMP).
 
 Each is one pass over its rows where torch dispatches four to eight ops; every row is
 computed alone, so a row's bits do not depend on its batch. RoPE is torch's arithmetic
-exactly; RMSNorm and SiLU round differently from torch, within float32 rounding.
+exactly; RMSNorm and SiLU round differently from torch, within float32 rounding. Every
+tensor of a call has one dtype, float32 or bfloat16 (then float32 math inside, rounded to
+bfloat16 where transformers' bfloat16 modules round: cpu_layer.c says where; RoPE's cos and
+sin tables are then bfloat16 too).
 
 Threading: any thread; large calls use torch's OpenMP thread count.
 """
@@ -28,11 +32,15 @@ from kernels import cpu_build
 _SOURCE = Path(__file__).with_name("cpu_layer.c")
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _float_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] < 1 or (
+    if t.dtype not in DTYPES or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] < 1 or (
             t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
-                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        raise ValueError(f"{name} must be a 2-D float32 or bfloat16 CPU tensor with "
+                         f"contiguous rows, got {t.dtype} {tuple(t.shape)} strides "
+                         f"{t.stride()} on {t.device}")
     if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
         raise ValueError(f"{name}'s rows overlap: strides {t.stride()}")
     if width is not None and t.shape[1] != width:
@@ -59,6 +67,14 @@ class CpuLayerKernel:
         self._silu = library.hicache_silu_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, i64, ptr, i32]
+        self._bf16 = {}  # the same three for bfloat16, by name
+        for name, f32 in (("norm", self._norm), ("rope", self._rope), ("silu", self._silu)):
+            fn = getattr(library, f32.__name__.replace("_f32", "_bf16"))
+            fn.restype, fn.argtypes = None, f32.argtypes
+            self._bf16[name] = fn
+
+    def _fn(self, name: str, dtype: torch.dtype):
+        return self._bf16[name] if dtype == torch.bfloat16 else getattr(self, f"_{name}")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
@@ -67,19 +83,21 @@ class CpuLayerKernel:
         (contiguous `[M, H]`): `(norm(residual + x), residual + x)`, the sum a new tensor."""
         _float_rows("x", x)
         rows, hidden = x.shape
-        if weight.dtype != torch.float32 or weight.shape != (hidden,) or not weight.is_contiguous():
-            raise ValueError(f"weight must be [{hidden}] contiguous float32, got "
+        if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be [{hidden}] contiguous {x.dtype}, got "
                              f"{weight.dtype} {tuple(weight.shape)}")
         total = None
         if residual is not None:
             _float_rows("residual", residual, hidden)
-            if residual.shape[0] != rows or not residual.is_contiguous():
-                raise ValueError(f"residual must be contiguous [{rows}, {hidden}], got "
-                                 f"{tuple(residual.shape)} strides {residual.stride()}")
-            total = torch.empty((rows, hidden), dtype=torch.float32)
-        out = torch.empty((rows, hidden), dtype=torch.float32)
+            if (residual.shape[0] != rows or not residual.is_contiguous()
+                    or residual.dtype != x.dtype):
+                raise ValueError(f"residual must be contiguous {x.dtype} [{rows}, {hidden}], "
+                                 f"got {residual.dtype} {tuple(residual.shape)} strides "
+                                 f"{residual.stride()}")
+            total = torch.empty((rows, hidden), dtype=x.dtype)
+        out = torch.empty((rows, hidden), dtype=x.dtype)
         if rows:
-            self._norm(x.data_ptr(), _row_stride(x),
+            self._fn("norm", x.dtype)(x.data_ptr(), _row_stride(x),
                        None if residual is None else residual.data_ptr(),
                        None if total is None else total.data_ptr(), weight.data_ptr(), eps,
                        rows, hidden, out.data_ptr(), torch.get_num_threads())
@@ -89,19 +107,20 @@ class CpuLayerKernel:
               sin: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """Rotate `x` `[T, heads, head_dim]` (each row's heads contiguous, rows any stride)
         in place by `positions` (int64 `[T]`, each below cos's rows): rotate-half pairs,
-        cos and sin `[max_positions, head_dim // 2]` contiguous float32. Returns x.
+        cos and sin `[max_positions, head_dim // 2]` contiguous, of x's dtype. Returns x.
         `checked`: the caller already checked the positions' range (once per batch)."""
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3
+        if (x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 3
                 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2
                 or (x.shape[0] > 1 and x.stride(0) < x.shape[1] * x.shape[2])):
-            raise ValueError(f"x must be float32 [T, heads, head_dim] with each row's heads "
-                             f"contiguous, got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+            raise ValueError(f"x must be float32 or bfloat16 [T, heads, head_dim] with each "
+                             f"row's heads contiguous, got {x.dtype} {tuple(x.shape)} strides "
+                             f"{x.stride()}")
         tokens, heads, dim = x.shape
         for name, t in (("cos", cos), ("sin", sin)):
-            if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != dim // 2
+            if (t.dtype != x.dtype or t.dim() != 2 or t.shape[1] != dim // 2
                     or not t.is_contiguous()):
-                raise ValueError(f"{name} must be contiguous float32 [positions, {dim // 2}], "
-                                 f"got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(f"{name} must be contiguous {x.dtype} [positions, "
+                                 f"{dim // 2}], got {t.dtype} {tuple(t.shape)}")
         if (positions.dtype != torch.int64 or positions.shape != (tokens,)
                 or not positions.is_contiguous()):
             raise ValueError(f"positions must be contiguous int64 [{tokens}], got "
@@ -109,7 +128,7 @@ class CpuLayerKernel:
         if not checked:
             check_positions(positions, cos.shape[0])
         if tokens:
-            self._rope(x.data_ptr(), _row_stride(x), tokens, heads, dim, positions.data_ptr(),
+            self._fn("rope", x.dtype)(x.data_ptr(), _row_stride(x), tokens, heads, dim, positions.data_ptr(),
                        cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
         return x
 
@@ -120,9 +139,9 @@ class CpuLayerKernel:
             raise ValueError(f"gate_up must be contiguous [M, 2 I], got "
                              f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, inter), dtype=torch.float32)
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
         if rows:
-            self._silu(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+            self._fn("silu", gate_up.dtype)(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -1,5 +1,6 @@
-/* Linear layers on the CPU (AVX-512F, OpenMP): y = x W^T (+ b) in float32, on a weight packed
- * once into panels, for every batch size from one decode row to a 2,048-row prefill.
+/* Linear layers on the CPU (AVX-512F, OpenMP): y = x W^T (+ b) in float32 or bfloat16, on a
+ * weight packed once into panels, for every batch size from one decode row to a 2,048-row
+ * prefill. The bfloat16 half is at the end of this file.
  *
  * Layouts (float32, kernels/cpu_linear.py checks them):
  *
@@ -20,9 +21,16 @@
  * a panel; a prefill keeps a block of x rows in L2 while every panel goes by, 6 rows x 64
  * outputs per register tile (24 accumulators).
  */
+#define _GNU_SOURCE  /* syscall(): AMX's permission */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "cpu_bf16.h"
 
 #define VEC 16                  /* floats per AVX-512 vector */
 #define NR 64                   /* outputs per panel: 4 vectors */
@@ -128,6 +136,298 @@ int hicache_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const 
                           y + m * N + p * NR, N, cols);
             }
         }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------- bfloat16
+ *
+ * Layouts (bfloat16 as uint16, kernels/cpu_linear.py checks them):
+ *
+ *   W        [N, K] row-major, as packed by hicache_linear_pack_bf16
+ *   packed   [ceil(N / 64)][Q][64][2], Q = ceil(K / 2) rounded up to 16: panel p, pair q
+ *            holds (W[n][2q], W[n][2q+1]) for n = 64p .. 64p + 63: the pair vdpbf16ps
+ *            reads per lane, and 16 pairs x 16 outputs the VNNI-laid-out B tile AMX's
+ *            tdpbf16ps reads (rows 256 bytes apart); missing outputs, pairs and the
+ *            missing odd input of an odd K are zeros
+ *   x        [M, K] bfloat16 rows `ldx` elements apart, each row contiguous
+ *   bias     [N] bfloat16 or NULL
+ *   y        [M, N] bfloat16, contiguous
+ *
+ * What must stay true: every output is the chain, from acc = 0 in float32, over the pairs
+ * q = 0, 1, ... in order,
+ *     acc = (acc + x[2q+1] W[n][2q+1]) + x[2q] W[n][2q]
+ * (vdpbf16ps's order: odd element first; each product of two bfloat16s is exact in float32,
+ * each add rounded to nearest even), then acc + bias[n], then one rounding to bfloat16
+ * (nearest even). The AVX512-BF16 path and the plain AVX-512F one (bfloat16 -> float32 by a
+ * shift, two FMAs per pair) compute exactly that, so they give the same bits wherever no
+ * input or sum is a float32 denormal (vdpbf16ps flushes those to zero).
+ *
+ * Where the CPU has AMX (Sapphire Rapids and later) a third path runs every call on its
+ * tiles: tdpbf16ps over blocks of 16 pairs in order, into float32 tiles, then the same bias
+ * and rounding. The tile unit's own order of adds inside a block is not the chain above,
+ * so the AMX path's bits are its own (within float32 rounding of the others); what stays
+ * true on each path is that a row's bits depend on nothing else in the call: each row of a
+ * C tile is its A row times B, and the blocks go in one order whatever the batch.
+ */
+
+#define PAIR_TILE 16  /* pairs per AMX tile row: 64 bytes */
+
+/* The tile's store: acc (+ bias) rounded to bfloat16, columns [0, cols) of rows [0, mr). */
+static inline __attribute__((always_inline)) void store_bf16(
+        const int mr, __m512 acc[MR][4], const uint16_t *bias, uint16_t *y, int64_t ldy,
+        int cols) {
+    for (int j = 0; j < 4; j++) {
+        const int left = cols - j * VEC;
+        if (left <= 0)
+            break;
+        const __mmask16 mask = left >= VEC ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + j * VEC))
+                              : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m512 out = bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j];
+            _mm256_mask_storeu_epi16(y + i * ldy + j * VEC, mask, round_bf16(out));
+        }
+    }
+}
+
+/* Rows [0, mr) of x times one bfloat16 panel (AVX512-BF16: one vdpbf16ps per pair). */
+#define TILE_BF16(NAME, TARGET, STEP)                                                       \
+    static inline __attribute__((always_inline, target(TARGET))) void NAME(                 \
+            const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,     \
+            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {                     \
+        __m512 acc[MR][4];                                                                  \
+        for (int i = 0; i < mr; i++)                                                        \
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();                    \
+        const int64_t pairs = (K + 1) / 2;                                                  \
+        for (int64_t q = 0; q < pairs; q++) {                                               \
+            const uint16_t *wq = w + q * 2 * NR;                                            \
+            if (mr <= 2) {                                                                  \
+                const char *ahead = (const char *)(wq + PREFETCH_ROWS * 2 * NR);            \
+                _mm_prefetch(ahead, _MM_HINT_T0);                                           \
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);                                      \
+                _mm_prefetch(ahead + 128, _MM_HINT_T0);                                     \
+                _mm_prefetch(ahead + 192, _MM_HINT_T0);                                     \
+            }                                                                               \
+            const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 32);    \
+            const __m512i w2 = _mm512_loadu_si512(wq + 64), w3 = _mm512_loadu_si512(wq + 96); \
+            const int whole = 2 * q + 1 < K;  /* else an odd K's last input, partner 0 */   \
+            for (int i = 0; i < mr; i++) {                                                  \
+                uint32_t pair;                                                              \
+                if (whole)                                                                  \
+                    memcpy(&pair, x + i * ldx + 2 * q, sizeof pair);                        \
+                else                                                                        \
+                    pair = x[i * ldx + 2 * q];                                              \
+                const __m512i a = _mm512_set1_epi32((int)pair);                             \
+                STEP(acc[i][0], a, w0);                                                     \
+                STEP(acc[i][1], a, w1);                                                     \
+                STEP(acc[i][2], a, w2);                                                     \
+                STEP(acc[i][3], a, w3);                                                     \
+            }                                                                               \
+        }                                                                                   \
+        store_bf16(mr, acc, bias, y, ldy, cols);                                            \
+    }
+
+#define STEP_DP(acc, a, w) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(w))
+/* the same arithmetic in AVX-512F: the odd element's product added first, then the even's
+ * (each product exact, so an FMA rounds exactly as vdpbf16ps's add) */
+#define STEP_F(acc, a, w)                                                                   \
+    do {                                                                                    \
+        const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);                        \
+        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi_mask)),            \
+                              _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask)), acc);      \
+        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),                \
+                              _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);          \
+    } while (0)
+
+TILE_BF16(tile_bf16_dp, "avx512bf16", STEP_DP)
+TILE_BF16(tile_bf16_f, "avx512f", STEP_F)
+
+#define TILE_ROWS_BF16(NAME, TILE, TARGET)                                                  \
+    static __attribute__((target(TARGET))) void NAME(                                       \
+            int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,           \
+            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {                     \
+        switch (mr) {                                                                       \
+        case 1: TILE(1, x, ldx, w, K, bias, y, ldy, cols); break;                           \
+        case 2: TILE(2, x, ldx, w, K, bias, y, ldy, cols); break;                           \
+        case 3: TILE(3, x, ldx, w, K, bias, y, ldy, cols); break;                           \
+        case 4: TILE(4, x, ldx, w, K, bias, y, ldy, cols); break;                           \
+        case 5: TILE(5, x, ldx, w, K, bias, y, ldy, cols); break;                           \
+        default: TILE(6, x, ldx, w, K, bias, y, ldy, cols); break;                          \
+        }                                                                                   \
+    }
+TILE_ROWS_BF16(tile_rows_bf16_dp, tile_bf16_dp, "avx512bf16")
+TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
+
+/* ------------------------------------------------------------------------ bfloat16, AMX */
+
+#define XFEATURE_XTILEDATA 18
+#define ARCH_REQ_XCOMP_PERM 0x1023
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tmm0-3: C, rows x 16 float32 (outputs 16j .. 16j + 15 of the panel); tmm4: A, rows x 16
+ * pairs of x; tmm5, tmm6: B, 16 pairs x 16 outputs, loaded in turn. */
+static void configure_tiles(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = (uint8_t)rows;
+        c.colsb[t] = 64;
+    }
+    for (int t = 5; t < 7; t++) {
+        c.rows[t] = PAIR_TILE;
+        c.colsb[t] = 64;
+    }
+    /* ldtilecfg through asm with the config as a memory input: GCC 12's _tile_loadconfig
+     * does not tell the optimiser it reads the struct, which then drops the stores */
+    __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
+}
+
+/* C tiles += A (rows of `a`, `lda` bytes apart) times the four B tiles of one block of the
+ * panel at `wt`. */
+#define AMX_BLOCK(a, lda, wt)                                   \
+    do {                                                        \
+        _tile_loadd(4, (a), (lda));                             \
+        _tile_loadd(5, (wt), 2 * NR * 2);                       \
+        _tile_dpbf16ps(0, 4, 5);                                \
+        _tile_loadd(6, (wt) + 32, 2 * NR * 2);                  \
+        _tile_dpbf16ps(1, 4, 6);                                \
+        _tile_loadd(5, (wt) + 64, 2 * NR * 2);                  \
+        _tile_dpbf16ps(2, 4, 5);                                \
+        _tile_loadd(6, (wt) + 96, 2 * NR * 2);                  \
+        _tile_dpbf16ps(3, 4, 6);                                \
+    } while (0)
+
+/* Rows [0, mr) of x (mr <= 16) times one panel on the tiles, configured for mr rows. */
+static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
+        int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
+        const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {
+    float c[16 * NR] __attribute__((aligned(64)));
+    uint16_t tail[16 * 2 * PAIR_TILE] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t whole = K / (2 * PAIR_TILE);
+    for (int64_t t = 0; t < whole; t++)
+        AMX_BLOCK(x + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR);
+    const int64_t left = K - whole * 2 * PAIR_TILE;
+    if (left) {  /* the last inputs, zero-padded to a whole block (never read past a row) */
+        memset(tail, 0, sizeof tail);
+        for (int i = 0; i < mr; i++)
+            memcpy(tail + i * 2 * PAIR_TILE, x + i * ldx + whole * 2 * PAIR_TILE,
+                   (size_t)left * sizeof(uint16_t));
+        AMX_BLOCK(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR);
+    }
+    _tile_stored(0, c, NR * 4);
+    _tile_stored(1, c + 16, NR * 4);
+    _tile_stored(2, c + 32, NR * 4);
+    _tile_stored(3, c + 48, NR * 4);
+    __m512 acc[MR][4];
+    for (int i0 = 0; i0 < mr; i0 += MR) {  /* store_bf16 takes MR rows at a time */
+        const int n = mr - i0 < MR ? mr - i0 : MR;
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_load_ps(c + (i0 + i) * NR + j * VEC);
+        store_bf16(n, acc, bias, y + i0 * ldy, ldy, cols);
+    }
+}
+
+/* Whether this CPU has AMX-BF16 and the kernel may use its tiles: asks Linux once for the
+ * tile state (a process-wide permission; torch asks for it the same way). */
+int hicache_linear_has_amx(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+        return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static __attribute__((target("amx-tile"))) void release_tiles(void) { _tile_release(); }
+
+/* Whether this CPU has AVX512-BF16 (vdpbf16ps). */
+int hicache_linear_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
+/* Pairs of one panel: ceil(K / 2) rounded up to whole AMX tiles. */
+static inline int64_t padded_pairs(int64_t K) {
+    return ((K + 1) / 2 + PAIR_TILE - 1) / PAIR_TILE * PAIR_TILE;
+}
+
+/* uint16 elements of the packed bfloat16 weight: whole panels of whole tiles of pairs. */
+int64_t hicache_linear_packed_size_bf16(int64_t N, int64_t K) {
+    return (N + NR - 1) / NR * padded_pairs(K) * 2 * NR;
+}
+
+/* W [N, K] bfloat16 -> packed (see the layout above). */
+void hicache_linear_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
+    const int64_t panels = (N + NR - 1) / NR, pairs = padded_pairs(K);
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t q = 0; q < pairs; q++)
+            for (int64_t j = 0; j < NR; j++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = p * NR + j, k = 2 * q + e;
+                    packed[((p * pairs + q) * NR + j) * 2 + e] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+
+/* y = x W^T (+ bias) in bfloat16 on path `isa`: ISA_AMX or ISA_AVX512BF16 (the caller
+ * checked hicache_linear_has_amx / _has_avx512bf16), else AVX-512F. Returns 0, or -1 for a
+ * shape it does not take. */
+enum { ISA_AVX512F = 0, ISA_AVX512BF16 = 1, ISA_AMX = 2 };
+
+int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                        const uint16_t *packed, int64_t N, const uint16_t *bias, uint16_t *y,
+                        int isa, int threads) {
+    if (M < 0 || K < 1 || N < 1 || ldx < K || threads < 1 || isa < 0 || isa > ISA_AMX)
+        return -1;
+    if (M == 0)
+        return 0;
+    const int64_t unit = isa == ISA_AMX ? 48 : MR;  /* whole tiles of rows: 3 x 16, 8 x 6 */
+    int64_t most = X_BLOCK_BYTES / (K * (int64_t)sizeof(uint16_t)) / unit * unit;
+    most = most < unit ? unit : most > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS : most;
+    const int64_t blocks = (M + most - 1) / most;
+    const int64_t block = ((M + blocks - 1) / blocks + unit - 1) / unit * unit;
+    const int64_t panels = (N + NR - 1) / NR, panel_size = padded_pairs(K) * 2 * NR;
+    const int step = isa == ISA_AMX ? 16 : MR;  /* rows per tile */
+    #pragma omp parallel num_threads(threads)
+    {
+        int configured = 0;  /* the rows this thread's tiles are configured for */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t end = (b + 1) * block < M ? (b + 1) * block : M;
+                const int cols = N - p * NR < NR ? (int)(N - p * NR) : NR;
+                const uint16_t *w = packed + p * panel_size;
+                const uint16_t *bp = bias ? bias + p * NR : NULL;
+                for (int64_t m = b * block; m < end; m += step) {
+                    const int mr = end - m < step ? (int)(end - m) : step;
+                    const uint16_t *xm = x + m * ldx;
+                    uint16_t *ym = y + m * N + p * NR;
+                    if (isa == ISA_AMX) {
+                        if (configured != mr) {
+                            configure_tiles(mr);
+                            configured = mr;
+                        }
+                        tile_bf16_amx(mr, xm, ldx, w, K, bp, ym, N, cols);
+                    } else if (isa == ISA_AVX512BF16) {
+                        tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols);
+                    } else {
+                        tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols);
+                    }
+                }
+            }
+        }
+        if (configured)
+            release_tiles();
     }
     return 0;
 }

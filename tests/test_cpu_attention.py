@@ -47,18 +47,18 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttenti
 
 
 def case(seqs: tuple[tuple[int, int], ...], heads: int, dim: int = 64,
-         num_slots: int = 4096) -> tuple[torch.Tensor, ...]:
+         num_slots: int = 4096, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """q as a strided view (the model's q of q|k), pools, scattered slots, the seqs rows."""
     gen = torch.Generator().manual_seed(SEED)
-    k_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen)
-    v_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen)
+    k_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen).to(dtype)
+    v_cache = torch.randn((num_slots, KV_HEADS, dim), generator=gen).to(dtype)
     perm = torch.randperm(num_slots, generator=gen)
     rows, used, first = [], 0, 0
     for prefix, extend in seqs:
         rows.append([first, prefix, extend, used])
         used += prefix + extend
         first += extend
-    q = torch.randn((first, heads + KV_HEADS, dim), generator=gen)[:, :heads]
+    q = torch.randn((first, heads + KV_HEADS, dim), generator=gen).to(dtype)[:, :heads]
     return q, k_cache, v_cache, perm[:used].clone(), torch.tensor(rows, dtype=torch.int64)
 
 
@@ -71,11 +71,29 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("dim", (64, 128))
+def test_bfloat16_matches_the_reference(kernel, dim: int) -> None:
+    """bfloat16 q and pool: the float32 math of the float32 kernel on the exact float32
+    values, rounded once: within one bfloat16 step of the float32 reference on those values
+    (and of SDPA in bfloat16, which rounds more)."""
+    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * 4, dim, dtype=torch.bfloat16)
+    got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    exact = paged_attention_reference(q.float(), kc.float(), vc.float(), slots, seqs,
+                                      dim ** -0.5)
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=1e-3)
+    sdpa = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
+    torch.testing.assert_close(got.float(), sdpa.float(), rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("ratio", (1, 4, 8))
-def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: int) -> None:
+def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: int,
+                                                              dtype: torch.dtype) -> None:
     """From scratch, extending a cached prefix at any split, decoded one token at a time,
-    or beside other sequences: every row of a 300-token sequence gets the same bits."""
-    q, kc, vc, slots, seqs = case(((0, 300),), KV_HEADS * ratio)
+    or beside other sequences: every row of a 300-token sequence gets the same bits, in
+    float32 and in bfloat16."""
+    q, kc, vc, slots, seqs = case(((0, 300),), KV_HEADS * ratio, dtype=dtype)
     full = kernel(q, kc, vc, slots, seqs, SCALE)
     for prefix in (1, 15, 16, 63, 64, 65, 200, 299):
         ext = kernel(q[prefix:], kc, vc, slots, torch.tensor([[0, prefix, 300 - prefix, 0]]),
@@ -86,7 +104,7 @@ def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: in
         assert torch.equal(one, full[pos:pos + 1]), pos
     # the same sequence's tail as the second of a batch with an unrelated prefill first
     other, tail = 40, 300 - 100
-    mixed_q = torch.cat([torch.randn(other, q.shape[1], q.shape[2]), q[100:]])
+    mixed_q = torch.cat([torch.randn(other, q.shape[1], q.shape[2]).to(dtype), q[100:]])
     rows = torch.tensor([[0, 0, other, 0], [other, 100, tail, 0]])
     got = kernel(mixed_q, kc, vc, slots, rows, SCALE)
     assert torch.equal(got[other:], full[100:])
@@ -94,8 +112,10 @@ def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: in
 
 def test_bad_inputs_are_value_errors(kernel) -> None:
     q, kc, vc, slots, seqs = case(((0, 8),), 8)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="of q's dtype torch.bfloat16"):
         kernel(q.to(torch.bfloat16), kc, vc, slots, seqs, SCALE)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel(q.half(), kc.half(), vc.half(), slots, seqs, SCALE)
     with pytest.raises(ValueError, match="head_dim"):
         kernel(q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(),
                slots, seqs, SCALE)
@@ -162,22 +182,26 @@ def _pool_kv(pool, slots: torch.Tensor) -> list[torch.Tensor]:
     return [buf[slots].clone() for buf in (*pool.k_buffers, *pool.v_buffers)]
 
 
-def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Path) -> None:
-    """The embedded model on the kernel: a 150-token prompt prefilled at once; the same prompt
-    as a cached 70-token prefix then an extend; and 20 of its tokens decoded one at a time
-    after the first 130: every layer's K/V of every token is the same bits, and so are the
-    last token's logits."""
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Path,
+                                                      dtype: str) -> None:
+    """The embedded model on the kernels, in float32 and in bfloat16: a 150-token prompt
+    prefilled at once; the same prompt as a cached 70-token prefix then an extend; and 20 of
+    its tokens decoded one at a time after the first 130: every layer's K/V of every token
+    is the same bits, and so are the last token's logits."""
     from hicache.memory.device import DeviceKVPool
 
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
-    lm = load_model(EMBEDDED_TINY_LLAMA, "float32", "cpu")
+    lm = load_model(EMBEDDED_TINY_LLAMA, dtype, "cpu")
     assert isinstance(lm.model.attn_backend, CpuKernelAttention)
+    assert (lm.model.linear_backend, lm.model.layer_ops) == ("CpuLinearKernel",
+                                                              "CpuLayerKernel")
     c = lm.config
     ids = torch.randint(0, c.vocab_size, (150,), generator=torch.Generator().manual_seed(SEED))
 
     def fresh_pool() -> DeviceKVPool:
         return DeviceKVPool(16, 16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                            torch.float32, "cpu")
+                            lm.dtype, "cpu")
 
     def run(pool: DeviceKVPool, prefix: int, extend: int) -> torch.Tensor:
         slots = torch.arange(16, 16 + prefix + extend)

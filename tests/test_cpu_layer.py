@@ -103,7 +103,9 @@ def test_the_layer_ops_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(make_layer_kernel("cpu", torch.float32, tmp_path),
                       cpu_layer.CpuLayerKernel)
     assert make_layer_kernel("cpu", torch.float32, None) is None
-    assert make_layer_kernel("cpu", torch.bfloat16, tmp_path) is None
+    assert isinstance(make_layer_kernel("cpu", torch.bfloat16, tmp_path),
+                      cpu_layer.CpuLayerKernel)
+    assert make_layer_kernel("cpu", torch.float16, tmp_path) is None
     assert make_layer_kernel("cuda", torch.float32, tmp_path) is None
     monkeypatch.setenv(CPU_LAYER_OPS_ENV, "torch")
     assert make_layer_kernel("cpu", torch.float32, tmp_path) is None
@@ -113,6 +115,79 @@ def test_the_layer_ops_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("CC", "false")
     monkeypatch.delenv(CPU_LAYER_OPS_ENV)
     assert cpu_layer.load(tmp_path / "failing") is None  # a failed build: torch's ops
+
+
+# ---------------------------------------------------------------------------- bfloat16
+# Each op against transformers' bfloat16 arithmetic in torch (float32 math, rounded where a
+# bfloat16 module stores): RoPE and the residual add bit for bit, RMSNorm and SiLU within
+# one bfloat16 step (their float32 insides round differently), every row alone.
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+def hf_rms_norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaRMSNorm on bfloat16."""
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * x.to(torch.bfloat16)
+
+
+def within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [576, 40, 2048])
+def test_bfloat16_rms_norm_and_the_residual_add(layer, hidden: int) -> None:
+    x, res = bf16(randn(37, hidden, scale=3.0)), bf16(randn(37, hidden))
+    w = bf16(randn(hidden, scale=0.1) + 1)
+    got = layer.rms_norm(x, w, EPS)
+    within_one_step(got, hf_rms_norm(x, w))
+    out, total = layer.rms_norm(x, w, EPS, res)
+    assert torch.equal(total, res + x)  # torch's bfloat16 add, bit for bit
+    within_one_step(out, hf_rms_norm(res + x, w))
+    for lo, hi in [(0, 1), (5, 6), (3, 30)]:
+        assert torch.equal(layer.rms_norm(x[lo:hi], w, EPS), got[lo:hi])
+        assert torch.equal(layer.rms_norm(x[lo:hi], w, EPS, res[lo:hi])[0], out[lo:hi])
+    big = bf16(randn(300, hidden))
+    assert torch.equal(layer.rms_norm(big, w, EPS)[100:101], layer.rms_norm(big[100:101], w, EPS))
+    with pytest.raises(ValueError, match="weight must be"):
+        layer.rms_norm(x, w.float(), EPS)
+    with pytest.raises(ValueError, match="residual must be contiguous torch.bfloat16"):
+        layer.rms_norm(x, w, EPS, res.float())
+
+
+def test_bfloat16_rope_is_torchs_arithmetic_bit_for_bit(layer) -> None:
+    """The torch path of a bfloat16 model (cos and sin cast to bfloat16, each product and
+    sum rounded) bit for bit, in place on q|k of a strided q|k|v row."""
+    cfg = ModelArchConfig(architecture="LlamaForCausalLM", hidden_size=576,
+                          intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=300,
+                          max_position_embeddings=8192)
+    rope = RotaryEmbedding(cfg, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 7, 8191, 1000, 3, 3, 2048])
+    batch = ForwardBatch(torch.zeros(8, dtype=torch.int64), positions, torch.arange(8),
+                         [torch.arange(8)], [0], [8])
+    qkv = bf16(randn(8, 960, scale=5.0))
+    view = qkv[:, :768].view(8, 12, 64)
+    want = rope(batch, view.clone())  # no kernel: torch's ops in bfloat16
+    got = layer.rope_(view, positions, rope.cos_bf16, rope.sin_bf16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="cos must be contiguous torch.bfloat16"):
+        layer.rope_(view, positions, rope.cos, rope.sin)
+
+
+def test_bfloat16_silu_mul(layer) -> None:
+    gate_up = bf16(randn(19, 2 * 1536, scale=4.0))
+    gate_up[0, :6] = bf16(torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0]))
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = layer.silu_mul(gate_up)
+    within_one_step(got, F.silu(gate) * up)  # transformers' act_fn(gate) * up in bfloat16
+    assert torch.isfinite(got.float()).all()
+    for lo, hi in [(0, 1), (7, 8), (2, 19)]:
+        assert torch.equal(layer.silu_mul(gate_up[lo:hi]), got[lo:hi])
 
 
 @pytest.mark.parametrize(("env", "off", "reads", "names"), [

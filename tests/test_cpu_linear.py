@@ -1,7 +1,8 @@
 """The CPU linear kernel (kernels/cpu_linear.c): F.linear's result, the exact arithmetic it
-promises (one FMA chain per output, in input order), and that a row's bits depend on
-nothing else in the call: not the rows beside it, their number, the row stride nor the
-thread count. The model on it: test_cpu_layer (either backend, the same logits) and
+promises (float32: one FMA chain per output, in input order; bfloat16: one float32 chain
+over the input pairs, then one rounding), and that a row's bits depend on nothing else in
+the call: not the rows beside it, their number, the row stride nor the thread count; in
+bfloat16 on each path this CPU has (AVX-512F, AVX512-BF16, AMX). The model on it: test_cpu_layer (either backend, the same logits) and
 test_cpu_attention (cached and recomputed K/V, the same bits).
 
 Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
@@ -112,8 +113,12 @@ def test_no_rows_and_bad_arguments(kernel) -> None:
         kernel(x, packed, 200)
     with pytest.raises(ValueError, match="bias must be \\[70\\]"):
         kernel(x, packed, 70, b[:60])
-    with pytest.raises(ValueError, match="2-D float32 CPU"):
-        kernel.pack(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16 CPU"):
+        kernel.pack(w.to(torch.float16))
+    with pytest.raises(ValueError, match="panels of a \\[70, 32\\] torch.bfloat16"):
+        kernel(x.bfloat16(), packed, 70)  # a float32 weight's panels
+    with pytest.raises(ValueError, match="bias must be \\[70\\] contiguous torch.bfloat16"):
+        kernel(x.bfloat16(), kernel.pack(w.bfloat16()), 70, b)
 
 
 def test_linear_runs_on_the_kernel_once_packed(kernel) -> None:
@@ -166,7 +171,9 @@ def test_the_kernel_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert isinstance(make_linear_kernel("cpu", torch.float32, tmp_path),
                       cpu_linear.CpuLinearKernel)
     assert make_linear_kernel("cpu", torch.float32, None) is None  # no kernel dir
-    assert make_linear_kernel("cpu", torch.bfloat16, tmp_path) is None  # oneDNN's bf16
+    assert isinstance(make_linear_kernel("cpu", torch.bfloat16, tmp_path),
+                      cpu_linear.CpuLinearKernel)
+    assert make_linear_kernel("cpu", torch.float16, tmp_path) is None  # oneDNN's
     assert make_linear_kernel("cuda", torch.float32, tmp_path) is None  # cuBLAS
     monkeypatch.setenv(CPU_LINEAR_ENV, "onednn")
     assert make_linear_kernel("cpu", torch.float32, tmp_path) is None
@@ -178,3 +185,130 @@ def test_the_kernel_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_failed_build_falls_back_to_none(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert cpu_linear.load(tmp_path / "failing") is None
+
+
+# ---------------------------------------------------------------------------- bfloat16
+
+
+def bf16_weights(n: int, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(t.to(torch.bfloat16) for t in weights(n, k, rows))
+
+
+def pair_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The bfloat16 kernel's promise in float64 emulation: from acc = 0 in float32, over the
+    input pairs in order, acc = (acc + x[2q+1] w[2q+1]) + x[2q] w[2q], each product exact
+    and each add rounded to float32; then + b in float32; then one rounding to bfloat16."""
+    xs, ws = x.double().numpy(), w.double().numpy()
+    acc = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+    for q in range(0, x.shape[1], 2):
+        for k in (q + 1, q):
+            if k < x.shape[1]:
+                acc = (acc.astype(np.float64) + xs[:, k, None] * ws[None, :, k]).astype(
+                    np.float32)
+    out = torch.from_numpy(acc)
+    return (out if b is None else out + b.float()).to(torch.bfloat16)
+
+
+@pytest.fixture
+def bf16_path(kernel, request: pytest.FixtureRequest):
+    """The kernel on one of its bfloat16 paths (skipped where this CPU lacks it)."""
+    path = request.param
+    if path not in kernel.bf16_paths:
+        pytest.skip(f"this CPU has no {path}")
+    default = kernel.bf16_path
+    kernel.bf16_path = path
+    yield kernel
+    kernel.bf16_path = default
+
+
+EXACT_PATHS = ("avx512f", "avx512bf16")  # the pair chain exactly; AMX rounds its own way
+ALL_PATHS = (*EXACT_PATHS, "amx")
+
+
+@pytest.mark.parametrize("bf16_path", ALL_PATHS, indirect=True)
+@pytest.mark.parametrize("shape", [(768, 512), (512, 1536), (260, 512), (65, 17), (1, 7)])
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+def test_bfloat16_gives_f_linear(bf16_path, shape: tuple[int, int], rows: int) -> None:
+    """Within one bfloat16 rounding of F.linear (float32 sums, then rounded) on every path."""
+    n, k = shape
+    w, b, x = bf16_weights(n, k, rows)
+    packed = bf16_path.pack(w)
+    assert packed.dtype == torch.bfloat16
+    for bias in (None, b):
+        got = bf16_path(x, packed, n, bias)
+        assert got.dtype == torch.bfloat16
+        want = torch.nn.functional.linear(x.float(), w.float(),
+                                          None if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
+@pytest.mark.parametrize("bf16_path", EXACT_PATHS, indirect=True)
+@pytest.mark.parametrize("shape", [(100, 40), (65, 17), (130, 64), (64, 1)])
+def test_bfloat16_is_the_pair_chain(bf16_path, shape: tuple[int, int]) -> None:
+    n, k = shape
+    w, b, x = bf16_weights(n, k, 13)
+    packed = bf16_path.pack(w)
+    assert torch.equal(bf16_path(x, packed, n), pair_chain(x, w, None))
+    assert torch.equal(bf16_path(x, packed, n, b), pair_chain(x, w, b))
+
+
+@pytest.mark.parametrize("bf16_path", ALL_PATHS, indirect=True)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (65, 17)])
+def test_a_bfloat16_rows_bits_depend_on_nothing_else_in_the_call(
+        bf16_path, shape: tuple[int, int]) -> None:
+    """As in float32: any slice of the rows, one row alone, a strided view, one thread or
+    two give the whole batch's bits, on every path (AMX's 16-row tiles included)."""
+    n, k = shape
+    w, b, x = bf16_weights(n, k, 300)
+    packed = bf16_path.pack(w)
+    whole = bf16_path(x, packed, n, b)
+    for lo, hi in [(0, 1), (5, 6), (7, 9), (13, 300), (299, 300), (1, 200), (0, 299), (3, 19)]:
+        assert torch.equal(bf16_path(x[lo:hi], packed, n, b), whole[lo:hi])
+    wide = torch.zeros(300, k + 9, dtype=torch.bfloat16)
+    wide[:, 3:3 + k] = x
+    assert torch.equal(bf16_path(wide[:, 3:3 + k], packed, n, b), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(bf16_path(x, packed, n, b), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_bfloat16_paths_agree(kernel) -> None:
+    """vdpbf16ps and its AVX-512F emulation: the same bits; AMX within float32 rounding of
+    them, so within one bfloat16 step."""
+    w, b, x = bf16_weights(512, 1536, 40)
+    packed = kernel.pack(w)
+    default, got = kernel.bf16_path, {}
+    try:
+        for path in kernel.bf16_paths:
+            kernel.bf16_path = path
+            got[path] = kernel(x, packed, 512, b)
+    finally:
+        kernel.bf16_path = default
+    assert kernel.bf16_path == kernel.bf16_paths[-1]  # the fastest this CPU has
+    if "avx512bf16" in got:
+        assert torch.equal(got["avx512bf16"], got["avx512f"])
+    if "amx" in got:
+        torch.testing.assert_close(got["amx"].float(), got["avx512f"].float(),
+                                   rtol=2 ** -7, atol=1e-2)
+
+
+def test_a_bfloat16_linear_runs_on_the_kernel(kernel) -> None:
+    """A bfloat16 Linear given the kernel keeps only the kernel's panels (no oneDNN copy),
+    and a row's bits are the same in a 2,048-row prefill and any smaller batch."""
+    gen = torch.Generator().manual_seed(SEED)
+    lin = Linear(576, [576, 192, 192], True, torch.bfloat16, torch.device("cpu"))
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(960, 576, generator=gen))
+        lin.bias.copy_(torch.randn(960, generator=gen))
+    lin.kernel = kernel
+    lin.pack()
+    assert lin.panels is not None and lin.packed is None
+    x = torch.randn(2048, 576, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = lin(x)
+        assert torch.equal(whole, kernel(x, lin.panels, 960, lin.bias))
+        for lo, hi in [(0, 1), (3, 11), (100, 700), (1500, 2048), (7, 519)]:
+            assert torch.equal(lin(x[lo:hi]), whole[lo:hi])

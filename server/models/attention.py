@@ -283,12 +283,14 @@ class CudaPagedAttention(AttentionBackend):
 
 
 class CpuKernelAttention(AttentionBackend):
-    """Every float32 CPU batch (prefill, extend, decode, mixed) in one call of the C kernel
+    """Every float32 or bfloat16 CPU batch (prefill, extend, decode, mixed) in one call of
+    the C kernel
     (kernels/cpu_attention.c), K/V read from the pool through each sequence's slots: no
     gather, no mask, no per-sequence loop. A row's result depends only on its query and its
     keys, so a token gets the same bits prefilled, extended on a cached prefix, or decoded,
-    and recomputed and cached K/V agree bit for bit across every path. Other dtypes, and head
-    dims the kernel does not take, go to TorchAttention."""
+    and recomputed and cached K/V agree bit for bit across every path. Other dtypes (and a
+    pool of another dtype than q), and head dims the kernel does not take, go to
+    TorchAttention."""
 
     def __init__(self, kernel: cpu_attention.CpuAttentionKernel) -> None:
         self.kernel = kernel
@@ -299,7 +301,7 @@ class CpuKernelAttention(AttentionBackend):
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
-        if (q.dtype != torch.float32 or k_cache.dtype != torch.float32
+        if (q.dtype not in cpu_attention.DTYPES or k_cache.dtype != q.dtype
                 or not cpu_attention.supports_head_dim(q.shape[-1])):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool)
         slots, seqs = batch.memo("cpu_kernel_attention",

@@ -180,9 +180,9 @@ class Linear(nn.Module):
     def pack(self) -> None:
         """(Re)build the packed copy of W: the kernel's panels where it takes this weight,
         else oneDNN's layout where packing works (CPU); else nothing."""
-        if self.kernel is not None and self.weight.dtype == torch.float32:
+        if self.kernel is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
             self.panels = self.kernel.pack(self.weight)
-            if self.packable and onednn_matches_kernel(self.kernel, *self.weight.shape,
+            if self.weight.dtype == torch.float32 and self.packable and onednn_matches_kernel(self.kernel, *self.weight.shape,
                                                        self.bias is not None):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                       PACK_ROWS_HINT)

@@ -22,6 +22,7 @@ from kernels.cpu_layer import CpuLayerKernel, check_positions
 from kernels.cpu_linear import CpuLinearKernel
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
+from server.models.cpu_kernels import KERNEL_DTYPES
 from server.models.forward_batch import ForwardBatch
 from server.models.linear import Linear, linear, make_param, onednn_linear_works
 
@@ -39,20 +40,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = make_param((size,), dtype, device, fill=1.0)
-        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: one C pass
+        self.kernel: CpuLayerKernel | None = None  # on the CPU: one C pass
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(self(residual + x), residual + x)`: the residual add and the norm in one pass
         on the kernel (the sum is the same bits either way)."""
-        if (self.kernel is not None and x.dtype == torch.float32 and x.dim() == 2
-                and residual.is_contiguous()):
+        if (self.kernel is not None and x.dtype in KERNEL_DTYPES and x.dim() == 2
+                and residual.is_contiguous() and residual.dtype == x.dtype):
             return self.kernel.rms_norm(x, self.weight, self.eps, residual)
         total = residual + x
         return self(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
+        if (self.kernel is not None and x.dtype in KERNEL_DTYPES and x.dim() == 2
+                and x.dtype == self.weight.dtype):
             return self.kernel.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op, the same bits (a test checks)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -96,7 +98,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
-        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: in place, in C
+        # the tables as a bfloat16 model's RoPE uses them (transformers: cos.to(x.dtype))
+        self.register_buffer("cos_bf16", self.cos.to(torch.bfloat16), persistent=False)
+        self.register_buffer("sin_bf16", self.sin.to(torch.bfloat16), persistent=False)
+        self.kernel: CpuLayerKernel | None = None  # on the CPU: in place, in C
 
     def cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[T, 1, head_dim // 2]` of the batch's positions, once per forward."""
@@ -108,10 +113,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
         """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs);
         on the kernel in place (the same bits)."""
-        if self.kernel is not None and x.dtype == torch.float32 and self.cos.device.type == "cpu":
+        if self.kernel is not None and x.dtype in KERNEL_DTYPES and self.cos.device.type == "cpu":
             batch.memo("rope_positions",
                        lambda: check_positions(batch.positions, self.cos.shape[0]))
-            return self.kernel.rope_(x, batch.positions, self.cos, self.sin, checked=True)
+            cos, sin = ((self.cos_bf16, self.sin_bf16) if x.dtype == torch.bfloat16
+                        else (self.cos, self.sin))
+            return self.kernel.rope_(x, batch.positions, cos, sin, checked=True)
         cos, sin = self.cos_sin(batch, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
         out = torch.empty_like(x)
@@ -158,11 +165,11 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], False, dtype, device)
         self.down_proj = Linear(inter, [config.hidden_size], False, dtype, device)
-        self.kernel: CpuLayerKernel | None = None  # float32 on the CPU: SiLU * up in C
+        self.kernel: CpuLayerKernel | None = None  # on the CPU: SiLU * up in C
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernel is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+        if self.kernel is not None and gate_up.dtype in KERNEL_DTYPES and gate_up.dim() == 2:
             return self.down_proj(self.kernel.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
@@ -217,8 +224,11 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.model = LlamaModel(config, attn_backend, dtype, self.device)
-        # a tied LM head is the embedding table (never packed): its oneDNN choice, once
+        # a tied LM head is the embedding table: its oneDNN choice, once; in bfloat16 on the
+        # linear kernel, a packed copy of the table (`_pack_head`)
         self._onednn_head = self.device.type == "cpu" and onednn_linear_works(dtype)
+        self._head_kernel: CpuLinearKernel | None = None
+        self._head_panels: torch.Tensor | None = None
         if config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -260,6 +270,17 @@ class LlamaForCausalLM(nn.Module):
                 if m.packed is not None or m.panels is not None:
                     m.unpack()
                     m.pack()
+        self._head_kernel = kernel if self.device.type == "cpu" else None
+        self._pack_head()
+
+    def _pack_head(self) -> None:
+        """A tied bfloat16 LM head on the linear kernel: the table packed once (one more
+        copy of it). The kernel gives a row's logits the same bits in any batch, as oneDNN
+        does not promise; float32 keeps oneDNN's head, which is as fast there."""
+        self._head_panels = None
+        if (self._head_kernel is not None and self.config.tie_word_embeddings
+                and self.dtype == torch.bfloat16):
+            self._head_panels = self._head_kernel.pack(self.model.embed_tokens.weight)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
@@ -278,6 +299,9 @@ class LlamaForCausalLM(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, Linear):
             return self.lm_head(h).float()
+        if self._head_panels is not None:
+            return self._head_kernel(h.contiguous(), self._head_panels,
+                                     self.config.vocab_size).float()
         return linear(h, self.lm_head.weight, onednn=self._onednn_head).float()
 
     @torch.no_grad()
@@ -295,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
         finally:
             for m in linears:
                 m.pack()
+            self._pack_head()
 
     def _load_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
