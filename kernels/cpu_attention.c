@@ -1,7 +1,8 @@
 /* Paged causal attention on the CPU (AVX-512F, OpenMP): prefill, extend and decode rows of
  * any mix of sequences in one call, K/V read from the pool through each sequence's slots.
  *
- * Layouts (float32, or bfloat16 as uint16: hicache_paged_attention_bf16; kernels/cpu_attention.py
+ * Layouts (float32; or bfloat16 as uint16: hicache_paged_attention_bf16 and, on AMX for
+ * head dims a multiple of 64, hicache_paged_attention_bf16_amx; kernels/cpu_attention.py
  * checks them):
  *
  *   q            [T, H, D] rows `q_stride` elements apart (a view into q|k|v is fine)
@@ -19,7 +20,10 @@
  * the same bits, and so do their K/V in the next layer. Each row runs the same arithmetic in
  * the same order: keys in blocks of KEY_BLOCK from key 0 (absolute, not from the extend),
  * online softmax per block; keys past a row's position are skipped exactly (their P is 0,
- * and a block with none of the row's keys leaves m, l and O untouched).
+ * and a block with none of the row's keys leaves m, l and O untouched). On AMX a tile's 16
+ * rows share its instructions, but row i of a C tile is row i of A times B: the same
+ * arithmetic for a row whatever rows sit beside it (the padding rows of a part-filled tile
+ * included).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -28,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_bf16.h"
 #include "cpu_exp.h"
 
@@ -129,17 +134,49 @@ static inline float softmax_step(float *s, int64_t valid, float *m, float *l) {
 typedef struct {
     float *qs, *s, *o, *m, *l, *alpha;
     float *kt_block;  /* [D][KEY_BLOCK]: one block of Kt, for a sequence with one item */
+    /* the AMX path's: q and P in bfloat16, one block of K and of V as B tiles, a C tile */
+    uint16_t *q16, *p16;
+    uint32_t *k_tiles, *v_tiles;
+    float *c_tile;
     int64_t *pos;
 } Scratch;
 
 
 static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+#define AMX_ROWS 16  /* query rows per AMX tile */
+
+/* Rows of one work item's scratch: whole register tiles and whole AMX tiles. */
+static int64_t scratch_rows(int64_t group) { return round_up(TOKEN_TILE * group, AMX_ROWS); }
+
 /* Floats of workspace one thread needs: a block of Kt, and for its rows queries, scores,
- * output, m, l, alpha, and positions as int64. */
+ * output, m, l, alpha; the AMX path's bfloat16 q and P, K and V tiles of a block, a C tile;
+ * and positions as int64. */
 static int64_t scratch_floats(int64_t group, int64_t dim) {
-    const int64_t rows = round_up(TOKEN_TILE * group, MICRO_ROWS);
-    return round_up(rows * (2 * dim + KEY_BLOCK + 3 + 2) + KEY_BLOCK * dim, VEC);
+    const int64_t rows = scratch_rows(group);
+    return round_up(rows * (2 * dim + KEY_BLOCK + 3) + KEY_BLOCK * dim, VEC)
+        + round_up(rows * (dim + KEY_BLOCK) / 2 + KEY_BLOCK * dim + AMX_ROWS * KEY_BLOCK, VEC)
+        + 2 * rows;
+}
+
+/* The thread's Scratch in `mine` (scratch_floats(group, dim) floats). */
+static Scratch scratch_at(float *mine, int64_t group, int64_t dim) {
+    const int64_t rows = scratch_rows(group);
+    Scratch w = {.kt_block = mine, .qs = mine + KEY_BLOCK * dim};
+    w.o = w.qs + rows * dim;
+    w.s = w.o + rows * dim;
+    w.m = w.s + rows * KEY_BLOCK;
+    w.l = w.m + rows;
+    w.alpha = w.l + rows;
+    float *amx = mine + round_up(rows * (2 * dim + KEY_BLOCK + 3) + KEY_BLOCK * dim, VEC);
+    w.c_tile = amx;
+    w.k_tiles = (uint32_t *)(w.c_tile + AMX_ROWS * KEY_BLOCK);
+    w.v_tiles = w.k_tiles + KEY_BLOCK * dim / 2;
+    w.q16 = (uint16_t *)(w.v_tiles + KEY_BLOCK * dim / 2);
+    w.p16 = w.q16 + rows * dim;
+    w.pos = (int64_t *)(amx + round_up(rows * (dim + KEY_BLOCK) / 2 + KEY_BLOCK * dim
+                                       + AMX_ROWS * KEY_BLOCK, VEC));  /* 64-byte aligned */
+    return w;
 }
 
 /* Floats of workspace a call needs: every (seq, kv head)'s transposed K, then one scratch
@@ -178,7 +215,19 @@ int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
 #define STORE(p, v) _mm256_storeu_si256((__m256i *)(p), round_bf16(v))
 #define NAME(f) f##_bf16
 #include "cpu_attention_typed.h"
+#undef NAME
+
+/* bfloat16 on AMX (head dims a multiple of 64): QK^T and PV on the tiles, per block of 64
+ * keys from key 0 as above, the online softmax in float32 between them; P is rounded to
+ * bfloat16 for PV (as torch's bfloat16 flash attention does). Each row of a C tile is its
+ * A row times B, so a row's bits still depend only on its query and its keys. */
+#define AMX_PATH 1
+#define NAME(f) f##_bf16_amx
+#include "cpu_attention_typed.h"
 #undef T
 #undef LOAD
 #undef STORE
 #undef NAME
+#undef AMX_PATH
+
+int hicache_paged_attention_has_amx(void) { return amx_available(); }

@@ -16,7 +16,9 @@ that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
 how). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as the float32
-kernel does, and rounds the output once. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
+kernel does, and rounds the output once; or, where the CPU has AMX and head_dim is a
+multiple of 64, runs QK^T and PV on AMX's tiles (P rounded to bfloat16 for PV, as torch's
+bfloat16 flash attention does), each row still alone. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
 (`kernels/cpu_build.py`: the key, the compiler, the shared OpenMP runtime) and returns None
 where either is missing or the build fails (the caller keeps torch's SDPA).
 
@@ -42,6 +44,7 @@ DTYPES = tuple(_SYMBOLS)
 _WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
 MAX_HEAD_DIM = 256  # must match cpu_attention.c
 HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
+AMX_HEAD_DIM_MULTIPLE = 64  # the AMX path's: whole 64-wide C tiles of the output
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
 
 
@@ -61,6 +64,15 @@ class CpuAttentionKernel:
                 ctypes.c_void_p, ctypes.c_int,
             ]
             self._fns[dtype] = fn
+        self._amx = library.hicache_paged_attention_bf16_amx
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = self._fns[torch.bfloat16].argtypes
+        # bfloat16 on AMX's tiles where the CPU has them (head dims a multiple of 64), else
+        # on AVX-512F; tests set "avx512f" to run that path on any machine
+        self.bf16_paths = ("avx512f",)
+        if library.hicache_paged_attention_has_amx():
+            self.bf16_paths += ("amx",)
+        self.bf16_path = self.bf16_paths[-1]
         self._workspace_fn = getattr(library, _WORKSPACE_SYMBOL)
         self._workspace_fn.restype = ctypes.c_int64
         self._workspace_fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -85,7 +97,11 @@ class CpuAttentionKernel:
             return out
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
         need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
-        rc = self._fns[q.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        fn = self._fns[q.dtype]
+        if (q.dtype == torch.bfloat16 and self.bf16_path == "amx"
+                and dim % AMX_HEAD_DIM_MULTIPLE == 0):
+            fn = self._amx
+        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                       slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim,
                       scale, out.data_ptr(), self._workspace(need).data_ptr(), threads)
         if rc != 0:

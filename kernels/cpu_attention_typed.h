@@ -1,7 +1,26 @@
 /* The part of cpu_attention.c that reads q and the KV pool and writes the output, included
  * once per element type (no include guard): T, LOAD(p) (16 elements of T at p as float32),
  * STORE(p, v) (v as 16 elements of T) and NAME(f) (f with the type's suffix) come from
- * cpu_attention.c. The math in between is float32 either way. */
+ * cpu_attention.c. The math in between is float32 either way. With AMX_PATH (bfloat16
+ * only) the work items run on AMX's tiles (amx_run_item) and there is no phase 1. */
+#ifndef AMX_PATH
+#define AMX_PATH 0
+#define AMX_PATH_DEFAULTED
+#endif
+
+/* The item's output rows: O / l of each (token, group head), in T. */
+static void NAME(store_rows)(const Item *it, const Scratch *w, const int64_t *seq,
+                             int64_t heads, int64_t group, int64_t dim, T *out) {
+    for (int64_t r = 0; r < it->num_tokens * group; ++r) {
+        int64_t t = r / group, g = r % group;
+        T *dst = out + ((seq[0] + it->first_token + t) * heads + it->kv_head * group + g) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / w->l[r]);
+        for (int64_t d = 0; d < dim; d += VEC)
+            STORE(dst + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + r * dim + d), inv));
+    }
+}
+
+#if !AMX_PATH
 
 
 /* K of keys [0, num_keys) (their slots from `slots`) transposed to [D][ld], columns
@@ -138,15 +157,142 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
             NAME(pv_tile)(w->o + r * dim, w->s + r * KEY_BLOCK, w->alpha + r, v_cache,
                     slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-        int64_t t = r / group, g = r % group;
-        T *dst = out + ((seq[0] + it->first_token + t) * heads + it->kv_head * group + g) * dim;
-        const __m512 inv = _mm512_set1_ps(1.0f / w->l[r]);
-        for (int64_t d = 0; d < dim; d += VEC)
-            STORE(dst + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + r * dim + d), inv));
-    }
+    NAME(store_rows)(it, w, seq, heads, group, dim, out);
 }
 
+
+#else
+/* One block of 64 keys' K (keys past `num_keys` zero) as the B tiles of S = Q K^T:
+ * tile (t, g) at k_tiles + (4 t + g) * 256 words holds, row p, the dims (32 t + 2 p,
+ * 32 t + 2 p + 1) of keys 16 g .. 16 g + 15 (a 16 x 16 transpose of 32-bit pairs). Asks for
+ * each key's V row meanwhile (read by pack_v next). */
+static void amx_pack_k(uint32_t *k_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *slots, int64_t num_keys, int64_t kv_heads,
+                       int64_t kv_head, int64_t dim) {
+    for (int64_t g = 0; g < KEY_BLOCK / 16; ++g)
+        for (int64_t t = 0; t < dim / 32; ++t) {
+            __m512 r[VEC];
+            for (int i = 0; i < VEC; ++i) {
+                const int64_t j = 16 * g + i;
+                if (j < num_keys) {
+                    const int64_t at = (slots[j] * kv_heads + kv_head) * dim + 32 * t;
+                    _mm_prefetch((const char *)(v_cache + at), _MM_HINT_T1);
+                    r[i] = _mm512_loadu_ps((const float *)(k_cache + at));
+                } else {
+                    r[i] = _mm512_setzero_ps();
+                }
+            }
+            transpose16(r);
+            for (int p = 0; p < VEC; ++p)
+                _mm512_storeu_ps((float *)(k_tiles + ((4 * t + g) * 16 + p) * 16), r[p]);
+        }
+}
+
+/* One block's V (keys past `num_keys` zero) as the B tiles of O += P V: tile (h, g) at
+ * v_tiles + (h * dim / 16 + g) * 256 words holds, row p, keys (32 h + 2 p, 32 h + 2 p + 1)
+ * interleaved over dims 16 g .. 16 g + 15. Asks for the next block's K rows meanwhile. */
+static void amx_pack_v(uint32_t *v_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *slots, int64_t num_keys, int64_t next_keys,
+                       int64_t kv_heads, int64_t kv_head, int64_t dim) {
+    const int64_t groups = dim / 16;
+    for (int64_t h = 0; h < KEY_BLOCK / 32; ++h)
+        for (int64_t p = 0; p < 16; ++p) {
+            const int64_t ja = 32 * h + 2 * p, jb = ja + 1;
+            const uint16_t *va = ja < num_keys ? v_cache + (slots[ja] * kv_heads + kv_head) * dim
+                                               : NULL;
+            const uint16_t *vb = jb < num_keys ? v_cache + (slots[jb] * kv_heads + kv_head) * dim
+                                               : NULL;
+            for (int64_t j = ja; j <= jb; ++j)
+                if (j < next_keys)
+                    _mm_prefetch((const char *)(k_cache + (slots[KEY_BLOCK + j] * kv_heads
+                                                           + kv_head) * dim), _MM_HINT_T1);
+            for (int64_t g = 0; g < groups; ++g) {
+                const __m512i lo = va ? _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(va + 16 * g))) : _mm512_setzero_si512();
+                const __m512i hi = vb ? _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(vb + 16 * g))) : _mm512_setzero_si512();
+                _mm512_storeu_si512(v_tiles + ((h * groups + g) * 16 + p) * 16,
+                                    _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+}
+
+/* run_item on AMX: the rows of up to TOKEN_TILE new tokens, padded to whole tiles of 16. */
+/* `tiles`: the sequence's K and V tiles from phase 1 (block b's K tiles at b * 64 * dim
+ * words, its V tiles right after), or NULL for a sequence with one item, whose blocks are
+ * packed here into the thread's scratch. */
+static __attribute__((target("amx-tile,amx-bf16"))) void amx_run_item(
+        const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
+        const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
+        const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
+        int64_t dim, float scale, uint16_t *out) {
+    const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
+    const int64_t rows = it->num_tokens * group;
+    const int64_t padded = round_up(rows, AMX_ROWS);
+    for (int64_t r = 0; r < padded; ++r) {
+        int64_t t = (r < rows ? r : rows - 1) / group, g = (r < rows ? r : rows - 1) % group;
+        int64_t token = it->first_token + t;
+        memcpy(w->q16 + r * dim, q + (seq[0] + token) * q_stride + (it->kv_head * group + g) * dim,
+               sizeof(uint16_t) * dim);
+        w->pos[r] = prefix + token;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+        memset(w->o + r * dim, 0, sizeof(float) * dim);
+    }
+    /* padding rows (up to a whole tile) get P = 0 and are never normalised nor stored */
+    memset(w->p16 + rows * KEY_BLOCK, 0, sizeof(uint16_t) * (padded - rows) * KEY_BLOCK);
+    const int64_t num_keys = prefix + it->first_token + it->num_tokens;
+    const int64_t *own = slots + slot0;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+        const int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
+        const int64_t next = num_keys - j0 - block < KEY_BLOCK ? num_keys - j0 - block : KEY_BLOCK;
+        const uint32_t *k_tiles = w->k_tiles, *v_tiles = w->v_tiles;
+        if (tiles != NULL) {
+            k_tiles = tiles + j0 * dim;
+            v_tiles = k_tiles + KEY_BLOCK * dim / 2;
+        } else {
+            amx_pack_k(w->k_tiles, k_cache, v_cache, own + j0, block, kv_heads, it->kv_head,
+                       dim);
+            amx_pack_v(w->v_tiles, k_cache, v_cache, own + j0, block, next, kv_heads,
+                       it->kv_head, dim);
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {  /* S = Q K^T */
+            AMX_ZERO_C();
+            for (int64_t t = 0; t < dim / 32; ++t)
+                AMX_DOT4(w->q16 + r0 * dim + 32 * t, dim * 2, k_tiles + 4 * t * 256, 256, 64);
+            AMX_STORE_C(w->s + r0 * KEY_BLOCK, KEY_BLOCK * 4);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float *s = w->s + r * KEY_BLOCK;
+            for (int c = 0; c < 4; ++c)
+                _mm512_storeu_ps(s + c * VEC, _mm512_mul_ps(_mm512_loadu_ps(s + c * VEC), sc));
+            w->alpha[r] = softmax_step(s, w->pos[r] - j0 + 1, &w->m[r], &w->l[r]);
+            for (int c = 0; c < 4; ++c)
+                _mm256_storeu_si256((__m256i *)(w->p16 + r * KEY_BLOCK + c * VEC),
+                                    round_bf16(_mm512_loadu_ps(s + c * VEC)));
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS)  /* O = alpha O + P V */
+            for (int64_t d0 = 0; d0 < dim; d0 += KEY_BLOCK) {
+                AMX_ZERO_C();
+                for (int64_t h = 0; h < KEY_BLOCK / 32; ++h)
+                    AMX_DOT4(w->p16 + r0 * KEY_BLOCK + 32 * h, KEY_BLOCK * 2,
+                             v_tiles + (h * dim / 16 + d0 / 16) * 256, 256, 64);
+                const float *c = w->c_tile;
+                AMX_STORE_C(w->c_tile, KEY_BLOCK * 4);
+                for (int64_t i = 0; i < AMX_ROWS && r0 + i < rows; ++i) {
+                    const __m512 a = _mm512_set1_ps(w->alpha[r0 + i]);
+                    float *o = w->o + (r0 + i) * dim + d0;
+                    for (int k = 0; k < 4; ++k)
+                        _mm512_storeu_ps(o + k * VEC,
+                                         _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + k * VEC), a),
+                                                       _mm512_loadu_ps(c + i * KEY_BLOCK + k * VEC)));
+                }
+            }
+    }
+    NAME(store_rows)(it, w, seq, heads, group, dim, out);
+}
+#endif
 
 /* `workspace` holds hicache_paged_attention_workspace(...) floats (64-byte aligned, any
  * content). Returns 0, -1 for an unsupported shape, -2 when memory ran out. */
@@ -154,7 +300,8 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                                 const T *v_cache, const int64_t *slots, const int64_t *seqs,
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                 float scale, T *out, float *workspace, int num_threads) {
-    if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0)
+    if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0
+        || (AMX_PATH && dim % KEY_BLOCK != 0))
         return -1;
     /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
      * first */
@@ -181,10 +328,43 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                 items[n++] = (Item){i, h, t, left < TOKEN_TILE ? left : TOKEN_TILE};
             }
     const int64_t group = heads / kv_heads;
-    const int64_t max_rows = round_up(TOKEN_TILE * group, MICRO_ROWS);
     float *kt = workspace, *scratch = workspace + kt_off[num_seqs * kv_heads];
+#if AMX_PATH
+    /* phase 1's work: (seq * kv_heads + kv head, first key) of every block to pack */
+    int64_t num_blocks = kt_off[num_seqs * kv_heads] / (KEY_BLOCK * dim), b = 0;
+    int64_t *blocks = malloc(sizeof(int64_t) * (size_t)(2 * num_blocks + 1));
+    if (!blocks) {
+        free(kt_off);
+        free(items);
+        return -2;
+    }
+    for (int64_t pair = 0; pair < num_seqs * kv_heads; ++pair)
+        if (shares_kt(seqs + 4 * (pair / kv_heads)))
+            for (int64_t j0 = 0; j0 < seqs[4 * (pair / kv_heads) + 1]
+                                      + seqs[4 * (pair / kv_heads) + 2]; j0 += KEY_BLOCK) {
+                blocks[2 * b] = pair;
+                blocks[2 * b + 1] = j0;
+                ++b;
+            }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
+#if AMX_PATH
+        configure_tiles(AMX_ROWS);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < num_blocks; ++p) {
+            /* phase 1 on AMX: each block of a sharing (seq, kv head) as K and V tiles */
+            const int64_t pair = blocks[2 * p], j0 = blocks[2 * p + 1];
+            const int64_t *sq = seqs + 4 * (pair / kv_heads);
+            const int64_t keys = sq[1] + sq[2];
+            const int64_t block = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
+            uint32_t *k_tiles = (uint32_t *)(kt + kt_off[pair]) + j0 * dim;
+            amx_pack_k(k_tiles, k_cache, v_cache, slots + sq[3] + j0, block, kv_heads,
+                       pair % kv_heads, dim);
+            amx_pack_v(k_tiles + KEY_BLOCK * dim / 2, k_cache, v_cache, slots + sq[3] + j0,
+                       block, 0, kv_heads, pair % kv_heads, dim);
+        }
+#else
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_seqs * kv_heads; ++p) {
             const int64_t *sq = seqs + 4 * (p / kv_heads);
@@ -193,25 +373,38 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                 NAME(transpose_keys)(kt + kt_off[p], ld, ld, k_cache, slots + sq[3], sq[1] + sq[2],
                                kv_heads, p % kv_heads, dim);
         }
-        float *mine = scratch + omp_get_thread_num() * scratch_floats(group, dim);
-        Scratch w = {.kt_block = mine, .qs = mine + KEY_BLOCK * dim};
-        w.o = w.qs + max_rows * dim;
-        w.s = w.o + max_rows * dim;
-        w.m = w.s + max_rows * KEY_BLOCK;
-        w.l = w.m + max_rows;
-        w.alpha = w.l + max_rows;
-        w.pos = (int64_t *)(w.alpha + max_rows);  /* 8-byte aligned: max_rows is even */
+#endif
+        Scratch w = scratch_at(scratch + omp_get_thread_num() * scratch_floats(group, dim),
+                               group, dim);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_items; ++p) {
             const Item *it = items + p;
             const int64_t *sq = seqs + 4 * it->seq;
+#if AMX_PATH
+            const uint32_t *own = shares_kt(sq)
+                ? (const uint32_t *)(kt + kt_off[it->seq * kv_heads + it->kv_head]) : NULL;
+            amx_run_item(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
+                         kv_heads, dim, scale, out);
+#else
             const float *own = shares_kt(sq) ? kt + kt_off[it->seq * kv_heads + it->kv_head]
                                              : NULL;
             NAME(run_item)(it, &w, q, q_stride, own, round_up(sq[1] + sq[2], KEY_BLOCK), k_cache,
                      v_cache, slots, sq, heads, kv_heads, dim, scale, out);
+#endif
         }
+#if AMX_PATH
+        release_tiles();
+#endif
     }
+#if AMX_PATH
+    free(blocks);
+#endif
     free(kt_off);
     free(items);
     return 0;
 }
+
+#ifdef AMX_PATH_DEFAULTED
+#undef AMX_PATH
+#undef AMX_PATH_DEFAULTED
+#endif

@@ -21,15 +21,12 @@
  * a panel; a prefill keeps a block of x rows in L2 while every panel goes by, 6 rows x 64
  * outputs per register tile (24 accumulators).
  */
-#define _GNU_SOURCE  /* syscall(): AMX's permission */
-#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "cpu_amx.h"
 #include "cpu_bf16.h"
 
 #define VEC 16                  /* floats per AVX-512 vector */
@@ -262,48 +259,11 @@ TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
 
 /* ------------------------------------------------------------------------ bfloat16, AMX */
 
-#define XFEATURE_XTILEDATA 18
-#define ARCH_REQ_XCOMP_PERM 0x1023
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* tmm0-3: C, rows x 16 float32 (outputs 16j .. 16j + 15 of the panel); tmm4: A, rows x 16
- * pairs of x; tmm5, tmm6: B, 16 pairs x 16 outputs, loaded in turn. */
-static void configure_tiles(int rows) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        c.rows[t] = (uint8_t)rows;
-        c.colsb[t] = 64;
-    }
-    for (int t = 5; t < 7; t++) {
-        c.rows[t] = PAIR_TILE;
-        c.colsb[t] = 64;
-    }
-    /* ldtilecfg through asm with the config as a memory input: GCC 12's _tile_loadconfig
-     * does not tell the optimiser it reads the struct, which then drops the stores */
-    __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
-}
-
+ * pairs of x; tmm5, tmm6: B, 16 pairs x 16 outputs, loaded in turn (cpu_amx.h). */
 /* C tiles += A (rows of `a`, `lda` bytes apart) times the four B tiles of one block of the
- * panel at `wt`. */
-#define AMX_BLOCK(a, lda, wt)                                   \
-    do {                                                        \
-        _tile_loadd(4, (a), (lda));                             \
-        _tile_loadd(5, (wt), 2 * NR * 2);                       \
-        _tile_dpbf16ps(0, 4, 5);                                \
-        _tile_loadd(6, (wt) + 32, 2 * NR * 2);                  \
-        _tile_dpbf16ps(1, 4, 6);                                \
-        _tile_loadd(5, (wt) + 64, 2 * NR * 2);                  \
-        _tile_dpbf16ps(2, 4, 5);                                \
-        _tile_loadd(6, (wt) + 96, 2 * NR * 2);                  \
-        _tile_dpbf16ps(3, 4, 6);                                \
-    } while (0)
+ * panel at `wt` (rows 2 * NR elements apart). */
+#define AMX_BLOCK(a, lda, wt) AMX_DOT4(a, lda, wt, 32, 2 * NR * 2)
 
 /* Rows [0, mr) of x (mr <= 16) times one panel on the tiles, configured for mr rows. */
 static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
@@ -311,10 +271,7 @@ static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
         const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {
     float c[16 * NR] __attribute__((aligned(64)));
     uint16_t tail[16 * 2 * PAIR_TILE] __attribute__((aligned(64)));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    AMX_ZERO_C();
     const int64_t whole = K / (2 * PAIR_TILE);
     for (int64_t t = 0; t < whole; t++)
         AMX_BLOCK(x + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR);
@@ -326,10 +283,7 @@ static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
                    (size_t)left * sizeof(uint16_t));
         AMX_BLOCK(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR);
     }
-    _tile_stored(0, c, NR * 4);
-    _tile_stored(1, c + 16, NR * 4);
-    _tile_stored(2, c + 32, NR * 4);
-    _tile_stored(3, c + 48, NR * 4);
+    AMX_STORE_C(c, NR * 4);
     __m512 acc[MR][4];
     for (int i0 = 0; i0 < mr; i0 += MR) {  /* store_bf16 takes MR rows at a time */
         const int n = mr - i0 < MR ? mr - i0 : MR;
@@ -339,16 +293,8 @@ static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
     }
 }
 
-/* Whether this CPU has AMX-BF16 and the kernel may use its tiles: asks Linux once for the
- * tile state (a process-wide permission; torch asks for it the same way). */
-int hicache_linear_has_amx(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
-        return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-static __attribute__((target("amx-tile"))) void release_tiles(void) { _tile_release(); }
+/* Whether this CPU has AMX-BF16 and the kernel may use its tiles (cpu_amx.h). */
+int hicache_linear_has_amx(void) { return amx_available(); }
 
 /* Whether this CPU has AVX512-BF16 (vdpbf16ps). */
 int hicache_linear_has_avx512bf16(void) {

@@ -71,28 +71,60 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("dim", (64, 128))
-def test_bfloat16_matches_the_reference(kernel, dim: int) -> None:
-    """bfloat16 q and pool: the float32 math of the float32 kernel on the exact float32
-    values, rounded once: within one bfloat16 step of the float32 reference on those values
-    (and of SDPA in bfloat16, which rounds more)."""
-    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * 4, dim, dtype=torch.bfloat16)
+@pytest.fixture
+def bf16_path(kernel, request: pytest.FixtureRequest):
+    """The kernel on one of its bfloat16 paths (skipped where this CPU lacks it)."""
+    if request.param not in kernel.bf16_paths:
+        pytest.skip(f"this CPU has no {request.param}")
+    default = kernel.bf16_path
+    kernel.bf16_path = request.param
+    yield kernel
+    kernel.bf16_path = default
+
+
+BF16_PATHS = ("avx512f", "amx")
+
+
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
+@pytest.mark.parametrize(("dim", "ratio"), ((64, 3), (128, 4), (80, 4), (64, 1)))
+def test_bfloat16_matches_the_reference(bf16_path, dim: int, ratio: int) -> None:
+    """bfloat16 q and pool, read exactly as float32; float32 math (on AMX, P rounded to
+    bfloat16 for PV), the output rounded once: within a bfloat16 step or two of the float32
+    reference on those values, and of SDPA in bfloat16 (which rounds more). head_dim 80 is
+    not a multiple of 64: AMX's path leaves it to AVX-512F."""
+    kernel = bf16_path
+    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * ratio, dim, dtype=torch.bfloat16)
     got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
     assert got.dtype == torch.bfloat16
     exact = paged_attention_reference(q.float(), kc.float(), vc.float(), slots, seqs,
                                       dim ** -0.5)
-    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=1e-3)
+    # P in bfloat16 (AMX): each weight off by up to 2^-9 of itself, summed over the keys
+    atol = 4e-3 if kernel.bf16_path == "amx" and dim % 64 == 0 else 1e-3
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=atol)
     sdpa = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2 ** -6, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("ratio", (1, 4, 8))
-def test_a_row_has_the_same_bits_however_its_sequence_is_split(kernel, ratio: int,
-                                                              dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "path"), ((torch.float32, None),
+                                            (torch.bfloat16, "avx512f"),
+                                            (torch.bfloat16, "amx")))
+@pytest.mark.parametrize("ratio", (1, 3, 8))
+def test_a_row_has_the_same_bits_however_its_sequence_is_split(
+        kernel, ratio: int, dtype: torch.dtype, path: str | None) -> None:
     """From scratch, extending a cached prefix at any split, decoded one token at a time,
     or beside other sequences: every row of a 300-token sequence gets the same bits, in
-    float32 and in bfloat16."""
+    float32 and in bfloat16 on each path (AMX's 16-row tiles and shared K/V tiles too)."""
+    if path is not None and path not in kernel.bf16_paths:
+        pytest.skip(f"this CPU has no {path}")
+    default = kernel.bf16_path
+    kernel.bf16_path = path or default
+    try:
+        split_invariance(kernel, ratio, dtype)
+    finally:
+        kernel.bf16_path = default
+
+
+def split_invariance(kernel, ratio: int, dtype: torch.dtype) -> None:
     q, kc, vc, slots, seqs = case(((0, 300),), KV_HEADS * ratio, dtype=dtype)
     full = kernel(q, kc, vc, slots, seqs, SCALE)
     for prefix in (1, 15, 16, 63, 64, 65, 200, 299):
@@ -194,8 +226,8 @@ def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Pat
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
     lm = load_model(EMBEDDED_TINY_LLAMA, dtype, "cpu")
     assert isinstance(lm.model.attn_backend, CpuKernelAttention)
-    assert (lm.model.linear_backend, lm.model.layer_ops) == ("CpuLinearKernel",
-                                                              "CpuLayerKernel")
+    assert lm.model.linear_backend.startswith("CpuLinearKernel")
+    assert lm.model.layer_ops == "CpuLayerKernel"
     c = lm.config
     ids = torch.randint(0, c.vocab_size, (150,), generator=torch.Generator().manual_seed(SEED))
 

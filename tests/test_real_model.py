@@ -160,7 +160,8 @@ def test_bfloat16_greedy_tokens_match_transformers_through_every_tier(
     divergences: list[str] = []
     with tiered(tmp_path, "bfloat16") as e:
         model = e.loaded.model
-        assert (model.linear_backend, model.layer_ops) == ("CpuLinearKernel", "CpuLayerKernel")
+        assert model.linear_backend.startswith("CpuLinearKernel (")  # and its bfloat16 path
+        assert model.layer_ops == "CpuLayerKernel"
         check_every_tier(reference, e, tmp_path, "bfloat16", BF16_NEAR_TIE, divergences)
     record_property("divergences", divergences)
     print(f"bfloat16 divergences from transformers ({len(divergences)} of "

@@ -243,10 +243,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def linear_backend(self) -> str:
-        """What the Linears run on: CpuLinearKernel, oneDNN (packed) or torch."""
+        """What the Linears run on: CpuLinearKernel (in bfloat16 with its path, e.g.
+        `CpuLinearKernel (amx)`), oneDNN (packed) or torch."""
         first = self.model.layers[0].self_attn.qkv_proj
         if first.panels is not None:
-            return type(first.kernel).__name__
+            name = type(first.kernel).__name__
+            if self.dtype == torch.bfloat16:  # which of its bfloat16 paths: amx, ...
+                return f"{name} ({first.kernel.bf16_path})"
+            return name
         return "oneDNN" if first.packed is not None else "torch"
 
     @property
