@@ -114,6 +114,7 @@ bench-router: $(STAMP) $(ROUTER_STAMP)
 # On a machine with an NVIDIA GPU: CUDA tests + transfer, attention and tier benchmarks.
 gpu-check: $(STAMP)
 	$(BIN)/pip install -q -e '.[cuda]'
+	$(BIN)/pip install -q -e '.[flashinfer]' || echo "flashinfer-python not installed: its tests and columns are skipped"
 	PYTHON=$(BIN)/python benchmarks/gpu_check.sh
 
 clean:

@@ -8,6 +8,8 @@ All read K/V through a slot table of scattered pages (as the engine's pool holds
     batched    `TorchAttention`: one gather and one SDPA for the whole batch, KV heads never
                repeated (the engine's path on the CPU, and on CUDA without CuPy)
     kernel     kernels/paged_attention.cu, one launch for the batch (CUDA only)
+    flashinfer `FlashInferAttention`: FlashInfer's paged decode over the pool's pages, planned
+               once per batch (CUDA with flashinfer-python; the engine's CUDA default)
 
 Prints a markdown table (microseconds per layer call and speed-ups over the per-sequence
 loop) and writes JSON. Without a GPU the kernel column stays empty and the table says so.
@@ -28,6 +30,7 @@ import torch
 
 from kernels.paged_attention import paged_decode_attention
 from server.models.attention import TorchAttention
+from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from server.models.forward_batch import ForwardBatch
 
 # (name, query heads, kv heads, head dim, dtype): the embedded model and Llama-3-8B
@@ -66,8 +69,9 @@ def torch_decode(q, k, v, table, lens, scale):
     return torch.stack(outs)
 
 
-def batched_decode(q, k, v, table, lens, scale):
-    """What TorchAttention does for a decode batch (its own scale: 1/sqrt(head_dim))."""
+def batched_decode(q, k, v, table, lens, scale, backend=None, page_size: int = 0):
+    """What TorchAttention (or `backend`) does for a decode batch, a fresh batch (and plan)
+    per call (its own scale: 1/sqrt(head_dim))."""
     del scale
     seq_slots = [row[:n] for row, n in zip(table, lens.tolist())]
     batch = ForwardBatch(
@@ -75,8 +79,8 @@ def batched_decode(q, k, v, table, lens, scale):
         positions=lens - 1, out_slots=torch.stack([s[-1] for s in seq_slots]),
         seq_slots=seq_slots, prefix_lens=[len(s) - 1 for s in seq_slots],
         extend_lens=[1] * len(seq_slots))
-    pool = SimpleNamespace(get_kv=lambda layer: (k, v))
-    return TorchAttention().forward(q, None, None, 0, batch, pool)
+    pool = SimpleNamespace(get_kv=lambda layer: (k, v), page_size=page_size)
+    return (backend or TorchAttention()).forward(q, None, None, 0, batch, pool)
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:
@@ -96,6 +100,7 @@ def timed(fn, repeats: int, cuda: bool) -> float:
 def run(args: argparse.Namespace) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    flashinfer = FlashInferAttention() if cuda and flashinfer_available() else None
     rows = []
     for geom in args.geometries:
         for seq_len in args.seq_lens:
@@ -107,29 +112,37 @@ def run(args: argparse.Namespace) -> list[dict]:
             batched = timed(functools.partial(batched_decode, *case), args.repeats, cuda)
             row = {"geometry": geom, "batch": args.batch, "seq_len": seq_len,
                    "device": device, "torch_s": ref, "batched_s": batched, "kernel_s": None,
-                   "max_abs_err": None}
+                   "max_abs_err": None, "flashinfer_s": None, "flashinfer_max_abs_err": None}
             if cuda:
                 row["kernel_s"] = timed(functools.partial(paged_decode_attention, *case),
                                         args.repeats, cuda)
                 err = (paged_decode_attention(*case).float()
                        - torch_decode(*case).float()).abs().max()
                 row["max_abs_err"] = float(err)
+            if flashinfer is not None:
+                fn = functools.partial(batched_decode, *case, flashinfer, args.page_size)
+                row["flashinfer_s"] = timed(fn, args.repeats, cuda)
+                row["flashinfer_max_abs_err"] = float(
+                    (fn().float() - torch_decode(*case).float()).abs().max())
             rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     out = [("| geometry | batch | seq len | device | per-sequence µs | batched µs | batched "
-           "speed-up | kernel µs | kernel speed-up | kernel max err |"),
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "speed-up | kernel µs | kernel speed-up | kernel max err | flashinfer µs | "
+           "flashinfer vs batched | flashinfer max err |"),
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        k, err = r["kernel_s"], r["max_abs_err"]
-        kernel = "" if k is None else f"{k * 1e6:,.0f}"
-        speedup = "" if k is None else f"{r['torch_s'] / k:.1f}x"
-        err_s = "" if err is None else f"{err:.1e}"
+        cells = []
+        for key, err, base in (("kernel_s", "max_abs_err", "torch_s"),
+                               ("flashinfer_s", "flashinfer_max_abs_err", "batched_s")):
+            t = r.get(key)
+            cells += (["", "", ""] if t is None else
+                      [f"{t * 1e6:,.0f}", f"{r[base] / t:.1f}x", f"{r[err]:.1e}"])
         out.append(f"| {r['geometry']} | {r['batch']} | {r['seq_len']} | {r['device']} | "
                    f"{r['torch_s'] * 1e6:,.0f} | {r['batched_s'] * 1e6:,.0f} | "
-                   f"{r['torch_s'] / r['batched_s']:.1f}x | {kernel} | {speedup} | {err_s} |")
+                   f"{r['torch_s'] / r['batched_s']:.1f}x | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

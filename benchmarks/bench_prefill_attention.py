@@ -11,6 +11,8 @@ as the engine holds them:
                  mask on every device (CUDA's prefill path before the flash one)
     kernel       on the CPU, float32, where it builds: `CpuKernelAttention`, the engine's
                  CPU default (kernels/cpu_attention.c: K/V read through the slots, no gather)
+    flashinfer   on CUDA with flashinfer-python: `FlashInferAttention`, FlashInfer's paged
+                 prefill over the pool's pages (the engine's CUDA default)
     contiguous   SDPA on K/V already contiguous, KV heads repeated, the same causal rule
                  (`is_causal`, or the lower-right bias past a prefix): the flash path's
                  speed with nothing to gather, the bound the engine is measured against
@@ -35,6 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels import cpu_attention
 from server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
+from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from server.models.forward_batch import ForwardBatch
 from server.models.loader import KERNELS_DIR, hicache_home
 
@@ -66,7 +69,7 @@ def make_case(prefix: int, extend: int, geom: str, page_size: int, device: str, 
     return q, k, v, slots.to(device)
 
 
-def engine(q, k, v, slots, prefix: int, backend: AttentionBackend):
+def engine(q, k, v, slots, prefix: int, backend: AttentionBackend, page_size: int):
     """A fresh batch each call, as each forward pass builds its own plan."""
     extend = q.shape[0]
     batch = ForwardBatch(
@@ -74,7 +77,7 @@ def engine(q, k, v, slots, prefix: int, backend: AttentionBackend):
         positions=torch.arange(prefix, prefix + extend, device=q.device),
         out_slots=slots[prefix:], seq_slots=[slots], prefix_lens=[prefix],
         extend_lens=[extend])
-    pool = SimpleNamespace(get_kv=lambda layer: (k, v))
+    pool = SimpleNamespace(get_kv=lambda layer: (k, v), page_size=page_size)
     return backend.forward(q, None, None, 0, batch, pool)
 
 
@@ -95,6 +98,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     kernel = None if cuda else cpu_attention.load(hicache_home() / KERNELS_DIR)
     if kernel is not None:
         backends["kernel"] = CpuKernelAttention(kernel)
+    if cuda and flashinfer_available():
+        backends["flashinfer"] = FlashInferAttention()
     rows = []
     for geom in args.geometries:
         for case in args.cases or (CUDA_CASES if cuda else CPU_CASES):
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["contiguous_s"] = timed(
                 functools.partial(contiguous, q, keys, values, prefix), args.repeats, cuda)
             for label, backend in backends.items():
-                fn = functools.partial(engine, q, k, v, slots, prefix, backend)
+                fn = functools.partial(engine, q, k, v, slots, prefix, backend, args.page_size)
                 row[f"{label}_s"] = timed(fn, args.repeats, cuda)
                 row[f"{label}_max_err"] = float((fn().float() - want.float()).abs().max())
             rows.append(row)

@@ -16,12 +16,14 @@ mkdir -p "$RESULTS"
 "$PY" -c "import cupy" || { echo "cupy missing: pip install -e '.[cuda]'"; exit 1; }
 "$PY" -c "import torch, cupy; print('torch', torch.__version__, '| cupy', cupy.__version__,
 '|', torch.cuda.get_device_name())"
+"$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" \
+  || echo "flashinfer missing: its tests skip, the attention benchmarks lose their flashinfer column"
 
 status=0
 per_test=()  # a hung test fails with its traceback instead of eating the whole run
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
 tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_attention.py
-       tests/test_transfer.py
+       tests/test_flashinfer_attention.py tests/test_transfer.py
        tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
        tests/test_server_process.py)
 # The server-process tests start `python -m server.launch` with `model.device: cuda`.

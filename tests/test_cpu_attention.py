@@ -17,12 +17,8 @@ from test_attention import make_case, new_kv
 from hicache.memory.device import DeviceKVPool
 from kernels import cpu_attention
 from kernels.cpu_attention import paged_attention_reference
-from server.models.attention import (
-    CPU_ATTENTION_ENV,
-    CpuKernelAttention,
-    TorchAttention,
-    make_attention_backend,
-)
+from server.models.attention import CpuKernelAttention, TorchAttention
+from server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
 from server.models.forward_batch import ForwardBatch
 from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 

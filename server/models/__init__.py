@@ -9,8 +9,8 @@ from server.models.attention import (
     CudaPagedAttention,
     ReferenceAttention,
     TorchAttention,
-    make_attention_backend,
 )
+from server.models.attention_choice import make_attention_backend
 from server.models.config import ModelArchConfig
 from server.models.forward_batch import ForwardBatch
 from server.models.llama import LlamaForCausalLM

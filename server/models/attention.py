@@ -36,12 +36,9 @@ tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,13 +49,6 @@ from hicache.memory.device import DeviceKVPool
 from kernels import cpu_attention
 from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
-
-logger = logging.getLogger(__name__)
-
-# `HICACHE_CPU_ATTENTION=sdpa` keeps a CPU model on TorchAttention even where the C kernel
-# builds (`kernel`, the default, falls back to SDPA by itself where it cannot).
-CPU_ATTENTION_ENV = "HICACHE_CPU_ATTENTION"
-CPU_ATTENTION_CHOICES = ("kernel", "sdpa")
 
 
 class AttentionBackend(ABC):
@@ -321,25 +311,3 @@ def _kernel_plan(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
     slots = torch.cat(batch.seq_slots).to(torch.int64).contiguous()
     cpu_attention.check(q, k_cache, v_cache, slots, seqs)
     return slots, seqs
-
-
-def make_attention_backend(device: str | torch.device,
-                           kernel_dir: Path | None = None) -> AttentionBackend:
-    """On CUDA: CudaPagedAttention with CuPy installed, else TorchAttention. On the CPU:
-    CpuKernelAttention where the C kernel builds into `kernel_dir` (None: not tried) and
-    `HICACHE_CPU_ATTENTION` does not say `sdpa`, else TorchAttention."""
-    if torch.device(device).type != "cuda":
-        choice = os.environ.get(CPU_ATTENTION_ENV, "kernel")
-        if choice not in CPU_ATTENTION_CHOICES:
-            raise ValueError(f"{CPU_ATTENTION_ENV}={choice!r}: expected one of "
-                             f"{', '.join(CPU_ATTENTION_CHOICES)}")
-        kernel = (cpu_attention.load(kernel_dir)
-                  if kernel_dir is not None and choice == "kernel" else None)
-        return TorchAttention() if kernel is None else CpuKernelAttention(kernel)
-    try:
-        import cupy  # noqa: F401  (optional dependency: the `cuda` extra)
-    except ImportError:
-        logger.warning("CuPy is not installed: decode attention runs through torch SDPA "
-                       "(pip install -e '.[cuda]' for the paged kernel)")
-        return TorchAttention()
-    return CudaPagedAttention()

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hicache.memory.device import resolve_device
-from server.models.attention import make_attention_backend
+from server.models.attention_choice import make_attention_backend
 from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
 from server.models.folders import write_folder

@@ -1,0 +1,179 @@
+"""Attention on CUDA through FlashInfer (`flashinfer-python`, the library SGLang and vLLM use),
+reading K/V straight from hicache's pool through its page table.
+
+hicache's pool is one `[num_slots, kv_heads, head_dim]` tensor per layer for K and one for
+V, slot = page * page_size + offset: viewed as `[num_pages, page_size, kv_heads, head_dim]`
+it is FlashInfer's "NHD" paged layout as it is, no copy. A sequence's slots are whole
+pages in order (the allocator hands out pages, the radix tree is page-aligned), so its page
+table in FlashInfer's CSR form is
+
+    kv_indptr        [S + 1] int32   page counts, prefix-summed
+    kv_indices       [pages] int32   every sequence's pages, in order
+    kv_last_page_len [S] int32       tokens on each sequence's last page (1 .. page_size)
+    qo_indptr        [S + 1] int32   new-token counts, prefix-summed (the rows of q)
+
+(`paged_kv`, which returns None for a batch whose slots are not whole pages: then the
+batch takes the CuPy / torch path). A decode batch runs through
+`BatchDecodeWithPagedKVCacheWrapper`, any other batch through
+`BatchPrefillWithPagedKVCacheWrapper` with the causal mask aligned to each sequence's end
+(new token t of a sequence with a cached prefix attends keys 0 .. prefix + t), both planned
+once per batch and run at every layer.
+
+`paged_kv_reference` is that contract in plain torch (pages -> slots, SDPA with the
+offset-causal mask): the tests check the page table against the engine's reference
+attention on any machine, and FlashInfer against both where a GPU is lent.
+
+Threading: the scheduler thread (the model's forward), like every AttentionBackend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hicache.memory.device import DeviceKVPool
+from server.models.attention import AttentionBackend, CudaPagedAttention
+from server.models.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's float workspace (its examples' size)
+HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer's prebuilt kernels cover
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One batch's page table in FlashInfer's CSR form (see the module docstring)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+
+
+def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV | None:
+    """The batch's page table, on the batch's device; None when some sequence's slots are
+    not whole pages in order from a page boundary (checked on the slots themselves)."""
+    pages, counts, last = [], [], []
+    for slots in batch.seq_slots:
+        n = slots.numel()
+        first = slots[::page_size]
+        if bool((first % page_size != 0).any()):
+            return None
+        own = first // page_size
+        offsets = torch.arange(n, device=slots.device)
+        if not torch.equal(own.repeat_interleave(page_size)[:n] * page_size + offsets % page_size,
+                           slots):
+            return None
+        pages.append(own)
+        counts.append(own.numel())
+        last.append(n - (own.numel() - 1) * page_size)
+    device = batch.device
+    i32 = torch.int32
+
+    def prefix_sum(values: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *values], dtype=torch.int64).cumsum(0).to(device, i32)
+
+    return PagedKV(prefix_sum(list(batch.extend_lens)), prefix_sum(counts),
+                   torch.cat(pages).to(device, i32), torch.tensor(last, dtype=i32).to(device),
+                   page_size)
+
+
+def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       table: PagedKV, scale: float) -> torch.Tensor:
+    """What FlashInfer computes from `table`, in plain torch: per sequence, its pages'
+    slots (the last page cut at its length), KV heads repeated, SDPA with the causal mask
+    aligned to the sequence's end. `q` `[T, H, D]`, the caches `[num_slots, KVH, D]`."""
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty_like(q)
+    p = table.page_size
+    qo, kv = table.qo_indptr.tolist(), table.kv_indptr.tolist()
+    for i, last in enumerate(table.kv_last_page_len.tolist()):
+        pages = table.kv_indices[kv[i]:kv[i + 1]].long()
+        slots = (pages[:, None] * p + torch.arange(p, device=pages.device)).reshape(-1)
+        slots = slots[:(pages.numel() - 1) * p + last]
+        rows = slice(qo[i], qo[i + 1])
+        new, keys = qo[i + 1] - qo[i], slots.numel()
+        ks = k_cache.index_select(0, slots).repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v_cache.index_select(0, slots).repeat_interleave(group, dim=1).transpose(0, 1)
+        allowed = (torch.arange(keys, device=q.device)[None, :]
+                   <= torch.arange(keys - new, keys, device=q.device)[:, None])
+        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=allowed,
+                                           scale=scale)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+class FlashInferAttention(AttentionBackend):
+    """Every CUDA batch through FlashInfer over the pool's pages (see the module
+    docstring); a batch whose slots are not whole pages, or a head dim FlashInfer's kernels
+    do not cover, through `fallback` (the CuPy decode kernel with SDPA for prefill)."""
+
+    def __init__(self, fallback: AttentionBackend | None = None) -> None:
+        import flashinfer  # the caller checked it imports (make_attention_backend)
+
+        self._flashinfer = flashinfer
+        self._fallback = fallback or CudaPagedAttention()
+        self._workspace: torch.Tensor | None = None
+        self._decode = self._prefill = None
+
+    def _wrappers(self, device: torch.device):
+        if self._workspace is None:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            fi = self._flashinfer
+            self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+            self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        return self._decode, self._prefill
+
+    def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+              page_size: int):
+        """(the planned wrapper, or None for the fallback), once per batch."""
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[1]
+        if dim not in HEAD_DIMS or heads % kv_heads:
+            return None
+        table = paged_kv(batch, page_size)
+        if table is None:
+            return None
+        decode, prefill = self._wrappers(q.device)
+        scale = 1.0 / math.sqrt(dim)
+        if batch.is_decode:
+            decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len, heads,
+                        kv_heads, dim, page_size, sm_scale=scale, q_data_type=q.dtype,
+                        kv_data_type=k_cache.dtype)
+            return decode
+        prefill.plan(table.qo_indptr, table.kv_indptr, table.kv_indices,
+                     table.kv_last_page_len, heads, kv_heads, dim, page_size, causal=True,
+                     sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        return prefill
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+        batch: ForwardBatch, kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_pool.get_kv(layer)
+        page_size = kv_pool.page_size
+        wrapper = batch.memo("flashinfer", lambda: self._plan(batch, q, k_cache, page_size))
+        if wrapper is None:
+            return self._fallback.forward(q, k, v, layer, batch, kv_pool)
+        shape = (-1, page_size, *k_cache.shape[1:])  # [pages, page_size, kv_heads, dim]
+        out = wrapper.run(q.contiguous().to(k_cache.dtype),
+                          (k_cache.view(shape), v_cache.view(shape)))
+        return out.to(q.dtype)
+
+
+def flashinfer_available() -> bool:
+    """Whether `flashinfer` imports (the `flashinfer` extra: `pip install -e
+    '.[flashinfer]'`)."""
+    try:
+        import flashinfer  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as exc:  # absent, or its CUDA libraries
+        logger.info("FlashInfer unavailable (%s): CUDA attention through CuPy / SDPA", exc)
+        return False
+    return True
+

@@ -1,0 +1,131 @@
+"""FlashInfer over hicache's pool (server/models/flashinfer_attention.py).
+
+On any machine: the page table hicache hands FlashInfer (CSR `kv_indptr` / `kv_indices` /
+`kv_last_page_len`, `qo_indptr`), read back the way FlashInfer reads it
+(`paged_kv_reference`), gives the engine's per-sequence reference attention on mixed
+prefill / extend / decode batches over scattered pages of a NaN pool (a wrong page or an
+off-by-one length reads NaN); a batch whose slots are not whole pages gets no table (and
+takes the fallback). Where a GPU and `flashinfer` are there (`make gpu-check`): FlashInfer
+itself against both, in bfloat16 and float16, decode and mixed batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.memory.device import DeviceKVPool, slots_of
+from server.models.attention import ReferenceAttention, TorchAttention
+from server.models.attention_choice import (
+    CUDA_ATTENTION_ENV,
+    make_attention_backend,
+)
+from server.models.flashinfer_attention import (
+    FlashInferAttention,
+    flashinfer_available,
+    paged_kv,
+    paged_kv_reference,
+)
+from server.models.forward_batch import ForwardBatch
+
+SEED = 5
+PAGE = 16
+KV_HEADS, HEAD_DIM, NUM_PAGES = 2, 64, 80
+# (cached prefix, new tokens): prefills from scratch, extends on a prefix (page-aligned and
+# not), decodes at page boundaries and inside pages
+MIXED = ((0, 37), (120, 1), (0, 1), (64, 1), (48, 17), (5, 1), (200, 64), (1, 2), (31, 1))
+DECODE = tuple((n, 1) for n in (0, 15, 16, 17, 255, 300))
+
+
+def paged_case(seqs: tuple[tuple[int, int], ...], heads: int, dtype: torch.dtype,
+               device: str = "cpu") -> tuple[DeviceKVPool, ForwardBatch, torch.Tensor]:
+    """A NaN pool whose only finite slots are the sequences', each sequence on whole pages
+    taken in a shuffled order; the batch of their new tokens and its queries."""
+    gen = torch.Generator().manual_seed(SEED)
+    pool = DeviceKVPool(NUM_PAGES, PAGE, 1, KV_HEADS, HEAD_DIM, dtype, device)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.fill_(float("nan"))
+    order = torch.randperm(NUM_PAGES, generator=gen) + 1  # page 0: the padding page
+    seq_slots, out_slots, positions, used = [], [], [], 0
+    for prefix, extend in seqs:
+        n = prefix + extend
+        pages = order[used:used + -(-n // PAGE)]
+        used += pages.numel()
+        slots = slots_of(pages, PAGE)[:n]
+        seq_slots.append(slots.to(device))
+        out_slots.append(slots[prefix:])
+        positions.append(torch.arange(prefix, n))
+    every = torch.cat(seq_slots)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf[every] = torch.randn((every.numel(), KV_HEADS, HEAD_DIM), generator=gen).to(
+            device, dtype)
+    tokens = sum(e for _, e in seqs)
+    batch = ForwardBatch(torch.zeros(tokens, dtype=torch.int64, device=device),
+                         torch.cat(positions).to(device), torch.cat(out_slots).to(device),
+                         seq_slots, [p for p, _ in seqs], [e for _, e in seqs])
+    q = torch.randn((tokens, heads, HEAD_DIM), generator=gen).to(device, dtype)
+    return pool, batch, q
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_the_page_table_reads_back_each_sequences_keys(seqs, ratio: int) -> None:
+    pool, batch, q = paged_case(seqs, KV_HEADS * ratio, torch.float32)
+    table = paged_kv(batch, PAGE)
+    assert table is not None
+    assert table.qo_indptr.tolist()[-1] == q.shape[0]
+    assert table.kv_indptr.tolist()[-1] == table.kv_indices.numel()
+    lens = [p + e for p, e in seqs]
+    assert table.kv_last_page_len.tolist() == [n - (-(-n // PAGE) - 1) * PAGE for n in lens]
+    assert all(1 <= n <= PAGE for n in table.kv_last_page_len.tolist())
+    assert {t.dtype for t in (table.qo_indptr, table.kv_indptr, table.kv_indices,
+                              table.kv_last_page_len)} == {torch.int32}
+    k_cache, v_cache = pool.get_kv(0)
+    got = paged_kv_reference(q, k_cache, v_cache, table, HEAD_DIM ** -0.5)
+    want = ReferenceAttention().forward(q, None, None, 0, batch, pool)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slots_that_are_not_whole_pages_get_no_table() -> None:
+    _, batch, _ = paged_case(((0, 40), (20, 1)), KV_HEADS, torch.float32)
+    assert paged_kv(batch, PAGE) is not None
+    shuffled = batch.seq_slots[0][torch.randperm(40, generator=torch.Generator().manual_seed(1))]
+    moved = ForwardBatch(batch.input_ids, batch.positions, batch.out_slots,
+                         [shuffled, batch.seq_slots[1]], batch.prefix_lens, batch.extend_lens)
+    assert paged_kv(moved, PAGE) is None
+    offset = ForwardBatch(batch.input_ids[:1], batch.positions[:1], batch.out_slots[:1],
+                          [batch.seq_slots[0][1:2]], [0], [1])  # starts inside a page
+    assert paged_kv(offset, PAGE) is None
+
+
+def test_the_cuda_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CUDA_ATTENTION_ENV, "triton")
+    with pytest.raises(ValueError, match="flashinfer, cupy, sdpa"):
+        make_attention_backend("cuda")
+    monkeypatch.setenv(CUDA_ATTENTION_ENV, "sdpa")
+    assert isinstance(make_attention_backend("cuda"), TorchAttention)
+
+
+needs_flashinfer = pytest.mark.skipif(
+    not torch.cuda.is_available() or not flashinfer_available(),
+    reason="FlashInfer runs on CUDA with flashinfer-python installed (make gpu-check)")
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_matches_the_reference_on_the_pool(seqs, dtype: torch.dtype) -> None:
+    pool, batch, q = paged_case(seqs, KV_HEADS * 4, dtype, device="cuda")
+    backend = make_attention_backend("cuda")
+    assert isinstance(backend, FlashInferAttention)
+    got = backend.forward(q, None, None, 0, batch, pool)
+    assert batch.memo("flashinfer", lambda: None) is not None  # it planned, no fallback
+    want = ReferenceAttention().forward(q, None, None, 0, batch, pool)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    k_cache, v_cache = pool.get_kv(0)
+    table = paged_kv(batch, PAGE)
+    torch.testing.assert_close(got.float(), paged_kv_reference(
+        q.float(), k_cache.float(), v_cache.float(), table, HEAD_DIM ** -0.5),
+        rtol=2e-2, atol=2e-2)
