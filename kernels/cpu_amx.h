@@ -55,15 +55,21 @@ static inline void configure_tiles(int rows) {
         _tile_stored(3, (c) + 48, (ldc));                                             \
     } while (0)
 
-/* C_j += A B_j for j = 0..3: A (tmm4) from `a`, rows `lda` bytes apart; B_j (tmm5 and tmm6
- * in turn) from b + j * `step` elements, rows `ldb` bytes apart. */
-#define AMX_DOT4(a, lda, b, step, ldb)                                                \
+/* C_j += A B_j for j = 0, 1: A (tmm4) from `a`, rows `lda` bytes apart; B_j (tmm5, tmm6)
+ * from b + j * `step` elements, rows `ldb` bytes apart. */
+#define AMX_DOT2(a, lda, b, step, ldb)                                                \
     do {                                                                              \
         _tile_loadd(4, (a), (lda));                                                   \
         _tile_loadd(5, (b), (ldb));                                                   \
         _tile_dpbf16ps(0, 4, 5);                                                      \
         _tile_loadd(6, (b) + (step), (ldb));                                          \
         _tile_dpbf16ps(1, 4, 6);                                                      \
+    } while (0)
+
+/* The same for j = 0..3 (tmm5 and tmm6 loaded in turn). */
+#define AMX_DOT4(a, lda, b, step, ldb)                                                \
+    do {                                                                              \
+        AMX_DOT2(a, lda, b, step, ldb);                                               \
         _tile_loadd(5, (b) + 2 * (step), (ldb));                                      \
         _tile_dpbf16ps(2, 4, 5);                                                      \
         _tile_loadd(6, (b) + 3 * (step), (ldb));                                      \
@@ -72,11 +78,14 @@ static inline void configure_tiles(int rows) {
 
 static inline void release_tiles(void) { __asm__ volatile("tilerelease" ::: "memory"); }
 
-/* AMX-TILE and AMX-BF16 in CPUID, and Linux's permission for the tile state (asked once
- * per process, as torch does; a process-wide grant). */
+/* AMX-TILE and AMX-BF16 in CPUID (and AVX512-BF16, which every AMX CPU has and the
+ * kernels' tile code uses beside the tiles), and Linux's permission for the tile state
+ * (asked once per process, as torch does; a process-wide grant). */
 static inline int amx_available(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+        return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5)))
         return 0;
     return syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0;
 }

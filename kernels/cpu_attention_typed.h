@@ -217,11 +217,42 @@ static void amx_pack_v(uint32_t *v_tiles, const uint16_t *k_cache, const uint16_
         }
 }
 
+/* softmax_step for the AMX path, in one pass over a row of S (unscaled, as the tile stored
+ * it): scaled, m and l updated, P written as bfloat16 for the PV tiles (vcvtneps2bf16:
+ * every AMX CPU has AVX512-BF16); returns alpha. */
+static inline __attribute__((target("avx512bf16"))) float amx_softmax_step(
+        const float *s, __m512 scale, int64_t valid, float *m, float *l, uint16_t *p16) {
+    if (valid <= 0) {  /* none of this row's keys: P = 0, nothing else moves */
+        memset(p16, 0, sizeof(uint16_t) * KEY_BLOCK);
+        return 1.0f;
+    }
+    __mmask16 mask[4];
+    __m512 v[4], mx = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; ++c) {
+        const int64_t n = valid - c * VEC;
+        mask[c] = n >= VEC ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+        v[c] = _mm512_mul_ps(_mm512_loadu_ps(s + c * VEC), scale);
+        mx = _mm512_mask_max_ps(mx, mask[c], mx, v[c]);
+    }
+    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx));
+    const float alpha = m_new == *m ? 1.0f : exp_scalar(*m - m_new);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+        const __m512 p = _mm512_maskz_mov_ps(mask[c], exp_ps(_mm512_sub_ps(v[c], mv)));
+        sum = _mm512_add_ps(sum, p);
+        _mm256_storeu_si256((__m256i *)(p16 + c * VEC), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    return alpha;
+}
+
 /* run_item on AMX: the rows of up to TOKEN_TILE new tokens, padded to whole tiles of 16. */
 /* `tiles`: the sequence's K and V tiles from phase 1 (block b's K tiles at b * 64 * dim
  * words, its V tiles right after), or NULL for a sequence with one item, whose blocks are
  * packed here into the thread's scratch. */
-static __attribute__((target("amx-tile,amx-bf16"))) void amx_run_item(
+static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item(
         const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
         const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
         const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
@@ -263,15 +294,9 @@ static __attribute__((target("amx-tile,amx-bf16"))) void amx_run_item(
                 AMX_DOT4(w->q16 + r0 * dim + 32 * t, dim * 2, k_tiles + 4 * t * 256, 256, 64);
             AMX_STORE_C(w->s + r0 * KEY_BLOCK, KEY_BLOCK * 4);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-            float *s = w->s + r * KEY_BLOCK;
-            for (int c = 0; c < 4; ++c)
-                _mm512_storeu_ps(s + c * VEC, _mm512_mul_ps(_mm512_loadu_ps(s + c * VEC), sc));
-            w->alpha[r] = softmax_step(s, w->pos[r] - j0 + 1, &w->m[r], &w->l[r]);
-            for (int c = 0; c < 4; ++c)
-                _mm256_storeu_si256((__m256i *)(w->p16 + r * KEY_BLOCK + c * VEC),
-                                    round_bf16(_mm512_loadu_ps(s + c * VEC)));
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            w->alpha[r] = amx_softmax_step(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
+                                           &w->m[r], &w->l[r], w->p16 + r * KEY_BLOCK);
         for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS)  /* O = alpha O + P V */
             for (int64_t d0 = 0; d0 < dim; d0 += KEY_BLOCK) {
                 AMX_ZERO_C();

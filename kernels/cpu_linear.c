@@ -263,25 +263,36 @@ TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
  * pairs of x; tmm5, tmm6: B, 16 pairs x 16 outputs, loaded in turn (cpu_amx.h). */
 /* C tiles += A (rows of `a`, `lda` bytes apart) times the four B tiles of one block of the
  * panel at `wt` (rows 2 * NR elements apart). */
-#define AMX_BLOCK(a, lda, wt) AMX_DOT4(a, lda, wt, 32, 2 * NR * 2)
+#define AMX_BLOCK(a, lda, wt, half)                                                   \
+    do {                                                                              \
+        if (half)                                                                     \
+            AMX_DOT2(a, lda, wt, 32, 2 * NR * 2);                                     \
+        else                                                                          \
+            AMX_DOT4(a, lda, wt, 32, 2 * NR * 2);                                     \
+    } while (0)
 
 /* Rows [0, mr) of x (mr <= 16) times one panel on the tiles, configured for mr rows. */
+/* `half`: 0 for the whole panel; 1 or 2 for its first or second 32 outputs alone (a
+ * decode call's work split finer, so that two threads share an odd number of panels
+ * evenly; each output's arithmetic is the same either way). */
 static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
         int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
-        const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {
+        const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int half) {
     float c[16 * NR] __attribute__((aligned(64)));
     uint16_t tail[16 * 2 * PAIR_TILE] __attribute__((aligned(64)));
+    if (half)
+        w += (half - 1) * NR;  /* the B tiles of outputs 32 .. 63: 32 pairs in */
     AMX_ZERO_C();
     const int64_t whole = K / (2 * PAIR_TILE);
     for (int64_t t = 0; t < whole; t++)
-        AMX_BLOCK(x + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR);
+        AMX_BLOCK(x + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR, half);
     const int64_t left = K - whole * 2 * PAIR_TILE;
     if (left) {  /* the last inputs, zero-padded to a whole block (never read past a row) */
         memset(tail, 0, sizeof tail);
         for (int i = 0; i < mr; i++)
             memcpy(tail + i * 2 * PAIR_TILE, x + i * ldx + whole * 2 * PAIR_TILE,
                    (size_t)left * sizeof(uint16_t));
-        AMX_BLOCK(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR);
+        AMX_BLOCK(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR, half);
     }
     AMX_STORE_C(c, NR * 4);
     __m512 acc[MR][4];
@@ -344,26 +355,36 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
     const int64_t block = ((M + blocks - 1) / blocks + unit - 1) / unit * unit;
     const int64_t panels = (N + NR - 1) / NR, panel_size = padded_pairs(K) * 2 * NR;
     const int step = isa == ISA_AMX ? 16 : MR;  /* rows per tile */
+    /* one block (a decode batch) over an odd share of panels per thread: on AMX, halves */
+    const int halves = isa == ISA_AMX && blocks == 1 && threads > 1 && panels % threads ? 2 : 1;
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;  /* the rows this thread's tiles are configured for */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            for (int64_t p = 0; p < panels; p++) {
+            for (int64_t u = 0; u < panels * halves; u++) {
+                const int64_t p = u / halves;
+                const int half = halves == 2 ? (int)(u % 2) + 1 : 0;
+                const int64_t col0 = half == 2 ? NR / 2 : 0;
                 const int64_t end = (b + 1) * block < M ? (b + 1) * block : M;
-                const int cols = N - p * NR < NR ? (int)(N - p * NR) : NR;
+                int cols = N - p * NR - col0 < NR - col0 ? (int)(N - p * NR - col0)
+                                                         : (int)(NR - col0);
+                if (half == 1 && cols > NR / 2)
+                    cols = NR / 2;
+                if (cols <= 0)
+                    continue;  /* the second half of a last panel of 32 outputs or fewer */
                 const uint16_t *w = packed + p * panel_size;
-                const uint16_t *bp = bias ? bias + p * NR : NULL;
+                const uint16_t *bp = bias ? bias + p * NR + col0 : NULL;
                 for (int64_t m = b * block; m < end; m += step) {
                     const int mr = end - m < step ? (int)(end - m) : step;
                     const uint16_t *xm = x + m * ldx;
-                    uint16_t *ym = y + m * N + p * NR;
+                    uint16_t *ym = y + m * N + p * NR + col0;
                     if (isa == ISA_AMX) {
                         if (configured != mr) {
                             configure_tiles(mr);
                             configured = mr;
                         }
-                        tile_bf16_amx(mr, xm, ldx, w, K, bp, ym, N, cols);
+                        tile_bf16_amx(mr, xm, ldx, w, K, bp, ym, N, cols, half);
                     } else if (isa == ISA_AVX512BF16) {
                         tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols);
                     } else {
