@@ -8,6 +8,7 @@ skipped elsewhere, and a supported machine whose build fails fails here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,28 +68,32 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-@pytest.fixture
-def bf16_path(kernel, request: pytest.FixtureRequest):
-    """The kernel on one of its bfloat16 paths (skipped where this CPU lacks it)."""
-    if request.param not in kernel.bf16_paths:
-        pytest.skip(f"this CPU has no {request.param}")
+def paths(kernel, wanted: tuple[str, ...]) -> Iterator[cpu_attention.CpuAttentionKernel]:
+    """The kernel on each of `wanted`'s bfloat16 paths this CPU has (AVX-512F always), in
+    turn; its own path again after."""
     default = kernel.bf16_path
-    kernel.bf16_path = request.param
-    yield kernel
-    kernel.bf16_path = default
+    try:
+        for path in (p for p in wanted if p in kernel.bf16_paths):
+            kernel.bf16_path = path
+            yield kernel
+    finally:
+        kernel.bf16_path = default
 
 
 BF16_PATHS = ("avx512f", "amx")
 
 
-@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize(("dim", "ratio"), ((64, 3), (128, 4), (80, 4), (64, 1)))
-def test_bfloat16_matches_the_reference(bf16_path, dim: int, ratio: int) -> None:
+def test_bfloat16_matches_the_reference(kernel, dim: int, ratio: int) -> None:
     """bfloat16 q and pool, read exactly as float32; float32 math (on AMX, P rounded to
     bfloat16 for PV), the output rounded once: within a bfloat16 step or two of the float32
     reference on those values, and of SDPA in bfloat16 (which rounds more). head_dim 80 is
     not a multiple of 64: AMX's path leaves it to AVX-512F."""
-    kernel = bf16_path
+    for on_path in paths(kernel, BF16_PATHS):
+        bfloat16_against_the_reference(on_path, dim, ratio)
+
+
+def bfloat16_against_the_reference(kernel, dim: int, ratio: int) -> None:
     q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * ratio, dim, dtype=torch.bfloat16)
     got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
     assert got.dtype == torch.bfloat16
@@ -101,23 +106,17 @@ def test_bfloat16_matches_the_reference(bf16_path, dim: int, ratio: int) -> None
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2 ** -6, atol=2e-2)
 
 
-@pytest.mark.parametrize(("dtype", "path"), ((torch.float32, None),
-                                            (torch.bfloat16, "avx512f"),
-                                            (torch.bfloat16, "amx")))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("ratio", (1, 3, 8))
 def test_a_row_has_the_same_bits_however_its_sequence_is_split(
-        kernel, ratio: int, dtype: torch.dtype, path: str | None) -> None:
+        kernel, ratio: int, dtype: torch.dtype) -> None:
     """From scratch, extending a cached prefix at any split, decoded one token at a time,
     or beside other sequences: every row of a 300-token sequence gets the same bits, in
-    float32 and in bfloat16 on each path (AMX's 16-row tiles and shared K/V tiles too)."""
-    if path is not None and path not in kernel.bf16_paths:
-        pytest.skip(f"this CPU has no {path}")
-    default = kernel.bf16_path
-    kernel.bf16_path = path or default
-    try:
-        split_invariance(kernel, ratio, dtype)
-    finally:
-        kernel.bf16_path = default
+    float32 and in bfloat16 on each path this CPU has (AMX's 16-row tiles and shared K/V
+    tiles too)."""
+    wanted = BF16_PATHS if dtype == torch.bfloat16 else (kernel.bf16_path,)
+    for on_path in paths(kernel, wanted):
+        split_invariance(on_path, ratio, dtype)
 
 
 def split_invariance(kernel, ratio: int, dtype: torch.dtype) -> None:

@@ -11,6 +11,7 @@ skipped elsewhere, and a supported machine whose build fails fails here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -209,27 +210,31 @@ def pair_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return (out if b is None else out + b.float()).to(torch.bfloat16)
 
 
-@pytest.fixture
-def bf16_path(kernel, request: pytest.FixtureRequest):
-    """The kernel on one of its bfloat16 paths (skipped where this CPU lacks it)."""
-    path = request.param
-    if path not in kernel.bf16_paths:
-        pytest.skip(f"this CPU has no {path}")
+def paths(kernel, wanted: tuple[str, ...]) -> Iterator[cpu_linear.CpuLinearKernel]:
+    """The kernel on each of `wanted`'s bfloat16 paths this CPU has (AVX-512F always), in
+    turn; its own path again after."""
     default = kernel.bf16_path
-    kernel.bf16_path = path
-    yield kernel
-    kernel.bf16_path = default
+    try:
+        for path in (p for p in wanted if p in kernel.bf16_paths):
+            kernel.bf16_path = path
+            yield kernel
+    finally:
+        kernel.bf16_path = default
 
 
 EXACT_PATHS = ("avx512f", "avx512bf16")  # the pair chain exactly; AMX rounds its own way
 ALL_PATHS = (*EXACT_PATHS, "amx")
 
 
-@pytest.mark.parametrize("bf16_path", ALL_PATHS, indirect=True)
 @pytest.mark.parametrize("shape", [(768, 512), (512, 1536), (260, 512), (65, 17), (1, 7)])
 @pytest.mark.parametrize("rows", [1, 5, 17, 300])
-def test_bfloat16_gives_f_linear(bf16_path, shape: tuple[int, int], rows: int) -> None:
+def test_bfloat16_gives_f_linear(kernel, shape: tuple[int, int], rows: int) -> None:
     """Within one bfloat16 rounding of F.linear (float32 sums, then rounded) on every path."""
+    for bf16_path in paths(kernel, ALL_PATHS):
+        f_linear_within_rounding(bf16_path, shape, rows)
+
+
+def f_linear_within_rounding(bf16_path, shape: tuple[int, int], rows: int) -> None:
     n, k = shape
     w, b, x = bf16_weights(n, k, rows)
     packed = bf16_path.pack(w)
@@ -242,22 +247,26 @@ def test_bfloat16_gives_f_linear(bf16_path, shape: tuple[int, int], rows: int) -
         torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
 
 
-@pytest.mark.parametrize("bf16_path", EXACT_PATHS, indirect=True)
 @pytest.mark.parametrize("shape", [(100, 40), (65, 17), (130, 64), (64, 1)])
-def test_bfloat16_is_the_pair_chain(bf16_path, shape: tuple[int, int]) -> None:
+def test_bfloat16_is_the_pair_chain(kernel, shape: tuple[int, int]) -> None:
     n, k = shape
     w, b, x = bf16_weights(n, k, 13)
-    packed = bf16_path.pack(w)
-    assert torch.equal(bf16_path(x, packed, n), pair_chain(x, w, None))
-    assert torch.equal(bf16_path(x, packed, n, b), pair_chain(x, w, b))
+    for bf16_path in paths(kernel, EXACT_PATHS):
+        packed = bf16_path.pack(w)
+        assert torch.equal(bf16_path(x, packed, n), pair_chain(x, w, None))
+        assert torch.equal(bf16_path(x, packed, n, b), pair_chain(x, w, b))
 
 
-@pytest.mark.parametrize("bf16_path", ALL_PATHS, indirect=True)
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (65, 17)])
 def test_a_bfloat16_rows_bits_depend_on_nothing_else_in_the_call(
-        bf16_path, shape: tuple[int, int]) -> None:
+        kernel, shape: tuple[int, int]) -> None:
     """As in float32: any slice of the rows, one row alone, a strided view, one thread or
     two give the whole batch's bits, on every path (AMX's 16-row tiles included)."""
+    for bf16_path in paths(kernel, ALL_PATHS):
+        rows_alone(bf16_path, shape)
+
+
+def rows_alone(bf16_path, shape: tuple[int, int]) -> None:
     n, k = shape
     w, b, x = bf16_weights(n, k, 300)
     packed = bf16_path.pack(w)
