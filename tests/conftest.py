@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 import torch
@@ -194,3 +194,15 @@ async def app_client(engine: Engine, *, wait_idle: bool = True, admin: bool = Fa
         yield c
     if wait_idle:
         engine.flush_cache(())
+
+
+def bf16_paths(kernel: Any, wanted: tuple[str, ...]) -> Iterator[Any]:
+    """A CPU kernel (kernels/cpu_linear.py, cpu_attention.py) on each of `wanted`'s
+    bfloat16 paths this CPU has (AVX-512F always), in turn; its own path again after."""
+    default = kernel.bf16_path
+    try:
+        for path in (p for p in wanted if p in kernel.bf16_paths):
+            kernel.bf16_path = path
+            yield kernel
+    finally:
+        kernel.bf16_path = default

@@ -8,11 +8,11 @@ skipped elsewhere, and a supported machine whose build fails fails here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import bf16_paths as paths
 from test_attention import make_case, new_kv
 
 from hicache.memory.device import DeviceKVPool
@@ -66,18 +66,6 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
     want = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
-
-
-def paths(kernel, wanted: tuple[str, ...]) -> Iterator[cpu_attention.CpuAttentionKernel]:
-    """The kernel on each of `wanted`'s bfloat16 paths this CPU has (AVX-512F always), in
-    turn; its own path again after."""
-    default = kernel.bf16_path
-    try:
-        for path in (p for p in wanted if p in kernel.bf16_paths):
-            kernel.bf16_path = path
-            yield kernel
-    finally:
-        kernel.bf16_path = default
 
 
 BF16_PATHS = ("avx512f", "amx")

@@ -11,12 +11,12 @@ skipped elsewhere, and a supported machine whose build fails fails here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import bf16_paths as paths
 
 from kernels import cpu_linear
 from server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
@@ -208,18 +208,6 @@ def pair_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
                     np.float32)
     out = torch.from_numpy(acc)
     return (out if b is None else out + b.float()).to(torch.bfloat16)
-
-
-def paths(kernel, wanted: tuple[str, ...]) -> Iterator[cpu_linear.CpuLinearKernel]:
-    """The kernel on each of `wanted`'s bfloat16 paths this CPU has (AVX-512F always), in
-    turn; its own path again after."""
-    default = kernel.bf16_path
-    try:
-        for path in (p for p in wanted if p in kernel.bf16_paths):
-            kernel.bf16_path = path
-            yield kernel
-    finally:
-        kernel.bf16_path = default
 
 
 EXACT_PATHS = ("avx512f", "avx512bf16")  # the pair chain exactly; AMX rounds its own way
