@@ -1,15 +1,17 @@
-"""The tier owner: builds L1 / L2 / L3 from the config and the model's KV shape, then runs them
-as one `CacheStack` for the scheduler.
+"""The one door into the cache: `CacheStack` runs the tree, the pools, the L1<->L2 controller,
+the storage tier, the pins and the sessions as one, and hands the server opaque handles for
+all it does with them (`hicache.build.build_stack` builds it from the config).
 
-    L1  cache.max_total_tokens, else a share of free GPU memory (or of host RAM on CPU)
-    L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
-    L3  storage.backend through the registry, keyed by the model's page hashes
+    a request   match -> Hit;  admit(hit) -> Lease (locked, loaded back from L2);
+                cache_prefix(lease, ...) at its prefill's end;  release(lease, ...) at its end
+    each step   poll() applies the tiers' acks in one fixed order: D->H writes (nodes reach
+                L2), their L3 backups, H->D loads, then the storage tier's prefetch and backup
+                acks; expire() ends the sessions and pins that timed out
+    admin       pin / unpin, close_session, flush, stats, attach / detach L3
 
-Each scheduler step starts with `poll()`, which applies the tiers' acknowledgements in one
-fixed order: D->H writes (nodes reach L2), their L3 backups, H->D loads, then the storage
-tier's prefetch and backup acks. The scheduler calls the stack and the `PrefixCache`
-interface only; a tier the configuration lacks answers with a harmless default (no L3: no
-prefetch, always ready, nothing to restart).
+No tree node crosses this door: a `Hit` and a `Lease` hold theirs privately. A tier the
+configuration lacks answers with a harmless default (no L3: no prefetch, always ready,
+nothing to restart). See docs/architecture.md.
 
 Threading: scheduler thread only, like the tree it owns (`close` once the loop has stopped).
 """
@@ -17,79 +19,50 @@ Threading: scheduler thread only, like the tree it owns (`close` once the loop h
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
-import zmq
 
-from hicache.config import BYTES_PER_GB, Config, EventsConfig
-from hicache.events import EventPublisher, EventRecorder, NullEventPublisher, ZmqEventPublisher
+from hicache.config import Config
+from hicache.events import EventPublisher, EventRecorder, NullEventPublisher
 from hicache.events.publisher import EventCounters
+from hicache.handles import Admitted, Hit, Lease, Requester
 from hicache.memory.device import DeviceKVPool
-from hicache.memory.host import HostKVPool, available_memory_bytes
+from hicache.memory.host import HostKVPool
+from hicache.model_kv import ModelKV
 from hicache.policies import PREFETCH_POLICIES, check_choice
-from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
-from hicache.storage.backends import create_backend
-from hicache.storage.backends.base import (
-    STAT_ERRORS,
-    STAT_ERRORS_BY_OP,
-    StorageBackend,
-    StorageUnavailable,
+from hicache.stats import (
+    CacheStats,
+    DeviceStats,
+    HostStats,
+    PinStats,
+    RequestCounters,
+    SessionStats,
+    StorageStats,
 )
-from hicache.storage.backends.throttled import ThrottledBackend
-from hicache.storage.hashing import PageHasher, model_fingerprint
-from hicache.storage.io import StorageController
-from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry
+from hicache.storage.open import open_storage_tier
+from hicache.storage.page_format import HEADER_BYTES
 from hicache.storage.tier import Resume, StorageTier
 from hicache.transfer.controller import HiCacheController
-from hicache.transfer.engines import make_transfer_engine
-from hicache.tree.base import PrefixCache
-from hicache.tree.hiradix import HiRadixCache
-from hicache.tree.radix import RadixCache
+from hicache.transfer.engines import TransferHandle
+from hicache.tree.base import PrefixCache, concat
+from hicache.tree.node import TreeNode
+from hicache.tree.pins import PinRefused, PinTable
+from hicache.tree.sessions import SessionTable
+
+__all__ = ["CacheStack", "PinRefused"]
 
 logger = logging.getLogger(__name__)
-
-# Share of the GPU memory left free after loading the weights that L1 takes (the rest is
-# activations and the CUDA context; SGLang's mem_fraction_static plays the same role).
-GPU_KV_FRACTION = 0.85
-# On the CPU, L1 defaults to this share of available RAM, capped at CPU_MAX_L1_TOKENS: a CPU
-# serves small models, and a huge L1 only hides the hierarchy.
-CPU_KV_FRACTION = 0.1
-CPU_MAX_L1_TOKENS = 65536
-# When both L1 and L2 are sized automatically (cache.max_total_tokens and host.size_gb unset),
-# L2 = host.ratio x L1 may take at most this share of the available host memory: L1 is made
-# smaller rather than asking for more pinned memory than the machine has (a GPU can hold more
-# KV than the host can pin twice over).
-HOST_AUTO_FRACTION = 0.5
-MB = 10**6  # storage.throttle.bandwidth_mb_s is in decimal megabytes
-MS_PER_S = 1000.0
-
-
-
-
-class ModelKV(NamedTuple):
-    """What the tiers need to know of the model: its KV geometry and where its weights are
-    (the page hashes' model fingerprint)."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    path: Path
-
-    @property
-    def geometry(self) -> tuple[int, int, int]:
-        return (self.num_layers, self.kv_heads, self.head_dim)
 
 
 @dataclass(eq=False)
 class CacheStack:
-    """The tree, the pools, the L1<->L2 controller and the storage tier, run as one.
-    `host_pool` and `controller` are None without L2, `storage` None without L3."""
+    """The tree, the pools, the L1<->L2 controller, the storage tier, the pins and the
+    sessions, run as one. `host_pool` and `controller` are None without L2, `storage` None
+    without L3, `sessions` None without `cache.session_retention`; `pins` holds nothing
+    unless given a cap (`build_stack` gives cache.max_pinned_tokens)."""
 
     device_pool: DeviceKVPool
     tree: PrefixCache
@@ -99,10 +72,21 @@ class CacheStack:
     # KV events: the tree records into `events` (None: off), `publish_events` sends them
     events: EventRecorder | None = None
     publisher: EventPublisher = field(default_factory=NullEventPublisher)
+    pins: PinTable | None = None
+    sessions: SessionTable | None = None
+
+    def __post_init__(self) -> None:
+        if self.pins is None:
+            self.pins = PinTable(self.tree, 0)
 
     @property
     def page_size(self) -> int:
         return self.tree.page_size
+
+    @property
+    def enabled(self) -> bool:
+        """Whether prefixes are cached at all (False: --disable-radix-cache)."""
+        return not self.tree.disable
 
     def storage_page_bytes(self) -> int | None:
         """Bytes of one stored L3 page (header + payload), None without L2 (where no L3 can
@@ -149,10 +133,183 @@ class CacheStack:
         """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
         return self.tree.copies_pending() or (self.storage is not None and self.storage.busy())
 
+    def copies_pending(self) -> bool:
+        """Whether a D->H or H->D copy is queued or in flight."""
+        return self.tree.copies_pending()
+
+    def wait_copies(self) -> None:
+        """Block until every copy queued so far has finished."""
+        self.tree.wait_copies()
+
+    def launch_loads(self) -> TransferHandle | None:
+        """Launch the H->D loads admission queued, as one transfer (the model runner, before
+        a forward pass: its layers wait on the handle); None when none are queued."""
+        return self.tree.start_loading()
+
     def start_loading(self) -> None:
         """Launch queued H->D loads when no forward pass will (they never wait for one)."""
         if self.tree.copies_pending():
             self.tree.start_loading()
+
+    def expire(self, now: float) -> None:
+        """End the sessions idle for their timeout and the pins past their TTL (once per
+        step: O(1) unless the oldest session is due, O(pins) and there are few)."""
+        if self.sessions is not None:
+            self.sessions.expire(now)
+        if self.pins:
+            self.pins.expire(now)
+
+    # ------------------------------------------------------------------------- requests
+    # One call per event of a request's life; `slots` are its L1 slots from position 0,
+    # of which the first `shared` are the tree's (read through its lease).
+
+    def peek(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Tokens of `key` cached in any tier, touching nothing (for ranking)."""
+        return self.tree.peek_prefix(key, extra_key)
+
+    def match(self, key: Sequence[int], who: Requester) -> Hit:
+        """The longest cached prefix of `key` in L1 and L2 (touched, its priority raised to
+        `who`'s; its use is counted once, at `release`)."""
+        m = self.tree.match_prefix(key, who.extra_key, priority=who.priority, count_hit=False)
+        return Hit(m.device_indices, m.host_hit_length, m.last_device_node, m.last_host_node)
+
+    def room_beyond(self, hit: Hit) -> int:
+        """L1 tokens eviction could free with `hit`'s path held: the evictable ones off its
+        path, less the pinned ones that cannot leave L1."""
+        end = hit._device_end
+        return (self.tree.evictable_size() - self.tree.unlocked_on_path(end)
+                - self.tree.stuck_pinned_size(end))
+
+    def evict(self, tokens: int) -> int:
+        """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed."""
+        return self.tree.evict(tokens)
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
+
+    def admit(self, hit: Hit, evict_tokens: int = 0) -> Admitted:
+        """Lock `hit`'s L1 path, evict `evict_tokens` (keeping its L2 pages), and queue the
+        load-back of its L2 part (skipped when too short to pay, or when L1 has no room)."""
+        end = hit._device_end
+        self.tree.inc_lock_ref(end)
+        try:
+            if evict_tokens:
+                self._evict_keeping(hit, evict_tokens)
+            slots, loaded = hit.device_slots, 0
+            if hit.host_tokens:
+                lb = self.tree.init_load_back(hit._host_end)
+                if lb.device_indices.numel():
+                    slots = torch.cat([slots, lb.device_indices])
+                    loaded = lb.device_indices.numel()
+                    self.tree.inc_lock_ref(lb.last_node)
+                    self.tree.dec_lock_ref(end)
+                    end = lb.last_node
+        except BaseException:
+            self.tree.dec_lock_ref(end)
+            raise
+        return Admitted(Lease(end), slots, loaded)
+
+    def _evict_keeping(self, hit: Hit, tokens: int) -> None:
+        """Evict L1 `tokens` while the hit's L2 pages are kept (an L1 eviction may make
+        room in L2 for its write-back)."""
+        if not hit.host_tokens:
+            self.tree.evict(tokens)
+            return
+        self.tree.protect_host(hit._host_end)
+        try:
+            self.tree.evict(tokens)
+        finally:
+            self.tree.release_host(hit._host_end)
+
+    def cache_prefix(self, lease: Lease, tokens: Sequence[int], slots: torch.Tensor,
+                     who: Requester, shared: int) -> tuple[Lease, torch.Tensor]:
+        """Give the tree `tokens` (whole pages: a prefilled prompt) with their `slots`, and
+        move the lease to their end. The caller's copies of pages the tree had already
+        are freed. Returns the new lease and the tree's slots for `tokens`, which the
+        caller reads from now on. Counts no use (`release` does)."""
+        self._insert(tokens, slots, who, shared, count_hit=False)
+        path = self.tree.peek_path(tokens, who.extra_key)  # no second hit for the policies
+        tree_slots = concat([node.value for node in path])
+        assert tree_slots.numel() == len(tokens), "an inserted key is whole nodes on L1"
+        self.tree.inc_lock_ref(path[-1])
+        self._own(path[-1], who)
+        self.tree.dec_lock_ref(lease._end)
+        return Lease(path[-1]), tree_slots
+
+    def release(self, lease: Lease, tokens: Sequence[int], slots: torch.Tensor,
+                who: Requester, shared: int, admitted: int, *, count_use: bool = True) -> None:
+        """End the lease: `tokens` (whole pages computed; empty to keep nothing) go to the
+        tree where they pass the `admitted` tokens the admission held; the slots neither the
+        tree nor its copies keep go back to the pool. Counts the request's one use of its
+        path (`count_use`: not when it only steps aside, a retraction)."""
+        end = lease._end
+        if len(tokens) > admitted:  # pages new since admission, maybe cached at prefill
+            self._insert(tokens, slots, who, shared, count_hit=count_use)  # (again): a
+            path = self.tree.peek_path(tokens, who.extra_key)             # fresh access
+            if path:
+                self._own(path[-1], who)
+        elif count_use:  # nothing computed to add (or failed): the prefix it held
+            self.tree.count_use(end, who.priority)
+        self._own(end, who)
+        rest = slots[max(len(tokens), shared):]  # never the tree's
+        if rest.numel():
+            self.device_pool.free(rest)
+        self.tree.dec_lock_ref(end)
+
+    def _insert(self, tokens: Sequence[int], slots: torch.Tensor, who: Requester,
+                shared: int, count_hit: bool) -> None:
+        """Insert `tokens` with their slots; the caller's copies of pages the tree already
+        held (beyond the `shared` ones it reads from the tree) are freed."""
+        present = self.tree.insert(tokens, slots[:len(tokens)], who.extra_key,
+                                   count_hit=count_hit, priority=who.priority)
+        if present > shared:  # the tree had these pages: the caller's are duplicates
+            self.device_pool.free(slots[shared:present])
+
+    def _own(self, end: TreeNode, who: Requester) -> None:
+        """`who`'s live session owns the path ending at `end`. A session closed meanwhile
+        stays closed: its late requests own nothing."""
+        if self.sessions is not None and who.session_id in self.sessions:
+            self.tree.own(end, who.session_id)
+
+    # ------------------------------------------------------------------ sessions, pins
+
+    def touch_session(self, session_id: str, now: float) -> None:
+        """A request of `session_id` arrived (opens it); nothing without session retention."""
+        if self.sessions is not None:
+            self.sessions.touch(session_id, now)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session, disowning its nodes; False when it was not open (or sessions are
+        off)."""
+        return self.sessions is not None and self.sessions.close(session_id)
+
+    @property
+    def max_pinned_tokens(self) -> int:
+        return self.pins.max_tokens
+
+    def pinned_tokens(self) -> int:
+        return self.pins.pinned_tokens()
+
+    def pin(self, ids: Sequence[int], extra_key: str | None, ttl_s: float, now: float
+            ) -> bool:
+        """Pin the cached path spelling `ids` (whole pages) until `now + ttl_s`, renewing
+        its pin; False when it is not cached (all of it, on L1). PinRefused past the cap."""
+        end = self.tree.node_at(self.tree.root, ids, extra_key)
+        if end is None:
+            return False
+        key = (tuple(ids), extra_key)
+        self.pins.check(key, end)
+        self.pins.pin(key, end, ttl_s, now)
+        self.tree.back_up_path(end)  # a pinned page must reach L2 to leave L1 (best effort)
+        return True
+
+    def unpin(self, ids: Sequence[int], extra_key: str | None) -> bool:
+        """Release the pin of `ids`; False when none."""
+        return self.pins.unpin((tuple(ids), extra_key))
+
+    def unpin_all(self) -> int:
+        """Release every pin; how many there were."""
+        return self.pins.clear()
 
     # ---------------------------------------------------------------------- L3 prefetch
 
@@ -173,10 +330,10 @@ class CacheStack:
         that the tail of its L3 hit, fetched meanwhile, joins it after; 0: no such stop."""
         return 0 if self.storage is None else self.storage.head_stop(req_id)
 
-    def head_computed(self, req_id: str, node: Any) -> None:
-        """The request computed its head, whose last page ends `node` (in the tree)."""
+    def head_computed(self, req_id: str, lease: Lease) -> None:
+        """The request computed its head, whose last page ends its `lease`'s path."""
         if self.storage is not None:
-            self.storage.head_computed(req_id, node)
+            self.storage.head_computed(req_id, lease._end)
 
     def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
         """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`: what the
@@ -252,8 +409,9 @@ class CacheStack:
         self.tree.record_all()
 
     def stats(self, requests: RequestCounters) -> CacheStats:
-        """One snapshot of every tier, in tokens (storage: its pages and bytes too); the
-        counters are copies, so another thread may read it while the scheduler goes on."""
+        """One snapshot of every tier, in tokens (storage: its pages and bytes too), the
+        pins and the live sessions; the counters are copies, so another thread may read it
+        while the scheduler goes on."""
         alloc = self.device_pool.allocator
         device = DeviceStats(alloc.total_size(), alloc.used_size(), self.tree.evictable_size(),
                              self.tree.protected_size(), requests.cached_device_tokens)
@@ -263,7 +421,7 @@ class CacheStack:
             host = HostStats(self.host_pool.total_size(),
                              self.host_pool.total_size() - self.host_pool.available_size(),
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
-                             replace(self.tree.counters))
+                             self.tree.host_counters())
         if self.storage is not None:
             io = self.storage.io
             storage = StorageStats.read(io.backend.stats(), io.errors,
@@ -271,14 +429,16 @@ class CacheStack:
                                         replace(self.storage.counters),
                                         self.storage.estimates())
         events = self.event_counters() if self.events is not None else None
-        return CacheStats(replace(requests), device, host, storage, events=events)
+        pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
+                        tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
+        sessions = SessionStats(*self.sessions.sizes()) if self.sessions is not None else None
+        return CacheStats(replace(requests), device, host, storage, events=events,
+                          sessions=sessions, pins=pins)
 
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold."""
-        if self.storage is not None:
-            self.tree.check_integrity(held_host_tokens=self.storage.held_host_tokens())
-        else:
-            self.tree.check_integrity()
+        held = self.storage.held_host_tokens() if self.storage is not None else 0
+        self.tree.check_integrity(held_host_tokens=held)
 
     # ------------------------------------------------------------- L3 attach / detach
     # Both run on the scheduler thread with no request running or waiting (the engine
@@ -295,8 +455,7 @@ class CacheStack:
             raise ValueError("L3 needs the host tier (L2): cache.hierarchical is off")
         if self.storage is not None:
             raise ValueError("L3 is attached already; detach it first")
-        tier = _open_storage_tier(config, model, self.tree, self.host_pool,
-                                  must_answer=True)
+        tier = open_storage_tier(config, model, self.tree, self.host_pool, must_answer=True)
         tier.observer = self.tree.observer  # the metrics hook `set_observer` gave the tree
         self.quiesce()  # a node's host pages hold its KV only once its D->H copy is acked
         self.storage = tier
@@ -316,8 +475,7 @@ class CacheStack:
         except Exception:  # the tier is gone either way: the detach stands
             logger.exception("closing L3 at its detach failed; the server goes on without it")
         finally:
-            for node in self.tree.iter_nodes():
-                node.storage_backed = False
+            self.tree.forget_stored()
             if self.events is not None:  # routers forget this server's L3 pages
                 self._restate()
         return True
@@ -340,151 +498,3 @@ class CacheStack:
             self.publish_events()
         finally:
             self.publisher.shutdown()
-
-
-def build_stack(config: Config, model: ModelKV) -> CacheStack:
-    """Size and build every tier the config asks for."""
-    c = config.cache
-    pages = _l1_pages(config, model)
-    pool = DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
-    logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
-                pool.size_bytes / BYTES_PER_GB)
-    if not c.enable_radix_cache:
-        return _with_events(config, model, CacheStack(pool, RadixCache(pool, c.page_size,
-                                                                       disable=True)))
-    if not c.hierarchical:
-        return _with_events(config, model, CacheStack(pool, RadixCache(
-            pool, c.page_size, eviction_policy=c.eviction_policy)))
-    host = _host_pool(config, pool, model)
-    controller = HiCacheController(pool, host, make_transfer_engine(pool, host,
-                                                                    config.host.io_backend))
-    tree = HiRadixCache(controller, c.page_size, write_policy=config.host.write_policy,
-                        write_through_threshold=config.host.write_through_threshold,
-                        eviction_policy=c.eviction_policy)
-    stack = _with_events(config, model, CacheStack(pool, tree, host, controller))
-    try:
-        stack.storage = _storage_tier(config, model, tree, host)
-    except BaseException:
-        stack.publisher.shutdown()
-        raise
-    return stack
-
-
-def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> CacheStack:
-    """Give `stack` its KV event recorder and publisher when `config.events` asks for them.
-    The first batch, sent at once, is `AllBlocksCleared`: this server starts empty."""
-    if not config.events.enabled:
-        return stack
-    stack.events = stack.tree.events = EventRecorder(_page_hasher(config, model),
-                                                     config.cache.page_size)
-    stack.publisher = _event_publisher(config.events)
-    stack.publish_events()
-    return stack
-
-
-def _event_publisher(e: EventsConfig) -> EventPublisher:
-    """The ZMQ publisher; a socket that cannot be opened (a port in use: another server on
-    this host with the default endpoint) is a ValueError naming the keys."""
-    try:
-        return ZmqEventPublisher(e.endpoint, e.replay_endpoint, e.topic,
-                                 buffer_steps=e.buffer_steps, hwm=e.hwm,
-                                 max_queue_size=e.max_queue_size)
-    except zmq.ZMQError as err:
-        raise ValueError(f"events.endpoint {e.endpoint!r} or events.replay_endpoint "
-                         f"{e.replay_endpoint!r} cannot be opened: {err}; give each server "
-                         "on this host its own ports (or tcp://*:0)") from None
-
-
-def _page_hasher(config: Config, model: ModelKV) -> PageHasher:
-    """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    return PageHasher(config.cache.page_size, model_fingerprint(model.path), dtype_name,
-                      *model.geometry)
-
-
-def _l1_pages(config: Config, model: ModelKV) -> int:
-    c = config.cache
-    if c.max_total_tokens is not None:
-        return -(-c.max_total_tokens // c.page_size)
-    per_token = DeviceKVPool.bytes_per_token(*model.geometry, model.dtype)
-    if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        budget_tokens = int(free * GPU_KV_FRACTION) // per_token
-    else:
-        budget_tokens = min(int(available_memory_bytes() * CPU_KV_FRACTION) // per_token,
-                            CPU_MAX_L1_TOKENS)
-    if c.hierarchical and c.enable_radix_cache and config.host.size_gb is None:
-        host_tokens = int(available_memory_bytes() * HOST_AUTO_FRACTION) // per_token
-        if budget_tokens * config.host.ratio > host_tokens:
-            logger.info("L1 sized to %d tokens so that L2 (host.ratio %.1f x L1) fits in %.0f%% "
-                        "of the available host memory", int(host_tokens / config.host.ratio),
-                        config.host.ratio, HOST_AUTO_FRACTION * 100)
-            budget_tokens = int(host_tokens / config.host.ratio)
-    return max(1, budget_tokens // c.page_size)
-
-
-def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool:
-    h, ps = config.host, config.cache.page_size
-    if h.size_gb is not None:
-        pages = int(h.size_gb * BYTES_PER_GB) // pool.page_bytes
-    else:
-        pages = int(pool.allocator.total_size() * h.ratio) // ps
-    host = HostKVPool(max(1, pages), ps, *model.geometry, model.dtype, h.mem_layout)
-    logger.info("L2 (host, %s%s): %d tokens, %.2f GB", h.mem_layout,
-                ", pinned" if host.is_pinned else "", host.total_size(),
-                host.size_bytes / BYTES_PER_GB)
-    return host
-
-
-def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool
-                  ) -> StorageTier | None:
-    s = config.storage
-    if not s.enabled:
-        return None
-    try:
-        return _open_storage_tier(config, model, tree, host)
-    except StorageUnavailable as err:  # a damaged store that could not be replaced
-        logger.error("L3 (%s) unavailable, serving without L3 until a restart: %s",
-                     s.backend, err)
-        return None
-
-
-def _open_storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
-                       *, must_answer: bool = False) -> StorageTier:
-    """The storage tier of `config.storage` (a backend other than "none"). `must_answer`
-    (a runtime attach): the backend's first call, `stats()`, must count no fault, or it
-    is closed and StorageUnavailable raised; at start a Redis that is down is served
-    around instead (misses behind a back-off until it returns)."""
-    s, ps = config.storage, config.cache.page_size
-    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
-    backend = create_backend(s.backend, s.backend_config, codec)
-    if must_answer:
-        _check_answers(s.backend, backend)
-    events = tree.events  # one hasher for both: the same keys, each node's hashed once
-    hasher = events.hasher if events is not None else _page_hasher(config, model)
-    if s.throttle.enabled:
-        bandwidth = s.throttle.bandwidth_mb_s
-        backend = ThrottledBackend(backend, None if bandwidth is None else bandwidth * MB,
-                                   s.throttle.latency_ms / MS_PER_S,
-                                   value_bytes=codec.value_bytes)
-        logger.warning("L3 (%s) is throttled to %s MB/s and %s ms per call (storage.throttle)",
-                       s.backend, bandwidth, s.throttle.latency_ms)
-    logger.info("L3 (%s): %s", s.backend, backend.stats())
-    return StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
-                       prefetch_policy=s.prefetch_policy,
-                       prefetch_threshold=s.prefetch_threshold,
-                       timeout_base=s.prefetch_timeout_base,
-                       timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
-                       timeout_max=s.prefetch_timeout_max,
-                       cost_model=s.cost_model, overlap=s.overlap)
-
-
-def _check_answers(name: str, backend: StorageBackend) -> None:
-    """Raise StorageUnavailable (closing `backend`) when its first call counted a fault:
-    a fresh backend's counters hold that call's alone (the `stats()` contract)."""
-    stats = backend.stats()
-    faults = stats.get(STAT_ERRORS_BY_OP, {})
-    if stats.get(STAT_ERRORS, 0) or any(faults.values()):
-        backend.close()
-        raise StorageUnavailable(f"L3 ({name}) did not answer its first call (faults by "
-                                 f"operation: {dict(faults)}); the server log has the error")

@@ -25,7 +25,7 @@ from hicache.events.publisher import EventCounters
 from hicache.storage.backends import base as backend_stats
 from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
-from hicache.tree.hiradix import HostCounters
+from hicache.tree.base import HostCounters
 
 
 @dataclass

@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from hicache.build import build_stack
 from hicache.config import (
     Config,
 )
+from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
-from hicache.stack import CacheStack, ModelKV, build_stack
-from hicache.stats import CacheStats, PinStats, SessionStats
-from hicache.tree.pins import PinRefused, PinTable
-from hicache.tree.sessions import SessionTable
+from hicache.stack import CacheStack, PinRefused
+from hicache.stats import CacheStats
 from server.inbox import SchedulerStopped
 from server.model_runner import ModelRunner
 from server.models.loader import load_model
@@ -54,11 +54,6 @@ MAX_RUNNING_REQUESTS = 64
 DRAIN_POLL_S = 0.02
 # The longest TTL a pin may ask for: a week. A pin is a lease to renew, not a setting.
 MAX_PIN_TTL_S = 7 * 24 * 3600.0
-# Of the lowest tier's capacity (L2, or L1 without L2), what pins may hold by default
-# (cache.max_pinned_tokens: null): the rest stays for running requests and ordinary reuse.
-DEFAULT_PIN_SHARE = 4
-# Without L2 pinned pages never leave L1: at most 1/this of it, whatever the config says.
-MAX_PIN_SHARE_OF_L1_ONLY = 2
 
 
 class EngineClosed(RuntimeError):
@@ -187,30 +182,12 @@ class Engine:
         """The model, the cache's tiers and the scheduler (on the passing thread)."""
         self._init_model()
         self.cache: CacheStack = build_stack(self.config, self._model_kv())
-        runner = ModelRunner(self.loaded.model, self.cache.device_pool, self.cache.tree)
-        c = self.config.cache
-        self.sessions = (SessionTable(self.cache.tree, c.session_timeout_s)
-                         if c.session_retention else None)
-        self.pins = PinTable(self.cache.tree, self._pin_cap())
+        runner = ModelRunner(self.loaded.model, self.cache)
         self._storage = StorageAttachment(self)
         self.scheduler = Scheduler(runner, self.cache, self.tokenizer,
                                    max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,
-                                   schedule_policy=self.config.server.schedule_policy,
-                                   sessions=self.sessions, pins=self.pins)
-
-    def _pin_cap(self) -> int:
-        """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
-        cap = self.config.cache.max_pinned_tokens
-        pool = self.cache.host_pool
-        l1 = self.cache.device_pool.allocator.total_size()
-        if cap is None:
-            cap = (pool.total_size() if pool is not None else l1) // DEFAULT_PIN_SHARE
-        if pool is None:  # pinned pages never leave L1: keep (over) half of it for requests,
-            # so a request that fits beside a full cap of pins (`_check_params`) can be a
-            # pin's own computation (its prompt: the pinned pages and less than a page more)
-            cap = min(cap, (l1 - self.config.cache.page_size) // MAX_PIN_SHARE_OF_L1_ONLY)
-        return cap // self.config.cache.page_size * self.config.cache.page_size
+                                   schedule_policy=self.config.server.schedule_policy)
 
     def _init_model(self) -> None:
         m = self.config.model
@@ -413,7 +390,7 @@ class Engine:
 
         def flush() -> dict:
             if unpin:
-                self.pins.clear()
+                self.cache.unpin_all()
             return self.cache.flush(tiers)
 
         return self._call(flush, when_idle=True)
@@ -429,14 +406,14 @@ class Engine:
         `cache.max_pinned_tokens` (saying how much is pinned and the cap). Returns
         `{"success", "pinned_tokens", "expires_in_s", "total_pinned_tokens",
         "max_pinned_tokens"}`."""
-        if self.cache.tree.disable:
+        if not self.cache.enabled:
             raise InvalidRequest("pins need the radix cache, which this server was started "
                                  "without: restart it without --disable-radix-cache")
         ids, extra_key = self._pin_prefix(text, input_ids, extra_key)
         ttl = _pin_ttl(ttl_seconds)
-        if len(ids) > self.pins.max_tokens:
+        if len(ids) > self.cache.max_pinned_tokens:
             raise InvalidRequest(f"pinning {len(ids)} tokens exceeds the cap "
-                                 f"(cache.max_pinned_tokens) of {self.pins.max_tokens}")
+                                 f"(cache.max_pinned_tokens) of {self.cache.max_pinned_tokens}")
         for _ in range(2):  # once more if a busy L1 evicted it before it was pinned
             self.generate(input_ids=ids, extra_key=extra_key,
                           sampling_params={"max_new_tokens": 1, "temperature": 0})
@@ -448,26 +425,20 @@ class Engine:
 
     def _pin_now(self, ids: list[int], extra_key: str | None, ttl: float) -> dict | None:
         """Scheduler thread: pin the cached path spelling `ids` (None: not cached)."""
-        tree = self.cache.tree
-        node = tree.node_at(tree.root, ids, extra_key)
-        if node is None:
-            return None
-        key = (tuple(ids), extra_key)
         try:
-            self.pins.check(key, node)
+            if not self.cache.pin(ids, extra_key, ttl, time.monotonic()):
+                return None
         except PinRefused as e:
             raise InvalidRequest(str(e)) from None
-        self.pins.pin(key, node, ttl, time.monotonic())
-        tree.back_up_path(node)  # a pinned page must reach L2 to leave L1 (best effort)
         return {"success": True, "pinned_tokens": len(ids), "expires_in_s": ttl,
-                "total_pinned_tokens": self.pins.pinned_tokens(),
-                "max_pinned_tokens": self.pins.max_tokens}
+                "total_pinned_tokens": self.cache.pinned_tokens(),
+                "max_pinned_tokens": self.cache.max_pinned_tokens}
 
     def unpin(self, text: str | None = None, input_ids: list[int] | None = None,
               extra_key: str | None = None) -> bool:
         """Release the pin of a prefix (as `pin` was given it); False when none."""
         ids, extra_key = self._pin_prefix(text, input_ids, extra_key)
-        return self._call(lambda: self.pins.unpin((tuple(ids), extra_key)))
+        return self._call(lambda: self.cache.unpin(ids, extra_key))
 
     def _pin_prefix(self, text: str | None, input_ids: list[int] | None,
                     extra_key: str | None) -> tuple[list[int], str | None]:
@@ -488,22 +459,12 @@ class Engine:
         session_id = check_session_id(session_id)
         if session_id is None:
             raise InvalidRequest("`session_id` is required: the session to close")
-        if self.sessions is None:
-            return False
-        return self._call(lambda: self.sessions.close(session_id))
+        return self._call(lambda: self.cache.close_session(session_id))
 
     def cache_stats(self) -> CacheStats:
         """One typed snapshot of the tiers, the request counters and the live sessions
         (`hicache.stats`)."""
-        return self._call(self._stats_now)
-
-    def _stats_now(self) -> CacheStats:
-        stats = self.cache.stats(self.scheduler.counters)
-        pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
-                        tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
-        sessions = (SessionStats(*self.sessions.sizes()) if self.sessions is not None
-                    else None)
-        return dataclasses.replace(stats, sessions=sessions, pins=pins)
+        return self._call(lambda: self.cache.stats(self.scheduler.counters))
 
     def stats(self) -> dict:
         """`cache_stats()` as plain data: `{"tiers": {tier: {...}}, "counters": {...}}`."""

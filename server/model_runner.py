@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.memory import DeviceKVPool
-from hicache.tree import PrefixCache
+from hicache.stack import CacheStack
 from server.models.forward_batch import ForwardBatch
 from server.request import Request
 from server.sampling import sample_row
@@ -45,11 +45,11 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool: DeviceKVPool, tree: PrefixCache) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheStack) -> None:
         self.model = model
-        self.kv_pool = kv_pool
-        self.tree = tree  # launches the H->D loads admission queued (none without L2)
-        self.device = kv_pool.device
+        self.kv_pool: DeviceKVPool = cache.device_pool
+        self.cache = cache  # launches the H->D loads admission queued (none without L2)
+        self.device = cache.device_pool.device
 
     def forward(self, reqs: list[Request], extend_lens: list[int]) -> ForwardOutput:
         """Compute K/V for `extend_lens[i]` new tokens of each request; the logits of the
@@ -58,7 +58,7 @@ class ModelRunner:
         rows = logit_rows(reqs, extend_lens)
         if any(r.count > 1 for r in rows):  # else the model's own last-token path
             batch.output_rows = _output_rows(rows, reqs, batch.extend_starts)
-        handle = self.tree.start_loading()
+        handle = self.cache.launch_loads()
         if handle is not None:
             batch.layer_hook = handle.wait_layer
         return ForwardOutput(self.model.forward(batch, self.kv_pool), rows)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache.handles import Lease
 from hicache.policies import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:  # server.sampling imports this module
@@ -275,7 +276,7 @@ class Request:
 
     Its device slots, from admission to finish (`kv_slots`, token positions):
 
-        [0, tree_len)              the tree's slots, locked through `last_node`; the tree
+        [0, tree_len)              the tree's slots, locked through `lease`; the tree
                                    frees them (on eviction), never the request
         [tree_len, num_computed)   KV this request computed; at its prefill's end
                                    (`cache_prompt`) and at finish they go to the tree, which
@@ -324,7 +325,7 @@ class Request:
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     num_computed: int = 0      # tokens whose K/V are in kv_slots
     tree_len: int = 0          # leading slots owned by the tree (locked), not by the request
-    last_node: Any = None      # the locked tree node ending `[0, tree_len)`
+    lease: Lease | None = None  # the cache's lock on `[0, tree_len)`
     reserved: int = 0          # L1 tokens set aside for the rest of this request's fill
     admit_hit: int = 0         # tokens this admission found cached (not computed by it)
     retractions: int = 0       # times it was put back in the queue for lack of L1 slots

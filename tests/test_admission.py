@@ -76,8 +76,9 @@ def test_commit_evicts_the_shortfall_keeps_the_hit_and_releases_cleanly() -> Non
 
 
 def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
-    """The lock is recorded on the request the moment it is taken, so the release that
-    fails a request takes it back; nothing else is undone because nothing else happened."""
+    """A commit whose load-back fails unlocks the path it had locked before the exception
+    leaves the cache: the request holds no lease, and the release that fails it has nothing
+    to give back; nothing else is undone because nothing else happened."""
     stack = cpu_stack(PS, L1_TOKENS, **{"cache.hierarchical": True})
     prefix = list(range(32))
     cache_finished(stack, prefix[:16])
@@ -88,10 +89,10 @@ def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     req = request(prefix + [7, 7], 4)
     admission, kv = admission_of(stack)
     plan = admission.plan(req)
-    assert plan is not None and plan.match.host_hit_length == 16
+    assert plan is not None and plan.match.host_tokens == 16
     with pytest.raises(ZeroDivisionError):
         admission.commit(req, plan)
-    assert stack.tree.protected_size() == 16  # the device hit, locked for this request
+    assert req.lease is None and stack.tree.protected_size() == 0  # the device hit, let go
     kv.release(req, keep_cache=False)
     assert stack.tree.protected_size() == 0
     stack.check_integrity()
@@ -157,7 +158,7 @@ def test_a_retracted_request_readmitted_matches_its_prompt_and_output() -> None:
     assert stack.tree.protected_size() == 0 and stack.tree.evictable_size() == 16
     assert stack.device_pool.available_size() == L1_TOKENS - 16
     plan = admission.plan(req)
-    assert plan is not None and plan.match.device_indices.numel() == 16
+    assert plan is not None and plan.match.device_tokens == 16
     admission.commit(req, plan)
     assert (req.num_computed, req.admit_hit, req.reserved) == (16, 16, 4)  # fill: 1 token
     assert req.cached_details == {"device": 0, "host": 0, "storage": 0}

@@ -445,8 +445,8 @@ def test_disabled_by_default_costs_no_publisher(tmp_path) -> None:
 
 
 def test_an_endpoint_in_use_is_an_error_naming_the_keys() -> None:
+    from hicache.build import _event_publisher
     from hicache.config import load_config
-    from hicache.stack import _event_publisher
     first = _event_publisher(load_config(None, EVENTS).events)
     try:
         port = first.endpoint.rsplit(":", 1)[1]

@@ -65,7 +65,7 @@ def test_lpm_ranks_by_cached_prefix_stable_among_equals_and_fcfs_past_the_scan(
             "long": request(seq(100, 32) + [7]), "none2": request(seq(600, 9)),
             "mid": request(seq(0, 16) + [7])}
     waiting = list(reqs.values())
-    lpm = make_policy("lpm", stack.tree)
+    lpm = make_policy("lpm", stack)
     assert names(lpm.order(waiting), reqs) == ["long", "mid", "short", "none", "none2"]
     assert names(waiting, reqs) == list(reqs)  # left as it was
     assert names(Admission(stack, RequestKV(stack, [])).order(waiting), reqs) == [
@@ -78,13 +78,13 @@ def test_fcfs_keeps_arrival_order_whatever_is_cached() -> None:
     stack = stack_of()
     cache_finished(stack, seq(0, 32))
     reqs = {"a": request(seq(500, 9)), "b": request(seq(0, 32) + [1]), "c": request([3, 4])}
-    assert names(make_policy("fcfs", stack.tree).order(list(reqs.values())), reqs) == ["a", "b", "c"]
+    assert names(make_policy("fcfs", stack).order(list(reqs.values())), reqs) == ["a", "b", "c"]
 
 
 def test_random_is_a_seeded_permutation() -> None:
     stack = stack_of()
     waiting = [request([i, i + 1]) for i in range(20)]
-    first, again = make_policy("random", stack.tree), RandomOrder(RANDOM_POLICY_SEED)
+    first, again = make_policy("random", stack), RandomOrder(RANDOM_POLICY_SEED)
     orders = [first.order(waiting) for _ in range(3)]
     assert [again.order(waiting) for _ in range(3)] == orders  # the seed decides all
     for order in orders:
@@ -105,7 +105,7 @@ def test_dfs_weight_runs_groups_back_to_back_heaviest_first() -> None:
             "b2": request(sys_b + seq(20, 8)),
             "a2": request(sys_a + seq(30, 16) + seq(40, 4)),
             "a3": request(sys_a + seq(30, 16) + seq(50, 4))}
-    order = make_policy("dfs-weight", stack.tree).order(list(reqs.values()))
+    order = make_policy("dfs-weight", stack).order(list(reqs.values()))
     assert names(order, reqs) == ["a2", "a3", "a1", "b1", "b2", "lone"]
 
 
@@ -117,7 +117,7 @@ def test_dfs_weight_puts_a_prefix_before_its_extensions_and_keeps_namespaces_apa
             "prefix": request(shared + [6]),
             "y_other_ns": request(shared + [5, 6], extra_key="other"),
             "z_other_ns": request(seq(90, 9), extra_key="other")}
-    order = make_policy("dfs-weight", stack.tree).order(list(reqs.values()))
+    order = make_policy("dfs-weight", stack).order(list(reqs.values()))
     # namespace "other" holds 3 (heaviest); a key that is another's prefix ends above it
     assert names(order, reqs) == ["x_other_ns", "y_other_ns", "z_other_ns", "prefix", "long"]
 
@@ -125,7 +125,7 @@ def test_dfs_weight_puts_a_prefix_before_its_extensions_and_keeps_namespaces_apa
 def test_dfs_weight_is_arrival_order_without_a_tree() -> None:
     stack = stack_of(enable_radix_cache=False)
     reqs = {"a": request(seq(0, 9)), "b": request(seq(500, 9)), "c": request(seq(0, 9))}
-    assert names(make_policy("dfs-weight", stack.tree).order(list(reqs.values())), reqs) == [
+    assert names(make_policy("dfs-weight", stack).order(list(reqs.values())), reqs) == [
         "a", "b", "c"]
 
 
@@ -143,12 +143,12 @@ def test_the_prefix_trie_counts_and_matches() -> None:
 
 def test_every_policy_name_builds_and_a_bad_one_names_the_allowed() -> None:
     stack = stack_of()
-    assert [make_policy(name, stack.tree).name for name in SCHEDULE_POLICIES] == list(
+    assert [make_policy(name, stack).name for name in SCHEDULE_POLICIES] == list(
         SCHEDULE_POLICIES)
-    assert [make_policy(n, stack.tree).cache_aware for n in SCHEDULE_POLICIES] == [
+    assert [make_policy(n, stack).cache_aware for n in SCHEDULE_POLICIES] == [
         True, False, False, True]
     with pytest.raises(ValueError, match="'sjf' is not one of lpm, fcfs, random, dfs-weight"):
-        make_policy("sjf", stack.tree)
+        make_policy("sjf", stack)
 
 
 # ------------------------------------------------------------------ delay, one step
@@ -250,7 +250,7 @@ def engine() -> Iterator[Engine]:
 def use_policy(e: Engine, name: str, max_batch_tokens: int | None = None) -> None:
     """Switch the scheduler's policy (and batch budget) between steps."""
     def switch() -> None:
-        e.scheduler.admission.policy = make_policy(name, e.cache.tree)
+        e.scheduler.admission.policy = make_policy(name, e.cache)
         if max_batch_tokens is not None:
             e.scheduler.max_batch_tokens = max_batch_tokens
     e.scheduler.call(switch).result(WAIT_S)

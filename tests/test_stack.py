@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache import stack as cache_setup
+from hicache import build as cache_setup
 from hicache.config import load_config
 from hicache.memory import DeviceKVPool
-from hicache.stack import ModelKV
+from hicache.model_kv import ModelKV
+from hicache.stack import CacheStack
 from hicache.stats import RequestCounters, StorageStats
 from hicache.storage.tier import StorageCounters
 
@@ -57,7 +58,7 @@ def test_explicit_sizes_are_taken_as_given(host_memory) -> None:
     assert explicit == l1_tokens()
 
 
-def l1_only_stack(**overrides) -> cache_setup.CacheStack:
+def l1_only_stack(**overrides) -> CacheStack:
     cfg = load_config(None, {"cache.page_size": 4, "cache.max_total_tokens": 64,
                              "model.device": "cpu", **overrides})
     return cache_setup.build_stack(cfg, loaded_on_cpu())

@@ -155,7 +155,7 @@ class StorageTier:
         for n in reversed(chain):
             hashes = self.node_hashes(n)
             if self._stored.pop_all(hashes):  # L3 said it holds them (and events said so)
-                n.storage_backed = True
+                self.tree.mark_stored(n)
                 continue
             self.tree.protect_host(n)
             self._backups[n.id] = n
@@ -166,7 +166,7 @@ class StorageTier:
             node = self._backups.pop(ack.node_id)
             self.tree.release_host(node)
             if ack.ok:
-                node.storage_backed = True
+                self.tree.mark_stored(node)
                 self.counters.backed_up_tokens += len(node.key)
                 self.tree.record_stored(node, MEDIUM_DISK)
             else:
@@ -469,8 +469,7 @@ class StorageTier:
         self.wait_idle()
         self._stored = KnownStored()
         removed = self.io.backend.clear()
-        for node in self.tree.iter_nodes():
-            node.storage_backed = False
+        self.tree.forget_stored()
         return removed
 
     def close(self) -> None:

@@ -18,7 +18,9 @@ Sizes are tokens. Threading: the scheduler thread owns the tree; nothing else ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -58,6 +60,19 @@ class HostSizes(NamedTuple):
     total: int = 0
     evictable: int = 0   # L2-only leaves, unlocked and unprotected
     protected: int = 0   # host-protected (a backup or prefetch reads them) or locked
+
+
+@dataclass
+class HostCounters:
+    """The L2 tree's token counts since start (scheduler thread; plain ints, one owner)."""
+
+    written_tokens: int = 0         # D->H copies acknowledged
+    write_dropped_tokens: int = 0   # writes skipped because L2 had no room
+    device_evicted_tokens: int = 0  # L1 evictions (a demotion when an L2 copy stays)
+    host_evicted_tokens: int = 0
+    reclaimed_copy_tokens: int = 0  # of those, copies of pages L1 kept (L2 smaller than L1)
+    load_back_tokens: int = 0
+    transfer_failures: int = 0      # copies that failed (counted per copy, not in tokens)
 
 
 class OwnedSizes(NamedTuple):
@@ -106,6 +121,17 @@ class PrefixCache(ABC):
         Touches and raises priorities like a match; counts a use unless `count_hit=False`."""
 
     @abstractmethod
+    def node_at(self, anchor: TreeNode, key: Sequence[int], extra_key: str | None = None
+                ) -> TreeNode | None:
+        """The node whose edge ends exactly after `key`'s whole pages below `anchor` (an
+        edge split there if it runs on); `anchor` for an empty key; None when the tree does
+        not spell them all."""
+
+    @abstractmethod
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+
+    @abstractmethod
     def count_use(self, node: TreeNode, priority: int | None = None) -> None:
         """Count one use of `node` (locked by the caller) and its ancestors, touching them:
         for a request matched with `count_hit=False` that inserts nothing at its end."""
@@ -140,13 +166,42 @@ class PrefixCache(ABC):
     @abstractmethod
     def total_size(self) -> int: ...
 
+    # ------------------------------------------------------------ sessions, pins, events
+
+    @abstractmethod
+    def own(self, node: TreeNode, session_id: str) -> None:
+        """`session_id` owns `node` and its ancestors: evicted after every unowned node."""
+
+    @abstractmethod
+    def disown(self, session_id: str) -> int:
+        """`session_id` owns nothing any more; the tokens it owned."""
+
+    @abstractmethod
+    def owned_tokens(self) -> OwnedSizes: ...
+
+    @abstractmethod
+    def pin(self, node: TreeNode) -> None:
+        """Pin `node` and its ancestors until `unpin(node)`: evicted after everything else."""
+
+    @abstractmethod
+    def unpin(self, node: TreeNode) -> None: ...
+
+    @abstractmethod
+    def flushing(self) -> AbstractContextManager[None]:
+        """KV events: removals inside are an operator's flush."""
+
+    @abstractmethod
+    def record_all(self) -> None:
+        """KV events: record every page the tree holds, in every tier, parents first."""
+
     @abstractmethod
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
 
     @abstractmethod
-    def check_integrity(self) -> None:
-        """Raise AssertionError when a structural invariant is broken."""
+    def check_integrity(self, held_host_tokens: int = 0) -> None:
+        """Raise AssertionError when a structural invariant is broken (`held_host_tokens`:
+        host pages in-flight L3 prefetches hold, which no node owns yet)."""
 
     # ------------------------------------------------- L2 hooks: harmless without a host tier
 
@@ -162,6 +217,16 @@ class PrefixCache(ABC):
 
     def host_sizes(self) -> HostSizes:
         return HostSizes()
+
+    def host_counters(self) -> HostCounters:
+        """A copy of the L2 counters (all zero without L2)."""
+        return HostCounters()
+
+    def mark_stored(self, node: TreeNode) -> None:
+        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
+
+    def forget_stored(self) -> None:
+        """L3 was emptied or detached: no node is known to be there any more."""
 
     def back_up_path(self, node: TreeNode) -> bool:
         """Queue the copy of `node`'s path to L2 (no L2 here: nothing to do)."""

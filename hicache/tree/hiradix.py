@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -36,7 +36,7 @@ from hicache.events.schema import (
 from hicache.policies import WRITE_POLICIES, check_choice
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
-from hicache.tree.base import EMPTY, HostSizes, LoadBack, MatchResult, concat
+from hicache.tree.base import EMPTY, HostCounters, HostSizes, LoadBack, MatchResult, concat
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import HiTreeNode, TreeNode
 from hicache.tree.radix import RadixCache
@@ -47,20 +47,6 @@ logger = logging.getLogger(__name__)
 # Loading fewer tokens than this back from L2 costs more in launch and bookkeeping than
 # recomputing them (SGLang uses the same default for its load_back_threshold).
 LOAD_BACK_THRESHOLD = 10
-
-
-@dataclass
-class HostCounters:
-    """The L2 tree's token counts since start (scheduler thread; plain ints, one owner)."""
-
-    written_tokens: int = 0         # D->H copies acknowledged
-    write_dropped_tokens: int = 0   # writes skipped because L2 had no room
-    device_evicted_tokens: int = 0  # L1 evictions (a demotion when an L2 copy stays)
-    host_evicted_tokens: int = 0
-    reclaimed_copy_tokens: int = 0  # of those, copies of pages L1 kept (L2 smaller than L1)
-    load_back_tokens: int = 0
-    transfer_failures: int = 0      # copies that failed (counted per copy, not in tokens)
-
 
 
 def _depth(node: TreeNode) -> int:
@@ -532,6 +518,16 @@ class HiRadixCache(RadixCache):
         node.storage_backed = True
         self._copy_heap.push(node)
         self.record_stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
+
+    def host_counters(self) -> HostCounters:
+        return replace(self.counters)
+
+    def mark_stored(self, node: HiTreeNode) -> None:
+        node.storage_backed = True
+
+    def forget_stored(self) -> None:
+        for node in self.iter_nodes():
+            node.storage_backed = False
 
     def copies_pending(self) -> bool:
         return self.controller.has_pending()

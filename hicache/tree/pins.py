@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from hicache.tree.base import PrefixCache
 from hicache.tree.node import Key, TreeNode
-from hicache.tree.radix import RadixCache
 
 PinKey = tuple[Key, str | None]  # (whole pages of token ids, extra_key)
 
@@ -36,7 +36,7 @@ class PinRefused(ValueError):
 
 
 class PinTable:
-    def __init__(self, tree: RadixCache, max_tokens: int) -> None:
+    def __init__(self, tree: PrefixCache, max_tokens: int) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_pinned_tokens must be >= 0, got {max_tokens}")
         self.tree = tree

@@ -545,8 +545,9 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------------ integrity
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError when any structural invariant is broken."""
+    def check_integrity(self, held_host_tokens: int = 0) -> None:
+        """Raise AssertionError when any structural invariant is broken (no host tier here:
+        no host pages to count, `held_host_tokens` is for `HiRadixCache`)."""
         evictable = protected = nodes = 0
         for node in self.iter_nodes():
             nodes += 1

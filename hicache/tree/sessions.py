@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from hicache.tree.radix import RadixCache
+from hicache.tree.base import PrefixCache
 
 
 class SessionSizes(NamedTuple):
@@ -26,7 +26,7 @@ class SessionSizes(NamedTuple):
 class SessionTable:
     """Open sessions, oldest request first; `tree` records their ownership."""
 
-    def __init__(self, tree: RadixCache, timeout_s: float) -> None:
+    def __init__(self, tree: PrefixCache, timeout_s: float) -> None:
         if timeout_s <= 0:
             raise ValueError(f"session timeout must be > 0 seconds, got {timeout_s}")
         self.tree = tree

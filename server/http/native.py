@@ -208,7 +208,7 @@ async def handle_close_session(request: web.Request) -> web.Response:
         None, partial(engine.close_session, session_id))
     message = (f"session {session_id!r} closed" if closed else
                f"session {session_id!r} is not open (never used, closed or timed out"
-               + ("" if engine.sessions is not None else
+               + ("" if engine.config.cache.session_retention else
                   "; session retention is off: start with --enable-session-radix-cache")
                + "); nothing changed")
     return web.json_response({"success": closed, "message": message})

@@ -12,8 +12,8 @@
              from free slots plus what eviction can free beyond its own hit. Changes no room.
     commit   `commit(req, plan)`: lock the hit, evict what its fill needs now, load the L2
              hit back, reserve the fill. Nothing here fails for lack of room, so nothing is
-             undone; an exception (a bug) fails the request alone, and `RequestKV.release`
-             lets go of the lock it took (`req.last_node` is set the moment it is held).
+             undone; an exception (a bug) fails the request alone, and the cache lets go
+             of the lock it took (`CacheStack.admit`; `req.lease` is set once it returns).
 
 Only the fill is reserved: the tokens a request generates are allocated step by step from
 what is free, as SGLang does. When the estimate was too low and a decode finds no slot, the
@@ -34,11 +34,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
-
+from hicache.handles import Hit
 from hicache.stack import CacheStack
 from hicache.storage.tier import Resume
-from hicache.tree.base import MatchResult
 from server.request import Request
 from server.scheduler.kv import RequestKV, cache_key, pages_up
 from server.scheduler.policy import InBatchSharing, filling, make_policy
@@ -90,7 +88,7 @@ class NewTokenRatio:
 
 
 class AdmitPlan(NamedTuple):
-    match: MatchResult
+    match: Hit
     need_tokens: int   # L1 tokens to promise now: the L2 hit's load-back and the rest of
                        # the fill (prompt, and output of a retracted request), whole pages
     evict_tokens: int  # of those, what eviction must free first (0: free slots suffice)
@@ -100,11 +98,10 @@ class AdmitPlan(NamedTuple):
 class Admission:
     def __init__(self, cache: CacheStack, kv: RequestKV, schedule_policy: str = "lpm") -> None:
         self.cache = cache
-        self.tree = cache.tree
         self.page_size = cache.page_size
         self.kv = kv  # its running list: their reservations and estimates are spoken for
         self.ratio = NewTokenRatio()
-        self.policy = make_policy(schedule_policy, self.tree)
+        self.policy = make_policy(schedule_policy, cache)
         self.delays: dict[Request, int] = {}  # waiting request -> steps delayed (sharing)
 
     def order(self, waiting: list[Request]) -> list[Request]:
@@ -118,7 +115,7 @@ class Admission:
         if self.delays:
             still = set(waiting)
             self.delays = {req: n for req, n in self.delays.items() if req in still}
-        return InBatchSharing(self.tree, filter(filling, self.kv.running), self.delays,
+        return InBatchSharing(self.cache, filter(filling, self.kv.running), self.delays,
                               self.policy.cache_aware and bool(waiting))
 
     def start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
@@ -135,28 +132,20 @@ class Admission:
         if not stop:
             req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
         # the request's use is counted once, when it releases its path (`RequestKV.release`)
-        m = self.tree.match_prefix(cache_key(req), req.extra_key, priority=req.priority,
-                                   count_hit=False)
-        if stop and m.device_indices.numel() + m.host_hit_length >= stop:
+        m = self.cache.match(cache_key(req), req)
+        if stop and m.tokens >= stop:
             # the head is cached already (another request computed it): take the tail now
             req.from_storage += self.cache.end_prefetch(req.rid)
-            m = self.tree.match_prefix(cache_key(req), req.extra_key, priority=req.priority,
-                                       count_hit=False)
+            m = self.cache.match(cache_key(req), req)
             stop = 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
         # pages; both are promised now. Its new tokens, and the running requests', are
         # estimated: room for them is asked, nothing is promised.
-        fill = m.host_hit_length + pages_up(
-            (stop or req.seq_len) - m.device_indices.numel() - m.host_hit_length,
-            self.page_size)
+        fill = m.host_tokens + pages_up((stop or req.seq_len) - m.tokens, self.page_size)
         free = self.kv.free_tokens()
         short = fill + self.ratio.estimate(req) + self.running_estimate() - free
-        if short > 0:
-            evictable = (self.tree.evictable_size()
-                         - self.tree.unlocked_on_path(m.last_device_node)
-                         - self.tree.stuck_pinned_size(m.last_device_node))
-            if evictable < short:
-                return None
+        if short > 0 and self.cache.room_beyond(m) < short:
+            return None
         return AdmitPlan(m, fill, max(0, fill - free), stop)
 
     def running_estimate(self) -> int:
@@ -169,19 +158,7 @@ class Admission:
         """Lock, evict, load back, reserve (see the module docstring). Returns the cached
         tokens per tier to count for this admission (None: counted before)."""
         m = plan.match
-        self.tree.inc_lock_ref(m.last_device_node)
-        req.last_node = m.last_device_node
-        if plan.evict_tokens:
-            self._evict_keeping(m, plan.evict_tokens)
-        prefix, loaded = m.device_indices, 0
-        if m.host_hit_length:
-            lb = self.tree.init_load_back(m.last_host_node)
-            if lb.device_indices.numel():
-                prefix = torch.cat([prefix, lb.device_indices])
-                loaded = lb.device_indices.numel()
-                self.tree.inc_lock_ref(lb.last_node)
-                self.tree.dec_lock_ref(req.last_node)
-                req.last_node = lb.last_node
+        req.lease, prefix, loaded = self.cache.admit(m, plan.evict_tokens)
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
         need = pages_up((plan.stop or req.seq_len) - len(prefix), self.page_size)
         assert need <= self.kv.free_tokens(), (
@@ -197,18 +174,6 @@ class Admission:
         if req.retractions:  # a retracted request's prompt was counted once
             return None
         # what its client is told: the prompt's first admission
-        req.cached_details = {"device": m.device_indices.numel(),
+        req.cached_details = {"device": m.device_tokens,
                               "host": loaded - storage, "storage": storage}
         return dict(req.cached_details)
-
-    def _evict_keeping(self, m: MatchResult, tokens: int) -> None:
-        """Evict L1 `tokens` while the match's L2 pages are kept (an L1 eviction may make
-        room in L2 for its write-back)."""
-        if not m.host_hit_length:
-            self.tree.evict(tokens)
-            return
-        self.tree.protect_host(m.last_host_node)
-        try:
-            self.tree.evict(tokens)
-        finally:
-            self.tree.release_host(m.last_host_node)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 
 from hicache.stack import CacheStack
-from hicache.tree.node import TreeNode
-from hicache.tree.sessions import SessionTable
 from server.request import Request
 
 
@@ -35,31 +33,17 @@ def cache_key(req: Request) -> list[int]:
     """What the tree is asked for (match, prefetch, LPM rank): at least one token is
     computed, for its logits; a request that wants prompt logprobs from position k asks for
     its first k tokens only (`Request.cacheable_len`). A longer cached prefix stays the
-    tree's: the request computes its own copies, which `_insert` frees as duplicates. A
+    tree's: the request computes its own copies, which the cache frees as duplicates. A
     retracted request asks for its prompt and output."""
     return req.all_ids[:req.cacheable_len]
 
 
 class RequestKV:
     def __init__(self, cache: CacheStack, running: list[Request]) -> None:
-        self.tree = cache.tree
+        self.cache = cache
         self.pool = cache.device_pool
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for
-        self.sessions: SessionTable | None = None  # set with cache.session_retention
-
-    def _own(self, req: Request, node: TreeNode) -> None:
-        """`req`'s live session owns `node` and its ancestors (which it uses). A session
-        closed meanwhile stays closed: its late requests own nothing."""
-        if self.sessions is not None and req.session_id in self.sessions:
-            self.tree.own(node, req.session_id)
-
-    def _own_key(self, req: Request, tokens: list[int]) -> None:
-        """`_own` the path spelling `tokens` (just inserted)."""
-        if self.sessions is not None and req.session_id in self.sessions:
-            path = self.tree.peek_path(tokens, req.extra_key)
-            if path:
-                self.tree.own(path[-1], req.session_id)
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
@@ -75,7 +59,7 @@ class RequestKV:
             return True
         extra = missing - min(missing, req.reserved)
         if extra > self.free_tokens():
-            self.tree.evict(extra - self.free_tokens())
+            self.cache.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
                 return False
         slots = self.pool.alloc(missing)  # reserved or free and unpromised: cannot fail
@@ -91,47 +75,23 @@ class RequestKV:
         before the answer is out. The request keeps the path locked and reads the tree's
         slots from here on (where the tree already had some, its own copies are freed)."""
         aligned = req.num_computed // self.page_size * self.page_size
-        if self.tree.disable or aligned <= req.tree_len:
+        if not self.cache.enabled or aligned <= req.tree_len:
             return
-        tokens = self._insert(req, aligned, count_hit=False)  # `release` counts the use
-        path = self.tree.peek_path(tokens, req.extra_key)  # no second hit for the policies
-        slots = torch.cat([node.value for node in path])
-        assert slots.numel() == aligned, "an inserted key is whole nodes on the device"
-        self.tree.inc_lock_ref(path[-1])
-        self._own(req, path[-1])
-        self.tree.dec_lock_ref(req.last_node)
+        req.lease, slots = self.cache.cache_prefix(req.lease, req.all_ids[:aligned],
+                                                   req.kv_slots, req, req.tree_len)
         req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
-        req.last_node, req.tree_len = path[-1], aligned
-
-    def _insert(self, req: Request, aligned: int, count_hit: bool = True) -> list[int]:
-        """Insert the request's first `aligned` tokens with its slots; the request's copies
-        of pages the tree already held (beyond `[0, tree_len)`, which it shares) are freed.
-        Returns the tokens inserted."""
-        tokens = req.all_ids[:aligned]
-        present = self.tree.insert(tokens, req.kv_slots[:aligned], req.extra_key,
-                                   count_hit=count_hit, priority=req.priority)
-        if present > req.tree_len:  # the tree had these pages: ours are duplicates
-            self.pool.free(req.kv_slots[req.tree_len:present])
-        return tokens
+        req.tree_len = aligned
 
     def release(self, req: Request, keep_cache: bool, *, count_use: bool = True) -> None:
         """Give the request's KV to the tree (keep_cache) or back to the pool; unlock. Counts
         the request's one use of the nodes it holds and gives them (`count_use`: not when
         it only steps aside, `retract`)."""
-        if req.last_node is None:
+        if req.lease is None:
             return
         aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
-        if aligned > req.admit_hit:  # pages new since admission, maybe cached at prefill
-            tokens = self._insert(req, aligned, count_hit=count_use)  # (again): a fresh
-            self._own_key(req, tokens)                               # access time
-        elif count_use:  # nothing computed to add (or failed): the prefix it held
-            self.tree.count_use(req.last_node, req.priority)
-        self._own(req, req.last_node)
-        rest = req.kv_slots[max(aligned, req.tree_len):]  # never the tree's
-        if rest.numel():
-            self.pool.free(rest)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.reserved = None, 0
+        self.cache.release(req.lease, req.all_ids[:aligned], req.kv_slots, req, req.tree_len,
+                           req.admit_hit, count_use=count_use)
+        req.lease, req.reserved = None, 0
         req.kv_slots = req.kv_slots[:0]
 
     def retract(self, req: Request) -> None:

@@ -40,8 +40,6 @@ import torch
 
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
-from hicache.tree.pins import PinTable
-from hicache.tree.sessions import SessionTable
 from server.inbox import Inbox, SchedulerStopped
 from server.model_runner import ForwardOutput, ModelRunner, sample_row
 from server.request import Request
@@ -71,11 +69,9 @@ def fill_end(req: Request) -> int:
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
-                 schedule_policy: str = "lpm", sessions: SessionTable | None = None,
-                 pins: PinTable | None = None) -> None:
+                 schedule_policy: str = "lpm") -> None:
         self.runner = runner
         self.cache = cache
-        self.tree = cache.tree
         self.tokenizer = tokenizer
         self.text = OutputText(tokenizer)
         self.max_batch_tokens = max_batch_tokens
@@ -84,8 +80,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.kv = RequestKV(cache, self.running)
-        self.sessions = self.kv.sessions = sessions  # None: session ids keep nothing
-        self.pins = pins
         self.admission = Admission(cache, self.kv, schedule_policy)
         self._commands: list[tuple[Callable[[], Any], Future, bool]] = []
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
@@ -127,8 +121,8 @@ class Scheduler:
             return
         req: Request = payload
         req.arrival = time.monotonic()
-        if self.sessions is not None and req.session_id is not None:
-            self.sessions.touch(req.session_id, req.arrival)
+        if req.session_id is not None:
+            self.cache.touch_session(req.session_id, req.arrival)
         req.generator = torch.Generator()
         if req.params.seed is None:
             req.generator.seed()  # fresh entropy, as SGLang and vLLM do without a seed
@@ -157,10 +151,7 @@ class Scheduler:
             self.cache.settle(QUERY_SETTLE_S)
             self.cache.poll()
         self._run_commands()
-        if self.sessions is not None:  # O(1) unless the oldest session is due
-            self.sessions.expire(time.monotonic())
-        if self.pins:  # O(pins), and there are few
-            self.pins.expire(time.monotonic())
+        self.cache.expire(time.monotonic())
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
@@ -249,12 +240,12 @@ class Scheduler:
         L2 stays locked until its ack and is evictable once it lands, which beats
         retracting a request. Whether that made room (an ack may start the next write of a
         path, so the caller asks again)."""
-        if not self.tree.copies_pending():
+        if not self.cache.copies_pending():
             return False
-        room = self.kv.free_tokens() + self.tree.evictable_size()
-        self.tree.wait_copies()
+        room = self.kv.free_tokens() + self.cache.evictable_size()
+        self.cache.wait_copies()
         self.cache.poll()
-        return self.kv.free_tokens() + self.tree.evictable_size() > room
+        return self.kv.free_tokens() + self.cache.evictable_size() > room
 
     def _held(self, req: Request) -> bool:
         """A later choice of an `n > 1` request waits while the first one prefills, then
@@ -262,7 +253,7 @@ class Scheduler:
         prompt is computed once. Never held without a tree, nor behind a first choice that
         has not arrived (it would go unshared, never stuck) or has finished."""
         lead = req.prompt_leader
-        return (lead is not None and not self.tree.disable and lead.arrival > 0
+        return (lead is not None and self.cache.enabled and lead.arrival > 0
                 and lead.finish_reason is None and not lead.prefilled)
 
     def _restart_prefetches(self) -> bool:
@@ -332,7 +323,7 @@ class Scheduler:
         waits at the head of the queue, holding nothing on L1, until the tail its prefetch
         fetches meanwhile has arrived; admitted again, it matches both (`admission.py`)."""
         self.kv.cache_prompt(req)
-        self.cache.head_computed(req.rid, req.last_node)
+        self.cache.head_computed(req.rid, req.lease)
         self.kv.retract(req)
         req.head_stop, req.tail_pending = 0, True
         self.running.remove(req)

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from hicache.config import SCHEDULE_POLICIES
-from hicache.tree.base import PrefixCache
+from hicache.stack import CacheStack
 from server.request import Request
 from server.scheduler.kv import cache_key
 
@@ -59,7 +59,7 @@ class SchedulePolicy(ABC):
     `order(waiting)` returns a new list holding exactly the requests of `waiting` (left as
     it is), the first to be asked first. `waiting` is in arrival order, except that a
     retracted request, or one back for its L3 tail, waits at its head. A policy may peek at
-    the tree (`peek_prefix`), never change it: no touch, no hit counted, no lock.
+    the tree (`CacheStack.peek`), never change it: no touch, no hit counted, no lock.
     `cache_aware`: whether the order follows the cache, and so whether delay scheduling
     applies (`InBatchSharing`). Scheduler thread.
     """
@@ -77,11 +77,11 @@ class CacheAwarePolicy(SchedulePolicy):
 
     cache_aware = True
 
-    def __init__(self, tree: PrefixCache) -> None:
-        self.tree = tree
+    def __init__(self, cache: CacheStack) -> None:
+        self.cache = cache
 
     def order(self, waiting: Sequence[Request]) -> list[Request]:
-        if self.tree.disable or len(waiting) > MAX_LPM_SCAN:
+        if not self.cache.enabled or len(waiting) > MAX_LPM_SCAN:
             return list(waiting)
         return self._rank(waiting)
 
@@ -94,7 +94,7 @@ class LongestPrefixMatch(CacheAwarePolicy):
 
     def _rank(self, waiting: Sequence[Request]) -> list[Request]:
         def hit(req: Request) -> int:
-            return self.tree.peek_prefix(cache_key(req), req.extra_key)
+            return self.cache.peek(cache_key(req), req.extra_key)
         return sorted(waiting, key=hit, reverse=True)  # stable: FCFS among equals
 
 
@@ -127,16 +127,16 @@ class DfsWeight(CacheAwarePolicy):
         return [waiting[i] for i in trie.dfs_order()]
 
 
-def make_policy(name: str, tree: PrefixCache) -> SchedulePolicy:
-    """The policy called `name` (one of SCHEDULE_POLICIES) over `tree`."""
+def make_policy(name: str, cache: CacheStack) -> SchedulePolicy:
+    """The policy called `name` (one of SCHEDULE_POLICIES) over `cache`."""
     if name == LongestPrefixMatch.name:
-        return LongestPrefixMatch(tree)
+        return LongestPrefixMatch(cache)
     if name == FirstComeFirstServed.name:
         return FirstComeFirstServed()
     if name == RandomOrder.name:
         return RandomOrder()
     if name == DfsWeight.name:
-        return DfsWeight(tree)
+        return DfsWeight(cache)
     raise ValueError(f"schedule policy {name!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
 
 
@@ -162,10 +162,10 @@ class InBatchSharing:
     (`Admission`) and counted here. Off (`enabled` False, or no tree): nothing is delayed.
     """
 
-    def __init__(self, tree: PrefixCache, in_flight: Iterable[Request],
+    def __init__(self, cache: CacheStack, in_flight: Iterable[Request],
                  delays: dict[Request, int], enabled: bool) -> None:
-        self.tree = tree
-        self.enabled = enabled and not tree.disable
+        self.cache = cache
+        self.enabled = enabled and cache.enabled
         self.delays = delays
         self.trie = PrefixTrie()
         if self.enabled:  # else the fills in flight are not even looked at
@@ -179,11 +179,11 @@ class InBatchSharing:
         if (not self.enabled or not self.trie.roots
                 or self.delays.get(req, 0) >= MAX_IN_BATCH_DELAYS):
             return False
-        key, page = cache_key(req), self.tree.page_size
+        key, page = cache_key(req), self.cache.page_size
         shared = self.trie.shared(key, req.extra_key) // page * page  # the tree keeps pages
         if shared < IN_BATCH_SHARE_MIN_TOKENS:
             return False  # without a peek
-        if shared - self.tree.peek_prefix(key, req.extra_key) < IN_BATCH_SHARE_MIN_TOKENS:
+        if shared - self.cache.peek(key, req.extra_key) < IN_BATCH_SHARE_MIN_TOKENS:
             return False
         self.delays[req] = self.delays.get(req, 0) + 1
         return True

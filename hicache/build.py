@@ -1,0 +1,171 @@
+"""Builds the cache from the config and the model's KV shape: sizes L1 / L2, opens L3,
+and hands back the `CacheStack` the server serves through.
+
+    L1  cache.max_total_tokens, else a share of free GPU memory (or of host RAM on CPU)
+    L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
+    L3  storage.backend through the registry, keyed by the model's page hashes
+    pins  cache.max_pinned_tokens, else a quarter of the lowest tier (L2, or L1 without L2)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import zmq
+
+from hicache.config import BYTES_PER_GB, Config, EventsConfig
+from hicache.events import EventPublisher, EventRecorder, ZmqEventPublisher
+from hicache.memory.device import DeviceKVPool
+from hicache.memory.host import HostKVPool, available_memory_bytes
+from hicache.model_kv import ModelKV
+from hicache.stack import CacheStack
+from hicache.storage.backends.base import StorageUnavailable
+from hicache.storage.open import open_storage_tier, page_hasher
+from hicache.storage.tier import StorageTier
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import make_transfer_engine
+from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.pins import PinTable
+from hicache.tree.radix import RadixCache
+from hicache.tree.sessions import SessionTable
+
+logger = logging.getLogger(__name__)
+
+# Share of the GPU memory left free after loading the weights that L1 takes (the rest is
+# activations and the CUDA context; SGLang's mem_fraction_static plays the same role).
+GPU_KV_FRACTION = 0.85
+# On the CPU, L1 defaults to this share of available RAM, capped at CPU_MAX_L1_TOKENS: a CPU
+# serves small models, and a huge L1 only hides the hierarchy.
+CPU_KV_FRACTION = 0.1
+CPU_MAX_L1_TOKENS = 65536
+# When both L1 and L2 are sized automatically (cache.max_total_tokens and host.size_gb unset),
+# L2 = host.ratio x L1 may take at most this share of the available host memory: L1 is made
+# smaller rather than asking for more pinned memory than the machine has (a GPU can hold more
+# KV than the host can pin twice over).
+HOST_AUTO_FRACTION = 0.5
+# Of the lowest tier's capacity (L2, or L1 without L2), what pins may hold by default
+# (cache.max_pinned_tokens: null): the rest stays for running requests and ordinary reuse.
+DEFAULT_PIN_SHARE = 4
+# Without L2 pinned pages never leave L1: at most 1/this of it, whatever the config says.
+MAX_PIN_SHARE_OF_L1_ONLY = 2
+
+
+def build_stack(config: Config, model: ModelKV) -> CacheStack:
+    """Size and build every tier the config asks for, with its pins and sessions."""
+    c = config.cache
+    pages = _l1_pages(config, model)
+    pool = DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
+    logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
+                pool.size_bytes / BYTES_PER_GB)
+    if not c.enable_radix_cache:
+        stack = CacheStack(pool, RadixCache(pool, c.page_size, disable=True))
+    elif not c.hierarchical:
+        stack = CacheStack(pool, RadixCache(pool, c.page_size,
+                                            eviction_policy=c.eviction_policy))
+    else:
+        host = _host_pool(config, pool, model)
+        controller = HiCacheController(pool, host, make_transfer_engine(
+            pool, host, config.host.io_backend))
+        tree = HiRadixCache(controller, c.page_size, write_policy=config.host.write_policy,
+                            write_through_threshold=config.host.write_through_threshold,
+                            eviction_policy=c.eviction_policy)
+        stack = CacheStack(pool, tree, host, controller)
+    stack.pins = PinTable(stack.tree, _pin_cap(config, stack))
+    if c.session_retention:
+        stack.sessions = SessionTable(stack.tree, c.session_timeout_s)
+    _with_events(config, model, stack)
+    if stack.host_pool is not None:
+        try:
+            stack.storage = _storage_tier(config, model, stack.tree, stack.host_pool)
+        except BaseException:
+            stack.publisher.shutdown()
+            raise
+    return stack
+
+
+def _pin_cap(config: Config, stack: CacheStack) -> int:
+    """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
+    cap, page = config.cache.max_pinned_tokens, config.cache.page_size
+    l1 = stack.device_pool.allocator.total_size()
+    host = stack.host_pool
+    if cap is None:
+        cap = (host.total_size() if host is not None else l1) // DEFAULT_PIN_SHARE
+    if host is None:  # pinned pages never leave L1: keep (over) half of it for requests,
+        # so a request that fits beside a full cap of pins (the engine's check) can be a
+        # pin's own computation (its prompt: the pinned pages and less than a page more)
+        cap = min(cap, (l1 - page) // MAX_PIN_SHARE_OF_L1_ONLY)
+    return cap // page * page
+
+
+def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> None:
+    """Give `stack` its KV event recorder and publisher when `config.events` asks for them.
+    The first batch, sent at once, is `AllBlocksCleared`: this server starts empty."""
+    if not config.events.enabled:
+        return
+    stack.events = stack.tree.events = EventRecorder(page_hasher(config, model),
+                                                     config.cache.page_size)
+    stack.publisher = _event_publisher(config.events)
+    stack.publish_events()
+
+
+def _event_publisher(e: EventsConfig) -> EventPublisher:
+    """The ZMQ publisher; a socket that cannot be opened (a port in use: another server on
+    this host with the default endpoint) is a ValueError naming the keys."""
+    try:
+        return ZmqEventPublisher(e.endpoint, e.replay_endpoint, e.topic,
+                                 buffer_steps=e.buffer_steps, hwm=e.hwm,
+                                 max_queue_size=e.max_queue_size)
+    except zmq.ZMQError as err:
+        raise ValueError(f"events.endpoint {e.endpoint!r} or events.replay_endpoint "
+                         f"{e.replay_endpoint!r} cannot be opened: {err}; give each server "
+                         "on this host its own ports (or tcp://*:0)") from None
+
+
+def _l1_pages(config: Config, model: ModelKV) -> int:
+    c = config.cache
+    if c.max_total_tokens is not None:
+        return -(-c.max_total_tokens // c.page_size)
+    per_token = DeviceKVPool.bytes_per_token(*model.geometry, model.dtype)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        budget_tokens = int(free * GPU_KV_FRACTION) // per_token
+    else:
+        budget_tokens = min(int(available_memory_bytes() * CPU_KV_FRACTION) // per_token,
+                            CPU_MAX_L1_TOKENS)
+    if c.hierarchical and c.enable_radix_cache and config.host.size_gb is None:
+        host_tokens = int(available_memory_bytes() * HOST_AUTO_FRACTION) // per_token
+        if budget_tokens * config.host.ratio > host_tokens:
+            logger.info("L1 sized to %d tokens so that L2 (host.ratio %.1f x L1) fits in %.0f%% "
+                        "of the available host memory", int(host_tokens / config.host.ratio),
+                        config.host.ratio, HOST_AUTO_FRACTION * 100)
+            budget_tokens = int(host_tokens / config.host.ratio)
+    return max(1, budget_tokens // c.page_size)
+
+
+def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool:
+    h, ps = config.host, config.cache.page_size
+    if h.size_gb is not None:
+        pages = int(h.size_gb * BYTES_PER_GB) // pool.page_bytes
+    else:
+        pages = int(pool.allocator.total_size() * h.ratio) // ps
+    host = HostKVPool(max(1, pages), ps, *model.geometry, model.dtype, h.mem_layout)
+    logger.info("L2 (host, %s%s): %d tokens, %.2f GB", h.mem_layout,
+                ", pinned" if host.is_pinned else "", host.total_size(),
+                host.size_bytes / BYTES_PER_GB)
+    return host
+
+
+def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool
+                  ) -> StorageTier | None:
+    s = config.storage
+    if not s.enabled:
+        return None
+    try:
+        return open_storage_tier(config, model, tree, host)
+    except StorageUnavailable as err:  # a damaged store that could not be replaced
+        logger.error("L3 (%s) unavailable, serving without L3 until a restart: %s",
+                     s.backend, err)
+        return None
+
+

@@ -1,0 +1,24 @@
+"""What the tiers need to know of the model they cache for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+
+class ModelKV(NamedTuple):
+    """What the tiers need to know of the model: its KV geometry and where its weights are
+    (the page hashes' model fingerprint)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    path: Path
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.kv_heads, self.head_dim)

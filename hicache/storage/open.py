@@ -1,0 +1,79 @@
+"""Opening the storage tier (L3) over a running tree and host pool: the backend from the
+registry, its throttle, and the page hasher whose keys it stores pages under (the KV events'
+block hashes too). Called at start (`hicache.build.build_stack`) and by a runtime attach
+(`hicache.stack.CacheStack.attach_storage`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hicache.config import Config
+from hicache.memory.host import HostKVPool
+from hicache.model_kv import ModelKV
+from hicache.storage.backends import create_backend
+from hicache.storage.backends.base import (
+    STAT_ERRORS,
+    STAT_ERRORS_BY_OP,
+    StorageBackend,
+    StorageUnavailable,
+)
+from hicache.storage.backends.throttled import ThrottledBackend
+from hicache.storage.hashing import PageHasher, model_fingerprint
+from hicache.storage.io import StorageController
+from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage.tier import StorageTier
+from hicache.tree.hiradix import HiRadixCache
+
+logger = logging.getLogger(__name__)
+
+MB = 10**6  # storage.throttle.bandwidth_mb_s is in decimal megabytes
+MS_PER_S = 1000.0
+
+
+def page_hasher(config: Config, model: ModelKV) -> PageHasher:
+    """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    return PageHasher(config.cache.page_size, model_fingerprint(model.path), dtype_name,
+                      *model.geometry)
+
+
+def open_storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
+                      *, must_answer: bool = False) -> StorageTier:
+    """The storage tier of `config.storage` (a backend other than "none"). `must_answer`
+    (a runtime attach): the backend's first call, `stats()`, must count no fault, or it
+    is closed and StorageUnavailable raised; at start a Redis that is down is served
+    around instead (misses behind a back-off until it returns)."""
+    s, ps = config.storage, config.cache.page_size
+    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
+    backend = create_backend(s.backend, s.backend_config, codec)
+    if must_answer:
+        check_answers(s.backend, backend)
+    events = tree.events  # one hasher for both: the same keys, each node's hashed once
+    hasher = events.hasher if events is not None else page_hasher(config, model)
+    if s.throttle.enabled:
+        bandwidth = s.throttle.bandwidth_mb_s
+        backend = ThrottledBackend(backend, None if bandwidth is None else bandwidth * MB,
+                                   s.throttle.latency_ms / MS_PER_S,
+                                   value_bytes=codec.value_bytes)
+        logger.warning("L3 (%s) is throttled to %s MB/s and %s ms per call (storage.throttle)",
+                       s.backend, bandwidth, s.throttle.latency_ms)
+    logger.info("L3 (%s): %s", s.backend, backend.stats())
+    return StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
+                       prefetch_policy=s.prefetch_policy,
+                       prefetch_threshold=s.prefetch_threshold,
+                       timeout_base=s.prefetch_timeout_base,
+                       timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
+                       timeout_max=s.prefetch_timeout_max,
+                       cost_model=s.cost_model, overlap=s.overlap)
+
+
+def check_answers(name: str, backend: StorageBackend) -> None:
+    """Raise StorageUnavailable (closing `backend`) when its first call counted a fault:
+    a fresh backend's counters hold that call's alone (the `stats()` contract)."""
+    stats = backend.stats()
+    faults = stats.get(STAT_ERRORS_BY_OP, {})
+    if stats.get(STAT_ERRORS, 0) or any(faults.values()):
+        backend.close()
+        raise StorageUnavailable(f"L3 ({name}) did not answer its first call (faults by "
+                                 f"operation: {dict(faults)}); the server log has the error")
