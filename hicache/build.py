@@ -19,6 +19,7 @@ from hicache.events import EventPublisher, EventRecorder, ZmqEventPublisher
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool, available_memory_bytes
 from hicache.model_kv import ModelKV
+from hicache.pages import page_count, pages_down
 from hicache.stack import CacheStack
 from hicache.storage.backends.base import StorageUnavailable
 from hicache.storage.open import open_storage_tier, page_hasher
@@ -95,7 +96,7 @@ def _pin_cap(config: Config, stack: CacheStack) -> int:
         # so a request that fits beside a full cap of pins (the engine's check) can be a
         # pin's own computation (its prompt: the pinned pages and less than a page more)
         cap = min(cap, (l1 - page) // MAX_PIN_SHARE_OF_L1_ONLY)
-    return cap // page * page
+    return pages_down(cap, page)
 
 
 def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> None:
@@ -125,7 +126,7 @@ def _event_publisher(e: EventsConfig) -> EventPublisher:
 def _l1_pages(config: Config, model: ModelKV) -> int:
     c = config.cache
     if c.max_total_tokens is not None:
-        return -(-c.max_total_tokens // c.page_size)
+        return page_count(c.max_total_tokens, c.page_size)
     per_token = DeviceKVPool.bytes_per_token(*model.geometry, model.dtype)
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)

@@ -2,8 +2,9 @@
 
 Every method runs on the scheduler thread between steps (`Engine._call`), and only when no
 request runs or waits: a busy engine refuses at once (StorageChangeRefused) rather than
-holding the caller until traffic stops, as SGLang does. `engine.config` is then replaced
-(never mutated), here alone; other threads read whichever whole Config they find.
+holding the caller until traffic stops, as SGLang does. The attachment owns the running
+config from then on: each change replaces `config` (never mutates it), and the engine reads
+it back; other threads read whichever whole Config they find.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from hicache.config import (
     STORAGE_BACKENDS,
@@ -23,11 +25,10 @@ from hicache.config import (
     apply_overrides,
     config_to_dict,
 )
+from hicache.model_kv import ModelKV
+from hicache.stack import CacheStack
 from server.args import _extra_overrides, _parse_extra
 from server.request import InvalidRequest
-
-if TYPE_CHECKING:
-    from server.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -54,32 +55,37 @@ def _extra_object(extra: object) -> dict[str, Any]:
 
 
 class StorageAttachment:
-    """Attach, detach and describe L3 for one engine (scheduler thread only)."""
+    """Attach, detach and describe L3 over one cache (scheduler thread only). `pending`
+    tells the requests running and waiting (a change needs none)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        # The storage section the engine was started with, kept at the first attach or
-        # detach: every attach merges over it, every detach returns to it (backend "none").
-        self._launch_storage: StorageConfig | None = None
+    def __init__(self, config: Config, cache: CacheStack, model: ModelKV,
+                 pending: Callable[[], tuple[int, int]]) -> None:
+        self.config = config
+        self.cache = cache
+        self.model = model
+        self.pending = pending
+        # The storage section the engine was started with: every attach merges over it,
+        # every detach returns to it (backend "none").
+        self._launch_storage = config.storage
 
     def attach(self, backend: str, extra_config: dict | str | None,
                     prefetch_policy: str | None, write_policy: str | None) -> dict:
         config = self._config_with(backend, extra_config, prefetch_policy, write_policy)
-        if self.engine.cache.host_pool is None:
+        if self.cache.host_pool is None:
             raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
                                        "started without: restart it with "
                                        "--enable-hierarchical-cache")
         self._require_idle("attach")
-        if self.engine.cache.storage is not None:
+        if self.cache.storage is not None:
             return self._reattach(config, prefetch_policy is not None)
         try:
-            self.engine.cache.attach_storage(config, self.engine._model_kv())
+            self.cache.attach_storage(config, self.model)
         except (OSError, ValueError) as e:
             logger.error("attaching L3 (%s) failed; serving without L3: %s", backend, e)
             raise StorageChangeRefused(f"could not open L3 ({backend}: "
                                        f"{json.dumps(self._section(config))}): {e}; the "
                                        "server goes on without L3") from None
-        self.engine.config = config
+        self.config = config
         logger.info("L3 (%s) attached at runtime", backend)
         return {"success": True, "message": f"L3 ({backend}) attached",
                 **self.view()}
@@ -87,16 +93,16 @@ class StorageAttachment:
     def _reattach(self, config: Config, new_policy: bool) -> dict:
         """An attach while L3 is attached: the same backend and section update the
         prefetch policy (`new_policy`: one was given); anything else is refused."""
-        now, new = self.engine.config.storage, config.storage
+        now, new = self.config.storage, config.storage
         if not new_policy:
             new = dataclasses.replace(new, prefetch_policy=now.prefetch_policy)
             config = dataclasses.replace(config, storage=new)
         if dataclasses.replace(new, prefetch_policy=now.prefetch_policy) != now:
             raise StorageChangeRefused(f"L3 is attached already ({now.backend}: "
-                                       f"{json.dumps(self._section(self.engine.config))}); detach "
+                                       f"{json.dumps(self._section(self.config))}); detach "
                                        f"it first, then attach {new.backend}")
-        self.engine.cache.set_prefetch_policy(new.prefetch_policy)
-        self.engine.config = config
+        self.cache.set_prefetch_policy(new.prefetch_policy)
+        self.config = config
         return {"success": True,
                 "message": f"L3 ({now.backend}) was attached already with this "
                            f"configuration; prefetch policy {new.prefetch_policy}",
@@ -104,12 +110,12 @@ class StorageAttachment:
 
     def detach(self) -> dict:
         self._require_idle("detach")
-        name, launch = self.engine.config.storage.backend, self._launch()
+        name, launch = self.config.storage.backend, self._launch()
         try:
-            detached = self.engine.cache.detach_storage()
+            detached = self.cache.detach_storage()
         finally:  # the stack has dropped its tier even if closing it failed
-            self.engine.config = dataclasses.replace(
-                self.engine.config, storage=dataclasses.replace(launch, backend="none"))
+            self.config = dataclasses.replace(
+                self.config, storage=dataclasses.replace(launch, backend="none"))
         if detached:
             logger.info("L3 (%s) detached at runtime", name)
         message = (f"L3 ({name}) detached; its pages stay in the store" if detached
@@ -124,7 +130,7 @@ class StorageAttachment:
             hint = "; to detach, use detach_storage" if backend == "none" else ""
             raise StorageChangeRefused(f"storage.backend: {backend!r} is not one of "
                                        f"{', '.join(allowed)}{hint}")
-        current = self.engine.config.host.write_policy
+        current = self.config.host.write_policy
         if write_policy is not None and write_policy != current:
             raise StorageChangeRefused(
                 f"host.write_policy: {write_policy!r} asks for a change the running server "
@@ -133,7 +139,7 @@ class StorageAttachment:
         overrides: dict[str, object] = {"storage.backend": backend}
         if prefetch_policy is not None:
             overrides["storage.prefetch_policy"] = prefetch_policy
-        base = dataclasses.replace(self.engine.config, storage=self._launch())
+        base = dataclasses.replace(self.config, storage=self._launch())
         try:
             overrides.update(_extra_overrides(backend, _extra_object(extra_config)))
             return apply_overrides(base, overrides)
@@ -141,14 +147,12 @@ class StorageAttachment:
             raise StorageChangeRefused(str(e)) from None
 
     def _launch(self) -> StorageConfig:
-        """Scheduler thread: the launch storage section (kept before its first change)."""
-        if self._launch_storage is None:
-            self._launch_storage = self.engine.config.storage
+        """The launch storage section."""
         return self._launch_storage
 
     def _require_idle(self, action: str) -> None:
         """Scheduler thread: refuse unless no request runs or waits."""
-        running, waiting = len(self.engine.scheduler.running), len(self.engine.scheduler.waiting)
+        running, waiting = self.pending()
         if running or waiting:
             raise StorageChangeRefused(
                 f"cannot {action} L3: the server is not idle: "
@@ -156,15 +160,15 @@ class StorageAttachment:
                 "have finished (drain the traffic first)")
 
     def view(self) -> dict:
-        attached = self.engine.cache.storage is not None
-        section = self._section(self.engine.config) if attached else None
-        s = self.engine.config.storage
+        attached = self.cache.storage is not None
+        section = self._section(self.config) if attached else None
+        s = self.config.storage
         return {"hicache_storage_backend": s.backend if attached else None,
                 "hicache_storage_backend_extra_config":
                     None if section is None else json.dumps(section),
                 "hicache_storage_prefetch_policy": s.prefetch_policy if attached else None,
-                "hicache_write_policy": self.engine.config.host.write_policy
-                if self.engine.cache.host_pool is not None else None,
+                "hicache_write_policy": self.config.host.write_policy
+                if self.cache.host_pool is not None else None,
                 "backend_config": section}
 
     @staticmethod

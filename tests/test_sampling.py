@@ -496,6 +496,17 @@ def test_make_request_takes_one_choice_make_requests_several(engine: Engine) -> 
     assert all(r.return_logprob for r in reqs)
 
 
+def test_an_unknown_option_is_a_type_error_naming_it(engine: Engine) -> None:
+    """The options beside the prompt are `GenerateOptions`' fields: any other keyword is
+    refused as Python refuses a keyword a function does not take, with the options listed."""
+    for call in (engine.make_request, engine.make_requests, engine.generate):
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'return_logprobs'"
+                                            r".*return_logprob,"):
+            call(input_ids=[1, 2, 3], return_logprobs=True)
+    with pytest.raises(InvalidRequest, match="`top_logprobs_num` must be an integer"):
+        engine.make_request(input_ids=[1, 2, 3], top_logprobs_num="3")
+
+
 # ------------------------------------------------------------------- one request's fault
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache.events.schema import MEDIUM_DISK
+from hicache.pages import page_count
 from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
@@ -309,7 +310,7 @@ class StorageTier:
         """A fetch below the same anchor whose pages begin with at least `threshold` tokens
         of `op`'s (same anchor and hash: the same pages), FETCHING or DONE in this step (its
         request is likely admitted in this step, inserting them)."""
-        need = max(1, -(-self.threshold // self.page_size))
+        need = max(1, page_count(self.threshold, self.page_size))
         for other in self.ops.values():
             if (other is not op and other.host_indices is not None and other.skip_pages == 0
                     and (other.state is PrefetchState.FETCHING or other.done_step == self._step)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from hicache.pages import pages_down
 from hicache.tree.node import ChildKey, Key, TreeNode
 
 # split(node, n): cut `node`'s edge after `n` tokens and return the upper node (the tree's
@@ -48,7 +49,7 @@ def as_key(key: Sequence[int]) -> Key:
 
 def aligned_end(key: Key, page_size: int) -> int:
     """How many leading tokens of `key` make whole pages (the only ones a tree stores)."""
-    return len(key) // page_size * page_size
+    return pages_down(len(key), page_size)
 
 
 def child_key(key: Key, pos: int, extra_key: str | None, page_size: int) -> ChildKey:

@@ -35,10 +35,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from hicache.handles import Hit
+from hicache.pages import pages_up
 from hicache.stack import CacheStack
 from hicache.storage.tier import Resume
 from server.request import Request
-from server.scheduler.kv import RequestKV, cache_key, pages_up
+from server.scheduler.kv import RequestKV, cache_key
 from server.scheduler.policy import InBatchSharing, filling, make_policy
 
 # The new-token estimate, SGLang's defaults (global_config / ServerArgs with

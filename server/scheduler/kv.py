@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from hicache.pages import pages_down, pages_up
 from hicache.stack import CacheStack
 from server.request import Request
-
-
-def pages_up(tokens: int, page_size: int) -> int:
-    """`tokens` rounded up to whole pages, in tokens."""
-    return -(-tokens // page_size) * page_size
 
 
 def cache_key(req: Request) -> list[int]:
@@ -74,7 +70,7 @@ class RequestKV:
         and its pages start down to L2 and L3 (where another server may look for them)
         before the answer is out. The request keeps the path locked and reads the tree's
         slots from here on (where the tree already had some, its own copies are freed)."""
-        aligned = req.num_computed // self.page_size * self.page_size
+        aligned = pages_down(req.num_computed, self.page_size)
         if not self.cache.enabled or aligned <= req.tree_len:
             return
         req.lease, slots = self.cache.cache_prefix(req.lease, req.all_ids[:aligned],
@@ -88,7 +84,7 @@ class RequestKV:
         it only steps aside, `retract`)."""
         if req.lease is None:
             return
-        aligned = req.num_computed // self.page_size * self.page_size if keep_cache else 0
+        aligned = pages_down(req.num_computed, self.page_size) if keep_cache else 0
         self.cache.release(req.lease, req.all_ids[:aligned], req.kv_slots, req, req.tree_len,
                            req.admit_hit, count_use=count_use)
         req.lease, req.reserved = None, 0

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from hicache.config import SCHEDULE_POLICIES
+from hicache.pages import pages_down
 from hicache.stack import CacheStack
 from server.request import Request
 from server.scheduler.kv import cache_key
@@ -180,7 +181,7 @@ class InBatchSharing:
                 or self.delays.get(req, 0) >= MAX_IN_BATCH_DELAYS):
             return False
         key, page = cache_key(req), self.cache.page_size
-        shared = self.trie.shared(key, req.extra_key) // page * page  # the tree keeps pages
+        shared = pages_down(self.trie.shared(key, req.extra_key), page)  # the tree keeps pages
         if shared < IN_BATCH_SHARE_MIN_TOKENS:
             return False  # without a peek
         if shared - self.cache.peek(key, req.extra_key) < IN_BATCH_SHARE_MIN_TOKENS:
