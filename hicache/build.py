@@ -15,7 +15,12 @@ import torch
 import zmq
 
 from hicache.config import BYTES_PER_GB, Config, EventsConfig
-from hicache.events import EventPublisher, EventRecorder, ZmqEventPublisher
+from hicache.events import (
+    EventPublisher,
+    EventRecorder,
+    NullEventPublisher,
+    ZmqEventPublisher,
+)
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool, available_memory_bytes
 from hicache.model_kv import ModelKV
@@ -53,43 +58,45 @@ MAX_PIN_SHARE_OF_L1_ONLY = 2
 
 
 def build_stack(config: Config, model: ModelKV) -> CacheStack:
-    """Size and build every tier the config asks for, with its pins and sessions."""
+    """Size and build every tier the config asks for, with its pins, sessions and KV
+    events. The first event batch, sent at once, is `AllBlocksCleared`: this server starts
+    empty."""
     c = config.cache
     pages = _l1_pages(config, model)
     pool = DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
     logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
                 pool.size_bytes / BYTES_PER_GB)
+    events = (EventRecorder(page_hasher(config, model), c.page_size)
+              if config.events.enabled else None)
+    host = controller = None
     if not c.enable_radix_cache:
-        stack = CacheStack(pool, RadixCache(pool, c.page_size, disable=True))
+        tree: RadixCache = RadixCache(pool, c.page_size, disable=True, events=events)
     elif not c.hierarchical:
-        stack = CacheStack(pool, RadixCache(pool, c.page_size,
-                                            eviction_policy=c.eviction_policy))
+        tree = RadixCache(pool, c.page_size, eviction_policy=c.eviction_policy, events=events)
     else:
         host = _host_pool(config, pool, model)
         controller = HiCacheController(pool, host, make_transfer_engine(
             pool, host, config.host.io_backend))
         tree = HiRadixCache(controller, c.page_size, write_policy=config.host.write_policy,
                             write_through_threshold=config.host.write_through_threshold,
-                            eviction_policy=c.eviction_policy)
-        stack = CacheStack(pool, tree, host, controller)
-    stack.pins = PinTable(stack.tree, _pin_cap(config, stack))
-    if c.session_retention:
-        stack.sessions = SessionTable(stack.tree, c.session_timeout_s)
-    _with_events(config, model, stack)
-    if stack.host_pool is not None:
-        try:
-            stack.storage = _storage_tier(config, model, stack.tree, stack.host_pool)
-        except BaseException:
-            stack.publisher.shutdown()
-            raise
+                            eviction_policy=c.eviction_policy, events=events)
+    publisher = _event_publisher(config.events) if events is not None else NullEventPublisher()
+    try:
+        storage = _storage_tier(config, model, tree, host) if host is not None else None
+    except BaseException:
+        publisher.shutdown()
+        raise
+    sessions = SessionTable(tree, c.session_timeout_s) if c.session_retention else None
+    stack = CacheStack(pool, tree, host, controller, storage, events, publisher,
+                       PinTable(tree, _pin_cap(config, pool, host)), sessions)
+    stack.publish_events()
     return stack
 
 
-def _pin_cap(config: Config, stack: CacheStack) -> int:
+def _pin_cap(config: Config, pool: DeviceKVPool, host: HostKVPool | None) -> int:
     """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
     cap, page = config.cache.max_pinned_tokens, config.cache.page_size
-    l1 = stack.device_pool.allocator.total_size()
-    host = stack.host_pool
+    l1 = pool.allocator.total_size()
     if cap is None:
         cap = (host.total_size() if host is not None else l1) // DEFAULT_PIN_SHARE
     if host is None:  # pinned pages never leave L1: keep (over) half of it for requests,
@@ -97,17 +104,6 @@ def _pin_cap(config: Config, stack: CacheStack) -> int:
         # pin's own computation (its prompt: the pinned pages and less than a page more)
         cap = min(cap, (l1 - page) // MAX_PIN_SHARE_OF_L1_ONLY)
     return pages_down(cap, page)
-
-
-def _with_events(config: Config, model: ModelKV, stack: CacheStack) -> None:
-    """Give `stack` its KV event recorder and publisher when `config.events` asks for them.
-    The first batch, sent at once, is `AllBlocksCleared`: this server starts empty."""
-    if not config.events.enabled:
-        return
-    stack.events = stack.tree.events = EventRecorder(page_hasher(config, model),
-                                                     config.cache.page_size)
-    stack.publisher = _event_publisher(config.events)
-    stack.publish_events()
 
 
 def _event_publisher(e: EventsConfig) -> EventPublisher:

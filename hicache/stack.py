@@ -485,7 +485,7 @@ class CacheStack:
         backend updates it); admissions read it at each check."""
         check_choice("storage.prefetch_policy", policy, PREFETCH_POLICIES)
         if self.storage is not None:
-            self.storage.policy = policy
+            self.storage.set_policy(policy)
 
     def close(self) -> None:
         """Let every prefetch and backup finish, stop the I/O and copy threads; send the

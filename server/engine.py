@@ -234,6 +234,12 @@ class Engine:
         except SchedulerStopped as e:
             raise EngineClosed(str(e)) from None
 
+    def set_observer(self, observe: Callable[[str, float], None]) -> None:
+        """Latency hook for metrics: the scheduler's steps and the tiers' copies and
+        fetches call `observe(name, seconds)`."""
+        self.scheduler.set_observer(observe)
+        self.cache.set_observer(observe)
+
     def _compute_prefix(self, ids: list[int], extra_key: str | None) -> None:
         """Compute `ids` if not cached (a pin's prefix: a one-token greedy generate)."""
         self.generate(input_ids=ids, extra_key=extra_key, sampling_params=GREEDY_ONE_TOKEN)

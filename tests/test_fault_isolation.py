@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-import server.scheduler.loop as scheduler_module
+import server.scheduler.tokens as scheduler_module
 from hicache.config import load_config
 from server import launch
 from server.engine import Engine, EngineClosed

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import server.engine as engine_module
-import server.scheduler.loop as scheduler_module
+import server.scheduler.tokens as scheduler_module
 from hicache.config import load_config
 from server.engine import Engine
 from server.request import InvalidRequest, SamplingParams

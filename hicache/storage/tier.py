@@ -175,6 +175,11 @@ class StorageTier:
 
     # -------------------------------------------------------------------------- prefetch
 
+    def set_policy(self, prefetch_policy: str) -> None:
+        """The prefetch policy from now on (admissions read it at each check)."""
+        check_choice("prefetch_policy", prefetch_policy, PREFETCH_POLICIES)
+        self.policy = prefetch_policy
+
     def prefetch(self, req_id: str, last_host_node: HiTreeNode, tokens: Any,
                  extra_key: str | None = None, resume: Resume | None = None,
                  prefix_tokens: int = 0) -> bool:

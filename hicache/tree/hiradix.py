@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from hicache.events.recorder import EventRecorder
 from hicache.events.schema import (
     MEDIUM_CPU,
     MEDIUM_DISK,
@@ -64,7 +65,7 @@ class HiRadixCache(RadixCache):
     def __init__(self, controller: HiCacheController, page_size: int = 1,
                  write_policy: str = "write_through", write_through_threshold: int = 2,
                  eviction_policy: str = "lru", load_back_threshold: int = LOAD_BACK_THRESHOLD,
-                 ) -> None:
+                 events: EventRecorder | None = None) -> None:
         check_choice("write_policy", write_policy, WRITE_POLICIES)
         self.controller = controller
         self.write_policy = write_policy
@@ -73,7 +74,7 @@ class HiRadixCache(RadixCache):
         self.counters = HostCounters()
         # observer(name, seconds): latency hook for metrics ("load_back_seconds")
         self.observer: Callable[[str, float], None] | None = None
-        super().__init__(controller.device_pool, page_size, False, eviction_policy)
+        super().__init__(controller.device_pool, page_size, False, eviction_policy, events)
 
     def _init_tree(self) -> None:
         super()._init_tree()

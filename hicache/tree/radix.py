@@ -81,7 +81,7 @@ class RadixCache(PrefixCache):
     node_cls: type[TreeNode] = TreeNode
 
     def __init__(self, allocator: Any = None, page_size: int = 1, disable: bool = False,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", events: EventRecorder | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         check_choice("eviction_policy", eviction_policy, EVICTION_POLICIES)
@@ -90,8 +90,8 @@ class RadixCache(PrefixCache):
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._priority = _owned_last(_PRIORITIES[eviction_policy])  # called per push
-        # KV events (set by the tier owner): None = off, and no page is hashed for them
-        self.events: EventRecorder | None = None
+        # KV events: None = off, and no page is hashed for them
+        self.events = events
         self._init_tree()
 
     def _init_tree(self) -> None:

@@ -94,8 +94,7 @@ def attach_metrics(engine: Engine) -> CacheMetrics:
     latency hooks."""
     metrics = CacheMetrics(engine.cache_stats, page_size=engine.config.cache.page_size,
                            storage_page_bytes=engine.cache.storage_page_bytes())
-    engine.scheduler.observer = metrics.observe
-    engine.cache.set_observer(metrics.observe)
+    engine.set_observer(metrics.observe)
     return metrics
 
 

@@ -5,6 +5,7 @@
     kv.py         a request's device slots: allocated, handed to the tree, released
     retraction.py which running requests go back to the queue when L1 runs out, and how
     text.py       a request's text and its stop conditions (stop ids / strings, length)
+    tokens.py     a forward pass's next tokens (shaped, argmax or sampled) and logprobs
 """
 
 from server.scheduler.loop import Scheduler

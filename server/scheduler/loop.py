@@ -41,13 +41,13 @@ import torch
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
 from server.inbox import Inbox, SchedulerStopped
-from server.model_runner import ForwardOutput, ModelRunner, sample_row
+from server.model_runner import ModelRunner
 from server.request import Request
-from server.sampling import LogitsShaper, logprob_reads, record_logprob, token_logprobs
 from server.scheduler.admission import Admission
 from server.scheduler.kv import RequestKV
 from server.scheduler.retraction import Retraction, progress
 from server.scheduler.text import OutputText
+from server.scheduler.tokens import TokenChoice
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,11 @@ class Scheduler:
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = RequestCounters()
         self.retraction = Retraction(self.kv, self.waiting, self.counters)
+        self.tokens = TokenChoice(self.text, self._alone, self._fail_request)
+
+    def set_observer(self, observe: Callable[[str, float], None]) -> None:
+        """Latency hook for metrics (`ttft_seconds`, ...)."""
+        self.observer = observe
 
     # ------------------------------------------------------------------------- inbox
 
@@ -306,13 +311,13 @@ class Scheduler:
             elif req.num_computed == req.head_stop:
                 heads.append(req)
         done = [i for i in done if reqs[i].finish_reason is None]
-        tokens = self._choose_tokens(reqs, done, out)
+        tokens = self.tokens.choose(reqs, done, out)
         if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
             self.cache.observe_forward(rows, time.perf_counter() - started)
         for req in heads:
             with self._alone(req, "putting it back for its L3 tail"):
                 self._wait_for_tail(req)
-        self._record_logprobs(reqs, out, tokens)
+        self.tokens.record_logprobs(reqs, out, tokens)
         for i, token in tokens.items():
             if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
                 with self._alone(reqs[i], "detokenising its token"):
@@ -328,56 +333,6 @@ class Scheduler:
         req.head_stop, req.tail_pending = 0, True
         self.running.remove(req)
         self.waiting.insert(0, req)
-
-    def _choose_tokens(self, reqs: list[Request], done: list[int],
-                       out: ForwardOutput) -> dict[int, int]:
-        """The next token of each `reqs[i]`, i in `done`: logits shaped for the requests
-        that ask, then one argmax over all rows (the one sync of a greedy batch; a plain
-        greedy row is exactly today's argmax) or `sample_row`. A failure fails its request
-        alone; the others' tokens come back (request index -> token)."""
-        if not done:
-            return {}
-        logits = out.logits[[out.rows[i].last for i in done]]  # [len(done), vocab], a copy
-        for j, i in enumerate(done):
-            if reqs[i].params.shapes_logits:
-                with self._alone(reqs[i], "shaping its logits"):
-                    self._shaper(reqs[i], logits[j]).apply(logits[j], reqs[i].output_ids)
-        greedy = logits.argmax(dim=-1).tolist()  # one sync for all
-        tokens = {}
-        for j, i in enumerate(done):
-            req = reqs[i]
-            if req.finish_reason is None:
-                with self._alone(req, "sampling its token"):
-                    tokens[i] = greedy[j] if req.params.greedy else sample_row(
-                        logits[j], req.params, req.generator)
-        return tokens
-
-    def _shaper(self, req: Request, row: torch.Tensor) -> LogitsShaper:
-        if req.logits_shaper is None:
-            req.logits_shaper = LogitsShaper(req.params, req.input_ids, self.text.stop_ids(req),
-                                             row.shape[-1], row.device)
-        return req.logits_shaper
-
-    def _record_logprobs(self, reqs: list[Request], out: ForwardOutput,
-                         tokens: dict[int, int]) -> None:
-        """The logprobs this pass gives the requests that asked (prompt positions, new
-        tokens), read in one batch; a failure fails the requests that asked."""
-        reads = logprob_reads(reqs, out.rows, tokens)
-        if not reads:
-            return
-        try:
-            found = token_logprobs(out.logits, [r.row for r in reads],
-                                   [r.target for r in reads],
-                                   [r.req.top_logprobs_num for r in reads])
-        except Exception as exc:  # noqa: BLE001 - fails the requests that asked only
-            for req in dict.fromkeys(r.req for r in reads):
-                self._fail_request(req, "reading its logprobs", exc)
-            return
-        for read, lp in zip(reads, found):
-            req = read.req
-            if req.finish_reason is None:
-                with self._alone(req, "recording its logprobs"):
-                    record_logprob(read, lp, lambda t, r=req: self.text.token_text(r, t))
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
