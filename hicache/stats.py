@@ -24,7 +24,7 @@ from typing import Any
 from hicache.events.publisher import EventCounters
 from hicache.storage.backends import base as backend_stats
 from hicache.storage.planner import CostEstimates
-from hicache.storage.tier import StorageCounters
+from hicache.storage.tier_state import StorageCounters
 from hicache.tree.base import HostCounters
 
 

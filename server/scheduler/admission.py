@@ -37,7 +37,7 @@ from typing import NamedTuple
 from hicache.handles import Hit
 from hicache.pages import pages_up
 from hicache.stack import CacheStack
-from hicache.storage.tier import Resume
+from hicache.storage.tier_state import Resume
 from server.request import Request
 from server.scheduler.kv import RequestKV, cache_key
 from server.scheduler.policy import InBatchSharing, filling, make_policy
