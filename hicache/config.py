@@ -449,11 +449,11 @@ def config_to_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
     if redact:
         if data["server"]["admin_api_key"] is not None:
             data["server"]["admin_api_key"] = REDACTED
-        data["storage"]["redis"]["url"] = _redact_url(cfg.storage.redis.url)
+        data["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)
     return data
 
 
-def _redact_url(url: str) -> str:
+def redact_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url

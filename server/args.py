@@ -109,16 +109,16 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         overrides["events"] = _parse_json_object("events", ns.kv_events_config)
     cfg = load_config(ns.config, overrides)
     if ns.extra_config:
-        extra = _parse_extra(ns.extra_config)
+        extra = parse_extra(ns.extra_config)
         backend = overrides.get("storage.backend", cfg.storage.backend)
         if backend == "none":
             raise ConfigError("storage.backend", "--hicache-storage-backend-extra-config "
                               "needs a storage backend (lmdb, redis or lmdb+redis)")
-        cfg = load_config(ns.config, {**overrides, **_extra_overrides(backend, extra)})
+        cfg = load_config(ns.config, {**overrides, **extra_overrides(backend, extra)})
     return cfg
 
 
-def _extra_overrides(backend: str, extra: dict[str, Any]) -> dict[str, Any]:
+def extra_overrides(backend: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The extra config as overrides: the backend's own section, or for `lmdb+redis` (which
     reads two sections) `{"lmdb": {...}, "redis": {...}}`, each part optional."""
     if backend != TIERED_BACKEND:
@@ -130,7 +130,7 @@ def _extra_overrides(backend: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {f"storage.{key}": value for key, value in extra.items()}
 
 
-def _parse_extra(text: str) -> dict[str, Any]:
+def parse_extra(text: str) -> dict[str, Any]:
     return _parse_json_object("storage.extra_config", text)
 
 

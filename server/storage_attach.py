@@ -27,7 +27,7 @@ from hicache.config import (
 )
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
-from server.args import _extra_overrides, _parse_extra
+from server.args import extra_overrides, parse_extra
 from server.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def _extra_object(extra: object) -> dict[str, Any]:
     if extra is None or extra == "":
         return {}
     if isinstance(extra, str):
-        return _parse_extra(extra)
+        return parse_extra(extra)
     if not isinstance(extra, dict):
         raise ConfigError("storage.extra_config", f"expected a JSON object (or its JSON "
                           f"text), got {type(extra).__name__}")
@@ -141,7 +141,7 @@ class StorageAttachment:
             overrides["storage.prefetch_policy"] = prefetch_policy
         base = dataclasses.replace(self.config, storage=self._launch())
         try:
-            overrides.update(_extra_overrides(backend, _extra_object(extra_config)))
+            overrides.update(extra_overrides(backend, _extra_object(extra_config)))
             return apply_overrides(base, overrides)
         except ConfigError as e:
             raise StorageChangeRefused(str(e)) from None

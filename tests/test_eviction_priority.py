@@ -20,7 +20,7 @@ from test_hiradix_cache import make_pools
 from hicache.config import load_config
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine
-from hicache.tree import radix
+from hicache.tree import eviction_order, radix
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.node import UNUSED_PRIORITY
 from hicache.tree.radix import RadixCache
@@ -275,9 +275,9 @@ def test_the_lru_and_lfu_keys_are_unchanged() -> None:
     tree = RadixCache(page_size=1)
     tree.insert([1], priority=4)
     node = node_at(tree, [1])
-    assert radix._PRIORITIES["lru"](node) == (node.last_access_time,)
-    assert radix._PRIORITIES["lfu"](node) == (node.hit_count, node.last_access_time)
-    assert radix._PRIORITIES["priority"](node) == (4, node.last_access_time)
+    assert eviction_order.PRIORITIES["lru"](node) == (node.last_access_time,)
+    assert eviction_order.PRIORITIES["lfu"](node) == (node.hit_count, node.last_access_time)
+    assert eviction_order.PRIORITIES["priority"](node) == (4, node.last_access_time)
 
 
 def test_the_policy_is_a_choice_of_the_tree_and_of_the_config() -> None:

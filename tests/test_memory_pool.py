@@ -11,7 +11,6 @@ from hicache.memory import host as memory_pool_host
 from hicache.memory.device import (
     DeviceKVPool,
     PageAllocator,
-    ReqToTokenPool,
     pages_of,
     slots_of,
 )
@@ -338,45 +337,6 @@ def test_device_auto_resolves_to_available_device() -> None:
     pool = DeviceKVPool(2, 2, 1, 1, 2, torch.float32, "auto")
     assert pool.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert pool.get_kv(0)[0].device.type == pool.device.type
-
-
-# --------------------------------------------------------------------------- ReqToTokenPool
-
-
-def test_req_to_token_alloc_until_full_then_free() -> None:
-    pool = ReqToTokenPool(max_running_requests=3, max_context_len=8)
-    rows = [pool.alloc() for _ in range(3)]
-    assert sorted(r for r in rows if r is not None) == [0, 1, 2]
-    assert pool.alloc() is None and pool.available_size() == 0
-    pool.free(rows[1])
-    assert pool.available_size() == 1 and pool.alloc() == rows[1]
-
-
-def test_req_to_token_errors() -> None:
-    pool = ReqToTokenPool(max_running_requests=2, max_context_len=8)
-    row = pool.alloc()
-    assert row is not None
-    pool.free(row)
-    with pytest.raises(ValueError, match=rf"row {row}\b.*not allocated"):
-        pool.free(row)
-    with pytest.raises(ValueError, match="row 5"):
-        pool.free(5)
-    with pytest.raises(ValueError, match="not allocated"):
-        pool.write(row, 0, torch.arange(2))
-    assert pool.available_size() == 2
-
-
-def test_req_to_token_write_read_round_trip() -> None:
-    pool = ReqToTokenPool(max_running_requests=2, max_context_len=8)
-    row = pool.alloc()
-    assert row is not None
-    pool.write(row, 0, torch.tensor([10, 11, 12]))
-    pool.write(row, 3, torch.tensor([40, 41], dtype=torch.int32))
-    got = pool.read(row, 5)
-    assert got.dtype == torch.int64 and got.tolist() == [10, 11, 12, 40, 41]
-    assert pool.table.shape == (2, 8) and pool.table[row, 4] == 41
-    with pytest.raises(ValueError, match=r"\[6, 9\).*max_context_len=8"):
-        pool.write(row, 6, torch.arange(3))
 
 
 # --------------------------------------------------------------------------- HostKVPool

@@ -410,10 +410,8 @@ class HiRadixCache(RadixCache):
 
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
-        if len(self._host_heap) > 4 * self._num_nodes + 64:
-            self._host_heap.rebuild(self.iter_nodes())
-        if len(self._copy_heap) > 4 * self._num_nodes + 64:
-            self._copy_heap.rebuild(self.iter_nodes())
+        self._host_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
+        self._copy_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
 
     # ------------------------------------------------------------------------ load back
 

@@ -10,6 +10,11 @@ from typing import Any
 
 Node = Any  # a tree node; the heap only hands it to `priority` and `is_candidate`
 
+# Stale entries accumulate in a lazy heap; it is rebuilt once it holds more than HEAP_SLACK
+# times the tree's nodes, plus HEAP_SLACK_MIN (amortised O(1) per push).
+HEAP_SLACK = 4
+HEAP_SLACK_MIN = 64
+
 
 class LeafHeap:
     """Lazy min-heap of eviction candidates.
@@ -40,6 +45,12 @@ class LeafHeap:
             if self._is_candidate(node) and prio == self._priority(node):
                 return node
         return None
+
+    def rebuild_if_stale(self, num_nodes: int, nodes: Callable[[], Iterator[Node]]) -> None:
+        """Rebuild from `nodes()` (every node of the tree) once the stale entries pass the
+        slack for a tree of `num_nodes`."""
+        if len(self._heap) > HEAP_SLACK * num_nodes + HEAP_SLACK_MIN:
+            self.rebuild(nodes())
 
     def rebuild(self, nodes: Iterator[Node]) -> None:
         self._heap = [(self._priority(n), next(self._seq), n) for n in nodes

@@ -3,7 +3,7 @@
 Each edge holds a run of whole pages of token ids (`key`) and the device slot indices of
 their KV (`value`, an int64 CPU tensor of the same length). A path from the root spells a
 cached prefix; `match_prefix` finds the longest one, `insert` adds a finished sequence,
-`evict` frees unlocked leaves in the eviction policy's order (`_PRIORITIES`).
+`evict` frees unlocked leaves in the eviction policy's order (`eviction_order.py`).
 
     root ──(A B C D)──> n1 ──(E F)──> n2          page_size = 2
                          └──(G H I J)──> n3        children keyed by first page: (E,F) / (G,H)
@@ -14,7 +14,7 @@ Threading: the tree belongs to the scheduler thread; nothing else may call into 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -24,51 +24,10 @@ from hicache.events.recorder import EventRecorder
 from hicache.events.schema import MEDIUM_GPU, REASON_EVICTED
 from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, MatchResult, OwnedSizes, PrefixCache, concat
+from hicache.tree.eviction_order import eviction_key
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode, node_hashes
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
-
-# Stale entries accumulate in the lazy eviction heap; rebuild it once it holds more than
-# this many times the number of nodes (amortised O(1) per push).
-_HEAP_SLACK = 4
-
-
-def _lru_priority(node: TreeNode) -> tuple[float]:
-    """Least recently used first (`time.monotonic()`: a clock step never reorders it)."""
-    return (node.last_access_time,)
-
-
-def _lfu_priority(node: TreeNode) -> tuple[int, float]:
-    """Least often hit first, least recently used among equals."""
-    return (node.hit_count, node.last_access_time)
-
-
-def _request_priority(node: TreeNode) -> tuple[float, float]:
-    """Lowest request priority first (the highest of the node's users), least recently used
-    among equals (SGLang's `priority` eviction policy)."""
-    return (node.priority, node.last_access_time)
-
-
-# Eviction order per policy: the heap's key, lowest evicted first (one per EVICTION_POLICIES).
-# Both tiers' heaps (L1 leaves, and HiRadixCache's L2 leaves) use the same one, behind
-# `_owned_last`.
-_PRIORITIES: dict[str, Callable[[TreeNode], tuple]] = {"lru": _lru_priority,
-                                                       "lfu": _lfu_priority,
-                                                       "priority": _request_priority}
-
-
-# Retention classes, the eviction key's leading component: lowest evicted first.
-UNOWNED, SESSION_OWNED, PINNED = 0, 1, 2
-
-
-def _owned_last(policy: Callable[[TreeNode], tuple]) -> Callable[[TreeNode], tuple]:
-    """`policy`'s key behind a leading retention class: nodes a live session owns
-    (`owners`) go after every unowned one, pinned nodes (`pin_ref`) after those, in
-    `policy`'s order within each class."""
-    def key(node: TreeNode) -> tuple:
-        retention = PINNED if node.pin_ref else SESSION_OWNED if node.owners else UNOWNED
-        return (retention, *policy(node))
-    return key
 
 
 class RadixCache(PrefixCache):
@@ -89,7 +48,7 @@ class RadixCache(PrefixCache):
         self.page_size = page_size
         self.disable = disable
         self.eviction_policy = eviction_policy
-        self._priority = _owned_last(_PRIORITIES[eviction_policy])  # called per push
+        self._priority = eviction_key(eviction_policy)  # called per push
         # KV events: None = off, and no page is hashed for them
         self.events = events
         self._init_tree()
@@ -472,8 +431,7 @@ class RadixCache(PrefixCache):
         self._device_heap.push(parent)
 
     def _maybe_rebuild_heaps(self) -> None:
-        if len(self._device_heap) > _HEAP_SLACK * self._num_nodes + 64:
-            self._device_heap.rebuild(self.iter_nodes())
+        self._device_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
 
     # ---------------------------------------------------------------------------- locks
 

@@ -57,7 +57,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from hicache.config import _redact_url
+from hicache.config import redact_url
 from hicache.storage.backends.base import Counters, FaultLog, StoreClosed
 from hicache.storage.backends.redis_replies import BadReply, asking
 
@@ -132,7 +132,7 @@ class RedisClient:
                             ("connect_timeout_s", connect_timeout_s)):
             if not value > 0:
                 raise ValueError(f"storage.redis.{name} must be > 0 seconds, got {value!r}")
-        self.url = _redact_url(url)  # shown in logs and stats: never the password
+        self.url = redact_url(url)  # shown in logs and stats: never the password
         try:
             options = parse_url(url)
         except ValueError as err:  # a bad port or db: refused now, not at the first call
