@@ -38,6 +38,7 @@ import torch
 from kernels import transfer_kv_cuda
 from kernels.cuda_utils import as_torch_stream
 from kernels.layouts import HOST_LAYOUTS, LAYER_FIRST, PAGE_FIRST
+from kernels.transfer_args import Transfer
 
 __all__ = ["HOST_LAYOUTS", "LAYER_FIRST", "PAGE_FIRST", "d2h_pages", "h2d_pages", "page_runs"]
 BACKENDS = ("reference", "direct", "cuda")
@@ -53,37 +54,6 @@ STAGING_BYTES = 16 << 20
 # (at::internal::GRAIN_SIZE), which 16-byte elements keep true up to 512 KiB pages.
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
-
-
-class _Transfer(NamedTuple):
-    """Validated arguments of one transfer."""
-
-    k_buffers: list[torch.Tensor]  # L x [num_slots, kv_heads, head_dim]
-    v_buffers: list[torch.Tensor]
-    host_buffer: torch.Tensor  # see the layouts above
-    host_layout: str
-    device_pages: torch.Tensor  # [n] int64
-    host_pages: torch.Tensor  # [n] int64
-    page_size: int
-    layers: list[int]
-
-    @property
-    def num_pages(self) -> int:
-        return self.device_pages.numel()
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V)."""
-        _, kv_heads, head_dim = self.k_buffers[0].shape
-        return self.page_size * kv_heads * head_dim * self.host_buffer.element_size()
-
-    @property
-    def num_device_pages(self) -> int:
-        return self.k_buffers[0].shape[0] // self.page_size
-
-    @property
-    def num_host_pages(self) -> int:
-        return self.host_buffer.shape[0 if self.host_layout == PAGE_FIRST else 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +88,7 @@ def h2d_pages(
                    page_size, layers, dst_is_host=False), backend, False, stream)
 
 
-def _run(t: _Transfer, backend: str, to_host: bool, stream: Any) -> None:
+def _run(t: Transfer, backend: str, to_host: bool, stream: Any) -> None:
     """One validated transfer through `backend`."""
     if backend == "cuda":  # one gather_kv_d2h / scatter_kv_h2d launch for the selected layers
         transfer_kv_cuda.launch(t, "gather_kv_d2h" if to_host else "scatter_kv_h2d", stream)
@@ -141,14 +111,14 @@ def _validate(
     k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
     host_buffer: torch.Tensor, host_layout: str, device_pages: torch.Tensor,
     host_pages: torch.Tensor, page_size: int, layers: Sequence[int] | None, dst_is_host: bool,
-) -> _Transfer:
+) -> Transfer:
     if host_layout not in HOST_LAYOUTS:
         raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     k_list, v_list = _check_device_buffers(k_buffers, v_buffers, page_size)
     _check_host_buffer(host_buffer, host_layout, k_list, page_size)
-    t = _Transfer(k_list, v_list, host_buffer, host_layout, device_pages, host_pages, page_size,
+    t = Transfer(k_list, v_list, host_buffer, host_layout, device_pages, host_pages, page_size,
                   _check_layers(layers, len(k_list)))
     _check_pages("device_pages", device_pages, t.num_device_pages, unique=not dst_is_host)
     _check_pages("host_pages", host_pages, t.num_host_pages, unique=dst_is_host)
@@ -248,7 +218,7 @@ def _check_pages(name: str, pages: torch.Tensor, limit: int, unique: bool) -> No
 # Chunk views shared by the torch backends
 
 
-def _wide_dtype(t: _Transfer) -> torch.dtype:
+def _wide_dtype(t: Transfer) -> torch.dtype:
     """Widest element that divides a chunk and every base offset (so `.view(dtype)` is legal)."""
     item = t.host_buffer.element_size()
     offsets = [b.storage_offset() * item for b in (*t.k_buffers, *t.v_buffers, t.host_buffer)]
@@ -264,7 +234,7 @@ def _rows(t: torch.Tensor, num_pages: int, wide: torch.dtype) -> torch.Tensor:
     return t.view(num_pages, -1).view(torch.uint8).view(wide)
 
 
-def _layer_rows(t: _Transfer, layer: int, wide: torch.dtype) -> Iterator[
+def _layer_rows(t: Transfer, layer: int, wide: torch.dtype) -> Iterator[
         tuple[torch.Tensor, torch.Tensor]]:
     """(device rows, host rows) of `layer`'s K, then V; each `[pages, chunk]`, host strided."""
     for kv, dev in enumerate((t.k_buffers[layer], t.v_buffers[layer])):
@@ -285,7 +255,7 @@ def _run_start(pages: torch.Tensor) -> int | None:
 
 
 @contextlib.contextmanager
-def _torch_stream(stream: Any, t: _Transfer) -> Iterator[None]:
+def _torch_stream(stream: Any, t: Transfer) -> Iterator[None]:
     device = t.k_buffers[0].device
     if device.type != "cuda" or stream is None:
         yield
@@ -305,7 +275,7 @@ class _Plan(NamedTuple):
     dst_start: int | None
 
 
-def _reference(t: _Transfer, to_host: bool) -> None:
+def _reference(t: Transfer, to_host: bool) -> None:
     """Per layer and K/V: index_select straight into the destination when its pages are one
     run, index_put_ straight from the source when its pages are one run, else both through a
     cache-sized staging buffer. Every path moves whole pages reinterpreted as wide elements."""
@@ -372,7 +342,7 @@ def page_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[in
     return list(zip(src_pages[starts].tolist(), dst_pages[starts].tolist(), lengths.tolist()))
 
 
-def _direct(t: _Transfer, to_host: bool) -> None:
+def _direct(t: Transfer, to_host: bool) -> None:
     if t.num_pages == 0 or not t.layers:
         return
     wide = _wide_dtype(t)

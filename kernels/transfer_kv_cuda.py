@@ -16,7 +16,7 @@ from kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_devi
 from kernels.layouts import PAGE_FIRST
 
 if TYPE_CHECKING:
-    from kernels.transfer_kv import _Transfer
+    from kernels.transfer_args import Transfer
 
 # CUDA launch shape: one warp per chunk, 8 warps per block, and at most this many blocks per SM
 # (enough 16-byte requests in flight to fill PCIe / C2C, leaving SMs to concurrent compute).
@@ -26,7 +26,7 @@ _BLOCKS_PER_SM = 4
 
 _KERNEL_FILE = "transfer_kv.cu"
 
-def launch(t: _Transfer, kernel_name: str, stream: Any) -> None:
+def launch(t: Transfer, kernel_name: str, stream: Any) -> None:
     device = t.k_buffers[0].device
     if device.type != "cuda":
         raise RuntimeError(
@@ -55,7 +55,7 @@ def launch(t: _Transfer, kernel_name: str, stream: Any) -> None:
         del keep
 
 
-def _kernel_args(t: _Transfer, torch_stream: torch.cuda.Stream
+def _kernel_args(t: Transfer, torch_stream: torch.cuda.Stream
                  ) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
     """(the arguments of gather_kv_d2h / scatter_kv_h2d, in order; the tensors they point
     into, which the caller keeps alive until the launch is enqueued).

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hicache.config import BYTES_PER_GB, Config
-from hicache.metrics import tier_summaries
 from server.args import parse_config
 
 # The engine, the HTTP app and torch (seconds to import) load only once the flags are known
@@ -132,6 +131,8 @@ async def serve(engine: Engine, config: Config) -> int:
 
 def log_startup(engine: Engine, runner: web.AppRunner) -> None:
     """The listening line (with the real port when 0 was asked for), the model, the tiers."""
+    from server.http.discovery import tier_sizes
+
     host, port = runner.addresses[0][:2]
     shown = f"[{host}]" if ":" in host else host
     logger.info("hicache-server listening on http://%s:%d", shown, port)
@@ -145,19 +146,6 @@ def log_startup(engine: Engine, runner: web.AppRunner) -> None:
         logger.info("tier %-7s %d tokens, %.2f GB", tier, tokens, size / BYTES_PER_GB)
     for handler in logging.getLogger().handlers:
         handler.flush()
-
-
-def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
-    """Each tier's capacity as (tokens, bytes)."""
-    stats = engine.cache_stats()
-    summaries = tier_summaries(stats, engine.config.cache.page_size,
-                               engine.cache.storage_page_bytes())
-    size_bytes = {"device": engine.cache.device_pool.size_bytes}
-    if engine.cache.host_pool is not None:
-        size_bytes["host"] = engine.cache.host_pool.size_bytes
-    if stats.storage is not None:
-        size_bytes["storage"] = stats.storage.capacity_bytes
-    return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}
 
 
 class Stop:

@@ -20,9 +20,8 @@ from hicache.memory import DeviceKVPool
 from hicache.stack import CacheStack
 from server.models.forward_batch import ForwardBatch
 from server.request import Request
-from server.sampling import sample_row
 
-__all__ = ["ForwardOutput", "LogitRows", "ModelRunner", "build_batch", "sample_row"]
+__all__ = ["ForwardOutput", "LogitRows", "ModelRunner", "build_batch"]
 
 
 class LogitRows(NamedTuple):

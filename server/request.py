@@ -7,15 +7,12 @@ import math
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hicache.handles import Lease
 from hicache.policies import DEFAULT_PRIORITY
-
-if TYPE_CHECKING:  # server.sampling imports this module
-    from server.sampling import LogitsShaper
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32
@@ -336,7 +333,6 @@ class Request:
     cached_details: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     generator: torch.Generator | None = None
-    logits_shaper: LogitsShaper | None = None  # made at its first shaped token
     # n > 1: the first choice, whose prompt this one waits for (then reads from the tree)
     prompt_leader: Request | None = None
     return_logprob: bool = False

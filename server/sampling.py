@@ -24,7 +24,7 @@ import torch
 
 from server.request import Request, SamplingParams
 
-if TYPE_CHECKING:  # model_runner imports this module (for sample_row)
+if TYPE_CHECKING:
     from server.model_runner import LogitRows
 
 # Rows log-softmaxed at once when reading logprobs: bounds the float32 temporary to

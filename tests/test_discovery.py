@@ -22,8 +22,7 @@ from conftest import app_client
 from hicache.config import REDACTED, load_config
 from server.engine import Engine
 from server.http import create_app
-from server.http.discovery import served_model_name
-from server.launch import tier_sizes
+from server.http.discovery import served_model_name, tier_sizes
 from server.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, NUM_BYTES, PAD_ID, UNK_ID
 
 ADMIN_KEY = "s3cret-discovery"

@@ -27,8 +27,8 @@ from server import launch
 from server.engine import Engine, EngineClosed
 from server.http import create_app
 from server.inbox import SchedulerStopped
-from server.model_runner import sample_row
 from server.request import SamplingParams
+from server.sampling import sample_row
 from tests.conftest import app_client, tiered_engine_in
 
 PROMPT = "The fault of one request is its own. " * 4  # 148 byte tokens

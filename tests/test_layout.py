@@ -20,6 +20,10 @@ FORBIDDEN = {
     "hicache.transfer": ("hicache.tree", "hicache.storage", "hicache.stack"),
     "hicache.storage": ("hicache.stack", "hicache.stats", "hicache.metrics"),
     "hicache.policies": ("hicache", "kernels", "server"),
+    "hicache.pages": ("hicache", "kernels", "server"),
+    "hicache.events": ("hicache.storage", "hicache.tree", "hicache.memory", "hicache.transfer",
+                       "hicache.stack"),
+    "server.http": ("server.launch",),
     "kernels.layouts": ("hicache", "kernels", "server"),
 }
 
@@ -48,6 +52,89 @@ def sources() -> list[Path]:
 
 def within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this tree it imports (any depth of the file, TYPE_CHECKING
+    blocks and relative imports included): `from pkg import name` is the submodule
+    `pkg.name` when there is one, else `pkg` (its `__init__`)."""
+    paths = {module_name(p): p for p in sources()}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        edges: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    edges.add(full if full in paths else known(base))
+        graph[mod] = {e for e in edges if e is not None and e != mod}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start, edges in graph.items():
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges)))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No module of hicache/, server/ or kernels/ reaches itself through its imports (a
+    cycle in types, or through a function's import, is still a cycle in the design)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
 
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))

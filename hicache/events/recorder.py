@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from hicache.events.schema import (
     REASON_FLUSHED,
@@ -19,9 +18,7 @@ from hicache.events.schema import (
     BlockStored,
     KVEvent,
 )
-
-if TYPE_CHECKING:
-    from hicache.storage.hashing import PageHasher
+from hicache.pages import PageHashes
 
 
 class EventRecorder:
@@ -29,7 +26,7 @@ class EventRecorder:
     `page_size` is tokens per page. Starts with `AllBlocksCleared`: a subscriber drops what
     it knew of a server that restarted."""
 
-    def __init__(self, hasher: PageHasher, page_size: int) -> None:
+    def __init__(self, hasher: PageHashes, page_size: int) -> None:
         self.hasher = hasher
         self.page_size = page_size
         self.events: list[KVEvent] = [AllBlocksCleared()]

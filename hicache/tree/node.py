@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from hicache.pages import PageHashes
 
 # Key and value types: a key is a tuple of token ids, a child key identifies an edge by its
 # namespace and first page (an int when page_size == 1, else a tuple of page_size ints).
@@ -19,14 +20,6 @@ ChildKey = tuple[Any, Any]
 # below every request's, so the first user's priority is what it gets.
 UNUSED_PRIORITY = float("-inf")
 NO_OWNERS: frozenset[str] = frozenset()  # a node no live session owns
-
-
-class PageHashes(Protocol):
-    """What names pages (`hicache.storage.hashing.PageHasher`): the hashes of `tokens`' whole
-    pages, chained after `prev` (None: from the root of namespace `extra_key`)."""
-
-    def hash_pages(self, tokens: Sequence[int], prev: bytes | None = None,
-                   extra_key: str | None = None) -> list[bytes]: ...
 
 
 class TreeNode:

@@ -32,12 +32,12 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from hicache.config import config_to_dict
+from hicache.metrics import tier_summaries
 from server.engine import Engine
 from server.http.body import brief, check_type, json_type, read_object
 from server.http.errors import HttpError
 from server.http.fields import known_fields
 from server.http.state import STATE
-from server.launch import tier_sizes
 from server.request import check_unicode
 
 PACKAGE = "hicache"  # the distribution whose version /get_server_info reports
@@ -236,3 +236,15 @@ async def handle_model(request: web.Request) -> web.Response:
                         f"{card['id']!r}")
     return web.json_response(card)
 
+
+def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
+    """Each tier's capacity as (tokens, bytes)."""
+    stats = engine.cache_stats()
+    summaries = tier_summaries(stats, engine.config.cache.page_size,
+                               engine.cache.storage_page_bytes())
+    size_bytes = {"device": engine.cache.device_pool.size_bytes}
+    if engine.cache.host_pool is not None:
+        size_bytes["host"] = engine.cache.host_pool.size_bytes
+    if stats.storage is not None:
+        size_bytes["storage"] = stats.storage.capacity_bytes
+    return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}

@@ -19,7 +19,7 @@ The answers' shapes are built in `server.http.openai_shapes`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from aiohttp import web
 
@@ -30,11 +30,12 @@ from server.http.fields import Only, check_int, known_fields, refuse_unsupported
 from server.http.generation import LogprobOptions, start_all, submit
 from server.http.native import session_of
 from server.http.openai_shapes import (
+    Completion,
     CompletionShape,
     completion_chunks,
     completion_response,
 )
-from server.http.prompts import Prompts, any_prompts, check_batch_size
+from server.http.prompts import any_prompts, check_batch_size
 from server.http.state import live_engine
 from server.http.streaming import json_events, last_results, send_sse
 from server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest
@@ -73,20 +74,6 @@ COMPLETION_FIELDS = frozenset({
     "return_tokens_as_token_ids", "return_cached_tokens_details", "cache_salt", "priority",
     "session_id"})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-
-
-class Completion(NamedTuple):
-    prompts: Prompts
-    sampling_params: dict[str, Any]  # its `n` is best_of: the samples run per prompt
-    n: int  # the choices returned per prompt
-    logprobs: int | None  # top-k per position, None: no logprobs object
-    echo: bool
-    stream: bool
-    shape: CompletionShape
-    cache_salt: str | None
-    limit_field: str  # the field that set max_new_tokens, for error messages
-    priority: int | None  # None: the default
-    session_id: str | None = None  # the session whose prefixes stay cached longer
 
 
 def openai_body(body: dict[str, Any], allowed: tuple[str, ...], unsupported: dict[str, Only],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from server.http.generation import Submitted
 from server.http.openai_logprobs import (
@@ -36,11 +36,9 @@ from server.http.openai_logprobs import (
     text_length,
     token_namer,
 )
+from server.http.prompts import Prompts
 from server.http.streaming import TextDeltas, merged
 from server.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from server.http.openai import Completion
 
 COMPLETION_OBJECT = "text_completion"
 TIERS_ZERO = {"device": 0, "host": 0, "storage": 0}
@@ -51,6 +49,20 @@ class CompletionShape(NamedTuple):
     continuous_usage: bool = False  # usage on every chunk
     token_ids: bool = False  # vLLM's return_token_ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
+
+
+class Completion(NamedTuple):
+    prompts: Prompts
+    sampling_params: dict[str, Any]  # its `n` is best_of: the samples run per prompt
+    n: int  # the choices returned per prompt
+    logprobs: int | None  # top-k per position, None: no logprobs object
+    echo: bool
+    stream: bool
+    shape: CompletionShape
+    cache_salt: str | None
+    limit_field: str  # the field that set max_new_tokens, for error messages
+    priority: int | None  # None: the default
+    session_id: str | None = None  # the session whose prefixes stay cached longer
 
 
 def usage_body(groups: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -33,6 +34,8 @@ class TokenChoice:
         self.text = text
         self.alone = alone  # a block whose exception fails that request only
         self.fail = fail    # fail a request after an exception while serving it
+        # each request's shaper, made at its first shaped token; gone with the request
+        self._shapers: WeakKeyDictionary[Request, LogitsShaper] = WeakKeyDictionary()
 
     def choose(self, reqs: list[Request], done: list[int],
                        out: ForwardOutput) -> dict[int, int]:
@@ -58,10 +61,11 @@ class TokenChoice:
         return tokens
 
     def _shaper(self, req: Request, row: torch.Tensor) -> LogitsShaper:
-        if req.logits_shaper is None:
-            req.logits_shaper = LogitsShaper(req.params, req.input_ids, self.text.stop_ids(req),
-                                             row.shape[-1], row.device)
-        return req.logits_shaper
+        shaper = self._shapers.get(req)
+        if shaper is None:
+            shaper = self._shapers[req] = LogitsShaper(
+                req.params, req.input_ids, self.text.stop_ids(req), row.shape[-1], row.device)
+        return shaper
 
     def record_logprobs(self, reqs: list[Request], out: ForwardOutput,
                          tokens: dict[int, int]) -> None:
