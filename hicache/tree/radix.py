@@ -23,14 +23,15 @@ import torch
 from hicache.events.recorder import EventRecorder
 from hicache.events.schema import MEDIUM_GPU, REASON_EVICTED
 from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
-from hicache.tree.base import EMPTY, MatchResult, OwnedSizes, PrefixCache, concat
+from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
 from hicache.tree.eviction_order import eviction_key
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode, node_hashes
+from hicache.tree.retention import Retention
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 
-class RadixCache(PrefixCache):
+class RadixCache(Retention, PrefixCache):
     """Page-aligned radix tree over token ids; see DESIGN.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
@@ -94,6 +95,11 @@ class RadixCache(PrefixCache):
         if self.events is not None:
             self.events.removed(node_hashes(node, self.root, self.events.hasher), medium,
                                 reason)
+
+    def flushing(self) -> AbstractContextManager[None]:
+        """KV events: removals inside are an operator's flush (`BlockRemoved.reason`
+        "flushed")."""
+        return self.events.flushing() if self.events is not None else nullcontext()
 
     # ----------------------------------------------------------------------------- keys
 
@@ -308,86 +314,6 @@ class RadixCache(PrefixCache):
         self._touch(path, now, 1, priority)
         self._requeue(path)
         self._on_path(path)
-
-    # ------------------------------------------------------------------------- sessions
-
-    def own(self, node: TreeNode, session_id: str) -> None:
-        """`session_id` owns `node` and its ancestors (a request of it used them): they are
-        evicted after every unowned node until `disown`. Re-pushes the nodes whose eviction
-        key changed (the heaps are lazy)."""
-        changed = []
-        while node is not self.root and session_id not in node.owners:
-            node.owners = node.owners | {session_id}  # an owned node's ancestors are owned
-            changed.append(node)
-            node = node.parent
-        if changed:
-            self._owned.setdefault(session_id, set()).update(changed)
-            for n in changed:
-                self._repush(n)
-            self._maybe_rebuild_heaps()
-
-    def disown(self, session_id: str) -> int:
-        """`session_id` (closed or timed out) owns nothing any more; its nodes go back to
-        their policy's place among the unowned ones. Returns the tokens it owned."""
-        nodes = self._owned.pop(session_id, set())
-        for node in nodes:
-            node.owners = node.owners - {session_id}
-            self._repush(node)
-        self._maybe_rebuild_heaps()
-        return sum(len(n.key) for n in nodes)
-
-    def owned_tokens(self) -> OwnedSizes:
-        """Tokens some live session owns: on the device, and in L2 only."""
-        nodes = set().union(*self._owned.values()) if self._owned else set()
-        device = sum(self._device_len(n) for n in nodes)
-        return OwnedSizes(device, sum(len(n.key) for n in nodes) - device)
-
-    # ----------------------------------------------------------------------------- pins
-
-    def pin(self, node: TreeNode) -> None:
-        """Pin `node` and its ancestors until `unpin(node)`: evicted after everything else
-        (this tree: never, without a lower tier to demote them to)."""
-        while node is not self.root:
-            node.pin_ref += 1
-            self._pinned.add(node)
-            self._repush(node)
-            node = node.parent
-        self._maybe_rebuild_heaps()
-
-    def unpin(self, node: TreeNode) -> None:
-        """End a `pin(node)`."""
-        while node is not self.root:
-            if node.pin_ref <= 0:
-                raise AssertionError(f"unpin of unpinned {node!r}")
-            node.pin_ref -= 1
-            if node.pin_ref == 0:
-                self._pinned.discard(node)
-            self._repush(node)
-            node = node.parent
-        self._maybe_rebuild_heaps()
-
-    def flushing(self) -> AbstractContextManager[None]:
-        """KV events: removals inside are an operator's flush (`BlockRemoved.reason`
-        "flushed")."""
-        return self.events.flushing() if self.events is not None else nullcontext()
-
-    def stuck_pinned_size(self, path_end: TreeNode | None = None) -> int:
-        """Device tokens `evictable_size()` counts that eviction cannot free: unlocked pinned
-        nodes that cannot leave L1 (`_pin_demotable`), except those on the path from the root
-        to `path_end` (which `unlocked_on_path` already takes out). What admission must not
-        count on."""
-        if not self._pinned:  # asked at every admission attempt short of room
-            return 0
-        on_path = set()
-        while path_end is not None and path_end is not self.root:
-            on_path.add(path_end)
-            path_end = path_end.parent
-        return sum(self._device_len(n) for n in self._pinned
-                   if n.lock_ref == 0 and n not in on_path and not self._pin_demotable(n))
-
-    def _pin_demotable(self, node: TreeNode) -> bool:
-        """Whether a pinned node may still leave L1 (this tree: never; with L2: by demotion)."""
-        return False
 
     def _repush(self, node: TreeNode) -> None:
         """Re-enter `node` in the eviction heaps after its key changed."""
