@@ -49,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 
 PAGE_SIZE = 16

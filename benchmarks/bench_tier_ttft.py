@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 from server.models.loader import EMBEDDED_CONFIG, embedded_weights
 from server.tokenizer import EMBEDDED_MARKER_KEY, byte_tokenizer_json

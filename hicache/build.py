@@ -14,7 +14,7 @@ import logging
 import torch
 import zmq
 
-from hicache.config import BYTES_PER_GB, Config, EventsConfig
+from hicache.config import BYTES_PER_GB, EventsConfig, TierSections
 from hicache.events import (
     EventPublisher,
     EventRecorder,
@@ -57,7 +57,7 @@ DEFAULT_PIN_SHARE = 4
 MAX_PIN_SHARE_OF_L1_ONLY = 2
 
 
-def build_stack(config: Config, model: ModelKV) -> CacheStack:
+def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
     """Size and build every tier the config asks for, with its pins, sessions and KV
     events. The first event batch, sent at once, is `AllBlocksCleared`: this server starts
     empty."""
@@ -93,7 +93,7 @@ def build_stack(config: Config, model: ModelKV) -> CacheStack:
     return stack
 
 
-def _pin_cap(config: Config, pool: DeviceKVPool, host: HostKVPool | None) -> int:
+def _pin_cap(config: TierSections, pool: DeviceKVPool, host: HostKVPool | None) -> int:
     """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
     cap, page = config.cache.max_pinned_tokens, config.cache.page_size
     l1 = pool.allocator.total_size()
@@ -119,7 +119,7 @@ def _event_publisher(e: EventsConfig) -> EventPublisher:
                          "on this host its own ports (or tcp://*:0)") from None
 
 
-def _l1_pages(config: Config, model: ModelKV) -> int:
+def _l1_pages(config: TierSections, model: ModelKV) -> int:
     c = config.cache
     if c.max_total_tokens is not None:
         return page_count(c.max_total_tokens, c.page_size)
@@ -140,7 +140,7 @@ def _l1_pages(config: Config, model: ModelKV) -> int:
     return max(1, budget_tokens // c.page_size)
 
 
-def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool:
+def _host_pool(config: TierSections, pool: DeviceKVPool, model: ModelKV) -> HostKVPool:
     h, ps = config.host, config.cache.page_size
     if h.size_gb is not None:
         pages = int(h.size_gb * BYTES_PER_GB) // pool.page_bytes
@@ -153,7 +153,7 @@ def _host_pool(config: Config, pool: DeviceKVPool, model: ModelKV) -> HostKVPool
     return host
 
 
-def _storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool
+def _storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, host: HostKVPool
                   ) -> StorageTier | None:
     s = config.storage
     if not s.enabled:

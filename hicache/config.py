@@ -1,4 +1,6 @@
-"""Configuration: one frozen dataclass per YAML section, loading and validation.
+"""The cache's configuration: one frozen dataclass per cache-side YAML section (cache, host,
+storage, events), the validation every section shares, and the YAML reading and merging
+the server's whole-file config (`server.config`, which adds model and server) builds on.
 
 Precedence: built-in defaults (the dataclass defaults below, which are DESIGN.md's schema)
 < the YAML file < overrides (the CLI flags). Every section checks itself in `__post_init__`,
@@ -19,7 +21,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -27,8 +29,6 @@ import yaml
 from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
 from kernels.layouts import HOST_LAYOUTS as MEM_LAYOUTS
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cuda", "cpu")
 TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
 TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
 # L3 fetch workers by default: reads of a local store are bounded by the copy and the
@@ -36,16 +36,12 @@ TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the s
 DEFAULT_FETCH_WORKERS = 4
 STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
-# The order waiting requests are admitted in (`server.scheduler.policy`), SGLang's
-# --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
-SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 
 # KV events (`hicache.events`): publishers by name (vLLM's --kv-events-config values), and
 # the ZMQ transports an endpoint may use.
 EVENT_PUBLISHERS = ("null", "zmq")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
-MAX_PORT = 65535
 BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
 TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
 REDACTED = "***"
@@ -62,7 +58,7 @@ class ConfigError(ValueError):
         super().__init__(self.message)
 
 
-def _label(value: object) -> str:
+def type_label(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
@@ -77,7 +73,7 @@ def _check_type(key: str, value: object, base: type, nullable: bool) -> None:
         ok = isinstance(value, base)
     if not ok:
         expected = _TYPE_NAMES.get(base, f"a {base.__name__}") + (" or null" if nullable else "")
-        got = "null" if value is None else f"{value!r} ({_label(value)})"
+        got = "null" if value is None else f"{value!r} ({type_label(value)})"
         raise ConfigError(key, f"expected {expected}, got {got}")
     if base is float and value is not None and not math.isfinite(value):  # type: ignore[arg-type]
         raise ConfigError(key, f"must be a finite number, got {value!r}")
@@ -96,7 +92,7 @@ def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
     return out
 
 
-class _Section:
+class Section:
     """Shared validation of every section: types from the annotations, then `_validate`."""
 
     SECTION: ClassVar[str] = ""  # dotted path of this section in the YAML
@@ -132,44 +128,7 @@ class _Section:
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
-    SECTION: ClassVar[str] = "model"
-    path: str = "embedded:tiny-llama"  # or a model name, a .gguf file, a Hugging Face folder
-    dtype: str = "auto"
-    device: str = "auto"
-
-    def _validate(self) -> None:
-        self._non_empty("path")
-        self._choice("dtype", DTYPES)
-        self._choice("device", DEVICES)
-
-    @property
-    def is_embedded(self) -> bool:
-        return self.path.startswith("embedded:")
-
-
-@dataclass(frozen=True)
-class ServerConfig(_Section):
-    SECTION: ClassVar[str] = "server"
-    host: str = "127.0.0.1"
-    port: int = 30000  # 0 = let the OS pick a free port
-    admin_api_key: str | None = None  # None: admin routes answer loopback clients only
-    # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
-    # --served-model-name). None: derived from model.path (server.http.discovery).
-    served_model_name: str | None = None
-    schedule_policy: str = "lpm"  # the order waiting requests are admitted in
-
-    def _validate(self) -> None:
-        self._non_empty("host")
-        if not 0 <= self.port <= MAX_PORT:
-            self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
-        self._non_empty("admin_api_key")
-        self._non_empty("served_model_name")
-        self._choice("schedule_policy", SCHEDULE_POLICIES)
-
-
-@dataclass(frozen=True)
-class CacheConfig(_Section):
+class CacheConfig(Section):
     SECTION: ClassVar[str] = "cache"
     enable_radix_cache: bool = True
     hierarchical: bool = False
@@ -192,7 +151,7 @@ class CacheConfig(_Section):
 
 
 @dataclass(frozen=True)
-class HostConfig(_Section):
+class HostConfig(Section):
     SECTION: ClassVar[str] = "host"
     ratio: float = 2.0  # L2 tokens / L1 tokens; below 1, L2 reclaims copies of L1's nodes
     size_gb: float | None = None  # when set, overrides ratio
@@ -215,7 +174,7 @@ class HostConfig(_Section):
 
 
 @dataclass(frozen=True)
-class LmdbConfig(_Section):
+class LmdbConfig(Section):
     SECTION: ClassVar[str] = "storage.lmdb"
     path: str = "~/.cache/hicache/lmdb"
     max_size_gb: float = 32.0  # capacity bound; least recently used pages go first
@@ -235,7 +194,7 @@ class LmdbConfig(_Section):
 
 
 @dataclass(frozen=True)
-class RedisConfig(_Section):
+class RedisConfig(Section):
     SECTION: ClassVar[str] = "storage.redis"
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
@@ -252,7 +211,7 @@ class RedisConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ThrottleConfig(_Section):
+class ThrottleConfig(Section):
     """A slower medium in front of the chosen backend (`ThrottledBackend`): for trying what
     L3 on a slow disk or network does, and for the benchmarks. Off by default."""
 
@@ -270,7 +229,7 @@ class ThrottleConfig(_Section):
 
 
 @dataclass(frozen=True)
-class StorageConfig(_Section):
+class StorageConfig(Section):
     SECTION: ClassVar[str] = "storage"
     backend: str = "none"
     prefetch_policy: str = "timeout"
@@ -316,7 +275,7 @@ class StorageConfig(_Section):
 
 
 @dataclass(frozen=True)
-class EventsConfig(_Section):
+class EventsConfig(Section):
     """KV cache events for cache-aware routers, vLLM's `--kv-events-config` keys. Off unless
     `publisher` is "zmq" (or `enable_kv_cache_events` is true with no publisher named)."""
 
@@ -348,29 +307,30 @@ class EventsConfig(_Section):
         return self.publisher == "zmq" or self.enable_kv_cache_events is True
 
 
-@dataclass(frozen=True)
-class Config(_Section):
-    SECTION: ClassVar[str] = ""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    host: HostConfig = field(default_factory=HostConfig)  # L2, used when cache.hierarchical
-    storage: StorageConfig = field(default_factory=StorageConfig)  # L3
-    events: EventsConfig = field(default_factory=EventsConfig)  # KV events for routers
+class TierSections(Protocol):
+    """What the cache reads of a configuration: its four cache-side sections (the server's
+    whole-file `server.config.Config` is one)."""
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Config:
-        """Build from the YAML shape; missing keys take their defaults."""
-        return _build(cls, data)
+    @property
+    def cache(self) -> CacheConfig: ...
 
+    @property
+    def host(self) -> HostConfig: ...
 
-_S = TypeVar("_S", bound=_Section)
+    @property
+    def storage(self) -> StorageConfig: ...
+
+    @property
+    def events(self) -> EventsConfig: ...
 
 
-def _build(cls: type[_S], data: object) -> _S:
+_S = TypeVar("_S", bound=Section)
+
+
+def build_section(cls: type[_S], data: object) -> _S:
     """Build one section from a mapping, rejecting unknown keys; ints become floats."""
     if not isinstance(data, Mapping):
-        raise ConfigError(cls.SECTION or "config", f"expected a mapping, got {_label(data)}")
+        raise ConfigError(cls.SECTION or "config", f"expected a mapping, got {type_label(data)}")
     known = _field_types(cls)
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
@@ -379,37 +339,37 @@ def _build(cls: type[_S], data: object) -> _S:
             close = difflib.get_close_matches(str(name), list(known), n=1)
             raise ConfigError(key, "unknown key" + (f"; did you mean {close[0]!r}?" if close else ""))
         base, _ = known[name]
-        if issubclass(base, _Section):
-            value = _build(base, value)
+        if issubclass(base, Section):
+            value = build_section(base, value)
         elif base is float and type(value) is int:
             value = float(value)
         kwargs[name] = value
     return cls(**kwargs)
 
 
-def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+def merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
     """Deep merge: a mapping in `high` updates the one in `low` key by key."""
     out = dict(low)
     for key, value in high.items():
         below = out.get(key)
         both = isinstance(below, Mapping) and isinstance(value, Mapping)
-        out[key] = _merge(below, value) if both else value
+        out[key] = merge(below, value) if both else value
     return out
 
 
-def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+def nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """`{"cache.page_size": 32}` -> `{"cache": {"page_size": 32}}`, at every level."""
     out: dict[str, Any] = {}
     for key, value in overrides.items():
         head, *rest = str(key).split(".")
-        value = _nest(value) if isinstance(value, Mapping) else value
+        value = nest(value) if isinstance(value, Mapping) else value
         for part in reversed(rest):
             value = {part: value}
-        out = _merge(out, {head: value})
+        out = merge(out, {head: value})
     return out
 
 
-def _read_yaml(path: Path) -> Mapping[str, Any]:
+def read_yaml(path: Path) -> Mapping[str, Any]:
     """The file's top-level mapping; an empty file is an empty mapping."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -427,29 +387,7 @@ def _read_yaml(path: Path) -> Mapping[str, Any]:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError("config", f"{path}: expected a mapping at the top level, "
-                          f"got {_label(data)}")
-    return data
-
-
-def load_config(path: str | os.PathLike[str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
-    """Built-in defaults < the YAML file at `path` < `overrides` (nested or dotted keys)."""
-    data = _read_yaml(Path(path)) if path is not None else {}
-    return _build(Config, _merge(data, _nest(overrides or {})))
-
-
-def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
-    """A new, re-validated Config with `overrides` (nested or dotted keys) on top of `cfg`."""
-    return _build(Config, _merge(config_to_dict(cfg), _nest(overrides)))
-
-
-def config_to_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
-    """The YAML shape of `cfg`; `redact=True` hides the admin key and the Redis password."""
-    data = dataclasses.asdict(cfg)
-    if redact:
-        if data["server"]["admin_api_key"] is not None:
-            data["server"]["admin_api_key"] = REDACTED
-        data["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)
+                          f"got {type_label(data)}")
     return data
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from hicache.config import Config
+from hicache.config import TierSections
 from hicache.events import EventPublisher, EventRecorder, NullEventPublisher
 from hicache.events.publisher import EventCounters
 from hicache.handles import Lease
@@ -331,7 +331,7 @@ class CacheStack(RequestCalls):
     # Both run on the scheduler thread with no request running or waiting (the engine
     # checks): no prefetch is then in flight, and no node is locked by a request.
 
-    def attach_storage(self, config: Config, model: ModelKV) -> None:
+    def attach_storage(self, config: TierSections, model: ModelKV) -> None:
         """Open L3 from `config.storage` under the running tree and back up to it what L2
         holds (in the background, parents first), as every page that reaches L2 from now
         on. Raises, the stack unchanged: ValueError without L2, with L3 attached already

@@ -24,12 +24,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.build import build_stack
-from hicache.config import Config
 from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
 from hicache.stack import CacheStack
 from hicache.stats import CacheStats
 from server.cache_admin import CacheAdmin
+from server.config import Config
 from server.inbox import SchedulerStopped
 from server.input_checks import GenerateOptions, InputChecker
 from server.model_runner import ModelRunner

@@ -23,8 +23,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hicache.config import BYTES_PER_GB, Config
+from hicache.config import BYTES_PER_GB
 from server.args import parse_config
+from server.config import Config
 
 # The engine, the HTTP app and torch (seconds to import) load only once the flags are known
 # good, so a bad flag or --help answers at once: hence the imports inside functions below.

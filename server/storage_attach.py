@@ -19,15 +19,13 @@ from hicache.config import (
     STORAGE_BACKENDS,
     TIERED_BACKEND,
     TIERED_PARTS,
-    Config,
     ConfigError,
     StorageConfig,
-    apply_overrides,
-    config_to_dict,
 )
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
 from server.args import extra_overrides, parse_extra
+from server.config import Config, apply_overrides, config_to_dict
 from server.request import InvalidRequest
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, settings
 
 from hicache.build import build_stack
-from hicache.config import load_config
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
+from server.config import load_config
 from server.engine import Engine
 from server.http import Handler, add_admin_routes, create_app
 from server.model_runner import ForwardOutput

@@ -18,7 +18,6 @@ from conftest import app_client, small_engine
 from tokenizers import Tokenizer as HFTokenizerImpl
 from tokenizers import processors
 
-from hicache.config import load_config
 from server.chat_template import (
     EMBEDDED_CHAT_TEMPLATE,
     ChatTemplate,
@@ -26,6 +25,7 @@ from server.chat_template import (
     NoChatTemplate,
     load_chat_template,
 )
+from server.config import load_config
 from server.engine import Engine
 from server.http import HttpError, create_app
 from server.http.chat import chat_prompt_ids

@@ -10,14 +10,16 @@ import pytest
 
 from hicache.config import (
     CacheConfig,
-    Config,
     ConfigError,
     HostConfig,
     LmdbConfig,
-    ModelConfig,
     RedisConfig,
-    ServerConfig,
     StorageConfig,
+)
+from server.config import (
+    Config,
+    ModelConfig,
+    ServerConfig,
     apply_overrides,
     config_to_dict,
     load_config,

@@ -9,8 +9,8 @@ import torch
 from conftest import requires_cuda
 from test_engine import GREEDY, conversations, run_workload
 
-from hicache.config import load_config
 from hicache.transfer.engines import CudaTransferEngine
+from server.config import load_config
 from server.engine import Engine
 
 pytestmark = [requires_cuda, pytest.mark.cuda]

@@ -19,7 +19,8 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import app_client
 
-from hicache.config import REDACTED, load_config
+from hicache.config import REDACTED
+from server.config import load_config
 from server.engine import Engine
 from server.http import create_app
 from server.http.discovery import served_model_name, tier_sizes

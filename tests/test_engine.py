@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 from server.request import InvalidRequest
 

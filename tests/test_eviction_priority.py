@@ -17,13 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_hiradix_cache import make_pools
 
-from hicache.config import load_config
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree import eviction_order, radix
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.node import UNUSED_PRIORITY
 from hicache.tree.radix import RadixCache
+from server.config import load_config
 from server.engine import Engine
 from server.request import InvalidRequest
 

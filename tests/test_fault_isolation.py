@@ -22,8 +22,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 import server.scheduler.tokens as scheduler_module
-from hicache.config import load_config
 from server import launch
+from server.config import load_config
 from server.engine import Engine, EngineClosed
 from server.http import create_app
 from server.inbox import SchedulerStopped

@@ -14,8 +14,8 @@ import pytest
 from conftest import WAIT_S, submit_in_one_step
 from test_hiradix_cache import make_pools, make_tree
 
-from hicache.config import load_config
 from hicache.tree.radix import RadixCache
+from server.config import load_config
 from server.engine import Engine
 
 PAGE = 16

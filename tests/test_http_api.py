@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 from server.http import begin_shutdown, create_app
 from server.http.discovery import served_model_name

@@ -22,7 +22,7 @@ from conftest import app_client, small_engine
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerImpl
 
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 from server.http import create_app
 from server.http.discovery import served_model_name

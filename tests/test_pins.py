@@ -15,13 +15,13 @@ from conftest import app_client
 from test_eviction_priority import RecordingAllocator
 from test_hiradix_cache import make_pools
 
-from hicache.config import load_config
 from hicache.metrics import CacheMetrics
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.pins import PinRefused, PinTable
 from hicache.tree.radix import RadixCache
+from server.config import load_config
 from server.engine import Engine
 from server.request import InvalidRequest
 

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 import pytest
 from conftest import hold_scheduler, record_forwards, submit_all, submit_in_one_step
 
-from hicache.config import load_config
 from hicache.metrics import CacheMetrics
+from server.config import load_config
 from server.engine import Engine
 from server.request import Request
 

@@ -17,7 +17,7 @@ import torch
 
 import server.engine as engine_module
 import server.scheduler.tokens as scheduler_module
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 from server.request import InvalidRequest, SamplingParams
 from server.sampling import LogitsShaper, sample_row

@@ -16,8 +16,8 @@ from conftest import (
     submit_in_one_step,
 )
 
-from hicache.config import SCHEDULE_POLICIES, load_config
 from hicache.stack import CacheStack
+from server.config import SCHEDULE_POLICIES, load_config
 from server.engine import Engine
 from server.request import Request, SamplingParams
 from server.scheduler import policy

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from test_eviction_priority import RecordingAllocator, fake_clock
 from test_hiradix_cache import make_pools
 
-from hicache.config import load_config
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.radix import RadixCache
 from hicache.tree.sessions import SessionTable
 from server.args import parse_config
+from server.config import load_config
 from server.engine import Engine
 from server.http.native import parse_generate
 from server.request import InvalidRequest

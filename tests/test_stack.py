@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hicache import build as cache_setup
-from hicache.config import load_config
 from hicache.memory import DeviceKVPool
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters, StorageStats
 from hicache.storage.tier_state import StorageCounters
+from server.config import load_config
 
 PER_TOKEN = DeviceKVPool.bytes_per_token(2, 2, 32, torch.float32)  # 1 KiB
 GIB = 1 << 30

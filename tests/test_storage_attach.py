@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestClient
 from conftest import app_client, small_engine
 from http_helpers import PAGE, backed_up, error_of, tiers
 
-from hicache.config import REDACTED, load_config
+from hicache.config import REDACTED
+from server.config import load_config
 from server.engine import Engine
 from server.storage_attach import StorageChangeRefused
 

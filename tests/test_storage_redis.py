@@ -40,12 +40,13 @@ from test_storage_lmdb import (
     write_range,
 )
 
-from hicache.config import ConfigError, RedisConfig, load_config
+from hicache.config import ConfigError, RedisConfig
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.redis_store import PASSWORD_ENV, Backoff, RedisStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec
 from kernels.layouts import LAYER_FIRST, PAGE_FIRST
+from server.config import load_config
 
 __all__ = ["redis_cluster", "redis_server"]  # session fixtures, used by name below
 
@@ -368,7 +369,7 @@ def test_registry_and_arguments(redis_server: RedisServer) -> None:
 # imports once). argv: a JSON list of config overrides, the prompt, the sampling params.
 SECOND_ENGINES = """
 import json, sys
-from hicache.config import load_config
+from server.config import load_config
 from server.engine import Engine
 configs, prompt, sampling = (json.loads(a) for a in sys.argv[1:4])
 results = []

@@ -39,11 +39,11 @@ from test_storage_lmdb import (
     write_range,
 )
 
-from hicache.config import load_config
 from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
+from server.config import load_config
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 

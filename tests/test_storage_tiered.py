@@ -28,7 +28,7 @@ from test_storage_lmdb import (
     write_range,
 )
 
-from hicache.config import STORAGE_BACKENDS, load_config
+from hicache.config import STORAGE_BACKENDS
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.base import STAT_KEYS
 from hicache.storage.backends.lmdb_store import LmdbStore
@@ -36,6 +36,7 @@ from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
 from server.args import EXIT_BAD_CONFIG, parse_config
+from server.config import load_config
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 

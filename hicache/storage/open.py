@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from hicache.config import Config
+from hicache.config import TierSections
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV
 from hicache.storage.backends import create_backend
@@ -31,14 +31,14 @@ MB = 10**6  # storage.throttle.bandwidth_mb_s is in decimal megabytes
 MS_PER_S = 1000.0
 
 
-def page_hasher(config: Config, model: ModelKV) -> PageHasher:
+def page_hasher(config: TierSections, model: ModelKV) -> PageHasher:
     """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
     dtype_name = str(model.dtype).removeprefix("torch.")
     return PageHasher(config.cache.page_size, model_fingerprint(model.path), dtype_name,
                       *model.geometry)
 
 
-def open_storage_tier(config: Config, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
+def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
                       *, must_answer: bool = False) -> StorageTier:
     """The storage tier of `config.storage` (a backend other than "none"). `must_answer`
     (a runtime attach): the backend's first call, `stats()`, must count no fault, or it

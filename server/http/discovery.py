@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from hicache.config import config_to_dict
 from hicache.metrics import tier_summaries
+from server.config import config_to_dict
 from server.engine import Engine
 from server.http.body import brief, check_type, json_type, read_object
 from server.http.errors import HttpError

@@ -1,6 +1,6 @@
 """Scheduling policies: the order waiting requests are asked in, and the delay that lets a
 request hit the prefix another request's prefill is computing (`server.schedule_policy`,
-`--schedule-policy`; the names are `hicache.config.SCHEDULE_POLICIES`).
+`--schedule-policy`; the names are `server.config.SCHEDULE_POLICIES`).
 
     lpm         longest cached prefix first (`peek_prefix`: a peek that touches nothing),
                 first come first served among equals and past MAX_LPM_SCAN waiting
@@ -32,9 +32,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from hicache.config import SCHEDULE_POLICIES
 from hicache.pages import pages_down
 from hicache.stack import CacheStack
+from server.config import SCHEDULE_POLICIES
 from server.request import Request
 from server.scheduler.kv import cache_key
 

@@ -1,0 +1,112 @@
+"""The server's whole configuration file: its own sections (model, server) beside the
+cache's (`hicache.config`: cache, host, storage, events), loading and validation.
+
+Precedence: built-in defaults (the dataclass defaults) < the YAML file < overrides (the CLI
+flags). Every error is a `hicache.config.ConfigError` whose message starts with the dotted
+key path, then says what was wrong with the offending value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hicache.config import (
+    REDACTED,
+    CacheConfig,
+    EventsConfig,
+    HostConfig,
+    Section,
+    StorageConfig,
+    build_section,
+    merge,
+    nest,
+    read_yaml,
+    redact_url,
+)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cuda", "cpu")
+# The order waiting requests are admitted in (`server.scheduler.policy`), SGLang's
+# --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
+SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    SECTION: ClassVar[str] = "model"
+    path: str = "embedded:tiny-llama"  # or a model name, a .gguf file, a Hugging Face folder
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def _validate(self) -> None:
+        self._non_empty("path")
+        self._choice("dtype", DTYPES)
+        self._choice("device", DEVICES)
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path.startswith("embedded:")
+
+
+@dataclass(frozen=True)
+class ServerConfig(Section):
+    SECTION: ClassVar[str] = "server"
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0 = let the OS pick a free port
+    admin_api_key: str | None = None  # None: admin routes answer loopback clients only
+    # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
+    # --served-model-name). None: derived from model.path (server.http.discovery).
+    served_model_name: str | None = None
+    schedule_policy: str = "lpm"  # the order waiting requests are admitted in
+
+    def _validate(self) -> None:
+        self._non_empty("host")
+        if not 0 <= self.port <= MAX_PORT:
+            self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
+        self._non_empty("admin_api_key")
+        self._non_empty("served_model_name")
+        self._choice("schedule_policy", SCHEDULE_POLICIES)
+
+
+@dataclass(frozen=True)
+class Config(Section):
+    SECTION: ClassVar[str] = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    host: HostConfig = field(default_factory=HostConfig)  # L2, used when cache.hierarchical
+    storage: StorageConfig = field(default_factory=StorageConfig)  # L3
+    events: EventsConfig = field(default_factory=EventsConfig)  # KV events for routers
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Build from the YAML shape; missing keys take their defaults."""
+        return build_section(cls, data)
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Built-in defaults < the YAML file at `path` < `overrides` (nested or dotted keys)."""
+    data = read_yaml(Path(path)) if path is not None else {}
+    return build_section(Config, merge(data, nest(overrides or {})))
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """A new, re-validated Config with `overrides` (nested or dotted keys) on top of `cfg`."""
+    return build_section(Config, merge(config_to_dict(cfg), nest(overrides)))
+
+
+def config_to_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
+    """The YAML shape of `cfg`; `redact=True` hides the admin key and the Redis password."""
+    data = dataclasses.asdict(cfg)
+    if redact:
+        if data["server"]["admin_api_key"] is not None:
+            data["server"]["admin_api_key"] = REDACTED
+        data["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)
+    return data
