@@ -47,7 +47,7 @@ class Geometry(NamedTuple):
 
 
 GEOMETRIES = {
-    "tiny": Geometry(8, 2, 64, torch.float32),  # the embedded model (DESIGN.md)
+    "tiny": Geometry(8, 2, 64, torch.float32),  # the embedded model (docs/architecture.md)
     "llama3-8b": Geometry(32, 8, 128, torch.bfloat16),  # Meta-Llama-3-8B config.json
 }
 DEFAULT_TARGET_MB = 512  # bytes moved per case when --num-pages is not given

@@ -2,7 +2,7 @@
 storage, events), the validation every section shares, and the YAML reading and merging
 the server's whole-file config (`server.config`, which adds model and server) builds on.
 
-Precedence: built-in defaults (the dataclass defaults below, which are DESIGN.md's schema)
+Precedence: built-in defaults (the dataclass defaults below, which docs/configuration.md lists)
 < the YAML file < overrides (the CLI flags). Every section checks itself in `__post_init__`,
 so building one by hand, loading YAML and `dataclasses.replace` all validate the same way.
 Every error is a `ConfigError` whose message starts with the dotted key path, then says

@@ -7,7 +7,7 @@
       storage    StorageStats | None  L3: the backend's stats and the storage tier's counts
 
 `CacheStack.stats(requests)` builds one snapshot on the scheduler thread; `metrics.py` reads
-it by attribute; `as_dict()` is the shape `Engine.stats()` returns (DESIGN.md: per tier
+it by attribute; `as_dict()` is the shape `Engine.stats()` returns (docs/architecture.md: per tier
 `capacity / used / evictable / protected / hits` in tokens, plus each tier's own counts).
 A storage backend's own `stats()` stays a dict (the `StorageBackend` contract); it is read
 into `StorageStats` once, here, and its page counts keep their unit: `hit_pages` (pages

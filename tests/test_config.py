@@ -1,4 +1,4 @@
-"""hicache.config: DESIGN defaults, shipped YAML files, precedence, immutability, every error."""
+"""hicache.config: documented defaults, shipped YAML files, precedence, immutability, every error."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from server.config import (
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
-# DESIGN.md "Configuration", copied by hand: a change to a default must change both.
+# configs/default.yaml and docs/configuration.md, copied by hand: a change to a default must change both.
 DESIGN_DEFAULTS: dict[str, Any] = {
     "model": {"path": "embedded:tiny-llama", "dtype": "auto", "device": "auto"},
     "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,

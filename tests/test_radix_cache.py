@@ -1,4 +1,4 @@
-"""RadixCache: scenario tests of the DESIGN.md contract and a stateful model test."""
+"""RadixCache: scenario tests of the docs/architecture.md contract and a stateful model test."""
 
 from __future__ import annotations
 

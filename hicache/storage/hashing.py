@@ -1,6 +1,6 @@
 """Page hashes: the keys under which KV pages are stored in L3, identical in every process.
 
-The chain (DESIGN.md, "Page hash")::
+The chain (docs/architecture.md, "Page hash")::
 
     h_0 = xxh3_128(b"hicache/v1" + namespace)
     h_i = xxh3_128(h_{i-1} + tokens of page i as little-endian uint32)

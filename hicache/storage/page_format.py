@@ -37,7 +37,7 @@ from kernels.layouts import PAGE_FIRST
 MAGIC = b"HKV1"
 FORMAT_VERSION = 2  # the version every value is written in
 # The payload checksum of each format version. Append only: every version ever written stays
-# readable (DESIGN.md, "Stored page format"). Measured on the README's 2-core EPYC (AVX2):
+# readable (docs/architecture.md, "Stored page format"). Measured on docs/benchmarks.md's 2-core EPYC (AVX2):
 # xxh64 ~9 GB/s, xxh3_64 ~25-45 GB/s on pages in cache; python-xxhash hashes with the GIL
 # released.
 Checksum = Callable[[memoryview | bytes], int]  # payload -> its u64 checksum

@@ -1,6 +1,6 @@
 """The prefix-cache contract the scheduler calls, whatever tiers the tree spans.
 
-`PrefixCache` is the L1 contract of DESIGN.md ("Contracts") plus the L2 hooks with harmless
+`PrefixCache` is the L1 contract of docs/architecture.md ("Contracts") plus the L2 hooks with harmless
 defaults for a tree without a host tier (SGLang's `BasePrefixCache` does the same): no host
 hit, nothing to load back, nothing to protect, zero host sizes, no copies in flight. The
 scheduler and the tier owner (`hicache.stack.CacheStack`) call this one interface and never
@@ -83,7 +83,7 @@ class OwnedSizes(NamedTuple):
 
 
 class PrefixCache(ABC):
-    """A page-aligned prefix tree over token ids; see DESIGN.md "Contracts".
+    """A page-aligned prefix tree over token ids; see docs/architecture.md "Contracts".
 
     Keys are cut to whole pages of `page_size` tokens; `extra_key` is a namespace. Locks
     (`inc_lock_ref`) cover a node and its ancestors. Invariant:

@@ -32,7 +32,7 @@ from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 
 class RadixCache(Retention, PrefixCache):
-    """Page-aligned radix tree over token ids; see DESIGN.md "Contracts".
+    """Page-aligned radix tree over token ids; see docs/architecture.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
     in tokens. Invariant: `evictable_size() + protected_size() == total_size()`.

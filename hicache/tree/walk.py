@@ -1,7 +1,7 @@
 """The one walk down a radix tree: every lookup of a key (match, insert, peek, the storage
 tier's `reach_below`, the L3 prefetch's `insert_host_pages`) goes through `descend`.
 
-What every walk keeps true (DESIGN.md "Contracts" and "Traps"):
+What every walk keeps true (docs/architecture.md "Contracts" and "Traps"):
 - only the key's whole pages count (`aligned_end`); a partial last page is never looked at;
 - a child is found in O(1) by its `child_key`: the namespace and the edge's first page;
 - an edge is matched in whole pages, and a walk that ends inside an edge stops there: it never

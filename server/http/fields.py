@@ -1,4 +1,4 @@
-"""The field policy of the generation routes (DESIGN.md, "HTTP"), in one place:
+"""The field policy of the generation routes (docs/architecture.md, "HTTP"), in one place:
 
 - a field the server does not know is accepted and ignored, with one warning per field name
   per process in the log (`known_fields`). Clients send their whole vocabulary (SGLang's

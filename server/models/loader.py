@@ -55,7 +55,7 @@ KERNELS_DIR = "kernels"  # under hicache_home(): compiled CPU kernels, keyed by 
 EMBEDDED_SEED = 20250101  # any fixed value; changing it changes every page hash of the model
 EMBEDDED_WEIGHT_STD = 0.02  # transformers' initializer_range default
 
-# DESIGN.md, "The embedded default model". rms_norm_eps is Llama 2/3's.
+# docs/architecture.md, "Models". rms_norm_eps is Llama 2/3's.
 EMBEDDED_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
