@@ -20,7 +20,12 @@ from typing_extensions import Self
 from hicache.config import LmdbConfig
 from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool
-from hicache.storage.backends import create_backend, register_backend, registered_backends
+from hicache.storage.backends import (
+    create_backend,
+    lmdb_file,
+    register_backend,
+    registered_backends,
+)
 from hicache.storage.backends.lmdb_store import MIN_MAP_BYTES, LmdbStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry, dtype_from_name
 from kernels.layouts import LAYER_FIRST, PAGE_FIRST
@@ -224,6 +229,23 @@ def test_map_grows_past_its_initial_size(tmp_path: Path) -> None:
     stats = store.stats()
     assert stats["map_bytes"] >= 4 * MIN_MAP_BYTES and stats["evicted_pages"] == 0
     assert stats["pages"] == 600 and all(read_matches(store, pool, 0, 600))
+
+
+def test_capacity_is_what_the_disk_can_hold_when_that_is_less(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """The reported capacity is the configured bound, or the data file plus the room left
+    on its filesystem when that is less (a small disk under a 32 GB bound)."""
+    store, pool = open_store(tmp_path / "l3", max_size_bytes=9 * MIN_MAP_BYTES), filled_pool()
+    write_range(store, pool, 0, 20, batch=20)
+    assert store.stats()["capacity_bytes"] == 9 * MIN_MAP_BYTES  # this disk has the room
+    file_bytes = (tmp_path / "l3" / "data.mdb").stat().st_size
+    monkeypatch.setattr(lmdb_file, "room_bytes", lambda path: MIN_MAP_BYTES)
+    stats = store.stats()
+    assert stats["capacity_bytes"] == file_bytes + MIN_MAP_BYTES < 9 * MIN_MAP_BYTES
+    assert stats["configured_capacity_bytes"] == 9 * MIN_MAP_BYTES
+    monkeypatch.setattr(lmdb_file, "room_bytes", lambda path: 100 * MIN_MAP_BYTES)
+    assert store.stats()["capacity_bytes"] == 9 * MIN_MAP_BYTES  # never past the bound
+    store.close()
 
 
 def test_capacity_bound_evicts_least_recently_used(tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ import lmdb
 from hicache.storage.backends import lmdb_file
 from hicache.storage.backends.base import (
     STAT_BYTES,
+    STAT_CAPACITY,
     STAT_CORRUPT,
     STAT_ERRORS,
     STAT_EVICTED,
@@ -376,6 +377,19 @@ class LmdbEnvironment:
         out[STAT_BYTES] = used_pages * psize  # live B-tree and value pages, not the free list
         out["map_bytes"] = info["map_size"]
         out["high_water_bytes"] = (info["last_pgno"] + 1) * psize  # ever used in the map
+        out[STAT_CAPACITY] = self.capacity_bytes()
+        out["configured_capacity_bytes"] = self.max_size_bytes
+
+    def capacity_bytes(self) -> int:
+        """What the store can grow to: `max_size_bytes`, or less where the filesystem (or
+        RLIMIT_FSIZE) cannot hold that much: the data file's size now plus the room it may
+        still grow by. `max_size_bytes` when the room cannot be read."""
+        try:
+            size = self._file.bytes() if self._file is not None else 0
+            room = lmdb_file.room_bytes(self.path)
+        except OSError:
+            return self.max_size_bytes
+        return min(self.max_size_bytes, size + room)
 
     # ------------------------------------------------------------------ access times
 
