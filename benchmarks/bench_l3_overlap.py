@@ -207,6 +207,75 @@ def no_reuse_cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return out
 
 
+COLD_LINKS = (None, 1.0, 0.25)  # no limit, balanced, a quarter of it
+COLD_GOALS = {None: 0.35, 1.0: 0.75, 0.25: 1.0}
+
+
+def cold_start(args: argparse.Namespace, workdir: Path, balanced: float,
+               measured: list[list[int]], reference: dict[int, int]) -> list[dict[str, Any]]:
+    """A fresh server per prompt and link, L1 and L2 empty, the prompt's pages in L3: its
+    first request's TTFT over a recompute's (a fresh server without L3, after one throwaway
+    prompt: its first-forward costs are not counted against the recompute)."""
+    recompute = []
+    for p in measured:
+        with engine(base_config(workdir / "cold-none", **{"storage.backend": "none"})) as e:
+            ttft(e, prompts(1, len(p), seed=random.randrange(10**9))[0])
+            recompute.append(ttft(e, p)[0])
+    rows = []
+    for ratio in COLD_LINKS:
+        bandwidth = None if ratio is None else ratio * balanced
+        times, ok, fetched = [], True, []
+        for i, p in enumerate(measured):
+            where = workdir / f"cold-{ratio}-{i}"
+            with link_config(args, where, bandwidth) as link:
+                populate(base_config(where / "l3", **link), [p])
+                with engine(base_config(where / "l3", **link)) as e:
+                    seconds, token, details = ttft(e, p)
+            times.append(seconds)
+            ok = ok and token == reference[id(p)]
+            fetched.append(details["storage"])
+        ratios = [t / r for t, r in zip(times, recompute)]
+        rows.append({"ratio": ratio, "bandwidth_mb_s": None if bandwidth is None else
+                     bandwidth / MB, "ttft_s": times, "recompute_s": recompute,
+                     "replay_over_recompute": statistics.median(ratios), "all_ratios": ratios,
+                     "storage_tokens": fetched, "tokens_ok": ok})
+        print(f"  cold, link {'no limit' if ratio is None else f'{ratio:.2f}x balanced'}: "
+              f"replay / recompute {statistics.median(ratios):.2f} ({fetched} from L3)",
+              flush=True)
+    return rows
+
+
+@contextmanager
+def link_config(args: argparse.Namespace, workdir: Path,
+                bandwidth: float | None) -> Iterator[dict[str, Any]]:
+    """The L3 behind a link of `bandwidth` bytes/s (None: no limit): a real redis-server
+    behind the throttling proxy (the default), or LMDB behind storage.throttle (--lmdb)."""
+    if not args.lmdb:
+        with redis_link(workdir, bandwidth) as link:
+            yield link
+        return
+    throttle = {} if bandwidth is None else {
+        "storage.throttle.bandwidth_mb_s": bandwidth / MB,
+        "storage.throttle.latency_ms": LATENCY_MS}
+    yield throttle
+
+
+def cold_report(result: dict[str, Any]) -> str:
+    lines = [f"cold start, {result['backend']}: a fresh server per prompt, L1 and L2 empty",
+             "", ("| link | MB/s | replay / recompute (median) | each | goal | from L3 | "
+                  "same tokens |"), "|---|---:|---:|---|---|---|---|"]
+    for row in result["cold"]:
+        goal = COLD_GOALS[row["ratio"]]
+        r = row["replay_over_recompute"]
+        label = "no limit" if row["ratio"] is None else f"{row['ratio']:.2f}x balanced"
+        mbs = "-" if row["bandwidth_mb_s"] is None else f"{row['bandwidth_mb_s']:.1f}"
+        lines.append(f"| {label} | {mbs} | {r:.2f} | "
+                     + ", ".join(f"{x:.2f}" for x in row["all_ratios"])
+                     + f" | <= {goal} {'met' if r <= goal else 'not met'} | "
+                     f"{row['storage_tokens']} | {'yes' if row['tokens_ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [(f"prefill of {result['prompt_len']} tokens: {result['prefill_s'] * 1000:.0f} ms; "
              f"its pages {result['prompt_bytes'] / MB:.1f} MB; balanced bandwidth "
@@ -252,6 +321,11 @@ def main() -> int:
                     help="measure only the no-reuse cost; merge it into --out")
     ap.add_argument("--redis", action="store_true",
                     help="a real redis-server behind a throttling TCP proxy instead of LMDB")
+    ap.add_argument("--cold", action="store_true",
+                    help="only the cold start: a fresh server per prompt over a real Redis "
+                         "behind the proxy (--lmdb: LMDB behind storage.throttle)")
+    ap.add_argument("--lmdb", action="store_true",
+                    help="--cold over LMDB behind storage.throttle instead of Redis")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 512 tokens, 1 repeat")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -267,12 +341,11 @@ def main() -> int:
         print(report(result))
         args.out.write_text(json.dumps(result, indent=1))
         return 0
+    if args.cold:
+        return run_cold(args)
     with tempfile.TemporaryDirectory(prefix="bench-l3-overlap-") as tmp:
         workdir = Path(tmp)
-        prefill_s, prompt_bytes = calibrate(args, workdir)
-        balanced = prompt_bytes / prefill_s
-        print(f"prefill {prefill_s * 1000:.0f} ms, pages {prompt_bytes / MB:.1f} MB: balanced "
-              f"{balanced / MB:.1f} MB/s", flush=True)
+        prefill_s, prompt_bytes, balanced = balanced_link(args, workdir)
         warm = prompts(args.warmup, args.prompt_len, seed=1)
         measured = prompts(args.repeats, args.prompt_len, seed=2)
         reference = populate(base_config(workdir / "l3"), warm + measured)
@@ -291,6 +364,38 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
+    return 0
+
+
+def balanced_link(args: argparse.Namespace, workdir: Path) -> tuple[float, int, float]:
+    """(prefill seconds, the prompt's page bytes, the balanced bandwidth in bytes/s)."""
+    prefill_s, prompt_bytes = calibrate(args, workdir)
+    balanced = prompt_bytes / prefill_s
+    print(f"prefill {prefill_s * 1000:.0f} ms, pages {prompt_bytes / MB:.1f} MB: balanced "
+          f"{balanced / MB:.1f} MB/s", flush=True)
+    return prefill_s, prompt_bytes, balanced
+
+
+def run_cold(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-l3-cold-") as tmp:
+        workdir = Path(tmp)
+        prefill_s, prompt_bytes, balanced = balanced_link(args, workdir)
+        measured = prompts(args.repeats, args.prompt_len, seed=2)
+        reference = populate(base_config(workdir / "ref", **{"storage.backend": "none"}),
+                             measured)
+        cold = cold_start(args, workdir, balanced, measured, reference)
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.machine()}, {platform.processor() or platform.system()}",
+              "backend": ("LMDB behind storage.throttle" if args.lmdb else
+                          "redis-server behind a throttling TCP proxy"),
+              "prompt_len": args.prompt_len, "prefill_s": prefill_s,
+              "prompt_bytes": prompt_bytes, "balanced_mb_s": balanced / MB, "cold": cold}
+    print()
+    print(cold_report(result))
+    out = args.out.with_name("l3_cold.json") if args.out == RESULTS else args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
     return 0
 
 

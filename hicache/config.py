@@ -240,6 +240,7 @@ class StorageConfig(Section):
     fetch_workers: int = DEFAULT_FETCH_WORKERS  # threads reading L3 pages into L2
     cost_model: bool = True  # fetch, recompute or split a hit by measured costs
     overlap: bool = True  # compute a hit's head while its tail loads (needs cost_model)
+    prefill_warmup_s: float = 1.0  # seconds of timed forwards at start (0: none)
     lmdb: LmdbConfig = field(default_factory=LmdbConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
@@ -249,6 +250,7 @@ class StorageConfig(Section):
         self._choice("prefetch_policy", PREFETCH_POLICIES)
         self._at_least("prefetch_threshold", 0)
         self._at_least("fetch_workers", 1)
+        self._at_least("prefill_warmup_s", 0)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                      "prefetch_timeout_max"):
             self._at_least(name, 0)

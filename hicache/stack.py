@@ -213,9 +213,15 @@ class CacheStack(RequestCalls):
                                      prefix_tokens=hit)
 
     def head_stop(self, req_id: str) -> int:
-        """Where the request's first admission stops computing (tokens from its start) so
-        that the tail of its L3 hit, fetched meanwhile, joins it after; 0: no such stop."""
+        """Where the request stops computing next (tokens from its start) so that the tail
+        of its L3 hit, fetched meanwhile, joins it after; 0: no such stop."""
         return 0 if self.storage is None else self.storage.head_stop(req_id)
+
+    def continue_head(self, req_id: str, computed: int) -> int:
+        """The request reached its head stop, `computed` tokens: its next stop (> computed),
+        `computed` (its head is final: it waits for its tail), or 0 (no more stops: its
+        prefetch has ended, the prompt is computed on). See `hicache.storage.race`."""
+        return 0 if self.storage is None else self.storage.continue_head(req_id, computed)
 
     def head_computed(self, req_id: str, lease: Lease) -> None:
         """The request computed its head, whose last page ends its `lease`'s path."""

@@ -116,7 +116,8 @@ class Engine:
         self.scheduler = Scheduler(ModelRunner(self.loaded.model, self.cache), self.cache,
                                    self.tokenizer, max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,
-                                   schedule_policy=self.config.server.schedule_policy)
+                                   schedule_policy=self.config.server.schedule_policy,
+                                   prefill_warmup_s=self.config.storage.prefill_warmup_s)
         self.checker = InputChecker(self.tokenizer, self.vocab_size, self.context_len,
                                     self.cache.device_pool.allocator.total_size(),
                                     self.config.cache.page_size)

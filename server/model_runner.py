@@ -12,6 +12,7 @@ Threading: scheduler thread only.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,10 @@ from server.models.forward_batch import ForwardBatch
 from server.request import Request
 
 __all__ = ["ForwardOutput", "LogitRows", "ModelRunner", "build_batch"]
+
+# The made-up tokens of a timed forward cycle through ids 1..WARMUP_TOKEN_IDS (any vocabulary
+# has them; the forward's cost does not depend on which tokens).
+WARMUP_TOKEN_IDS = 200
 
 
 class LogitRows(NamedTuple):
@@ -61,6 +66,27 @@ class ModelRunner:
         if handle is not None:
             batch.layer_hook = handle.wait_layer
         return ForwardOutput(self.model.forward(batch, self.kv_pool), rows)
+
+
+    def timed_prefill(self, tokens: int) -> float | None:
+        """Seconds of one forward of `tokens` made-up tokens from scratch, into KV slots
+        borrowed from the pool and given back (nothing is kept); None when the pool has no
+        room for them."""
+        slots = self.kv_pool.alloc(tokens)
+        if slots is None:
+            return None
+        try:
+            slots = slots[:tokens]
+            ids = torch.arange(tokens, dtype=torch.int64) % WARMUP_TOKEN_IDS + 1
+            batch = ForwardBatch(input_ids=ids, positions=torch.arange(tokens),
+                                 out_slots=slots, seq_slots=[slots], prefix_lens=[0],
+                                 extend_lens=[tokens])
+            started = time.perf_counter()
+            logits = self.model.forward(batch, self.kv_pool)
+            logits[-1, 0].item()  # on CUDA, the sync
+            return time.perf_counter() - started
+        finally:
+            self.kv_pool.free(slots)
 
 
 def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:

@@ -17,7 +17,10 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 def engine(tmp_path, **overrides) -> Engine:
-    base = {"cache.page_size": 16, "cache.max_total_tokens": 2048, "model.device": "cpu"}
+    # no timed warm-up forwards at start: the suite starts many engines (tests/test_warmup.py
+    # has its own)
+    base = {"cache.page_size": 16, "cache.max_total_tokens": 2048, "model.device": "cpu",
+            "storage.prefill_warmup_s": 0.0}
     cfg = load_config(None, {**base, **overrides})
     return Engine(cfg)
 

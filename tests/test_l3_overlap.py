@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 from test_engine import GREEDY, conversations, engine, tiered
 
+import hicache.storage.tier as tier_module
 from hicache.storage.cost import FetchCost, PrefillCost
 
 PAGE = 16
@@ -35,18 +36,21 @@ def reference() -> list[int]:
         return e.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
 
 
-def force_head(e, head: int | None) -> None:
+def force_head(e, head: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the storage tier split every L3 hit with `head` pages recomputed (None: recompute
-    it all), whatever the cost model would say."""
+    it all; 0: fetch it all), whatever the cost model would say: a race whose first target is
+    `head` and whose head is final there (the fetch brings the rest, however long it takes)."""
     e.cache.storage._head_pages = lambda op, hit: None if head is None else min(head, hit)
+    monkeypatch.setattr(tier_module, "next_target", lambda race, *args: race.computed)
 
 
 @pytest.mark.parametrize("head", [0, 1, 7, HIT_PAGES - 1, HIT_PAGES, None])
-def test_every_split_gives_the_tokens_of_recomputation(tmp_path, reference, head) -> None:
+def test_every_split_gives_the_tokens_of_recomputation(tmp_path, reference, head,
+                                                       monkeypatch) -> None:
     with tiered(tmp_path) as e:
         assert e.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == reference
         e.flush_cache(["device", "host"])  # the prompt lives in L3 only
-        force_head(e, head)
+        force_head(e, head, monkeypatch)
         backed_up = e.stats()["tiers"]["storage"]["backed_up_tokens"]
         again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         check_integrity(e)
@@ -64,25 +68,26 @@ def test_every_split_gives_the_tokens_of_recomputation(tmp_path, reference, head
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
-def test_a_head_the_write_policy_keeps_off_l2_is_copied_there(tmp_path, reference,
-                                                              policy) -> None:
+def test_a_head_the_write_policy_keeps_off_l2_is_copied_there(tmp_path, reference, policy,
+                                                              monkeypatch) -> None:
     """The tail hangs below the head in L2, so the head is copied down whatever the policy."""
     with tiered(tmp_path) as e:  # write_through: the prompt reaches L3
         e.generate(input_ids=PROMPT, sampling_params=GREEDY)
     with tiered(tmp_path, **{"host.write_policy": policy}) as e:  # restart: L3 only
-        force_head(e, 5)
+        force_head(e, 5, monkeypatch)
         again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         check_integrity(e)
     assert again["output_ids"] == reference
     assert again["meta_info"]["cached_tokens_details"]["storage"] == (HIT_PAGES - 5) * PAGE
 
 
-def test_split_requests_sharing_a_prompt_all_get_its_tokens(tmp_path, reference) -> None:
+def test_split_requests_sharing_a_prompt_all_get_its_tokens(tmp_path, reference,
+                                                            monkeypatch) -> None:
     """Several requests with one prompt in L3 arrive together while the hit is split."""
     with tiered(tmp_path) as e:
         e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         e.flush_cache(["device", "host"])
-        force_head(e, 4)
+        force_head(e, 4, monkeypatch)
         outs: list[list[int]] = []
         threads = [threading.Thread(target=lambda: outs.append(e.generate(
             input_ids=PROMPT, sampling_params=GREEDY)["output_ids"])) for _ in range(3)]
@@ -129,7 +134,11 @@ class FixedFetch(FetchCost):
     (0.01, 0, 0, HIT_PAGES * PAGE),  # 100x slower: recompute it all
 ])
 def test_the_cost_model_fetches_splits_or_recomputes(tmp_path, reference, fetch_vs_compute,
-                                                     storage_tokens, split, recomputed) -> None:
+                                                     storage_tokens, split, recomputed,
+                                                     monkeypatch) -> None:
+    """The model's split is the race's first target (here also its last: `next_target`
+    stops where it is, so the count is the model's alone)."""
+    monkeypatch.setattr(tier_module, "next_target", lambda race, *args: race.computed)
     with tiered(tmp_path) as e:
         e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         e.flush_cache(["device", "host"])
@@ -156,3 +165,45 @@ def test_estimates_are_learned_while_serving_and_shown(tmp_path) -> None:
     assert model["prefill_observations"] >= 3 and model["fetch_observations"] >= 3
     assert model["prefill_tokens_per_s"] > 0
     assert model["fetch_bandwidth_bytes_per_s"] > 0 and model["fetch_latency_s"] >= 0
+
+
+def test_a_cold_race_gives_the_tokens_of_recomputation(tmp_path, reference) -> None:
+    """No estimates yet: the hit is raced, and whatever line the race draws, the answer is
+    recomputation's, and head + fetched tail make the whole hit (or, abandoned, none of it
+    comes from L3)."""
+    with tiered(tmp_path) as e:
+        e.cache.storage.planner.cold_race = True
+        e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        e.flush_cache(["device", "host"])
+        assert e.stats()["tiers"]["storage"]["cost_model"]["fetch_bandwidth_bytes_per_s"] is None
+        again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        check_integrity(e)
+        storage = e.stats()["tiers"]["storage"]
+    assert again["output_ids"] == reference
+    fetched = again["meta_info"]["cached_tokens_details"]["storage"]
+    if storage["split_prefetches"]:
+        assert fetched + storage["head_tokens"] == HIT_PAGES * PAGE and storage["head_tokens"]
+    else:
+        assert fetched == 0 and storage["recomputed_hit_tokens"] == HIT_PAGES * PAGE
+
+
+def test_a_race_against_a_stalled_link_computes_the_hit(tmp_path, reference) -> None:
+    """A link on which the hit's one batch takes seconds: the compute side takes page after
+    page, reaches the end with nothing fetched, and the request goes on as a recompute."""
+    with tiered(tmp_path) as probe:
+        page_bytes = probe.cache.host_pool.page_bytes
+    batch_s = 3.0  # the hit's batch on the link: ~30x the hit's compute here
+    slow = {"storage.throttle.bandwidth_mb_s": HIT_PAGES * page_bytes / batch_s / 1e6,
+            "storage.lmdb.path": str(tmp_path / "slow")}
+    with tiered(tmp_path, **slow) as e:
+        e.cache.storage.planner.cold_race = True
+        e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        e.flush_cache(["device", "host"])
+        again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        check_integrity(e)
+        storage = e.stats()["tiers"]["storage"]
+    assert again["output_ids"] == reference
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert storage["split_prefetches"] == 0
+    assert storage["recomputed_hits"] == 1
+    assert storage["recomputed_hit_tokens"] == HIT_PAGES * PAGE

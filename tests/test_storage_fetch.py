@@ -1,5 +1,6 @@
 """The L3 fetch workers: batches shared round robin between prefetches, out-of-order batches
-counted as leading pages, a failed batch ending its fetch, cancellation."""
+counted as leading pages, a failed batch ending its fetch, cancellation; a raced hit's fetch
+back to front, counted as trailing pages, above a floor the compute side moves up."""
 
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def key(op: str, page: int) -> bytes:
     return f"{op}-{page:06d}".encode()
 
 
-def op_of(name: str, pages: int, pool: HostKVPool, skip: int = 0) -> PrefetchOp:
-    op = PrefetchOp(name, [key(name, i) for i in range(skip + pages)], skip_pages=skip)
+def op_of(name: str, pages: int, pool: HostKVPool, skip: int = 0,
+          reverse: bool = False) -> PrefetchOp:
+    op = PrefetchOp(name, [key(name, i) for i in range(skip + pages)], fetch_base=skip,
+                    reverse=reverse)
     op.host_indices = pool.alloc(pages * PS)
     assert op.host_indices is not None
     return op
@@ -160,8 +163,9 @@ def test_a_missing_page_ends_the_fetch_at_it(pool, workers) -> None:
         io.close()
 
 
-def test_the_fetch_reads_past_the_skipped_head(pool) -> None:
-    """A split hit fetches hashes[skip_pages:] into its host pages, in order."""
+def test_the_fetch_reads_from_its_base(pool) -> None:
+    """A fetch whose host pages start at page `fetch_base` of the hit reads hashes from there,
+    in order."""
     backend = ScriptedBackend()
     io = controller(backend, pool, workers=2)
     try:
@@ -170,6 +174,63 @@ def test_the_fetch_reads_past_the_skipped_head(pool) -> None:
         assert op.finished.wait(WAIT_S)
         fetched = sorted(k for call in backend.calls for k in call)
         assert fetched == [key("op", i) for i in range(7, 17)] and op.completed_pages == 10
+    finally:
+        io.close()
+
+
+def test_a_reverse_fetch_goes_back_to_front_above_its_floor(pool) -> None:
+    """Batches are handed out from the last page down, none below the floor; the pages that
+    arrived are counted from the back."""
+    backend = ScriptedBackend()
+    io = controller(backend, pool, workers=1)
+    try:
+        pages = 3 * FETCH_BATCH_PAGES + 5
+        op = op_of("op", pages, pool, reverse=True)
+        io.fetch(op, floor=FETCH_BATCH_PAGES)
+        assert op.finished.wait(WAIT_S)
+        firsts = [call[0] for call in backend.calls]
+        assert firsts == [key("op", pages - FETCH_BATCH_PAGES),
+                          key("op", pages - 2 * FETCH_BATCH_PAGES),
+                          key("op", FETCH_BATCH_PAGES)]
+        assert op.completed_pages == pages - FETCH_BATCH_PAGES
+    finally:
+        io.close()
+
+
+def test_a_reverse_fetch_stops_at_its_last_missing_page(pool) -> None:
+    """A miss in a back-to-front fetch ends it there: the pages below cannot join the suffix."""
+    backend = ScriptedBackend()
+    pages = 2 * FETCH_BATCH_PAGES
+    backend.missing.add(key("op", pages - 5))
+    io = controller(backend, pool, workers=1)
+    try:
+        op = op_of("op", pages, pool, reverse=True)
+        io.fetch(op)
+        assert op.finished.wait(WAIT_S)
+        assert op.completed_pages == 4 and len(backend.calls) == 1
+        assert io.progress(op).completed == 4 and not io.progress(op).can_grow
+    finally:
+        io.close()
+
+
+def test_limit_raises_the_floor_of_a_reverse_fetch_in_flight(pool) -> None:
+    """The compute side took more pages: no batch below the new floor is handed out."""
+    backend = ScriptedBackend()
+    pages = 4 * FETCH_BATCH_PAGES
+    held = key("op", pages - FETCH_BATCH_PAGES)
+    backend.hold[held], backend.entered[held] = threading.Event(), threading.Event()
+    io = controller(backend, pool, workers=1)
+    try:
+        op = op_of("op", pages, pool, reverse=True)
+        io.fetch(op)
+        assert backend.entered[held].wait(WAIT_S)
+        progress = io.progress(op)
+        assert (progress.completed, progress.handed_out, progress.can_grow) == (
+            0, FETCH_BATCH_PAGES, True)
+        io.limit(op, 3 * FETCH_BATCH_PAGES)  # the rest of the hit is the compute side's
+        backend.hold[held].set()
+        assert op.finished.wait(WAIT_S)
+        assert len(backend.calls) == 1 and op.completed_pages == FETCH_BATCH_PAGES
     finally:
         io.close()
 

@@ -19,9 +19,15 @@ def warm(planner: FetchPlanner, per_token_s: float, bytes_per_s: float) -> Fetch
 
 
 def test_cold_or_off_fetches_the_hit_whole() -> None:
-    assert FetchPlanner(PS, PAGE_BYTES).plan(100, 0).head_pages == 0
+    assert FetchPlanner(PS, PAGE_BYTES).plan(100, 0) == (0, None, False)
     off = warm(FetchPlanner(PS, PAGE_BYTES, cost_model=False), 1e-3, 1e3)  # fetch is awful
-    assert off.plan(100, 0) == (0, None)
+    assert off.plan(100, 0) == (0, None, False)
+
+
+def test_a_cold_race_is_planned_without_estimates() -> None:
+    assert FetchPlanner(PS, PAGE_BYTES, cold_race=True).plan(100, 0) == (0, None, True)
+    no_overlap = FetchPlanner(PS, PAGE_BYTES, overlap=False, cold_race=True)
+    assert no_overlap.plan(100, 0) == (0, None, False)
 
 
 @pytest.mark.parametrize(("fetch_speedup", "overlap", "head"), [

@@ -17,6 +17,12 @@ after it. Several batches of one fetch run at once (a fetch alone uses every
 worker); `completed_pages` counts the leading pages that arrived, whatever order the
 batches end in, and a failed batch ends the fetch at its first missing page.
 
+Direction: a fetch runs front to back, or, for a hit whose head is computed meanwhile (the
+race, `race.py`), back to front: batches are handed out from the last page down,
+`completed_pages` counts the trailing pages that arrived, a failed batch ends the fetch at its
+last missing page, and `limit(op, floor)` stops it above the pages the compute side has
+taken (no batch below `floor` is handed out).
+
 Threading: `submit`, `fetch`, `cancel`, `backup`, `poll_*` are called on the scheduler
 thread, which owns the host pool's allocator and the tree; the daemon threads only call the
 backend and read/write the host pages they were handed (the backends' copies and checksums
@@ -34,7 +40,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -57,6 +63,12 @@ STORAGE_BATCH_PAGES = 128
 FETCH_BATCH_PAGES = 32
 # Backups queued together are written in one backend call of at most this many pages.
 BACKUP_BATCH_PAGES = 256
+# The fetch probe at attach (`StorageController.probe`): three reads of distinct stored
+# pages, of 1, 4 and 16 pages, so that the fetch model's two coefficients (latency, seconds
+# per byte) have three points that differ in size; at most PROBE_BUDGET_S of reading (a
+# 16-page read of a 2k-token model's pages is ~2 MB: 0.4 s at 5 MB/s).
+PROBE_PAGES = (1, 4, 16)
+PROBE_BUDGET_S = 0.5
 
 
 class PrefetchState(Enum):
@@ -95,12 +107,16 @@ class PrefetchOp:
     is_restart: bool = False                # started again after a fresh match
     timeout_tokens: int = 0                 # what the timeout policy's limit is sized by
     prefix_tokens: int = 0                  # the L1+L2 hit the pages extend, in tokens
-    skip_pages: int = 0                     # pages of the hit recomputed, not fetched: the
-                                            # fetch covers hashes[skip_pages:] (tier.py)
+    fetch_base: int = 0                     # the page of `hashes` host_indices[0] holds: the
+                                            # fetch covers hashes[fetch_base:]
+    reverse: bool = False                   # fetched back to front (a race, `race.py`)
+    race: Any = None                        # the race of a hit split into a computed head
+                                            # and a fetched tail (`race.Race`, tier.py)
     head_node: Any = None                   # the head's last node once computed (tier.py)
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
     completed_pages: int = 0                # (thread) leading pages fetched into L2
     fetch_seconds: float = 0.0              # (thread) first batch start -> last batch end
+    observed_pages: int = 0                 # completed pages the cost model has seen
     cancelled: bool = False                 # (scheduler, read by the threads) stop now
     lock: threading.Lock = field(default_factory=threading.Lock)
     queried: threading.Event = field(default_factory=threading.Event)   # hit_pages is set
@@ -110,14 +126,65 @@ class PrefetchOp:
 
 @dataclass(eq=False)
 class _FetchProgress:
-    """One fetch's batches, as the fetch queue hands them out (under its lock)."""
+    """One fetch's batches, as the fetch queue hands them out (under its lock). Pages are
+    counted in `host_indices` (page i is `hashes[fetch_base + i]`). Front to back, batches
+    go out from `next` up to `stop`; back to front, from `next` down to `stop`."""
 
     total: int                  # pages to fetch: len(host_indices) // page_size
-    next: int = 0               # first page not handed out yet
-    stop: int = 0               # no batch at or past this page is handed out
+    reverse: bool = False       # back to front
+    next: int = 0               # the edge of the pages not handed out yet
+    stop: int = 0               # no batch at or past this page (forward), below it (reverse)
     in_flight: int = 0          # batches a worker holds
-    arrived: dict[int, int] = field(default_factory=dict)  # batch start -> pages served
+    # batch start (forward) or end (reverse) -> its pages served, at its start / end
+    arrived: dict[int, int] = field(default_factory=dict)
+    completed: int = 0          # leading (forward) or trailing (reverse) pages arrived
     started_at: float | None = None
+
+    @classmethod
+    def of(cls, total: int, reverse: bool) -> _FetchProgress:
+        return cls(total, reverse, next=total if reverse else 0, stop=0 if reverse else total)
+
+    def left(self) -> bool:
+        """Whether a batch is left to hand out."""
+        return self.next > self.stop if self.reverse else self.next < self.stop
+
+    def hand_out(self, batch_pages: int) -> tuple[int, int]:
+        """The next batch `[start, end)`."""
+        if self.reverse:
+            start, end = max(self.stop, self.next - batch_pages), self.next
+            self.next = start
+        else:
+            start, end = self.next, min(self.stop, self.next + batch_pages)
+            self.next = end
+        return start, end
+
+    def record(self, start: int, end: int, served: int) -> int:
+        """Batch `[start, end)` served `served` pages (its first ones forward, its last ones
+        backward); returns the pages completed."""
+        if self.reverse:
+            self.arrived[end] = served
+            if served < end - start:
+                self.stop = max(self.stop, end - served)  # nothing below the miss counts
+            while self.total - self.completed in self.arrived:
+                self.completed += self.arrived.pop(self.total - self.completed)
+            self.completed = min(self.completed, self.total - self.stop)
+        else:
+            self.arrived[start] = served
+            if served < end - start:
+                self.stop = min(self.stop, start + served)  # nothing past the miss counts
+            while self.completed < self.stop and self.completed in self.arrived:
+                self.completed += self.arrived.pop(self.completed)
+            self.completed = min(self.completed, self.stop)
+        return self.completed
+
+
+class FetchProgress(NamedTuple):
+    """A fetch as it stands (`StorageController.progress`), pages of its host_indices."""
+
+    completed: int            # leading (forward) or trailing (reverse) pages arrived
+    handed_out: int           # pages given to workers so far (arrived, or in flight)
+    can_grow: bool            # more may arrive (batches in flight or left)
+    elapsed_s: float | None   # since its first batch was handed out; None: not yet
 
 
 class _FetchQueue:
@@ -136,10 +203,12 @@ class _FetchQueue:
         self._cv = threading.Condition()
         self._closed = False
 
-    def put(self, op: PrefetchOp) -> None:
+    def put(self, op: PrefetchOp, floor: int = 0) -> None:
         total = len(op.host_indices) // self.page_size
         with self._cv:
-            op.fetch = _FetchProgress(total, stop=total)
+            op.fetch = _FetchProgress.of(total, op.reverse)
+            if op.reverse:
+                op.fetch.stop = min(total, max(0, floor))
             if op.cancelled or total == 0:
                 op.finished.set()
                 return
@@ -153,14 +222,14 @@ class _FetchQueue:
                 while self._fresh or self._ready:
                     op = (self._fresh or self._ready).popleft()
                     f = op.fetch
-                    if op.cancelled or f.next >= f.stop:
+                    if op.cancelled or not f.left():
                         self._maybe_finish(op)
                         continue
-                    start, end = f.next, min(f.stop, f.next + self.batch_pages)
-                    f.next, f.in_flight = end, f.in_flight + 1
+                    start, end = f.hand_out(self.batch_pages)
+                    f.in_flight += 1
                     if f.started_at is None:
                         f.started_at = time.monotonic()
-                    if f.next < f.stop:
+                    if f.left():
                         self._ready.append(op)  # its next batch after the others' turn
                         self._cv.notify()  # for an idle worker
                     return op, start, end
@@ -173,16 +242,29 @@ class _FetchQueue:
         with self._cv:
             f = op.fetch
             f.in_flight -= 1
-            f.arrived[start] = served
-            if served < end - start:
-                f.stop = min(f.stop, start + served)  # nothing past the first miss counts
-            completed = op.completed_pages
-            while completed < f.stop and completed in f.arrived:
-                completed += f.arrived.pop(completed)
+            completed = f.record(start, end, served)
             with op.lock:
-                op.completed_pages = min(completed, f.stop)
+                op.completed_pages = completed
                 op.fetch_seconds = time.monotonic() - f.started_at
             self._maybe_finish(op)
+
+    def limit(self, op: PrefetchOp, floor: int) -> None:
+        """A back-to-front fetch: no batch below page `floor` (of its host_indices) from now."""
+        with self._cv:
+            f = op.fetch
+            if f is not None and f.reverse:
+                f.stop = min(f.total, max(f.stop, floor))
+                self._maybe_finish(op)
+
+    def progress(self, op: PrefetchOp) -> FetchProgress:
+        with self._cv:
+            f = op.fetch
+            if f is None:
+                return FetchProgress(0, 0, not op.cancelled, None)
+            handed = f.total - f.next if f.reverse else f.next
+            elapsed = None if f.started_at is None else time.monotonic() - f.started_at
+            can_grow = not op.cancelled and (f.in_flight > 0 or f.left())
+            return FetchProgress(f.completed, handed, can_grow, elapsed)
 
     def cancel(self, op: PrefetchOp) -> int:
         """No more batches of `op`; the leading pages completed so far."""
@@ -196,7 +278,7 @@ class _FetchQueue:
 
     def _maybe_finish(self, op: PrefetchOp) -> None:
         f = op.fetch
-        if f.in_flight == 0 and (op.cancelled or f.next >= f.stop):
+        if f.in_flight == 0 and (op.cancelled or not f.left()):
             op.finished.set()
 
     def close(self) -> None:
@@ -220,7 +302,7 @@ class StorageController:
         self.backend = backend
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
-        self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0}
+        self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0, "sample": 0}
         self._log = RateLimitedLog(logger)  # a failing backend: once a minute per operation
         self._query_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._fetches = _FetchQueue(self.page_size)
@@ -245,10 +327,19 @@ class StorageController:
         """Ask storage how many of `op.hashes` it holds (sets `op.hit_pages`, `op.queried`)."""
         self._query_q.put(lambda: self._query(op))
 
-    def fetch(self, op: PrefetchOp) -> None:
-        """Fetch pages `op.skip_pages + i` of `op.hashes` into page i of `op.host_indices`,
-        for the `len(op.host_indices) // page_size` pages it holds."""
-        self._fetches.put(op)
+    def fetch(self, op: PrefetchOp, floor: int = 0) -> None:
+        """Fetch pages `op.fetch_base + i` of `op.hashes` into page i of `op.host_indices`,
+        for the `len(op.host_indices) // page_size` pages it holds (back to front when
+        `op.reverse`, none below page `floor` of `op.hashes`)."""
+        self._fetches.put(op, floor - op.fetch_base)
+
+    def limit(self, op: PrefetchOp, floor: int) -> None:
+        """A back-to-front fetch hands out no batch below page `floor` of `op.hashes`."""
+        self._fetches.limit(op, floor - op.fetch_base)
+
+    def progress(self, op: PrefetchOp) -> FetchProgress:
+        """Where `op`'s fetch stands (pages of its host_indices)."""
+        return self._fetches.progress(op)
 
     def cancel(self, op: PrefetchOp) -> int:
         """Stop `op` after the batches in flight; returns the leading pages completed so far
@@ -281,11 +372,11 @@ class StorageController:
 
     def _fetch_batch(self, op: PrefetchOp, start: int, end: int) -> int:
         """Pages `[start, end)` of the fetch; how many leading ones were served."""
-        keys = op.hashes[op.skip_pages + start:op.skip_pages + end]
+        keys = op.hashes[op.fetch_base + start:op.fetch_base + end]
         slots = op.host_indices[start * self.page_size:end * self.page_size]
         oks = self._call("get", lambda: self.backend.batch_get(keys, self.host_pool, slots),
                          [False] * len(keys))
-        return _leading_true(oks)
+        return _leading_true(oks[::-1] if op.reverse else oks)
 
     @staticmethod
     def _run_tasks(tasks: queue.Queue[Callable[[], None] | None]) -> None:
@@ -346,6 +437,29 @@ class StorageController:
         with self._idle:
             self._backups_in_flight -= len(batch)
             self._idle.notify_all()
+
+    # ---------------------------------------------------------------------------- probe
+
+    def probe(self, sizes: Sequence[int] = PROBE_PAGES,
+              budget_s: float = PROBE_BUDGET_S) -> list[tuple[int, float]]:
+        """Timed reads of pages the store holds, `sizes[i]` pages each, distinct pages, on
+        the calling thread: (pages, seconds) per read. Stops once `budget_s` is spent; none
+        where the store holds too few pages or cannot list them; a fault ends it."""
+        out: list[tuple[int, float]] = []
+        keys = self._call("sample", lambda: self.backend.sample_keys(sum(sizes)), [])
+        spent, start = 0.0, 0
+        for n in sizes:
+            batch = keys[start:start + n]
+            if len(batch) < n or spent >= budget_s:
+                break
+            began = time.perf_counter()
+            nbytes = self._call("sample", lambda b=batch: self.backend.sample_read(b), 0)
+            seconds = time.perf_counter() - began
+            if not nbytes:
+                break
+            out.append((n, seconds))
+            spent, start = spent + seconds, start + n
+        return out
 
     # ---------------------------------------------------------------------------- misc
 

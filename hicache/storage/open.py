@@ -58,14 +58,29 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
                                    value_bytes=codec.value_bytes)
         logger.warning("L3 (%s) is throttled to %s MB/s and %s ms per call (storage.throttle)",
                        s.backend, bandwidth, s.throttle.latency_ms)
-    logger.info("L3 (%s): %s", s.backend, backend.stats())
-    return StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
+    stats = backend.stats()
+    logger.info("L3 (%s): %s", s.backend, stats)
+    tier = StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
                        prefetch_policy=s.prefetch_policy,
                        prefetch_threshold=s.prefetch_threshold,
                        timeout_base=s.prefetch_timeout_base,
                        timeout_per_ki_token=s.prefetch_timeout_per_ki_token,
                        timeout_max=s.prefetch_timeout_max,
                        cost_model=s.cost_model, overlap=s.overlap)
+    if s.cost_model and not stats.get(STAT_ERRORS, 0):  # a store that answers: time it
+        log_probe(s.backend, tier.probe_fetch(), tier.page_bytes)
+    return tier
+
+
+def log_probe(name: str, reads: list[tuple[int, float]], page_bytes: int) -> None:
+    if not reads:
+        logger.info("L3 (%s) fetch probe: too few stored pages to time; the fetch model "
+                    "learns from the first fetches", name)
+        return
+    timed = ", ".join(f"{pages} pages in {seconds * MS_PER_S:.1f} ms" for pages, seconds in reads)
+    pages = sum(p for p, _ in reads)
+    rate = pages * page_bytes / max(sum(s for _, s in reads), 1e-9) / MB
+    logger.info("L3 (%s) fetch probe: %s (%.1f MB/s on one thread)", name, timed, rate)
 
 
 def check_answers(name: str, backend: StorageBackend) -> None:

@@ -1,16 +1,20 @@
-"""What to do with an L3 hit: fetch it whole, recompute it, or compute its head while its tail
-is fetched, by what this engine and this backend have been measured to cost (`cost.py`).
+"""What to do with an L3 hit: fetch it whole, recompute it, or race (compute its head while its
+tail is fetched), by what this engine and this backend have been measured to cost (`cost.py`).
 
     fetch      the hit's pages come from L3 into L2, then load back (k = 0)
     recompute  fetching would take longer than computing: nothing is fetched (k = n)
-    split      pages [0, k) are recomputed on the device while pages [k, n) are fetched, k
-               chosen so that both end together (`choose_split`); taken only when that beats
-               the better of the other two by SPLIT_MIN_GAIN
+    race       pages from the front are computed while pages from the back are fetched
+               (`race.py`), starting from the split k where both would end together
+               (`choose_split`); taken only when that beats the better of the other two by
+               SPLIT_MIN_GAIN
 
 The estimates learn from every forward pass (`observe_forward`: its rows and wall time) and
-every fetch (`observe_fetch`: bytes and wall time, however many workers shared it). While
-either has too few observations, or with `cost_model` off, every hit is fetched (the storage
-tier's threshold already chose which hits are worth asking about).
+every fetch (`observe_fetch`: bytes and wall time, however many workers shared it), and are
+seeded at start (timed warm-up forwards, a timed read of stored pages). While either has too
+few observations a hit is fetched whole, or, with `cold_race`, raced from a first target of
+a fixed share (`race.FIRST_SHARE`: the race needs no estimate to cost at most about a
+recompute); with `cost_model` off it is always fetched whole (the storage tier's threshold
+already chose which hits are worth asking about).
 
 Threading: scheduler thread only, like the storage tier that owns it.
 """
@@ -41,17 +45,19 @@ class CostEstimates(NamedTuple):
 
 
 class FetchPlan(NamedTuple):
-    head_pages: int | None  # pages to recompute before the rest is fetched; None: all of it
-    split: Split | None     # the estimate it was chosen by (None: no estimate, fetch it all)
+    head_pages: int | None  # a race's first target (pages); 0: fetch it all; None: recompute
+    split: Split | None     # the estimate it was chosen by (None: no estimate)
+    race: bool = False      # race it (`race.py`), from `head_pages` (0: the default share)
 
 
 class FetchPlanner:
     def __init__(self, page_size: int, page_bytes: int, cost_model: bool = True,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, cold_race: bool = False) -> None:
         self.page_size = page_size
         self.page_bytes = page_bytes  # one page's K and V in L2 (what a fetch moves)
         self.cost_model = cost_model  # decide by estimates once warm (else fetch it all)
         self.overlap = overlap        # may split a hit into a computed head and a fetched tail
+        self.cold_race = cold_race    # race a hit before the estimates exist (else fetch it)
         self.prefill = PrefillCost()
         self.fetch = FetchCost()
 
@@ -60,13 +66,18 @@ class FetchPlanner:
         split = (choose_split(hit_pages, self.page_size, self.page_bytes, prefix_tokens,
                               self.prefill, self.fetch) if self.cost_model else None)
         if split is None:
-            return FetchPlan(0, None)
+            return FetchPlan(0, None, race=self.cost_model and self.overlap and self.cold_race)
         best_whole = min(split.fetch_seconds, split.recompute_seconds)
         head = None if split.fetch_seconds > split.recompute_seconds else 0
         if (self.overlap and 0 < split.head_pages < hit_pages
                 and split.seconds <= (1 - SPLIT_MIN_GAIN) * best_whole):
-            head = split.head_pages
+            return FetchPlan(split.head_pages, split, race=True)
         return FetchPlan(head, split)
+
+    @property
+    def fetch_fitted(self) -> bool:
+        """Whether the fetch model has an estimate."""
+        return self.fetch.seconds(self.page_bytes) is not None
 
     def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
         """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`."""

@@ -18,13 +18,15 @@ the pages itself.
 
 What to fetch (`_head_pages`): once the cost model (`planner.py`) has estimates of this
 engine's prefill and of the backend's fetches, it decides for each hit: fetch it all,
-recompute it all (fetching would be slower), or compute the head and load the tail: the
-first k pages are recomputed while pages [k, n) are fetched (they are valid on their own:
-the hash chain fixes their prefix), k chosen so that both end together. Such an op has
-`skip_pages = k`; the request is admitted at once to compute its head (`head_tokens`), goes
-back to the queue with the head in the tree (`head_computed`), and is admitted again when
-the tail has arrived, which `terminate` hangs below the head. Until the model is warm, and
-with `cost_model` off, hits of at least `threshold` tokens are fetched whole.
+recompute it all (fetching would be slower), or race: compute the head from the front while
+the tail is fetched from the back (`race.py`; the fetched pages are valid on their own: the
+hash chain fixes their prefix), the line between them moved as both go. Before the model
+has its estimates a hit is fetched whole, or raced with the planner's `cold_race` (so that
+none costs more than about its recompute). A raced request is admitted at once to compute toward its first target
+(`head_stop`); each time it gets there the scheduler asks `continue_head` for the next one;
+once the head is final the request goes back to the queue with it in the tree
+(`head_computed`) and is admitted again when the tail has arrived, which `terminate` hangs
+below the head. With `cost_model` off hits of at least `threshold` tokens are fetched whole.
 
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
@@ -42,6 +44,7 @@ from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
 from hicache.storage.planner import CostEstimates, FetchPlanner
+from hicache.storage.race import Race, fetch_rate, first_target, next_target
 from hicache.storage.tier_state import KnownStored, Resume, StorageCounters
 from hicache.tree.node import node_hashes
 
@@ -172,8 +175,11 @@ class StorageTier:
         the tree" for the decisions that follow.)"""
         self._step += 1
         for op in self.ops.values():
-            if op.state is PrefetchState.FETCHING and op.finished.is_set():
-                self._done(op)
+            if op.state is PrefetchState.FETCHING:
+                if op.finished.is_set():
+                    self._done(op)
+                elif not self.planner.fetch_fitted:
+                    self._observe_progress(op)
         for op in list(self.ops.values()):
             if op.state is PrefetchState.WAITING and self._wait_is_stale(op):
                 self._decide(op)
@@ -183,9 +189,19 @@ class StorageTier:
         self._draining = [op for op in self._draining if not self._free_if_finished(op)]
         self._backup_check()
 
+    def _observe_progress(self, op: PrefetchOp) -> None:
+        """Before the fetch model has its estimate, each batch that arrives in a fetch is an
+        observation (the pages so far and the time they took): a cold server's first fetch
+        seeds it."""
+        with op.lock:
+            pages, seconds = op.completed_pages, op.fetch_seconds
+        if pages > op.observed_pages and seconds > 0:
+            self.planner.observe_fetch(pages, seconds)
+            op.observed_pages = pages
+
     def _done(self, op: PrefetchOp) -> None:
-        if op.state is PrefetchState.FETCHING and op.completed_pages and op.fetch_seconds > 0:
-            self.planner.observe_fetch(op.completed_pages, op.fetch_seconds)
+        if op.state is PrefetchState.FETCHING:
+            self._observe_progress(op)
         op.state, op.done_step, op.waiting_for = PrefetchState.DONE, self._step, None
         op.finished.set()  # the threads never started, or have let go of its pages
 
@@ -199,7 +215,7 @@ class StorageTier:
             return self._done(op)
         head = self._head_pages(op, hit)
         if head is None or head >= hit:  # all of it recomputed
-            self._stored.add(op.hashes[:hit])
+            self._recomputed(op, hit)
             return self._done(op)
         if not op.is_restart and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
             op.state = PrefetchState.RESTART  # inserted since the match: match again
@@ -209,19 +225,32 @@ class StorageTier:
             op.state, op.waiting_for = PrefetchState.WAITING, other.req_id
             return None
         op.waiting_for = None
-        pages = min(hit - head, self._prefetch_budget_pages())
-        enough = pages > 0 and (head or pages * self.page_size >= max(1, self.threshold))
-        host = self._alloc_host(pages) if enough else None
+        budget = self._prefetch_budget_pages()
+        if head:  # a race: the fetch takes the last pages the host budget holds
+            pages = min(hit, budget)
+            head = max(head, hit - pages)
+            if head >= hit:
+                self._recomputed(op, hit)
+                return self._done(op)
+        else:
+            pages = min(hit, budget)
+            if pages * self.page_size < max(1, self.threshold):
+                return self._done(op)
+        host = self._alloc_host(pages)
         if host is None:
             return self._done(op)
-        if head:
-            op.skip_pages = head
-            self._stored.add(op.hashes[:head])
-            self.counters.split_prefetches += 1
-            self.counters.head_tokens += head * self.page_size
         op.host_indices, op.state = host, PrefetchState.FETCHING
-        self.io.fetch(op)
+        if head:
+            op.fetch_base, op.reverse = hit - pages, True
+            op.race = Race(hit, head)
+        self.io.fetch(op, floor=head)
         return None
+
+    def _recomputed(self, op: PrefetchOp, hit: int) -> None:
+        """The hit's `hit` pages are recomputed rather than fetched."""
+        self._stored.add(op.hashes[:hit])
+        self.counters.recomputed_hits += 1
+        self.counters.recomputed_hit_tokens += hit * self.page_size
 
     def _record_found(self, op: PrefetchOp, hit: int) -> None:
         """KV events: the `hit` pages the query found are on DISK (whether or not fetched)."""
@@ -231,16 +260,13 @@ class StorageTier:
                           op.tokens[:hit * self.page_size], MEDIUM_DISK)
 
     def _head_pages(self, op: PrefetchOp, hit: int) -> int | None:
-        """Pages at the start of an L3 hit of `hit` pages to recompute before the rest is
-        fetched (0: fetch it all), or None: recompute it all (`FetchPlanner`). A restarted
-        prefetch fetches what another request's did not bring: never split."""
+        """For an L3 hit of `hit` pages: 0, fetch it all; k > 0, race it with a first target
+        of k pages; None, recompute it all (`FetchPlanner`). A restarted prefetch fetches
+        what another request's did not bring: never raced."""
         if op.is_restart:
             return 0
-        head = self.planner.plan(hit, op.prefix_tokens).head_pages
-        if head is None:
-            self.counters.recomputed_hits += 1
-            self.counters.recomputed_hit_tokens += hit * self.page_size
-        return head
+        plan = self.planner.plan(hit, op.prefix_tokens)
+        return first_target(hit, plan.head_pages) if plan.race else plan.head_pages
 
     def _alloc_host(self, pages: int) -> Any:
         """Host slots for `pages` pages, evicting L2 once if needed; None when there is no
@@ -265,7 +291,7 @@ class StorageTier:
         request is likely admitted in this step, inserting them)."""
         need = max(1, page_count(self.threshold, self.page_size))
         for other in self.ops.values():
-            if (other is not op and other.host_indices is not None and other.skip_pages == 0
+            if (other is not op and other.host_indices is not None and other.race is None
                     and (other.state is PrefetchState.FETCHING or other.done_step == self._step)
                     and other.anchor is op.anchor
                     and other.hashes[:need] == op.hashes[:need]):
@@ -306,10 +332,10 @@ class StorageTier:
         op = self.ops.get(req_id)
         if op is None or self.policy == "best_effort":
             return True
-        if op.skip_pages and op.head_node is None:  # its head is computed meanwhile
+        if op.race is not None and not op.race.final:  # it computes its head meanwhile
             return True
-        if op.finished.is_set():  # fetched, failed, or found nothing worth fetching
-            return True
+        if op.finished.is_set() or self._tail_arrived(op):  # fetched, failed, or nothing
+            return True                                      # worth fetching
         base, per_ki, cap = self.timeout
         limit = cap if self.policy == "wait_complete" else min(
             cap, base + per_ki * op.timeout_tokens / 1024)
@@ -322,14 +348,12 @@ class StorageTier:
         if op is None:
             return 0
         done = self.io.cancel(op)
-        inserted = 0
-        head = op.skip_pages * self.page_size
-        anchor = self._tail_anchor(op) if head else op.anchor
-        if op.host_indices is not None and done and anchor is not None:
+        inserted = self._insert_tail(op, done) if op.race is not None else 0
+        if op.race is None and op.host_indices is not None and done:
             n = done * self.page_size
-            inserted = self.tree.insert_host_pages(
-                anchor, op.tokens[head:head + n], op.host_indices[:n],
-                op.hashes[op.skip_pages:op.skip_pages + done], op.extra_key)
+            inserted = self.tree.insert_host_pages(op.anchor, op.tokens[:n],
+                                                   op.host_indices[:n], op.hashes[:done],
+                                                   op.extra_key)
             op.host_indices = op.host_indices[n:]
             self.counters.prefetched_tokens += n
         for waiting in self.ops.values():  # its pages are in the tree now (or never will be)
@@ -348,36 +372,101 @@ class StorageTier:
 
     # ------------------------------------------------------- compute the head, load the tail
 
-    def head_tokens(self, req_id: str) -> int:
-        """Tokens after the request's L1+L2 hit of arrival to compute before its fetched
-        tail can join them (0: none, or already computed): its first admission computes up
-        to `prefix_tokens + head_tokens` and stops there."""
-        op = self.ops.get(req_id)
-        if op is None or not op.skip_pages or op.head_node is not None:
-            return 0
-        return op.skip_pages * self.page_size
-
     def head_stop(self, req_id: str) -> int:
-        """Where the request's head ends (tokens from the start of its key), or 0."""
-        head = self.head_tokens(req_id)
-        return self.ops[req_id].prefix_tokens + head if head else 0
+        """Where the request's raced head stops next (tokens from the start of its key), or
+        0: no race, or its head is computed. Its first call starts the compute side's clock."""
+        op = self.ops.get(req_id)
+        race = None if op is None else op.race
+        if race is None or race.final:
+            return 0
+        if race.chunk_from is None:
+            race.start_chunk(time.monotonic())
+        return op.prefix_tokens + race.target * self.page_size
+
+    def continue_head(self, req_id: str, computed: int) -> int:
+        """The raced request has computed `computed` tokens (its head stop): where it stops
+        next (> computed); `computed`, its head is final (it waits for the tail); or 0, the
+        race is over and nothing fetched is used (its prefetch ended: it goes on as any
+        prompt)."""
+        op = self.ops.get(req_id)
+        race = None if op is None else op.race
+        if race is None or race.final:
+            return 0
+        now = time.monotonic()
+        race.reached((computed - op.prefix_tokens) // self.page_size, now)
+        progress = self.io.progress(op)
+        front = race.hit_pages - progress.completed
+        estimate = None
+        fetch_s = self.planner.fetch.seconds(max(1, front - race.computed) * self.page_bytes)
+        if fetch_s:
+            estimate = max(1, front - race.computed) / fetch_s
+        rate = fetch_rate(progress.completed, progress.handed_out, progress.elapsed_s,
+                          estimate)
+        target = next_target(race, front, progress.can_grow, rate)
+        if target >= race.hit_pages:  # nothing came: compute it all
+            self._recomputed(op, race.hit_pages)
+            self.terminate(req_id)
+            return 0
+        race.target = target
+        if target == race.computed:
+            race.final = True
+            self.io.limit(op, target)
+            return computed
+        race.start_chunk(now)
+        self.io.limit(op, target)
+        return op.prefix_tokens + target * self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.host_pool.page_bytes
+
+    def _tail_arrived(self, op: PrefetchOp) -> bool:
+        """A raced op whose head is final has its tail: the fetched suffix reaches the head."""
+        race = op.race
+        if race is None or not race.final:
+            return False
+        return race.hit_pages - op.completed_pages <= race.target
 
     def head_computed(self, req_id: str, node: HiTreeNode) -> None:
-        """The request's head is in the tree, its last page at the end of `node`: keep it in
-        L2 (copying it there if the write policy has not), so that the tail can hang below
-        it when the request is admitted again."""
+        """The request's head is final and in the tree, its last page at the end of `node`:
+        keep it in L2 (copying it there if the write policy has not), so that the tail can
+        hang below it when the request is admitted again."""
         op = self.ops.get(req_id)
-        if op is None or not op.skip_pages or op.head_node is not None:
+        if op is None or op.race is None or not op.race.final or op.head_node is not None:
             return
+        head = op.race.target
+        self._stored.add(op.hashes[:head])
+        self.counters.split_prefetches += 1
+        self.counters.head_tokens += head * self.page_size
         if not node.backuped and not self.tree.back_up_path(node):
             self.io.cancel(op)  # no L2 room for the head: the tail is dropped, and computed
         self.tree.protect_host(node)
         op.head_node = node
 
+    def _insert_tail(self, op: PrefetchOp, done: int) -> int:
+        """A raced op ends: the fetched pages from its head on join the tree below the head,
+        if its head is final and the fetched suffix reaches it; the host pages before the
+        head stay with `op` to be freed. Returns the tokens inserted."""
+        race = op.race
+        if not race.final or op.host_indices is None or race.hit_pages - done > race.target:
+            return 0
+        anchor = self._tail_anchor(op)
+        if anchor is None or race.target >= race.hit_pages:
+            return 0
+        p = self.page_size
+        cut = (race.target - op.fetch_base) * p
+        tokens = op.tokens[race.target * p:race.hit_pages * p]
+        inserted = self.tree.insert_host_pages(anchor, tokens, op.host_indices[cut:],
+                                               op.hashes[race.target:race.hit_pages],
+                                               op.extra_key)
+        op.host_indices = op.host_indices[:cut]
+        self.counters.prefetched_tokens += len(tokens)
+        return inserted
+
     def _tail_anchor(self, op: PrefetchOp) -> HiTreeNode | None:
         """The node ending exactly at the head, in L2, for the tail to hang below; None when
         the tree lost the head (the fetched tail is then dropped and recomputed)."""
-        node = self.tree.node_at(op.anchor, op.tokens[:op.skip_pages * self.page_size],
+        node = self.tree.node_at(op.anchor, op.tokens[:op.race.target * self.page_size],
                                  op.extra_key)
         return node if node is not None and node.backuped else None
 
@@ -386,6 +475,14 @@ class StorageTier:
     def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
         """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`."""
         self.planner.observe_forward(rows, seconds)
+
+    def probe_fetch(self) -> list[tuple[int, float]]:
+        """Seed the fetch model with a few timed reads of what the store holds (at attach,
+        before the threads have work); (pages, seconds) per read, none for an empty store."""
+        reads = self.io.probe()
+        for pages, seconds in reads:
+            self.planner.observe_fetch(pages, seconds)
+        return reads
 
     def estimates(self) -> CostEstimates:
         return self.planner.estimates()

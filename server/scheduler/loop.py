@@ -48,6 +48,7 @@ from server.scheduler.kv import RequestKV
 from server.scheduler.retraction import Retraction, progress
 from server.scheduler.text import OutputText
 from server.scheduler.tokens import TokenChoice
+from server.scheduler.warmup import warm_up_prefill
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,9 @@ def fill_end(req: Request) -> int:
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
-                 schedule_policy: str = "lpm") -> None:
+                 schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
         self.runner = runner
+        self.prefill_warmup_s = prefill_warmup_s  # timed forwards before the first step
         self.cache = cache
         self.tokenizer = tokenizer
         self.text = OutputText(tokenizer)
@@ -145,6 +147,8 @@ class Scheduler:
     # ---------------------------------------------------------------------------- loop
 
     def run(self, stop: threading.Event) -> None:
+        warm_up_prefill(self.runner, self.cache, self.prefill_warmup_s,
+                        min(self.max_batch_tokens, self.kv.pool.available_size()))
         while not stop.is_set():
             self.step()
 
@@ -315,13 +319,22 @@ class Scheduler:
         if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
             self.cache.observe_forward(rows, time.perf_counter() - started)
         for req in heads:
-            with self._alone(req, "putting it back for its L3 tail"):
-                self._wait_for_tail(req)
+            with self._alone(req, "moving its L3 head stop"):
+                self._head_reached(req)
         self.tokens.record_logprobs(reqs, out, tokens)
         for i, token in tokens.items():
             if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
                 with self._alone(reqs[i], "detokenising its token"):
                     self._append_token(reqs[i], token)
+
+    def _head_reached(self, req: Request) -> None:
+        """The request reached its head stop: it computes on to the next one, waits for its
+        tail (`_wait_for_tail`), or, its race over, computes the rest of its prompt."""
+        stop = self.cache.continue_head(req.rid, req.num_computed)
+        if stop == req.num_computed:
+            self._wait_for_tail(req)
+        else:
+            req.head_stop = stop
 
     def _wait_for_tail(self, req: Request) -> None:
         """The request computed the head of its L3 hit: its pages go to the tree, and it

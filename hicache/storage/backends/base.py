@@ -108,6 +108,18 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Release the store; idempotent. Calls after close are misses and skipped writes."""
 
+    def sample_keys(self, count: int) -> list[bytes]:
+        """Up to `count` keys of pages the store holds, any ones (what the fetch probe at
+        attach reads, `StorageTier.probe_fetch`); none where the backend cannot list them
+        (this default)."""
+        return []
+
+    def sample_read(self, keys: Sequence[bytes]) -> int:
+        """Read the stored values of `keys` as the fetch path would, without decoding them
+        or changing anything (a page of another model or a damaged one is only read): the
+        bytes read. The default reads nothing."""
+        return 0
+
 
 def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,
                 host_indices: torch.Tensor) -> list[int]:

@@ -140,6 +140,20 @@ class LmdbStore(LmdbEnvironment, StorageBackend):
         self._counts.add(STAT_SKIPPED, len(keys) - written)
         return [True] * len(keys)
 
+    def sample_keys(self, count: int) -> list[bytes]:
+        def body(txn: lmdb.Transaction) -> list[bytes]:
+            with txn.cursor(db=self._pages) as cursor:
+                return [bytes(k) for k, _ in zip(cursor.iternext(values=False), range(count))]
+
+        return self._guard("sample", [], lambda: self._txn(False, body))
+
+    def sample_read(self, keys: Sequence[bytes]) -> int:
+        def body(txn: lmdb.Transaction) -> int:
+            return sum(len(value) for key in keys
+                       if (value := txn.get(key, db=self._pages)) is not None)
+
+        return self._guard("sample", 0, lambda: self._txn(False, body))
+
     def delete(self, keys: Sequence[bytes]) -> int:
         self._stamps.discard(keys)
         return self._guard("delete", 0, lambda: self._delete(keys))

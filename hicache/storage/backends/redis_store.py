@@ -235,6 +235,28 @@ class RedisStore(RedisClient, StorageBackend):
                     "ttl_seconds": self.ttl_seconds})
         return out
 
+    def sample_keys(self, count: int) -> list[bytes]:
+        """The first keys of this store's form one SCAN step finds (on the first primary)."""
+        pattern = _glob_escape(self.key_prefix) + "[0-9a-f]" * HASH_HEX_DIGITS
+
+        def body(client: Client) -> list[bytes]:
+            node = _primaries(client)[0]
+            _, names = checked_one("SCAN", asking(partial(
+                node.scan, 0, match=pattern, count=max(count, SCAN_COUNT))))
+            prefix = len(self.key_prefix.encode())
+            return [bytes.fromhex(bytes(n)[prefix:].decode()) for n in names[:count]]
+
+        return self._call("sample", READ, [], body)
+
+    def sample_read(self, keys: Sequence[bytes]) -> int:
+        names = self._names(keys)
+
+        def body(client: Client) -> int:
+            values = self._pipeline(client, "GET", lambda pipe: [pipe.get(n) for n in names])
+            return sum(len(v) for v in values if v is not None)
+
+        return self._call("sample", READ, 0, body)
+
     # close: `RedisClient.close`
 
     # ------------------------------------------------------------------ pipelines

@@ -175,6 +175,15 @@ class ThrottledBackend(StorageBackend):
                         STAT_THROTTLE_DELAY: self._delay_s, STAT_THROTTLE_BYTES: self._bytes})
         return out
 
+    def sample_keys(self, count: int) -> list[bytes]:
+        return self.inner.sample_keys(count)
+
+    def sample_read(self, keys: Sequence[bytes]) -> int:
+        """The inner read, charged as a `batch_get` of the same keys."""
+        nbytes = self.inner.sample_read(keys)
+        self._charge(len(keys) * self.value_bytes)
+        return nbytes
+
     def close(self) -> None:
         self.inner.close()
 

@@ -118,6 +118,13 @@ class TieredStore(StorageBackend):
         out.update({LOCAL: local, SHARED: shared})
         return out
 
+    def sample_keys(self, count: int) -> list[bytes]:
+        """The local part's (what a fetch reads first), else the shared part's."""
+        return self.local.sample_keys(count) or self.shared.sample_keys(count)
+
+    def sample_read(self, keys: Sequence[bytes]) -> int:
+        return self.local.sample_read(keys) or self.shared.sample_read(keys)
+
     def close(self) -> None:
         self.local.close()
         self.shared.close()
