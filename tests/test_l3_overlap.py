@@ -207,3 +207,18 @@ def test_a_race_against_a_stalled_link_computes_the_hit(tmp_path, reference) -> 
     assert storage["split_prefetches"] == 0
     assert storage["recomputed_hits"] == 1
     assert storage["recomputed_hit_tokens"] == HIT_PAGES * PAGE
+
+
+def test_a_restart_over_a_stored_prompt_seeds_the_fetch_model(tmp_path) -> None:
+    """At attach the tier times three reads of pages the store holds (1, 4 and 16): a
+    restarted server has a fetch estimate before its first request."""
+    prompt = [(7 * i) % 250 + 3 for i in range(26 * PAGE)]  # 25 whole pages stored
+    with tiered(tmp_path) as e:
+        e.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert e.stats()["tiers"]["storage"]["cost_model"]["fetch_observations"] == 0
+        keys = e.cache.storage.io.backend.sample_keys(4)
+        assert len(keys) == 4 and e.cache.storage.io.backend.sample_read(keys) > 0
+    with tiered(tmp_path) as e:
+        model = e.stats()["tiers"]["storage"]["cost_model"]
+    assert model["fetch_observations"] == 3
+    assert model["fetch_bandwidth_bytes_per_s"] > 0

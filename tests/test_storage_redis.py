@@ -411,3 +411,16 @@ def test_a_prefix_computed_by_one_engine_is_a_storage_hit_for_another_process(
     for first, second in zip(computed, json.loads(done.stdout.strip().splitlines()[-1])):
         assert second["output_ids"] == first["output_ids"]  # the tokens of recomputation
         assert second["details"] == {"device": 0, "host": 0, "storage": hit}
+
+
+@pytest.mark.parametrize("target", TOPOLOGIES[:1], indirect=True)
+def test_sample_keys_and_reads_what_it_stores(make_store: Callable[..., RedisStore],
+                                              target: Any) -> None:
+    """What the fetch probe at attach reads: keys of this store's form, their raw values."""
+    store, pool = make_store(), filled_pool()
+    keys = keys_of(0, 8)
+    assert store.batch_set(keys, pool, slots(list(range(8)))) == [True] * 8
+    sample = store.sample_keys(4)
+    assert len(sample) == 4 and set(sample) <= set(keys)
+    assert store.sample_read(sample) == 4 * store.codec.value_bytes
+    assert store.stats()["errors"] == 0
