@@ -91,6 +91,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run_scheduler, name="hicache-scheduler",
                                         daemon=True)
         self._thread.start()
+        # ready once the scheduler's timed warm-up forwards are done (storage.prefill_warmup_s):
+        # a request is never timed behind them
+        self.scheduler.warmed_up.wait()
 
     def _run_scheduler(self) -> None:
         """The scheduler loop. Per-request faults never reach here (the scheduler fails that

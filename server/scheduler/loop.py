@@ -73,6 +73,7 @@ class Scheduler:
                  schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
         self.runner = runner
         self.prefill_warmup_s = prefill_warmup_s  # timed forwards before the first step
+        self.warmed_up = threading.Event()  # set once they are done (the engine waits)
         self.cache = cache
         self.tokenizer = tokenizer
         self.text = OutputText(tokenizer)
@@ -147,8 +148,11 @@ class Scheduler:
     # ---------------------------------------------------------------------------- loop
 
     def run(self, stop: threading.Event) -> None:
-        warm_up_prefill(self.runner, self.cache, self.prefill_warmup_s,
-                        min(self.max_batch_tokens, self.kv.pool.available_size()))
+        try:
+            warm_up_prefill(self.runner, self.cache, self.prefill_warmup_s,
+                            min(self.max_batch_tokens, self.kv.pool.available_size()))
+        finally:
+            self.warmed_up.set()
         while not stop.is_set():
             self.step()
 

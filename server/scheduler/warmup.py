@@ -5,12 +5,14 @@ decided from the first request, not after three forwards.
     untimed   one forward of WARMUP_LENGTHS[0] tokens: first-call costs (weight packing,
               allocations, thread pools) out of the way
     timed     forwards of WARMUP_LENGTHS tokens from scratch, in order, each observed by the
-              prefill model as a forward of one row (0, n); the next is skipped when its
-              estimate (the last one's seconds, scaled by its length) would pass the budget
+              prefill model as a forward of one row (0, n), until the budget is spent; past
+              MIN_TIMED, the next is skipped when its estimate (the last one's seconds,
+              scaled by its length) would pass the budget
 
-Runs on the scheduler thread (its thread pool is the one that serves), before the loop takes
-its first request; a request that arrives meanwhile waits in the inbox. The forwards borrow
-KV slots from the pool and give them back: the tree and the tiers see nothing.
+Runs on the scheduler thread (its thread pool is the one that serves) before the loop takes
+its first request; the engine's constructor returns once it is done, so no request is timed
+behind it. The forwards borrow KV slots from the pool and give them back: the tree and the
+tiers see nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 # Lengths of the timed forwards: four sizes 4x apart, so that the model's fixed, per-token and
 # per-pair costs are told apart (a 1,024-token forward has 512x the pairs of a 64-token one).
 WARMUP_LENGTHS = (64, 256, 1024, 2048)
+# Forwards timed whatever their estimate (while the budget lasts): the prefill model has
+# three coefficients and answers from three observations.
+MIN_TIMED = 3
 
 
 def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
@@ -39,9 +44,11 @@ def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
         return []
     started, timed = time.perf_counter(), []
     for n in lengths:
-        if timed:
+        left = budget_s - (time.perf_counter() - started)
+        if left <= 0:
+            break
+        if len(timed) >= MIN_TIMED:
             last_n, last_s = timed[-1]
-            left = budget_s - (time.perf_counter() - started)
             if last_s * n / last_n > left:
                 break
         seconds = runner.timed_prefill(n)
