@@ -5,8 +5,8 @@ decided from the first request, not after three forwards.
     untimed   one forward of WARMUP_LENGTHS[0] tokens: first-call costs (weight packing,
               allocations, thread pools) out of the way
     timed     forwards of WARMUP_LENGTHS tokens from scratch, in order, each observed by the
-              prefill model as a forward of one row (0, n), until the budget is spent; past
-              MIN_TIMED, the next is skipped when its estimate (the last one's seconds,
+              prefill model as a forward of one row (0, n): the first MIN_TIMED always;
+              after them, the next is skipped when its estimate (the last one's seconds,
               scaled by its length) would pass the budget
 
 Runs on the scheduler thread (its thread pool is the one that serves) before the loop takes
@@ -25,11 +25,12 @@ from server.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# Lengths of the timed forwards: four sizes 4x apart, so that the model's fixed, per-token and
-# per-pair costs are told apart (a 1,024-token forward has 512x the pairs of a 64-token one).
-WARMUP_LENGTHS = (64, 256, 1024, 2048)
-# Forwards timed whatever their estimate (while the budget lasts): the prefill model has
-# three coefficients and answers from three observations.
+# Lengths of the timed forwards: sizes 4x apart, so that the model's fixed, per-token and
+# per-pair costs are told apart (a 512-token forward has 256x the pairs of a 32-token one).
+WARMUP_LENGTHS = (32, 128, 512, 2048)
+# The first forwards are timed whatever the budget (together ~1/3 of a 2k-token prefill):
+# the prefill model has three coefficients and answers from three observations, and a
+# budget spent by a loaded machine must not leave it without them.
 MIN_TIMED = 3
 
 
@@ -45,8 +46,6 @@ def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
     started, timed = time.perf_counter(), []
     for n in lengths:
         left = budget_s - (time.perf_counter() - started)
-        if left <= 0:
-            break
         if len(timed) >= MIN_TIMED:
             last_n, last_s = timed[-1]
             if last_s * n / last_n > left:
