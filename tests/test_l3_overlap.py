@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 from test_engine import GREEDY, conversations, engine, tiered
 
-import hicache.storage.tier as tier_module
+import hicache.storage.tier_race as tier_module
 from hicache.storage.cost import FetchCost, PrefillCost
 
 PAGE = 16

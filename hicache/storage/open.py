@@ -68,7 +68,7 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
                        timeout_max=s.prefetch_timeout_max,
                        cost_model=s.cost_model, overlap=s.overlap)
     if s.cost_model and not stats.get(STAT_ERRORS, 0):  # a store that answers: time it
-        log_probe(s.backend, tier.probe_fetch(), tier.page_bytes)
+        log_probe(s.backend, tier.probe_fetch(), host.page_bytes)
     return tier
 
 

@@ -74,6 +74,11 @@ class FetchPlanner:
             return FetchPlan(split.head_pages, split, race=True)
         return FetchPlan(head, split)
 
+    def fetch_pages_per_s(self, pages: int) -> float | None:
+        """The fetch model's rate for a fetch of `pages` pages (pages/s); None unfitted."""
+        seconds = self.fetch.seconds(pages * self.page_bytes)
+        return pages / seconds if seconds else None
+
     @property
     def fetch_fitted(self) -> bool:
         """Whether the fetch model has an estimate."""

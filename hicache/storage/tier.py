@@ -20,13 +20,10 @@ What to fetch (`_head_pages`): once the cost model (`planner.py`) has estimates 
 engine's prefill and of the backend's fetches, it decides for each hit: fetch it all,
 recompute it all (fetching would be slower), or race: compute the head from the front while
 the tail is fetched from the back (`race.py`; the fetched pages are valid on their own: the
-hash chain fixes their prefix), the line between them moved as both go. Before the model
-has its estimates a hit is fetched whole, or raced with the planner's `cold_race` (so that
-none costs more than about its recompute). A raced request is admitted at once to compute toward its first target
-(`head_stop`); each time it gets there the scheduler asks `continue_head` for the next one;
-once the head is final the request goes back to the queue with it in the tree
-(`head_computed`) and is admitted again when the tail has arrived, which `terminate` hangs
-below the head. With `cost_model` off hits of at least `threshold` tokens are fetched whole.
+hash chain fixes their prefix), the line between them moved as both go (`tier_race.py`).
+Before the model has its estimates a hit is fetched whole, or raced with the planner's
+`cold_race` (so that none costs more than about its recompute). With `cost_model` off hits
+of at least `threshold` tokens are fetched whole.
 
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
@@ -41,10 +38,12 @@ from typing import TYPE_CHECKING, Any
 from hicache.events.schema import MEDIUM_DISK
 from hicache.pages import page_count
 from hicache.policies import PREFETCH_POLICIES, check_choice
+from hicache.storage.fetch_queue import PrefetchOp, PrefetchState
 from hicache.storage.hashing import PageHasher
-from hicache.storage.io import PrefetchOp, PrefetchState, StorageController
+from hicache.storage.io import StorageController
 from hicache.storage.planner import CostEstimates, FetchPlanner
-from hicache.storage.race import Race, fetch_rate, first_target, next_target
+from hicache.storage.race import Race, first_target
+from hicache.storage.tier_race import HeadRace
 from hicache.storage.tier_state import KnownStored, Resume, StorageCounters
 from hicache.tree.node import node_hashes
 
@@ -56,7 +55,10 @@ if TYPE_CHECKING:
 MAX_PREFETCH_HOST_FRACTION = 0.5
 
 
-class StorageTier:
+class StorageTier(HeadRace):
+    """The tree's side of L3 (see the module docstring); its races between a computed head
+    and a fetched tail are `HeadRace`'s."""
+
     def __init__(self, tree: HiRadixCache, io: StorageController, hasher: PageHasher,
                  prefetch_policy: str = "timeout", prefetch_threshold: int = 256,
                  timeout_base: float = 2.0, timeout_per_ki_token: float = 0.1,
@@ -225,17 +227,14 @@ class StorageTier:
             op.state, op.waiting_for = PrefetchState.WAITING, other.req_id
             return None
         op.waiting_for = None
-        budget = self._prefetch_budget_pages()
+        pages = min(hit, self._prefetch_budget_pages())
         if head:  # a race: the fetch takes the last pages the host budget holds
-            pages = min(hit, budget)
             head = max(head, hit - pages)
             if head >= hit:
                 self._recomputed(op, hit)
                 return self._done(op)
-        else:
-            pages = min(hit, budget)
-            if pages * self.page_size < max(1, self.threshold):
-                return self._done(op)
+        elif pages * self.page_size < max(1, self.threshold):
+            return self._done(op)
         host = self._alloc_host(pages)
         if host is None:
             return self._done(op)
@@ -369,106 +368,6 @@ class StorageTier:
         if not self._free_if_finished(op):
             self._draining.append(op)
         return inserted
-
-    # ------------------------------------------------------- compute the head, load the tail
-
-    def head_stop(self, req_id: str) -> int:
-        """Where the request's raced head stops next (tokens from the start of its key), or
-        0: no race, or its head is computed. Its first call starts the compute side's clock."""
-        op = self.ops.get(req_id)
-        race = None if op is None else op.race
-        if race is None or race.final:
-            return 0
-        if race.chunk_from is None:
-            race.start_chunk(time.monotonic())
-        return op.prefix_tokens + race.target * self.page_size
-
-    def continue_head(self, req_id: str, computed: int) -> int:
-        """The raced request has computed `computed` tokens (its head stop): where it stops
-        next (> computed); `computed`, its head is final (it waits for the tail); or 0, the
-        race is over and nothing fetched is used (its prefetch ended: it goes on as any
-        prompt)."""
-        op = self.ops.get(req_id)
-        race = None if op is None else op.race
-        if race is None or race.final:
-            return 0
-        now = time.monotonic()
-        race.reached((computed - op.prefix_tokens) // self.page_size, now)
-        progress = self.io.progress(op)
-        front = race.hit_pages - progress.completed
-        estimate = None
-        fetch_s = self.planner.fetch.seconds(max(1, front - race.computed) * self.page_bytes)
-        if fetch_s:
-            estimate = max(1, front - race.computed) / fetch_s
-        rate = fetch_rate(progress.completed, progress.handed_out, progress.elapsed_s,
-                          estimate)
-        target = next_target(race, front, progress.can_grow, rate)
-        if target >= race.hit_pages:  # nothing came: compute it all
-            self._recomputed(op, race.hit_pages)
-            self.terminate(req_id)
-            return 0
-        race.target = target
-        if target == race.computed:
-            race.final = True
-            self.io.limit(op, target)
-            return computed
-        race.start_chunk(now)
-        self.io.limit(op, target)
-        return op.prefix_tokens + target * self.page_size
-
-    @property
-    def page_bytes(self) -> int:
-        return self.host_pool.page_bytes
-
-    def _tail_arrived(self, op: PrefetchOp) -> bool:
-        """A raced op whose head is final has its tail: the fetched suffix reaches the head."""
-        race = op.race
-        if race is None or not race.final:
-            return False
-        return race.hit_pages - op.completed_pages <= race.target
-
-    def head_computed(self, req_id: str, node: HiTreeNode) -> None:
-        """The request's head is final and in the tree, its last page at the end of `node`:
-        keep it in L2 (copying it there if the write policy has not), so that the tail can
-        hang below it when the request is admitted again."""
-        op = self.ops.get(req_id)
-        if op is None or op.race is None or not op.race.final or op.head_node is not None:
-            return
-        head = op.race.target
-        self._stored.add(op.hashes[:head])
-        self.counters.split_prefetches += 1
-        self.counters.head_tokens += head * self.page_size
-        if not node.backuped and not self.tree.back_up_path(node):
-            self.io.cancel(op)  # no L2 room for the head: the tail is dropped, and computed
-        self.tree.protect_host(node)
-        op.head_node = node
-
-    def _insert_tail(self, op: PrefetchOp, done: int) -> int:
-        """A raced op ends: the fetched pages from its head on join the tree below the head,
-        if its head is final and the fetched suffix reaches it; the host pages before the
-        head stay with `op` to be freed. Returns the tokens inserted."""
-        race = op.race
-        if not race.final or op.host_indices is None or race.hit_pages - done > race.target:
-            return 0
-        anchor = self._tail_anchor(op)
-        if anchor is None or race.target >= race.hit_pages:
-            return 0
-        p = self.page_size
-        cut = (race.target - op.fetch_base) * p
-        tokens = op.tokens[race.target * p:race.hit_pages * p]
-        inserted = self.tree.insert_host_pages(anchor, tokens, op.host_indices[cut:],
-                                               op.hashes[race.target:race.hit_pages],
-                                               op.extra_key)
-        op.host_indices = op.host_indices[:cut]
-        self.counters.prefetched_tokens += len(tokens)
-        return inserted
-
-    def _tail_anchor(self, op: PrefetchOp) -> HiTreeNode | None:
-        """The node ending exactly at the head, in L2, for the tail to hang below; None when
-        the tree lost the head (the fetched tail is then dropped and recomputed)."""
-        node = self.tree.node_at(op.anchor, op.tokens[:op.race.target * self.page_size],
-                                 op.extra_key)
-        return node if node is not None and node.backuped else None
 
     # --------------------------------------------------------------------- cost model
 

@@ -40,6 +40,16 @@ def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
     storage tier, a budget, or room."""
     if budget_s <= 0 or cache.storage is None:
         return []
+    try:
+        return _timed_forwards(runner, cache, budget_s, max_tokens)
+    except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation, never fatal
+        logger.warning("prefill warm-up failed (%r); the cost model learns from the first "
+                       "requests instead", exc)
+        return []
+
+
+def _timed_forwards(runner: ModelRunner, cache: CacheStack, budget_s: float,
+                    max_tokens: int) -> list[tuple[int, float]]:
     lengths = [n for n in WARMUP_LENGTHS if n <= max_tokens]
     if not lengths or runner.timed_prefill(lengths[0]) is None:
         return []
