@@ -40,9 +40,10 @@ lint: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/hicache-server --config configs/default.yaml $(ARGS)
 
-# Multi-turn serving benchmark: every cache configuration on the embedded model, one run
-# (~10 min on 2 CPU cores); tables, benchmarks/results/multiturn.json and PNG plots.
-# e.g. `make bench ARGS="--num-clients 4"`.
+# Multi-turn serving benchmark: every cache configuration on the embedded model, one run,
+# then what L1 costs when it thrashes (~12 min on 2 CPU cores); tables,
+# benchmarks/results/multiturn.json, thrash.json and PNG plots.
+# e.g. `make bench ARGS="--num-clients 4"`, or ARGS="--only thrash" (~2 min).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_multiturn.py $(ARGS)
 

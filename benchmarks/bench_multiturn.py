@@ -294,6 +294,38 @@ class Runner:
             self.ready.put_nowait(Turn(turn.client, later[0]))
 
 
+# -------------------------------------------------------------------------- paired runs
+
+
+def round_robin(args: argparse.Namespace) -> list[Turn]:
+    """Every turn of the workload, round by round, the chats in order within a round."""
+    return [Turn(c, r) for r in range(1, args.num_rounds + 1) for c in range(args.num_clients)]
+
+
+async def run_paired(args: argparse.Namespace, urls: dict[str, str], flip: bool = False
+                     ) -> dict[str, list[Record]]:
+    """Every turn of the workload `args` (`round_robin`) on each server of `urls` (label ->
+    base URL), back to back, one request in flight at a time: turn j goes to the servers in
+    `urls`' order when j is even (odd if `flip`), in reverse otherwise (ABBA), so that the
+    machine's load drifting hits every server alike. Each server's chats grow from its own
+    answers. Per label, the records in turn order."""
+    wls = {label: make_workload(args) for label in urls}
+    recs: dict[str, list[Record]] = {label: [] for label in urls}
+    order = list(urls)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                    sock_read=args.stall_timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for j, turn in enumerate(round_robin(args)):
+            for label in order if (j + flip) % 2 == 0 else order[::-1]:
+                prompt = wls[label].prompt(turn)
+                rec = await send(session, f"{urls[label]}/generate", prompt, turn, args)
+                rec.server = urls[label]
+                recs[label].append(rec)
+                if rec.error is None:
+                    wls[label].answer(turn, prompt, rec.output_ids)
+    return recs
+
+
 # ------------------------------------------------------------------------------- metrics
 
 

@@ -1,5 +1,6 @@
-"""The multi-turn benchmark's report: ratios against "L1 only", the goals, and the markdown
-tables `run_multiturn.py` prints (pure functions of the runs' results, no servers).
+"""The multi-turn benchmark's report: ratios against "L1 only", the goals, the cost of a
+cache that thrashes, and the markdown tables `run_multiturn.py` prints (pure functions of
+the runs' results, no servers).
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 from bench_multiturn import TIERS, fmt_ms, fmt_pct
 
 # The configurations' labels: the keys of the driver's runs and the rows of the tables.
@@ -125,6 +127,69 @@ def _broken(r: dict[str, Any]) -> bool:
     return bool(r["errors"] or r["server_died"])
 
 
+GOAL_THRASH = 1.05  # thrashing L1 only: median TTFT at most this times no cache's
+INTERVAL = 0.95     # the bootstrap interval of the median ratio over passes
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+MIN_BOOTSTRAP = 3   # resampling fewer values gives only their min and max: no interval
+
+
+def thrash_cost(passes: list[dict[str, Any]], servers: dict[str, Any]) -> dict[str, Any]:
+    """Per pass, the median over its turns of L1 only's TTFT over no cache's for the same
+    turn (the same prompt, sent to one right after the other: a burst of load on the machine
+    hits both); over the passes: the median of those, its min and max, and an interval of
+    the median (bootstrap over passes): a cost when it lies above 1. `hit_rate` is L1 only's
+    mean over the passes (near 0 when it thrashes); `broken`, an error or a dead server."""
+    sides = [p["sides"] for p in passes]
+    ratios = [_median(turn_ratios(s[BASELINE]["ttft_s"], s[NO_CACHE]["ttft_s"]))
+              for s in sides]
+    valid = [x for x in ratios if x is not None]
+    hits = [s[BASELINE]["hit_rate"] for s in sides if s[BASELINE]["hit_rate"] is not None]
+    broken = (any(side["errors"] for s in sides for side in s.values())
+              or any(srv["fatal"] for srv in servers.values()))
+    return {"passes": len(passes), "ratios": ratios,
+            "median_ratio": _median(valid), "min_ratio": min(valid, default=None),
+            "max_ratio": max(valid, default=None), "interval": median_interval(valid),
+            "interval_level": INTERVAL, "hit_rate": float(np.mean(hits)) if hits else None,
+            "max_hit_rate": max(hits, default=None),
+            "same_answers": min((p["same_answers"] for p in passes), default=None),
+            "broken": broken}
+
+
+def turn_ratios(on: list[float | None], off: list[float | None]) -> list[float]:
+    """Turn by turn, `on`'s TTFT over `off`'s (None: the request failed; the turn is left
+    out)."""
+    return [a / b for a, b in zip(on, off, strict=True) if a is not None and b]
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def _ok_median(values: list[float | None]) -> float | None:
+    return _median([v for v in values if v is not None])
+
+
+def median_interval(values: list[float]) -> list[float] | None:
+    """The central `INTERVAL` of the medians of `values` resampled with replacement (None
+    for fewer than MIN_BOOTSTRAP values)."""
+    if len(values) < MIN_BOOTSTRAP:
+        return None
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    medians = np.median(rng.choice(values, (BOOTSTRAP_RESAMPLES, len(values))), axis=1)
+    tail = (1 - INTERVAL) / 2 * 100
+    return [float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))]
+
+
+def thrash_goal(t: dict[str, Any]) -> dict[str, Any]:
+    """The goal row of the thrash summary `t` (`thrash_cost`)."""
+    value = None if t["broken"] else t["median_ratio"]
+    return {"goal": f"thrash: L1 only TTFT / no cache, turn by turn (median of "
+                    f"{_passes(t['passes'])})",
+            "value": value, "target": f"<= {GOAL_THRASH}",
+            "met": None if value is None else value <= GOAL_THRASH}
+
+
 # -------------------------------------------------------------------------------- tables
 
 
@@ -212,6 +277,63 @@ def goals_table(rows: list[dict]) -> str:
         met = "not measured" if g["met"] is None else ("yes" if g["met"] else "no")
         lines.append(f"| {g['goal']} | {fmt_x(g['value'])} | {g['target']} | {met} |")
     return "\n".join(lines)
+
+
+def thrash_table(report: dict[str, Any]) -> str:
+    """One row per pass of the thrash report, in the order they ran."""
+    head = ("| pass | L1 only median TTFT (ms) | no cache median TTFT (ms) "
+            "| L1 only / no cache (median over turns) | L1 only hit rate | same answers "
+            "| errors |")
+    lines = [head, "|---:|---:|---:|---:|---:|---:|---|"]
+    for i, (p, x) in enumerate(zip(report["passes"], report["summary"]["ratios"]), 1):
+        on, off = p["sides"][BASELINE], p["sides"][NO_CACHE]
+        errors = ", ".join(f"{label}: {s['errors']}" for label, s in p["sides"].items()
+                           if s["errors"]) or "0"
+        lines.append(f"| {i} | {fmt_ms(_ok_median(on['ttft_s']))} "
+                     f"| {fmt_ms(_ok_median(off['ttft_s']))} "
+                     f"| {fmt_x(x)} | {fmt_pct(on['hit_rate'])} | {fmt_pct(p['same_answers'])} "
+                     f"| {errors} |")
+    return "\n".join(lines)
+
+
+def thrash_line(t: dict[str, Any]) -> str:
+    """The thrash summary `t` in one sentence."""
+    lo, hi = t["interval"] or (None, None)
+    goal = thrash_goal(t)
+    met = "not measured" if goal["met"] is None else ("met" if goal["met"] else "not met")
+    if lo is None:
+        interval = f"too few passes for an interval (at least {MIN_BOOTSTRAP})"
+    else:
+        verdict = (f"above 1: a cost of {lo - 1:.1%} to {hi - 1:.1%}" if lo > 1
+                   else "it holds 1: no cost told from noise")
+        interval = (f"{t['interval_level']:.0%} bootstrap interval of the median {_x3(lo)} "
+                    f"to {_x3(hi)}; {verdict}")
+    return (f"L1 only / no cache over {_passes(t['passes'])}: median "
+            f"{_x3(t['median_ratio'])} (passes {_x3(t['min_ratio'])} to {_x3(t['max_ratio'])}; "
+            f"{interval}); L1 only hit rate {fmt_pct(t['hit_rate'])} (at most "
+            f"{fmt_pct(t['max_hit_rate'])} in a pass); goal {goal['target']}: {met}")
+
+
+def _passes(n: int) -> str:
+    return f"{n} pass" if n == 1 else f"{n} passes"
+
+
+def _x3(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3f}x"
+
+
+def print_thrash(report: dict[str, Any]) -> None:
+    w, s, m = report["workload"], report["sizing"], report["machine"]
+    print(f"\nThrashing L1, {report['date']}: {w['num_clients']} chats x {w['num_rounds']} "
+          f"rounds round-robin, each turn sent to both servers back to back, one request at "
+          f"a time, {w['request_length']}-token questions, "
+          f"{w['output_length']}-token answers; working set {s['working_set']:,} tokens, "
+          f"{s['working_set'] / s['l1_tokens']:.1f}x L1 ({s['l1_tokens']:,} tokens); model "
+          f"{report['model']}; {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}.\n")
+    print(thrash_table(report))
+    dead = [f"{label}: {srv['fatal']}" for label, srv in report["servers"].items() if srv["fatal"]]
+    print(f"\n{thrash_line(report['summary'])}" + (f"; server died: {dead}" if dead else ""))
+    print(f"\nJSON: {report['out']}")
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """`make bench`: the multi-turn benchmark against every cache configuration, in one run.
 
-    python benchmarks/run_multiturn.py              # ~10 min on 2 CPU cores; tables + JSON + PNG
+    python benchmarks/run_multiturn.py              # ~12 min on 2 CPU cores; tables + JSON + PNG
+    python benchmarks/run_multiturn.py --only thrash  # the thrash measurement alone (~2 min)
 
 For each configuration the driver starts `python -m server.launch --port 0` on the embedded
 model (reading the port from its log), runs `bench_multiturn.run_benchmark` in-process with
@@ -12,6 +13,12 @@ the same seeded workload, and stops the server (always, in a `finally`):
     L1+L2+L3         the same + LMDB (wait_complete); then the server is restarted on the same
                      LMDB (cold L1 and L2) and the last round replayed, once per prefetch policy
     no reuse         prompts that share nothing: L1 only against L1+L2 and L1+L2+L3
+    thrash           what a cache that never hits costs: L1 only against no cache, both up
+                     at once, on round-robin chats whose working set is 4x L1 (LRU evicts
+                     each history before its chat comes back), one request at a time, each
+                     sent to both back to back (ABBA); per pass the median of the turns'
+                     TTFT ratios
+                     (`--only thrash` runs this alone; benchmarks/results/thrash.json)
 
 L1 is a quarter of the workload's working set (the distinct tokens of every chat at the end),
 so L1 alone cannot keep the chats' histories; page size 16. The machine is shared and noisy:
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import datetime
@@ -53,7 +61,10 @@ from multiturn_report import (
     goals,
     no_reuse_cost,
     print_report,
+    print_thrash,
     restarts,
+    thrash_cost,
+    thrash_goal,
 )
 from typing_extensions import Self
 
@@ -65,6 +76,9 @@ L1_FRACTION = 0.25
 # flight, write-through copies of what L1 also holds).
 HOST_HEADROOM = 1.5
 MIN_HOST_RATIO = 2.0  # the config's default ratio; L2 is never smaller
+# Passes of the thrash workload (each ~8 s on 2 cores when the machine is quiet): enough that
+# the median ratio over passes moves by less than the 5% it is judged against.
+DEFAULT_THRASH_PASSES = 12
 LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
 # The first start writes the embedded model under HICACHE_HOME (seconds); later starts load it.
 STARTUP_TIMEOUT_S = 300.0
@@ -394,6 +408,74 @@ def run_no_reuse(args: argparse.Namespace, sizing: Sizing, policy: str) -> dict[
     return runs
 
 
+# --------------------------------------------------------------------------------- thrash
+# Round-robin chats, one request at a time: between two turns of a chat the other seven
+# insert at least 7 x 272 tokens, more than L1 (a quarter of the 6,528-token working set:
+# 1,632) holds, so LRU has evicted its history when it comes back and every request misses.
+# No system prompt: a shared one would stay hot and hit.
+THRASH = "thrash"
+THRASH_WORKLOAD = {"num_clients": 8, "num_rounds": 3, "request_length": 256,
+                   "output_length": 16, "system_prompt_length": 0, "max_parallel": 1,
+                   "request_rate": math.inf, "l1_fraction": L1_FRACTION}
+
+
+def thrash_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The driver's flags with the thrash workload in place of the multi-turn one."""
+    return argparse.Namespace(**{**vars(args), **THRASH_WORKLOAD})
+
+
+def run_thrash(args: argparse.Namespace) -> dict[str, Any]:
+    """L1 only against no cache on the thrash workload (`args` from `thrash_args`): both
+    servers up at once (the idle one sleeps on its inbox), a warm-up pass, then
+    `--thrash-passes` passes, each turn sent to both servers back to back in ABBA order
+    (`bench_multiturn.run_paired`). Each pass has its own seed: tokens no earlier pass
+    cached."""
+    sizing = size_tiers(args)
+    base = base_flags(sizing, shlex.split(args.server_args))
+    cfgs = {BASELINE: Config(BASELINE, base),
+            NO_CACHE: Config(NO_CACHE, (*base, "--disable-radix-cache"))}
+    passes = []
+    with served(cfgs[BASELINE], args, f"{THRASH} {BASELINE}") as on, \
+            served(cfgs[NO_CACHE], args, f"{THRASH} {NO_CACHE}") as off:
+        servers = {BASELINE: on, NO_CACHE: off}
+        urls = {label: f"http://127.0.0.1:{s.port}" for label, s in servers.items()}
+        for i in range(-1, args.thrash_passes):  # -1: the warm-up, not kept
+            seed = args.seed + 1 + i
+            cargs = client_args(argparse.Namespace(**{**vars(args), "seed": seed}),
+                                THRASH, 0, "--quiet")  # port 0: run_paired has the URLs
+            print(f"{THRASH}: pass {i + 1} of {args.thrash_passes}" if i >= 0
+                  else f"{THRASH}: warm-up", file=sys.stderr)
+            recs = asyncio.run(bm.run_paired(cargs, urls, flip=bool(i % 2)))
+            if i >= 0:
+                passes.append(thrash_pass(seed, recs))
+        info = {label: server_info(s) for label, s in servers.items()}
+    return {"sizing": sizing._asdict() | {"page_size": PAGE_SIZE}, "passes": passes,
+            "servers": info}
+
+
+def thrash_pass(seed: int, recs: dict[str, list[bm.Record]]) -> dict[str, Any]:
+    """One pass for the report: per server TTFTs in turn order (None: failed), hit rate and
+    errors; how many answers L1 only and no cache gave alike."""
+    sides = {}
+    for label, rs in recs.items():
+        ok = [r for r in rs if r.error is None]
+        sides[label] = {"ttft_s": [None if r.error else r.ttft for r in rs],
+                        "hit_rate": bm.hit_rates(ok)["all"],
+                        "errors": len(rs) - len(ok),
+                        "error_samples": [r.error for r in rs if r.error][:bm.ERRORS_SHOWN]}
+    pairs = list(zip(recs[BASELINE], recs[NO_CACHE], strict=True))
+    same = sum(a.output_ids == b.output_ids for a, b in pairs) / len(pairs)
+    return {"seed": seed, "same_answers": same, "sides": sides}
+
+
+def thrash_report(args: argparse.Namespace, thrash: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks/results/thrash.json: the passes and their summary (`thrash_cost`)."""
+    return {**report_stamp(), "workload": workload_of(args),
+            "model": args.model or "embedded:tiny-llama", "server_args": args.server_args,
+            **thrash, "summary": thrash_cost(thrash["passes"], thrash["servers"]),
+            "out": _shown(args.thrash_out)}
+
+
 # ---------------------------------------------------------------------------------- main
 
 
@@ -474,10 +556,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "multi-turn rounds)")
     ap.add_argument("--no-reuse-repeats", type=int, default=2,
                     help="alternating passes over the no-reuse configurations; best kept")
+    ap.add_argument("--thrash-passes", type=int, default=DEFAULT_THRASH_PASSES,
+                    help="passes of the thrash workload, each turn on L1 only and no cache")
+    ap.add_argument("--only", choices=(THRASH,), default=None,
+                    help="run only this part (the multi-turn report and log stay as they are)")
     add_report_args(ap, "multiturn")
+    ap.add_argument("--thrash-out", type=Path, default=RESULTS / "thrash.json",
+                    help="the thrash report (every request's TTFT)")
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="record every server with py-spy (raw stacks) into this folder")
     args = ap.parse_args(argv)
+    if args.thrash_passes < 1:
+        ap.error(f"--thrash-passes must be >= 1, got {args.thrash_passes}")
     if not 1 <= args.no_reuse_rounds <= args.num_rounds or args.no_reuse_repeats < 1:
         ap.error(f"--no-reuse-rounds must be in [1, --num-rounds={args.num_rounds}] (got "
                  f"{args.no_reuse_rounds}) and --no-reuse-repeats >= 1 (got "
@@ -491,14 +581,16 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def driver_run(args: argparse.Namespace, prefix: str) -> Iterator[None]:
+def driver_run(args: argparse.Namespace, prefix: str, fresh_log: bool = True
+               ) -> Iterator[None]:
     """Around a driver's runs (this one's, bench_shared_l3.py's, bench_router.py's): SIGTERM
     unwinds the `with` blocks, so no server, router or redis-server outlives the driver; the
-    per-request log `args.log` starts empty; `args.workdir` is a fresh temporary folder
-    (`prefix`), removed when the block ends."""
+    per-request log `args.log` starts empty (unless not `fresh_log`: runs that write none);
+    `args.workdir` is a fresh temporary folder (`prefix`), removed when the block ends."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    args.log.parent.mkdir(parents=True, exist_ok=True)
-    args.log.write_text("")
+    if fresh_log:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+        args.log.write_text("")
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         args.workdir = Path(tmp)
         yield
@@ -511,19 +603,30 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.only == THRASH:
+        targs = thrash_args(args)
+        with driver_run(targs, "hicache-thrash-", fresh_log=False):
+            thrash = thrash_report(targs, run_thrash(targs))
+        write_report(thrash, args.thrash_out)
+        print_thrash(thrash)
+        return thrash
     sizing = size_tiers(args)
     with driver_run(args, "hicache-bench-"):
         policy = args.restart_policies[0]
         runs = run_multiturn(args, configs(sizing, args.workdir / "lmdb", policy,
                                            shlex.split(args.server_args)))
         nor = run_no_reuse(args, sizing, policy)
-        report = build_report(args, sizing, runs, nor)
+        targs = thrash_args(args)
+        thrash = thrash_report(targs, run_thrash(targs))
+        report = build_report(args, sizing, runs, nor, thrash)
         _keep_server_logs(report, args.workdir)
     from plot_multiturn import plot_all  # matplotlib loads only once the runs are done
 
     report["plots"] = [_shown(p) for p in plot_all(report, args.out.parent)]
+    write_report(thrash, args.thrash_out)
     write_report(report, args.out)
     print_report(report)
+    print_thrash(thrash)
     return report
 
 
@@ -540,7 +643,9 @@ def workload_of(args: argparse.Namespace, keys: Sequence[str] = WORKLOAD_KEYS
 
 
 def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
-                 nor: dict[str, Any]) -> dict[str, Any]:
+                 nor: dict[str, Any], thrash: dict[str, Any]) -> dict[str, Any]:
+    """The multi-turn report; of the thrash measurement only its summary (the passes are in
+    its own report)."""
     cmp, rst = compare(runs), restarts(runs, args.num_rounds)
     nrc = no_reuse_cost(nor)
     strip = {"records"}
@@ -551,7 +656,9 @@ def build_report(args: argparse.Namespace, sizing: Sizing, runs: dict[str, Any],
         "no_reuse_workload": {"num_rounds": args.no_reuse_rounds,
                               "repeats": args.no_reuse_repeats},
         "sizing": sizing._asdict() | {"page_size": PAGE_SIZE, "l1_fraction": args.l1_fraction},
-        "configs": cmp, "restart": rst, "no_reuse": nrc, "goals": goals(cmp, rst, nrc),
+        "configs": cmp, "restart": rst, "no_reuse": nrc,
+        "thrash": {**thrash["summary"], "report": thrash["out"]},
+        "goals": [*goals(cmp, rst, nrc), thrash_goal(thrash["summary"])],
         "runs": {k: {f: v for f, v in r.items() if f not in strip} for k, r in runs.items()},
         "no_reuse_runs": {k: {f: v for f, v in r.items() if f not in strip}
                           for k, r in nor.items()},
