@@ -168,11 +168,10 @@ def test_estimates_are_learned_while_serving_and_shown(tmp_path) -> None:
 
 
 def test_a_cold_race_gives_the_tokens_of_recomputation(tmp_path, reference) -> None:
-    """No estimates yet: the hit is raced, and whatever line the race draws, the answer is
+    """No estimates yet: the hit is raced (the default), and whatever line the race draws, the answer is
     recomputation's, and head + fetched tail make the whole hit (or, abandoned, none of it
     comes from L3)."""
     with tiered(tmp_path) as e:
-        e.cache.storage.planner.cold_race = True
         e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         e.flush_cache(["device", "host"])
         assert e.stats()["tiers"]["storage"]["cost_model"]["fetch_bandwidth_bytes_per_s"] is None
@@ -196,7 +195,6 @@ def test_a_race_against_a_stalled_link_computes_the_hit(tmp_path, reference) -> 
     slow = {"storage.throttle.bandwidth_mb_s": HIT_PAGES * page_bytes / batch_s / 1e6,
             "storage.lmdb.path": str(tmp_path / "slow")}
     with tiered(tmp_path, **slow) as e:
-        e.cache.storage.planner.cold_race = True
         e.generate(input_ids=PROMPT, sampling_params=GREEDY)
         e.flush_cache(["device", "host"])
         again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)

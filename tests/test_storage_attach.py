@@ -38,11 +38,12 @@ NONE_ATTACHED = {"hicache_storage_backend": None, "hicache_storage_backend_extra
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    """L1 + L2 on the CPU, no L3 at start; prefetches waited for (as `tiered_engine`)."""
+    """L1 + L2 on the CPU, no L3 at start; prefetches waited for (as `tiered_engine`) and
+    hits fetched whole (overlap off: the tests count the tokens L3 serves)."""
     with Engine(load_config(None, {
             "cache.max_total_tokens": 2048, "cache.hierarchical": True,
             "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
-            "model.device": "cpu"})) as e:
+            "storage.overlap": False, "model.device": "cpu"})) as e:
         yield e
 
 

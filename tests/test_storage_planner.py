@@ -18,15 +18,19 @@ def warm(planner: FetchPlanner, per_token_s: float, bytes_per_s: float) -> Fetch
     return planner
 
 
-def test_cold_or_off_fetches_the_hit_whole() -> None:
-    assert FetchPlanner(PS, PAGE_BYTES).plan(100, 0) == (0, None, False)
+def test_cold_without_a_race_or_off_fetches_the_hit_whole() -> None:
+    assert FetchPlanner(PS, PAGE_BYTES, cold_race=False).plan(100, 0) == (0, None, False)
     off = warm(FetchPlanner(PS, PAGE_BYTES, cost_model=False), 1e-3, 1e3)  # fetch is awful
     assert off.plan(100, 0) == (0, None, False)
 
 
-def test_a_cold_race_is_planned_without_estimates() -> None:
-    assert FetchPlanner(PS, PAGE_BYTES, cold_race=True).plan(100, 0) == (0, None, True)
-    no_overlap = FetchPlanner(PS, PAGE_BYTES, overlap=False, cold_race=True)
+def test_a_cold_hit_is_raced_by_default() -> None:
+    assert FetchPlanner(PS, PAGE_BYTES).plan(100, 0) == (0, None, True)
+    half = FetchPlanner(PS, PAGE_BYTES)
+    for extend in (64, 256, 1024):  # a fitted prefill model, no fetch model yet
+        half.observe_forward([(0, extend)], extend * 1e-3)
+    assert half.plan(100, 0) == (0, None, True)
+    no_overlap = FetchPlanner(PS, PAGE_BYTES, overlap=False)
     assert no_overlap.plan(100, 0) == (0, None, False)
 
 

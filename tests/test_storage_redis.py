@@ -388,7 +388,8 @@ def engine_overrides(target: RedisServer | RedisClusterNodes) -> dict[str, Any]:
             "storage.backend": "redis", "storage.redis.url": target.url,
             "storage.redis.cluster": isinstance(target, RedisClusterNodes),
             "storage.redis.key_prefix": f"e-{uuid.uuid4().hex[:8]}:",
-            "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32}
+            "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
+            "storage.overlap": False}  # a hit fetched whole: the test counts what L3 serves
 
 
 def test_a_prefix_computed_by_one_engine_is_a_storage_hit_for_another_process(

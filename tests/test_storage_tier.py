@@ -30,6 +30,9 @@ def lmdb(path: Path) -> LmdbStore:
 
 def make(backend: StorageBackend, policy: str = "wait_complete", threshold: int = 8,
          dev_pages: int = 32, host_pages: int = 64, **kw):
+    # a hit is fetched whole (overlap off): nothing here computes a raced head, which the
+    # scheduler does (tests/test_l3_overlap.py, tests/test_storage_race.py)
+    kw.setdefault("overlap", False)
     dev, host = make_pools(dev_pages, host_pages, PS)
     controller = HiCacheController(dev, host, CpuTransferEngine(dev, host))
     tree = HiRadixCache(controller, PS, load_back_threshold=1)
@@ -302,7 +305,7 @@ def test_a_node_split_while_its_write_runs_is_backed_up_whole(tmp_path) -> None:
     tree = HiRadixCache(controller, PS, load_back_threshold=1)
     stack = CacheStack(dev, tree, host, controller, StorageTier(
         tree, StorageController(lmdb(tmp_path / "db"), host), HASHER,
-        prefetch_policy="wait_complete", prefetch_threshold=8))
+        prefetch_policy="wait_complete", prefetch_threshold=8, overlap=False))
     seq = seq_of(9)
     slots = dev.alloc(32)
     forward(dev, seq, slots)

@@ -275,7 +275,8 @@ def test_two_engines_with_private_lmdbs_share_one_redis(tmp_path: Path,
                 "cache.max_total_tokens": 2048, "cache.hierarchical": True,
                 "storage.backend": "lmdb+redis", "storage.lmdb.path": str(tmp_path / lmdb_dir),
                 "storage.redis.url": redis_server.url, "storage.redis.key_prefix": prefix,
-                "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32}
+                "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
+                "storage.overlap": False}  # hits fetched whole: the test counts them
 
     prompt = [(5 * i + 11) % 256 for i in range(100)]
     hit = (len(prompt) - 1) // ENGINE_PAGE * ENGINE_PAGE

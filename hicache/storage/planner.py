@@ -11,10 +11,10 @@ tail is fetched), by what this engine and this backend have been measured to cos
 The estimates learn from every forward pass (`observe_forward`: its rows and wall time) and
 every fetch (`observe_fetch`: bytes and wall time, however many workers shared it), and are
 seeded at start (timed warm-up forwards, a timed read of stored pages). While either has too
-few observations a hit is fetched whole, or, with `cold_race`, raced from a first target of
-a fixed share (`race.FIRST_SHARE`: the race needs no estimate to cost at most about a
-recompute); with `cost_model` off it is always fetched whole (the storage tier's threshold
-already chose which hits are worth asking about).
+few observations a hit is raced from a first target of a fixed share (`race.FIRST_SHARE`:
+the race needs no estimate to cost at most about a recompute), or fetched whole without
+`overlap` (or `cold_race`); with `cost_model` off it is always fetched whole (the storage
+tier's threshold already chose which hits are worth asking about).
 
 Threading: scheduler thread only, like the storage tier that owns it.
 """
@@ -52,7 +52,7 @@ class FetchPlan(NamedTuple):
 
 class FetchPlanner:
     def __init__(self, page_size: int, page_bytes: int, cost_model: bool = True,
-                 overlap: bool = True, cold_race: bool = False) -> None:
+                 overlap: bool = True, cold_race: bool = True) -> None:
         self.page_size = page_size
         self.page_bytes = page_bytes  # one page's K and V in L2 (what a fetch moves)
         self.cost_model = cost_model  # decide by estimates once warm (else fetch it all)

@@ -21,9 +21,9 @@ engine's prefill and of the backend's fetches, it decides for each hit: fetch it
 recompute it all (fetching would be slower), or race: compute the head from the front while
 the tail is fetched from the back (`race.py`; the fetched pages are valid on their own: the
 hash chain fixes their prefix), the line between them moved as both go (`tier_race.py`).
-Before the model has its estimates a hit is fetched whole, or raced with the planner's
-`cold_race` (so that none costs more than about its recompute). With `cost_model` off hits
-of at least `threshold` tokens are fetched whole.
+Before the model has its estimates a hit is raced from a fixed first target (so that none
+costs more than about its recompute), or fetched whole without `overlap`. With `cost_model`
+off hits of at least `threshold` tokens are fetched whole.
 
 Threading: scheduler thread only (it owns the tree and the host allocator); the I/O runs on
 the `StorageController`'s threads.
