@@ -20,13 +20,18 @@ choice of the two, and the overlap (compute the head while the tail loads).
     overlap     cost_model true, overlap true: may split a hit into a computed head and a
                 fetched tail
 
-The L3 link is `storage.throttle` (one shared link for reads and writes, plus a latency per
-call) over LMDB; `--redis` puts a real redis-server behind `benchmarks/throttle_proxy.py`
-instead (TCP, the bandwidth in each direction). Every answer's token is checked against the
+The L3 link is a real redis-server behind `benchmarks/throttle_proxy.py` (TCP, the bandwidth
+in each direction, plus a latency per call); `--lmdb` uses LMDB behind `storage.throttle`
+instead (one shared link for reads and writes). Every answer's token is checked against the
 recomputed one. A last table is the cost of the L3 tier when nothing is reused: unique
 prompts through an engine with L3 (LMDB, unthrottled) against one without, alternating.
 
-    python benchmarks/bench_l3_overlap.py            # ~6 min on 2 CPU cores
+    --cold      a fresh server per prompt and link (no limit, balanced, a quarter), L1 and
+                L2 empty, nothing learned beyond start-up's seeds: its first request's TTFT
+                over a recompute's (benchmarks/results/l3_cold.json)
+
+    python benchmarks/bench_l3_overlap.py            # ~8 min on 2 CPU cores
+    python benchmarks/bench_l3_overlap.py --cold     # ~5 min
     python benchmarks/bench_l3_overlap.py --quick    # a smoke run
 """
 
@@ -155,7 +160,7 @@ def run_bandwidths(args: argparse.Namespace, workdir: Path, balanced: float,
         bandwidth = ratio * balanced
         row: dict[str, Any] = {"ratio": ratio, "bandwidth_mb_s": bandwidth / MB}
         for mode in MODES:
-            if args.redis and mode != "recompute":
+            if not args.lmdb and mode != "recompute":
                 with redis_link(workdir / f"redis-{ratio}-{mode}", bandwidth) as link:
                     populate(base_config(lmdb, **link), warm + measured)
                     row[mode] = serve(base_config(lmdb, **link, **MODE_CONFIG[mode]),
@@ -319,13 +324,11 @@ def main() -> int:
     ap.add_argument("--no-reuse-pairs", type=int, default=5)
     ap.add_argument("--only-no-reuse", action="store_true",
                     help="measure only the no-reuse cost; merge it into --out")
-    ap.add_argument("--redis", action="store_true",
-                    help="a real redis-server behind a throttling TCP proxy instead of LMDB")
     ap.add_argument("--cold", action="store_true",
-                    help="only the cold start: a fresh server per prompt over a real Redis "
-                         "behind the proxy (--lmdb: LMDB behind storage.throttle)")
+                    help="only the cold start: a fresh server per prompt and link")
     ap.add_argument("--lmdb", action="store_true",
-                    help="--cold over LMDB behind storage.throttle instead of Redis")
+                    help="L3 is LMDB behind storage.throttle instead of a real redis-server "
+                         "behind the throttling TCP proxy")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 512 tokens, 1 repeat")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -353,8 +356,8 @@ def main() -> int:
         no_reuse = no_reuse_cost(args, workdir)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {platform.processor() or platform.system()}",
-              "backend": ("redis-server behind a throttling TCP proxy" if args.redis else
-                          f"LMDB behind storage.throttle, {LATENCY_MS} ms per call"),
+              "backend": (f"LMDB behind storage.throttle, {LATENCY_MS} ms per call" if args.lmdb
+                          else "redis-server behind a throttling TCP proxy"),
               "prompt_len": args.prompt_len, "prefill_s": prefill_s,
               "prompt_bytes": prompt_bytes, "balanced_mb_s": balanced / MB, "rows": rows,
               "no_reuse_prompts": args.no_reuse_prompts,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hicache.storage.race import (
+    EXPECTED_MIN_SHARE,
     FIRST_SHARE,
+    OVERDUE,
     FetchRate,
     Race,
     fetch_rate,
@@ -68,9 +70,23 @@ def test_without_rates_the_compute_side_takes_a_share_of_the_gap() -> None:
 def test_the_fetch_rate_is_measured_or_bounded() -> None:
     assert fetch_rate(20, 64, 2.0, None) == FetchRate(10.0, True)
     assert fetch_rate(0, 64, 2.0, None) == FetchRate(32.0, False)
-    assert fetch_rate(0, 64, 2.0, 8.0) == FetchRate(8.0, False)
+    assert fetch_rate(0, 64, 2.0, 8.0) == FetchRate(8.0, False, 6.0)  # due at 64 / 8 s
     assert fetch_rate(0, 0, None, 8.0) == FetchRate(8.0, False)
     assert fetch_rate(0, 0, None, None) == FetchRate(None, False)
+
+
+def test_what_the_estimate_says_is_due_soon_bounds_the_chunk_until_overdue() -> None:
+    """A fetch of 64 pages that the model says takes 8 s, nothing arrived yet."""
+    assert fetch_rate(0, 64, 7.9, 8.0).due_s == pytest.approx(EXPECTED_MIN_SHARE * 8.0)
+    assert fetch_rate(0, 64, OVERDUE * 8.0 - 0.1, 8.0).due_s == pytest.approx(0.4)
+    assert fetch_rate(0, 64, OVERDUE * 8.0 + 0.1, 8.0).due_s is None  # not believed
+    assert fetch_rate(0, 0, 1.0, 8.0).due_s is None  # nothing handed out: nothing due
+    # 25 pages in flight, due in 10 ms; computing 200 pages/s the compute side takes 2
+    # pages, not the 20 of the bound's even split (after which the tail would be wasted)
+    due = FetchRate(50.0, False, 0.01)
+    assert next_target(race_at(100, 200.0), HIT, True, due) == 102
+    assert next_target(race_at(100, 200.0), HIT, True, FetchRate(50.0, False)) == 123
+    assert next_target(race_at(100, 200.0), HIT, True, FetchRate(50.0, True, 0.01)) == 123
 
 
 def test_a_race_measures_its_compute_side_per_chunk() -> None:

@@ -19,7 +19,8 @@ abandoned: the request goes on as any prompt).
 No estimate is needed for the bound: the compute side never stops while the fetch has pages
 to bring that it would not bring within one page's compute, so a hit costs at most about its
 recompute time (plus a forward's fixed cost per target), and as little as its fetch time. The
-cost model (`planner.py`), once it has estimates, only picks the first target.
+cost model (`planner.py`), once it has estimates, picks the first target, and until the
+first batch arrives it tells when that is due, where the compute side stops to look again.
 
 Threading: scheduler thread only (`StorageTier` owns the races).
 """
@@ -35,6 +36,13 @@ from typing import NamedTuple
 # computed beyond the meeting page is lost; large enough that its forward's fixed cost is a
 # small part of it. A 2,048-token hit computes 256 tokens before the first measured split.
 FIRST_SHARE = 1 / 8
+# Before anything arrives, a fetch the cost model has an estimate for is expected to bring
+# what was handed out at the estimate's time: the compute side takes only the pages it
+# computes until then (at least EXPECTED_MIN_SHARE of that time's worth, so a fetch due any
+# moment costs a short chunk, not a forward per page). Past OVERDUE times the estimate,
+# nothing having come, the estimate is not believed: the bound alone sizes the chunk.
+EXPECTED_MIN_SHARE = 0.05
+OVERDUE = 2.0
 
 
 @dataclass(eq=False)
@@ -72,10 +80,13 @@ def first_target(hit_pages: int, planned: int | None) -> int:
 
 class FetchRate(NamedTuple):
     """The fetch side's rate in pages/s, and whether pages arrived to measure it by (else an
-    upper bound: nothing came in the time it has run)."""
+    upper bound: nothing came in the time it has run); with nothing come yet, the seconds
+    until the cost model expects what was handed out to arrive (None: no estimate, or
+    overdue)."""
 
     pages_per_s: float | None
     measured: bool
+    due_s: float | None = None
 
 
 def next_target(race: Race, front: int, fetch_can_grow: bool, rate: FetchRate) -> int:
@@ -83,7 +94,9 @@ def next_target(race: Race, front: int, fetch_can_grow: bool, rate: FetchRate) -
     page `front` that grows on at `rate` while `fetch_can_grow`. `race.computed`: it stops
     (the tail joins the head); `race.hit_pages` or more: the race is abandoned (the rest is
     computed, nothing fetched is used). It stops only on a measured rate: a bound (nothing
-    arrived yet) sizes the next chunk, smaller the faster the fetch could still be."""
+    arrived yet) sizes the next chunk, smaller the faster the fetch could still be, and no
+    longer than until what is in flight is due by the cost model (`FetchRate.due_s`): a
+    batch arrives whole, so a chunk that runs past it computes pages it brings."""
     c = race.computed
     gap = front - c
     if gap <= 0:
@@ -98,6 +111,8 @@ def next_target(race: Race, front: int, fetch_can_grow: bool, rate: FetchRate) -
     if rate.measured and gap / rf <= 1 / rc:
         return c  # the fetch brings the gap before one more page could be computed
     chunk = math.ceil(gap * rc / (rc + rf))  # both sides reach c + chunk together
+    if not rate.measured and rate.due_s is not None:  # in flight, due then: compute till
+        chunk = min(chunk, math.ceil(rate.due_s * rc))
     return c + min(max(1, chunk), gap)
 
 
@@ -105,10 +120,18 @@ def fetch_rate(completed: int, handed_out: int, elapsed_s: float | None,
                estimate: float | None) -> FetchRate:
     """The fetch's rate in pages/s: what arrived over the time since it started; before
     anything arrived, at most what was handed out over that time (an upper bound that
-    falls the longer nothing comes), and at most the cost model's `estimate` if it has one."""
+    falls the longer nothing comes), and at most the cost model's `estimate` if it has one,
+    by which what was handed out is due (`FetchRate.due_s`) until it is OVERDUE."""
     if elapsed_s is None or elapsed_s <= 0:
         return FetchRate(estimate, False)
     if completed > 0:
         return FetchRate(completed / elapsed_s, True)
     bound = handed_out / elapsed_s
-    return FetchRate(bound if estimate is None else min(bound, estimate), False)
+    if estimate is None or estimate <= 0:
+        return FetchRate(bound, False)
+    due = None
+    if handed_out > 0:
+        expected = handed_out / estimate  # seconds from the fetch's start
+        if elapsed_s < OVERDUE * expected:
+            due = max(expected - elapsed_s, EXPECTED_MIN_SHARE * expected)
+    return FetchRate(min(bound, estimate), False, due)
