@@ -55,8 +55,10 @@ bench-shared-l3: $(STAMP)
 
 # TTFT of a 2k-token prefix from L3 at bandwidths around this machine's prefill rate:
 # recompute, fetch, the cost model's choice and the overlap (compute the head, load the tail),
-# plus the cost of L3 with no reuse (~6 min on 2 CPU cores); benchmarks/results/l3_overlap.json.
-# ARGS="--redis" puts a real redis-server behind a throttling TCP proxy instead of LMDB.
+# plus the cost of L3 with no reuse (~8 min on 2 CPU cores); benchmarks/results/l3_overlap.json.
+# L3 is a real redis-server behind a throttling TCP proxy; ARGS="--lmdb": LMDB behind
+# storage.throttle. ARGS="--cold": a fresh server per prompt and link, its first request
+# (~5 min; benchmarks/results/l3_cold.json).
 bench-l3-overlap: $(STAMP)
 	$(BIN)/python benchmarks/bench_l3_overlap.py $(ARGS)
 

@@ -36,13 +36,6 @@ from typing import NamedTuple
 # computed beyond the meeting page is lost; large enough that its forward's fixed cost is a
 # small part of it. A 2,048-token hit computes 256 tokens before the first measured split.
 FIRST_SHARE = 1 / 8
-# Before anything arrives, a fetch the cost model has an estimate for is expected to bring
-# what was handed out at the estimate's time: the compute side takes only the pages it
-# computes until then (at least EXPECTED_MIN_SHARE of that time's worth, so a fetch due any
-# moment costs a short chunk, not a forward per page). Past OVERDUE times the estimate,
-# nothing having come, the estimate is not believed: the bound alone sizes the chunk.
-EXPECTED_MIN_SHARE = 0.05
-OVERDUE = 2.0
 
 
 @dataclass(eq=False)
@@ -121,7 +114,9 @@ def fetch_rate(completed: int, handed_out: int, elapsed_s: float | None,
     """The fetch's rate in pages/s: what arrived over the time since it started; before
     anything arrived, at most what was handed out over that time (an upper bound that
     falls the longer nothing comes), and at most the cost model's `estimate` if it has one,
-    by which what was handed out is due (`FetchRate.due_s`) until it is OVERDUE."""
+    by which what was handed out is due (`FetchRate.due_s`). Once it is late, nothing having
+    come, the estimate is not believed (no `due_s`): the compute side is sized by the bound
+    alone, so a late fetch costs chunks as long as before, not a short forward per page."""
     if elapsed_s is None or elapsed_s <= 0:
         return FetchRate(estimate, False)
     if completed > 0:
@@ -129,9 +124,6 @@ def fetch_rate(completed: int, handed_out: int, elapsed_s: float | None,
     bound = handed_out / elapsed_s
     if estimate is None or estimate <= 0:
         return FetchRate(bound, False)
-    due = None
-    if handed_out > 0:
-        expected = handed_out / estimate  # seconds from the fetch's start
-        if elapsed_s < OVERDUE * expected:
-            due = max(expected - elapsed_s, EXPECTED_MIN_SHARE * expected)
+    expected = handed_out / estimate  # seconds from the fetch's start
+    due = expected - elapsed_s if handed_out > 0 and elapsed_s < expected else None
     return FetchRate(min(bound, estimate), False, due)
