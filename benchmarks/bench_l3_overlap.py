@@ -21,7 +21,8 @@ choice of the two, and the overlap (compute the head while the tail loads).
                 fetched tail
 
 The L3 link is a real redis-server behind `benchmarks/throttle_proxy.py` (TCP, the bandwidth
-in each direction, plus a latency per call); `--lmdb` uses LMDB behind `storage.throttle`
+in each direction, plus a latency per call; the proxy runs as a process of its own, so that
+its Python does not hold the engine's GIL); `--lmdb` uses LMDB behind `storage.throttle`
 instead (one shared link for reads and writes). Every answer's token is checked against the
 recomputed one. A last table is the cost of the L3 tier when nothing is reused: unique
 prompts through an engine with L3 (LMDB, unthrottled) against one without, alternating.
@@ -32,6 +33,7 @@ prompts through an engine with L3 (LMDB, unthrottled) against one without, alter
 
     python benchmarks/bench_l3_overlap.py            # ~8 min on 2 CPU cores
     python benchmarks/bench_l3_overlap.py --cold     # ~5 min
+    python benchmarks/bench_l3_overlap.py --cold --unseeded   # no estimates: the race alone
     python benchmarks/bench_l3_overlap.py --quick    # a smoke run
 """
 
@@ -41,7 +43,10 @@ import argparse
 import json
 import platform
 import random
+import select
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -143,12 +148,37 @@ def redis_link(workdir: Path, bandwidth: float | None) -> Iterator[dict[str, Any
     """A real redis-server behind a throttling proxy: the config that reaches it."""
     sys.path.insert(0, str(REPO / "tests"))
     from redis_fixtures import RedisServer
-    from throttle_proxy import ThrottleProxy
     with RedisServer.start(workdir) as redis, \
-            ThrottleProxy("127.0.0.1", int(redis.url.rsplit(":", 1)[1].split("/")[0]),
-                          bandwidth, LATENCY_MS / 1000) as proxy:
-        yield {"storage.backend": "redis",
-               "storage.redis.url": f"redis://127.0.0.1:{proxy.port}/0"}
+            proxy_process(int(redis.url.rsplit(":", 1)[1].split("/")[0]), bandwidth) as port:
+        yield {"storage.backend": "redis", "storage.redis.url": f"redis://127.0.0.1:{port}/0"}
+
+
+PROXY_START_S = 30.0
+
+
+@contextmanager
+def proxy_process(target_port: int, bandwidth: float | None) -> Iterator[int]:
+    """`throttle_proxy.py` in a process of its own (its port): the proxy moves every byte
+    through Python, and in the engine's process it would hold the GIL the engine needs, a
+    cost a network between two machines does not put on the server."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "throttle_proxy.py"),
+           "--target", f"127.0.0.1:{target_port}", "--latency-ms", str(LATENCY_MS)]
+    if bandwidth is not None:
+        cmd += ["--bandwidth-mb-s", str(bandwidth / MB)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], PROXY_START_S)
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("proxying "):
+            raise RuntimeError(f"throttle_proxy.py did not start: {line!r}")
+        yield int(line.split()[1].rsplit(":", 1)[1])
+    finally:
+        proc.send_signal(signal.SIGINT)  # its way to stop: closes every connection
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_bandwidths(args: argparse.Namespace, workdir: Path, balanced: float,
@@ -221,6 +251,9 @@ def cold_start(args: argparse.Namespace, workdir: Path, balanced: float,
     """A fresh server per prompt and link, L1 and L2 empty, the prompt's pages in L3: its
     first request's TTFT over a recompute's (a fresh server without L3, after one throwaway
     prompt: its first-forward costs are not counted against the recompute)."""
+    # --unseeded: no timed warm-up forwards, so the prefill model has no estimate and every
+    # hit is raced from its first share, with nothing but the rates measured in the race
+    unseeded = {"storage.prefill_warmup_s": 0.0} if args.unseeded else {}
     recompute = []
     for p in measured:
         with engine(base_config(workdir / "cold-none", **{"storage.backend": "none"})) as e:
@@ -234,7 +267,7 @@ def cold_start(args: argparse.Namespace, workdir: Path, balanced: float,
             where = workdir / f"cold-{ratio}-{i}"
             with link_config(args, where, bandwidth) as link:
                 populate(base_config(where / "l3", **link), [p])
-                with engine(base_config(where / "l3", **link)) as e:
+                with engine(base_config(where / "l3", **link, **unseeded)) as e:
                     seconds, token, details = ttft(e, p)
             times.append(seconds)
             ok = ok and token == reference[id(p)]
@@ -266,7 +299,10 @@ def link_config(args: argparse.Namespace, workdir: Path,
 
 
 def cold_report(result: dict[str, Any]) -> str:
-    lines = [f"cold start, {result['backend']}: a fresh server per prompt, L1 and L2 empty",
+    seeds = ("the cost model seeded at start" if result.get("seeded", True) else
+             "unseeded: no prefill estimate, every hit raced on measured rates alone")
+    title = f"cold start, {result['backend']}: a fresh server per prompt, L1 and L2 empty"
+    lines = [f"{title}, {seeds}",
              "", ("| link | MB/s | replay / recompute (median) | each | goal | from L3 | "
                   "same tokens |"), "|---|---:|---:|---|---|---|---|"]
     for row in result["cold"]:
@@ -326,6 +362,9 @@ def main() -> int:
                     help="measure only the no-reuse cost; merge it into --out")
     ap.add_argument("--cold", action="store_true",
                     help="only the cold start: a fresh server per prompt and link")
+    ap.add_argument("--unseeded", action="store_true",
+                    help="--cold without the timed warm-up forwards: the race alone, no "
+                         "estimates (benchmarks/results/l3_cold_unseeded.json)")
     ap.add_argument("--lmdb", action="store_true",
                     help="L3 is LMDB behind storage.throttle instead of a real redis-server "
                          "behind the throttling TCP proxy")
@@ -392,10 +431,12 @@ def run_cold(args: argparse.Namespace) -> int:
               "backend": ("LMDB behind storage.throttle" if args.lmdb else
                           "redis-server behind a throttling TCP proxy"),
               "prompt_len": args.prompt_len, "prefill_s": prefill_s,
-              "prompt_bytes": prompt_bytes, "balanced_mb_s": balanced / MB, "cold": cold}
+              "prompt_bytes": prompt_bytes, "balanced_mb_s": balanced / MB,
+              "seeded": not args.unseeded, "cold": cold}
     print()
     print(cold_report(result))
-    out = args.out.with_name("l3_cold.json") if args.out == RESULTS else args.out
+    name = "l3_cold_unseeded.json" if args.unseeded else "l3_cold.json"
+    out = args.out.with_name(name) if args.out == RESULTS else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")

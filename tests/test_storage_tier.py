@@ -244,6 +244,45 @@ def test_best_effort_admits_at_once(tmp_path) -> None:
     stack.storage.close()
 
 
+class CountingSets(Flaky):
+    """Passes every call through and records the keys of each `batch_set`."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner, "none")
+        self.set_keys: list[bytes] = []
+
+    def batch_set(self, keys, host_pool, host_indices):
+        self.set_keys.extend(keys)
+        return self.inner.batch_set(keys, host_pool, host_indices)
+
+
+def test_a_recomputed_hit_backs_up_only_the_pages_l3_lacks(tmp_path) -> None:
+    """L3 holds a prompt's first 8 pages; the cost model recomputes them within a longer
+    prompt: its backup sends only the 4 pages after them (a store that skips a page it
+    has still moves it: Redis SET NX carries the value)."""
+    from hicache.storage.planner import FetchPlan
+
+    counting = CountingSets(lmdb(tmp_path / "db"))
+    stack, dev = make(counting)
+    seq = seq_of(12, 48)
+    compute(stack, dev, seq[:32])
+    assert len(counting.set_keys) == 8
+    flush_l1_l2(stack.tree)
+    stack.storage.planner.plan = lambda hit, prefix: FetchPlan(None, None)  # recompute
+    assert fetch(stack, "again", seq) == 0
+    assert stack.storage.counters.recomputed_hits == 1
+    compute(stack, dev, seq)
+    assert len(counting.set_keys) == 12  # the 4 new pages, not the 8 L3 said it holds
+    assert counting.stats()["pages"] == 12
+    flush_l1_l2(stack.tree)
+    del stack.storage.planner.plan  # the model again
+    stack.storage.planner.cost_model = False  # fetch whatever L3 holds
+    assert fetch(stack, "all", seq) == 48
+    load_and_check(stack.tree, dev, seq)
+    stack.check_integrity()
+    stack.storage.close()
+
+
 def test_clear_empties_l3(tmp_path) -> None:
     stack, dev = make(lmdb(tmp_path / "db"))
     tree = stack.tree

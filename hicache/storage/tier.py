@@ -107,13 +107,21 @@ class StorageTier(HeadRace):
                 chain.append(node)
             node = node.parent
         for n in reversed(chain):
-            hashes = self.node_hashes(n)
-            if self._stored.pop_all(hashes):  # L3 said it holds them (and events said so)
+            hashes, host = self.node_hashes(n), n.host_value
+            # Pages L3 said it holds (a recomputed hit, a raced head; events said so) are
+            # not sent again: a store that skips a page it has still moves it over the link
+            # (Redis SET NX carries the value), beside the fetches a race is waiting for.
+            known = self._stored.pop_known(hashes)
+            if all(known):
                 self.tree.mark_stored(n)
                 continue
+            if any(known):
+                keep = [i for i, k in enumerate(known) if not k]
+                hashes = [hashes[i] for i in keep]
+                host = host.view(-1, self.page_size)[keep].reshape(-1)
             self.tree.protect_host(n)
             self._backups[n.id] = n
-            self.io.backup(n.id, hashes, n.host_value)
+            self.io.backup(n.id, hashes, host)
 
     def _backup_check(self) -> None:
         for ack in self.io.poll_backups():

@@ -43,13 +43,13 @@ class KnownStored:
         while len(self._hashes) > self.capacity:
             del self._hashes[next(iter(self._hashes))]
 
-    def pop_all(self, hashes: list[bytes]) -> bool:
-        """Whether every one of `hashes` is known stored; if so they are forgotten."""
-        if not hashes or any(h not in self._hashes for h in hashes):
-            return False
-        for h in hashes:
-            del self._hashes[h]
-        return True
+    def pop_known(self, hashes: list[bytes]) -> list[bool]:
+        """Per hash, whether it is known stored; the known ones are forgotten."""
+        known = [h in self._hashes for h in hashes]
+        for h, k in zip(hashes, known):
+            if k:
+                del self._hashes[h]
+        return known
 
 
 class Resume(NamedTuple):
