@@ -248,7 +248,10 @@ def _cost_metrics(storage: StorageStats) -> Iterator[Metric]:
             ("storage_estimated_fetch_bytes_per_second", "The cost model's L3 fetch bandwidth",
              e.fetch_bandwidth_bytes_per_s),
             ("storage_estimated_fetch_latency_seconds", "The cost model's L3 fetch latency",
-             e.fetch_latency_s)):
+             e.fetch_latency_s),
+            ("storage_race_time_factor",
+             "Planned races' actual over estimated time (scales a race's estimate)",
+             e.race_time_factor)):
         if value is not None:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
 

@@ -58,7 +58,8 @@ async def test_tiers_shape(client: TestClient) -> None:
     assert decisions <= set(model) and all(model[k] >= 0 for k in decisions)
     assert set(model) - decisions <= {"prefill_tokens_per_s", "fetch_bandwidth_bytes_per_s",
                                       "fetch_latency_s", "prefill_observations",
-                                      "fetch_observations"}
+                                      "fetch_observations", "race_time_factor",
+                                      "race_observations"}
     for tier in shown.values():
         assert set(tier) == FIELDS and all(isinstance(v, int) and v >= 0 for v in tier.values())
         assert tier["used"] <= tier["capacity"]

@@ -216,8 +216,8 @@ def test_the_cost_model_reaches_metrics() -> None:
     until it has an estimate)."""
     decided = StorageCounters(split_prefetches=2, head_tokens=64, recomputed_hit_tokens=128)
     cold = replace(THREE_TIERS, storage=replace(THREE_TIERS.storage, counters=decided))
-    warm = replace(cold, storage=replace(cold.storage,
-                                         estimates=CostEstimates(5000.0, 2e9, 1e-3, 10, 4)))
+    estimates = CostEstimates(5000.0, 2e9, 1e-3, 10, 4, 1.25, 3)
+    warm = replace(cold, storage=replace(cold.storage, estimates=estimates))
     for stats in (cold, warm):
         samples = render(stats)
         assert value(samples, "storage_split_prefetches_total") == 2
@@ -229,6 +229,7 @@ def test_the_cost_model_reaches_metrics() -> None:
     assert value(samples, "estimated_prefill_tokens_per_second") == 5000
     assert value(samples, "storage_estimated_fetch_bytes_per_second") == 2e9
     assert value(samples, "storage_estimated_fetch_latency_seconds") == 1e-3
+    assert value(samples, "storage_race_time_factor") == 1.25
     assert warm.storage.as_dict()["cost_model"]["prefill_observations"] == 10
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.storage.planner import SPLIT_MIN_GAIN, FetchPlanner
+from hicache.storage.planner import RACE_FACTOR_BOUNDS, SPLIT_MIN_GAIN, FetchPlanner
 
 PS, PAGE_BYTES = 16, 1 << 20
 
@@ -73,3 +73,30 @@ def test_estimates_report_what_was_learned() -> None:
     assert e.fetch_bandwidth_bytes_per_s == pytest.approx(5e8, rel=1e-3)
     assert e.fetch_latency_s == pytest.approx(0, abs=1e-6)
     assert (e.prefill_observations, e.fetch_observations) == (4, 4)
+
+
+def test_races_slower_than_planned_make_a_marginal_split_a_whole_fetch() -> None:
+    """Fetching 3x faster than computing, the split gains ~25%: taken while races take their
+    estimate, not once they have taken 1.5x it (a whole fetch beats a race that slow)."""
+    per_token_s = 1e-3
+    planner = warm(FetchPlanner(PS, PAGE_BYTES), per_token_s, 3.0 * PAGE_BYTES / PS / per_token_s)
+    first = planner.plan(100, 0)
+    assert first.race and first.head_pages > 0
+    planner.observe_race(first.split.seconds, first.split.seconds)  # as planned
+    assert planner.plan(100, 0).race
+    planner.observe_race(first.split.seconds, 2.0 * first.split.seconds)
+    assert planner.race_factor == pytest.approx(1.5)
+    plan = planner.plan(100, 0)
+    assert not plan.race and plan.head_pages == 0
+    assert planner.estimates()[-2:] == (pytest.approx(1.5), 2)
+
+
+def test_the_race_factor_starts_at_the_first_race_and_stays_bounded() -> None:
+    planner = FetchPlanner(PS, PAGE_BYTES)
+    planner.observe_race(1.0, 0.8)
+    assert planner.race_factor == pytest.approx(0.8)  # the first race sets it
+    planner.observe_race(1.0, 100.0)
+    assert planner.race_factor == pytest.approx((0.8 + RACE_FACTOR_BOUNDS[1]) / 2)
+    planner.observe_race(0.0, 1.0)  # no estimate: nothing learned
+    planner.observe_race(1.0, 0.0)
+    assert planner.race_observations == 2

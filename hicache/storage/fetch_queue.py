@@ -78,6 +78,7 @@ class PrefetchOp:
     reverse: bool = False                   # fetched back to front (a race, `race.py`)
     race: Any = None                        # the race of a hit split into a computed head
                                             # and a fetched tail (`race.Race`, tier.py)
+    planned_race_s: float | None = None     # the cost model's estimate of that race
     head_node: Any = None                   # the head's last node once computed (tier.py)
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
     completed_pages: int = 0                # (thread) leading pages fetched into L2

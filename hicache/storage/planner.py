@@ -32,6 +32,13 @@ SPLIT_MIN_GAIN = 0.2
 # The prefix length at which /admin/tiers reports the prefill estimate (tokens/s of a
 # prefill of this many tokens from scratch).
 REPORT_PREFILL_TOKENS = 2048
+# A race's estimate is scaled by how long the races planned so far took against their
+# estimates (`observe_race`): a head computed while pages are fetched shares the machine
+# with the fetch (its reads, copies and checksums) and pays a second admission, which the
+# two models, fitted on forwards and fetches alone, do not see. Each race's actual over
+# planned time moves the factor by this weight; the factor stays within the bounds.
+RACE_FACTOR_WEIGHT = 0.5
+RACE_FACTOR_BOUNDS = (0.5, 4.0)
 
 
 class CostEstimates(NamedTuple):
@@ -42,6 +49,8 @@ class CostEstimates(NamedTuple):
     fetch_latency_s: float | None
     prefill_observations: int
     fetch_observations: int
+    race_time_factor: float = 1.0  # planned races' actual over estimated time (running)
+    race_observations: int = 0
 
 
 class FetchPlan(NamedTuple):
@@ -60,6 +69,8 @@ class FetchPlanner:
         self.cold_race = cold_race    # race a hit before the estimates exist (else fetch it)
         self.prefill = PrefillCost()
         self.fetch = FetchCost()
+        self.race_factor = 1.0  # `observe_race`
+        self.race_observations = 0
 
     def plan(self, hit_pages: int, prefix_tokens: int) -> FetchPlan:
         """For an L3 hit of `hit_pages` pages after `prefix_tokens` cached ones."""
@@ -70,7 +81,7 @@ class FetchPlanner:
         best_whole = min(split.fetch_seconds, split.recompute_seconds)
         head = None if split.fetch_seconds > split.recompute_seconds else 0
         if (self.overlap and 0 < split.head_pages < hit_pages
-                and split.seconds <= (1 - SPLIT_MIN_GAIN) * best_whole):
+                and split.seconds * self.race_factor <= (1 - SPLIT_MIN_GAIN) * best_whole):
             return FetchPlan(split.head_pages, split, race=True)
         return FetchPlan(head, split)
 
@@ -92,7 +103,20 @@ class FetchPlanner:
         """A fetch of `pages` pages took `seconds`, first batch start to last batch end."""
         self.fetch.observe(pages * self.page_bytes, seconds)
 
+    def observe_race(self, planned_s: float, actual_s: float) -> None:
+        """A race the model planned to take `planned_s` (its split's estimate) took
+        `actual_s`, from its plan until its head and tail were both in the tree (or, given
+        up, its head was the whole hit)."""
+        if planned_s <= 0 or actual_s <= 0:
+            return
+        low, high = RACE_FACTOR_BOUNDS
+        ratio = min(max(actual_s / planned_s, low), high)
+        w = 1.0 if self.race_observations == 0 else RACE_FACTOR_WEIGHT
+        self.race_factor = (1 - w) * self.race_factor + w * ratio
+        self.race_observations += 1
+
     def estimates(self) -> CostEstimates:
         return CostEstimates(self.prefill.tokens_per_s(0, REPORT_PREFILL_TOKENS),
                              self.fetch.bandwidth_bytes_per_s, self.fetch.latency_s,
-                             self.prefill.observations, self.fetch.observations)
+                             self.prefill.observations, self.fetch.observations,
+                             self.race_factor, self.race_observations)

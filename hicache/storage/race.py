@@ -48,6 +48,8 @@ class Race:
     chunk_from: tuple[int, float] | None = None  # (pages, monotonic s) its current chunk began at
     compute_rate: float | None = None  # pages/s of its last chunk
     final: bool = False                # the head ends at `target`: the tail joins it
+    planned_s: float | None = None     # the cost model's estimate of it (None: unplanned)
+    started_s: float | None = None     # monotonic s of its plan
 
     def start_chunk(self, now: float) -> None:
         """The compute side starts toward `target` (its first admission, or a new target)."""

@@ -249,7 +249,7 @@ class StorageTier(HeadRace):
         op.host_indices, op.state = host, PrefetchState.FETCHING
         if head:
             op.fetch_base, op.reverse = hit - pages, True
-            op.race = Race(hit, head)
+            op.race = Race(hit, head, planned_s=op.planned_race_s, started_s=time.monotonic())
         self.io.fetch(op, floor=head)
         return None
 
@@ -273,6 +273,7 @@ class StorageTier(HeadRace):
         if op.is_restart:
             return 0
         plan = self.planner.plan(hit, op.prefix_tokens)
+        op.planned_race_s = plan.split.seconds if plan.race and plan.split else None
         return first_target(hit, plan.head_pages) if plan.race else plan.head_pages
 
     def _alloc_host(self, pages: int) -> Any:

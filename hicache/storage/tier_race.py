@@ -63,6 +63,7 @@ class HeadRace:
                           self.planner.fetch_pages_per_s(max(1, front - race.computed)))
         target = next_target(race, front, status.can_grow, rate)
         if target >= race.hit_pages:  # nothing came: compute it all
+            self._race_took(op, now)
             self._recomputed(op, race.hit_pages)
             self.terminate(req_id)
             return 0
@@ -114,7 +115,15 @@ class HeadRace:
                                                op.extra_key)
         op.host_indices = op.host_indices[:cut]
         self.counters.prefetched_tokens += len(tokens)
+        self._race_took(op, time.monotonic())
         return inserted
+
+    def _race_took(self, op: PrefetchOp, now: float) -> None:
+        """A race the cost model planned is over at `now`: how long it took against its
+        estimate scales the model's next races (`FetchPlanner.observe_race`)."""
+        race = op.race
+        if race.planned_s is not None and race.started_s is not None:
+            self.planner.observe_race(race.planned_s, now - race.started_s)
 
     def _tail_anchor(self, op: PrefetchOp) -> HiTreeNode | None:
         """The node ending exactly at the head, in L2, for the tail to hang below; None when
