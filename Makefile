@@ -5,8 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ROUTER_VENV  ?= .venv-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
+SGLANG_DIR   ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_DIR)/.installed
 
-.PHONY: test compat install lint serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean
+.PHONY: test compat install lint sglang-api serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 
 install: $(STAMP)
 
-test: $(STAMP) $(ROUTER_STAMP)
+test: $(STAMP) $(ROUTER_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The client software people already run (LiteLLM, lm-eval) against a real server on
@@ -107,6 +109,18 @@ $(ROUTER_STAMP):
 	touch $(ROUTER_STAMP)
 
 router-venv: $(ROUTER_STAMP)
+
+# SGLang's storage interface for tests/test_integration_sglang.py, which tests hicache's SGLang
+# backend against it on the CPU: the wheel alone (--no-deps: its dependencies are a CUDA
+# stack), in a folder of its own that only that test puts on sys.path. Importing `sglang`
+# itself would need them, so the test loads the two modules it uses without the package's
+# __init__ (~40 MB download, ~15 s).
+SGLANG := sglang==0.5.23
+$(SGLANG_STAMP): Makefile | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --upgrade --target $(SGLANG_DIR) $(SGLANG)
+	touch $(SGLANG_STAMP)
+
+sglang-api: $(SGLANG_STAMP)
 
 # Two servers behind a router: sglang-router's round_robin and cache_aware and the
 # KV-event-driven benchmarks/event_router.py, each with private L1+L2 and with a shared Redis

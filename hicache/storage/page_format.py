@@ -19,12 +19,19 @@ The versions differ only in the checksum. A value is served only when bytes 0-31
 those of a readable version and this codec's geometry and dtype, and the payload matches that
 version's checksum: anything else (another model's page under a colliding key, a torn or
 truncated write, flipped bits, a version this code does not know) is a miss, never data.
+
+A payload may arrive in parts (`Payload`: the K and V blocks of a page that lie apart in
+another engine's host pool): the value holds them back to back, and the checksum is that of
+the concatenation, hashed part by part (xxhash's streaming digest equals its one-shot one).
+Another engine's page whose layout is not `[num_layers, 2, page_size, kv_heads, head_dim]`
+(SGLang's MLA latent has one part per layer, not two) states its length (`payload_bytes`):
+the header then describes its geometry and true length, and hicache's own pools refuse it.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -45,7 +52,15 @@ PAYLOAD_CHECKSUMS: dict[int, Checksum] = {
     1: xxhash.xxh64_intdigest,
     2: xxhash.xxh3_64_intdigest,
 }
+# The same checksums fed part by part (a payload in parts), one per version as above.
+PAYLOAD_HASHERS: dict[int, Callable[[], xxhash.xxh64 | xxhash.xxh3_64]] = {
+    1: xxhash.xxh64,
+    2: xxhash.xxh3_64,
+}
 READABLE_VERSIONS = frozenset(PAYLOAD_CHECKSUMS)
+Buffer = memoryview | bytes | bytearray
+# A page's payload: one buffer, or its parts in order (a list or tuple of buffers).
+Payload = Buffer | Sequence[Buffer]
 _FIELDS = struct.Struct("<4sHIIIIBxQ")  # magic .. payload length: compared as bytes
 _CHECKSUM = struct.Struct("<Q")  # at _FIELDS.size
 _HEADER = struct.Struct("<4sHIIIIBxQQ8x")
@@ -75,6 +90,22 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
         raise ValueError(f"unsupported KV dtype {name!r} for storage; allowed: {allowed}")
     return found
+
+
+def payload_parts(payload: Payload) -> tuple[memoryview, ...]:
+    """`payload` as byte views of its parts, in order (one part for a single buffer)."""
+    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+    return tuple(memoryview(part).cast("B") for part in parts)
+
+
+def digest(version: int, parts: Sequence[memoryview]) -> int:
+    """Version `version`'s checksum of the concatenation of `parts`."""
+    if len(parts) == 1:
+        return PAYLOAD_CHECKSUMS[version](parts[0])
+    hasher = PAYLOAD_HASHERS[version]()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
 
 
 def copy_bytes(dst: memoryview | bytearray, src: memoryview | bytes) -> None:
@@ -112,7 +143,8 @@ class PageCodec:
     """Encodes and checks stored pages of one geometry, and moves them to and from a pool.
 
     Values are written in FORMAT_VERSION and read in any of READABLE_VERSIONS, each checked
-    with its own version's checksum.
+    with its own version's checksum. `payload_bytes`: the length of a page of another
+    engine's layout (see the module docstring); None, hicache's `geometry.payload_bytes`.
 
     Threading: immutable; any thread may call any method. Buffers: `check` returns a view
     into the value it was given, valid only as long as that value's memory is (for an LMDB
@@ -120,31 +152,31 @@ class PageCodec:
     and `value_writer` touch only the host page they are given.
     """
 
-    def __init__(self, geometry: PageGeometry) -> None:
+    def __init__(self, geometry: PageGeometry, payload_bytes: int | None = None) -> None:
         dims = (geometry.num_layers, geometry.kv_heads, geometry.head_dim, geometry.page_size)
         if min(dims) < 1:
             raise ValueError(f"page geometry must be all >= 1, got {geometry}")
+        if payload_bytes is not None and payload_bytes < 1:
+            raise ValueError(f"a page payload must be >= 1 byte, got {payload_bytes}")
         self.geometry = PageGeometry(*geometry[:4], dtype_from_name(geometry.dtype))
-        self.payload_bytes = self.geometry.payload_bytes
+        self.payload_bytes = payload_bytes or self.geometry.payload_bytes
         self.value_bytes = HEADER_BYTES + self.payload_bytes
         g = self.geometry
         self._fields = (g.num_layers, g.kv_heads, g.head_dim, g.page_size,
                         DTYPE_CODES[g.dtype], self.payload_bytes)
-        # Bytes 0-31 of every value this codec serves, one per readable version -> the
-        # checksum that version's payloads carry.
-        self._checksum_of: dict[bytes, Checksum] = {
-            _FIELDS.pack(MAGIC, version, *self._fields): digest
-            for version, digest in PAYLOAD_CHECKSUMS.items()}
+        # Bytes 0-31 of every value this codec serves, one per readable version -> that
+        # version (whose checksum its payloads carry).
+        self._version_of: dict[bytes, int] = {
+            _FIELDS.pack(MAGIC, version, *self._fields): version
+            for version in PAYLOAD_CHECKSUMS}
 
-    def header_for(self, payload: memoryview | bytes) -> bytes:
-        """The header (FORMAT_VERSION) of a value holding `payload`, one page of this geometry."""
-        if len(payload) != self.payload_bytes:
-            raise ValueError(f"a page payload of {self.geometry} is {self.payload_bytes} "
-                             f"bytes, got {len(payload)}")
-        checksum = PAYLOAD_CHECKSUMS[FORMAT_VERSION](payload)
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, *self._fields, checksum)
+    def header_for(self, payload: Payload) -> bytes:
+        """The header (FORMAT_VERSION) of a value holding `payload`, one page of this codec."""
+        parts = self._parts_of_a_page(payload)
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, *self._fields,
+                            digest(FORMAT_VERSION, parts))
 
-    def encode_into(self, payload: memoryview | bytes,
+    def encode_into(self, payload: Payload,
                     out: bytearray | memoryview | None = None) -> bytes | memoryview:
         """The stored value of `payload`: header + payload, copying the payload once.
 
@@ -152,36 +184,49 @@ class PageCodec:
         and the copy runs with the GIL released), returning a view of it; without `out`, a
         new bytes.
         """
-        header = self.header_for(payload)
+        parts = self._parts_of_a_page(payload)
+        header = self.header_for(parts)
         if out is None:
-            return b"".join((header, payload))
+            return b"".join((header, *parts))
         value = memoryview(out)
         if len(value) != self.value_bytes:
             raise ValueError(f"a stored value of {self.geometry} is {self.value_bytes} "
                              f"bytes, got a buffer of {len(value)}")
         value[:HEADER_BYTES] = header
-        copy_bytes(value[HEADER_BYTES:], payload)
+        start = HEADER_BYTES
+        for part in parts:
+            copy_bytes(value[start:start + part.nbytes], part)
+            start += part.nbytes
         return value
 
-    def _checksum_for(self, value: memoryview | bytes) -> Checksum | None:
-        """The checksum of `value`'s version when its size and header fields (bytes 0-31)
-        are exactly those of a readable version of this geometry; else None."""
+    def _parts_of_a_page(self, payload: Payload) -> tuple[memoryview, ...]:
+        parts = payload_parts(payload)
+        size = sum(part.nbytes for part in parts)
+        if size != self.payload_bytes:
+            raise ValueError(f"a page payload of {self.geometry} is {self.payload_bytes} "
+                             f"bytes, got {size}")
+        return parts
+
+    def _version_for(self, value: memoryview | bytes) -> int | None:
+        """The version of `value` when its size and header fields (bytes 0-31) are exactly
+        those of a readable version of this codec; else None."""
         if len(value) != self.value_bytes:
             return None
-        return self._checksum_of.get(bytes(memoryview(value)[:_FIELDS.size]))
+        return self._version_of.get(bytes(memoryview(value)[:_FIELDS.size]))
 
     def header_ok(self, value: memoryview | bytes) -> bool:
         """Whether `value` is this codec's size and its header describes this geometry
         exactly, in a readable version."""
-        return self._checksum_for(value) is not None
+        return self._version_for(value) is not None
 
-    def checksum_ok(self, value: memoryview | bytes, payload: memoryview | bytes) -> bool:
-        """Whether `payload` (the value's payload, or a copy of it) matches value's checksum,
-        computed as value's version computes it."""
-        digest = self._checksum_for(value)
-        if digest is None:
+    def checksum_ok(self, value: memoryview | bytes, payload: Payload) -> bool:
+        """Whether `payload` (the value's payload, or a copy of it, maybe in parts) matches
+        value's checksum, computed as value's version computes it."""
+        version = self._version_for(value)
+        if version is None:
             return False
-        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(payload)
+        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(
+            version, payload_parts(payload))
 
     def check(self, value: memoryview | bytes) -> memoryview | None:
         """The payload (a view of `value`) when the header and checksum match, else None.
@@ -193,8 +238,27 @@ class PageCodec:
         payload = memoryview(value)[HEADER_BYTES:]
         return payload if self.checksum_ok(value, payload) else None
 
+    def copy_into(self, value: memoryview | bytes, parts: Payload) -> bool:
+        """Copy `value`'s payload into `parts` (writable buffers, in order, `payload_bytes`
+        in all) and check it there; False, without copying, when the header is not this
+        codec's. The stored value is read once (for LMDB: the mapped file) and what is
+        checked is exactly what the parts received. After False they hold undefined bytes.
+        """
+        version = self._version_for(value)
+        if version is None:
+            return False
+        dst = self._parts_of_a_page(parts)
+        src, start = memoryview(value), HEADER_BYTES
+        for part in dst:
+            copy_bytes(part, src[start:start + part.nbytes])
+            start += part.nbytes
+        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(version, dst)
+
     def check_pool(self, pool: HostKVPool) -> None:
         """ValueError unless `pool` holds pages of exactly this geometry and dtype."""
+        if self.payload_bytes != self.geometry.payload_bytes:
+            raise ValueError(f"this codec's pages ({self.payload_bytes} bytes) are not "
+                             f"hicache's layout of {tuple(self.geometry)}: no host pool holds them")
         have = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.page_size, pool.dtype)
         if have != tuple(self.geometry):
             raise ValueError(f"host pool geometry {have} does not match the stored pages' "
@@ -209,11 +273,9 @@ class PageCodec:
     def value_writer(self, pool: HostKVPool) -> Callable[[memoryview | bytes, int], bool]:
         """(stored value, page id) -> copy its payload into the page; False when it is bad.
 
-        The payload is copied first (once, with the GIL released: `copy_bytes`) and its
-        checksum verified on the copy, while it is hot in the CPU cache: the stored value is
-        read once (for LMDB: the mapped file), and what is checked is exactly what the host
-        page received. After False the page holds undefined bytes. layer_first pages go
-        through a scratch page (not thread-safe: one writer per thread).
+        As `copy_into`: copied first, checked on the copy. After False the page holds
+        undefined bytes. layer_first pages go through a scratch page (not thread-safe: one
+        writer per thread).
         """
         if pool.layout == PAGE_FIRST:
             # [num_pages, page_bytes], the pool's memory: a page's view in ~0.2 us, where
@@ -223,20 +285,13 @@ class PageCodec:
             def copy_page_first(value: memoryview | bytes, page: int) -> bool:
                 if not 0 <= page < pool.num_pages:  # numpy would wrap a negative id
                     raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
-                if not self.header_ok(value):
-                    return False
-                dst = pages[page]
-                copy_bytes(dst, memoryview(value)[HEADER_BYTES:])
-                return self.checksum_ok(value, dst)
+                return self.copy_into(value, pages[page])
             return copy_page_first
         scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
         scratch_bytes = memoryview(scratch.view(-1).view(torch.uint8).numpy())
 
         def copy_layer_first(value: memoryview | bytes, page: int) -> bool:
-            if not self.header_ok(value):
-                return False
-            copy_bytes(scratch_bytes, memoryview(value)[HEADER_BYTES:])
-            if not self.checksum_ok(value, scratch_bytes):
+            if not self.copy_into(value, scratch_bytes):
                 return False
             pool.set_page(page, scratch)
             return True

@@ -66,11 +66,11 @@ def create_backend(name: str, config: Mapping[str, Any] | Any,
 
 # Keys of an `lmdb` section: `LmdbConfig`'s, plus `sync` for callers that want no
 # fdatasync per commit (benchmarks, throwaway caches).
-_LMDB_KEYS = ("path", "max_size_gb", "sync")
+LMDB_KEYS = ("path", "max_size_gb", "sync")
 
 
 def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:
-    check_section_keys(LmdbConfig.SECTION, config, _LMDB_KEYS)
+    check_section_keys(LmdbConfig.SECTION, config, LMDB_KEYS)
     defaults = LmdbConfig()
     section = LmdbConfig(path=config.get("path", defaults.path),
                          max_size_gb=config.get("max_size_gb", defaults.max_size_gb))

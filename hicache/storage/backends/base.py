@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 
 from hicache.memory.device import pages_of
 from hicache.memory.host import HostKVPool
-from hicache.storage.page_format import PageCodec
+from hicache.storage.page_format import PageCodec, Payload
 
 # Keys every backend's `stats()` returns (ints; a backend may add its own).
 STAT_PAGES = "pages"                  # pages stored now
@@ -119,6 +119,51 @@ class StorageBackend(ABC):
         or changing anything (a page of another model or a damaged one is only read): the
         bytes read. The default reads nothing."""
         return 0
+
+
+# (index of the key in the call, its stored value) -> whether the value was good. Called inside
+# the read, so the value may be a view valid only during the call (an LMDB map).
+ValueTaker = Callable[[int, memoryview | bytes], bool]
+# index of the key in the call -> the payload to store under it (`page_format.Payload`).
+PayloadSource = Callable[[int], Payload]
+
+
+class ValueStore(StorageBackend):
+    """A `StorageBackend` that stores its codec's values (`page_format`) by key: LMDB, Redis
+    and both tiered. Its bytes-level entry points serve pages that no `HostKVPool` holds
+    (another engine's host pool: `hicache.integrations.sglang`):
+
+        get_values(keys, take)        take(i, value) per stored value of keys[i]: True when
+                                      it was good (a hit); False is corrupt: deleted, counted
+        put_values(keys, payload_of)  payload_of(i) per key not stored yet, encoded by the
+                                      codec; True per page stored now or already present
+
+    Same threads, faults and counters as the pool-level calls, which are these two over a
+    pool (`batch_get`, `batch_set` below): a value is handed to `take` only once its size
+    and header may be this codec's, and `take` must check it (`PageCodec.copy_into` does).
+    """
+
+    codec: PageCodec
+
+    @abstractmethod
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
+        """`take` each stored value of `keys`; True per key whose value `take` accepted."""
+
+    @abstractmethod
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
+        """Store `payload_of(i)` under `keys[i]`; True per page stored now or already present."""
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        pages = check_batch(self.codec, keys, host_pool, host_indices)
+        copy_in = self.codec.value_writer(host_pool)
+        return self.get_values(keys, lambda i, value: copy_in(value, pages[i]))
+
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
+                  host_indices: torch.Tensor) -> list[bool]:
+        pages = check_batch(self.codec, keys, host_pool, host_indices)
+        read_page = self.codec.payload_reader(host_pool)
+        return self.put_values(keys, lambda i: read_page(pages[i]))
 
 
 def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,

@@ -11,7 +11,8 @@ not writable (`writemap=False`): with a writable map, processes growing the map 
 time were seen to corrupt the file (a two-process test failed about one run in six), and a
 store into a sparse file on a full disk would be SIGBUS instead of an error.
 
-This module holds the `StorageBackend` operations, each a body run in one transaction. The
+This module holds the `ValueStore` operations (`batch_get` and `batch_set` are its
+`get_values` and `put_values` over a host pool), each a body run in one transaction. The
 environment under them is `LmdbEnvironment` (`lmdb_env`), which `LmdbStore` extends and whose
 constructor it takes: opening the environment and moving a damaged file aside, transactions
 retried for the map size and a full disk, size accounting, LRU eviction, the durability of
@@ -25,8 +26,8 @@ threads may call `batch_get` at once (into disjoint host pages), each in its own
 transaction, and their copies and checksums run with the GIL released (`page_format`).
 
 Buffers: reads use `buffers=True`: a value is a view of the mapped file, valid only until its
-transaction ends, so it is copied into the host page inside the transaction, once, straight
-from the map.
+transaction ends, so it is copied into the host page (or handed to `get_values`' taker) inside
+the transaction, once, straight from the map.
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lmdb
-import torch
 
-from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import (
     STAT_BYTES,
     STAT_CAPACITY,
@@ -49,8 +48,9 @@ from hicache.storage.backends.base import (
     STAT_PAGES,
     STAT_SKIPPED,
     STAT_WRITTEN,
-    StorageBackend,
-    check_batch,
+    PayloadSource,
+    ValueStore,
+    ValueTaker,
 )
 from hicache.storage.backends.lmdb_env import MIN_MAP_BYTES, LmdbEnvironment
 from hicache.storage.backends.lmdb_stamps import STAMP
@@ -58,14 +58,14 @@ from hicache.storage.backends.lmdb_stamps import STAMP
 __all__ = ["MIN_MAP_BYTES", "LmdbStore"]
 
 
-class LmdbStore(LmdbEnvironment, StorageBackend):
-    """`StorageBackend` over one LMDB environment (see the module docstring).
+class LmdbStore(LmdbEnvironment, ValueStore):
+    """`ValueStore` over one LMDB environment (see the module docstring).
 
     `LmdbStore(path, max_size_bytes, codec, *, sync=True, initial_map_bytes=...)`: the
     constructor is `LmdbEnvironment`'s.
     """
 
-    # ------------------------------------------------------------------ StorageBackend
+    # ------------------------------------------------------------------ ValueStore
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         found = [0]
@@ -80,19 +80,16 @@ class LmdbStore(LmdbEnvironment, StorageBackend):
         self._guard("batch_exists", None, lambda: self._txn(False, body))
         return found[0]
 
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
         served = [False] * len(keys)
         corrupt: list[bytes] = []
-        copy_in = self.codec.value_writer(host_pool)
 
         def body(txn: lmdb.Transaction) -> None:
-            for i, (key, page) in enumerate(zip(keys, pages)):
+            for i, key in enumerate(keys):
                 value = txn.get(key, db=self._pages)
                 if value is None:
                     continue
-                if copy_in(value, page):
+                if take(i, value):
                     served[i] = True
                 else:
                     corrupt.append(bytes(key))
@@ -109,10 +106,7 @@ class LmdbStore(LmdbEnvironment, StorageBackend):
             self._guard("touch", None, self._flush_stamps)
         return served
 
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
-        read_page = self.codec.payload_reader(host_pool)
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
         stamps = self._stamps.take()
         # One value at a time is encoded here and copied by `put` into LMDB's own pages, so
         # one buffer serves the whole batch: no allocation (and page faults) per page.
@@ -122,12 +116,11 @@ class LmdbStore(LmdbEnvironment, StorageBackend):
             self._put_stamps(txn, stamps.items())
             stamp = STAMP.pack(time.time_ns())
             written = 0
-            for key, page in zip(keys, pages):
+            for i, key in enumerate(keys):
                 # Looked up before encoding: a page stored already costs one B-tree lookup,
                 # not a checksum and a copy of the page that `put(overwrite=False)` drops.
                 if txn.get(key, db=self._pages) is None:
-                    value = self.codec.encode_into(read_page(page), scratch)
-                    txn.put(key, value, db=self._pages)
+                    txn.put(key, self.codec.encode_into(payload_of(i), scratch), db=self._pages)
                     written += 1
                 txn.put(key, stamp, db=self._atime)
             return written

@@ -6,8 +6,8 @@
 Every batch is one round trip per server (a Cluster pipeline groups commands by node):
 
     batch_exists  pipeline of EXISTS          consecutive hits from keys[0]
-    batch_get     pipeline of GET             checked, copied into the host pages
-    batch_set     pipeline of SET NX [EX ttl] first writer wins; present counts as stored
+    get_values    pipeline of GET             checked, copied into the host pages (batch_get)
+    put_values    pipeline of SET NX [EX ttl] first writer wins; present counts as stored
 
 A batch whose values exceed `PIPELINE_MAX_BYTES` is split into rounds of that size, so
 neither this process nor the server buffers gigabytes for one call.
@@ -36,11 +36,9 @@ from functools import partial
 from typing import Any
 
 import redis
-import torch
 from redis.cluster import RedisCluster
 
 from hicache.config import RedisConfig
-from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import (
     STAT_BYTES,
     STAT_CAPACITY,
@@ -55,8 +53,9 @@ from hicache.storage.backends.base import (
     STAT_WRITTEN,
     Counters,
     FaultLog,
-    StorageBackend,
-    check_batch,
+    PayloadSource,
+    ValueStore,
+    ValueTaker,
     check_section_keys,
 )
 from hicache.storage.backends.redis_client import (
@@ -87,8 +86,8 @@ HASH_HEX_DIGITS = 2 * DIGEST_BYTES  # a page hash in hex
 _SERVER_STATS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_EVICTED)
 
 
-class RedisStore(RedisClient, StorageBackend):
-    """`StorageBackend` over Redis or a Redis Cluster (see the module docstring).
+class RedisStore(RedisClient, ValueStore):
+    """`ValueStore` over Redis or a Redis Cluster (see the module docstring).
 
     `url`: redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path (not for a
     cluster, whose db is always 0). The client connects lazily: a Redis that is down when
@@ -115,7 +114,7 @@ class RedisStore(RedisClient, StorageBackend):
         logger.info("Redis L3 at %s (cluster=%s, key_prefix=%r, ttl_seconds=%s)", self.url,
                     cluster, key_prefix, ttl_seconds)
 
-    # ------------------------------------------------------------------ StorageBackend
+    # ------------------------------------------------------------------ ValueStore
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         def body(client: Client) -> int:
@@ -125,12 +124,9 @@ class RedisStore(RedisClient, StorageBackend):
 
         return self._call("batch_exists", READ, 0, body) if keys else 0
 
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
         served = [False] * len(keys)
         corrupt: list[str] = []
-        copy_in = self.codec.value_writer(host_pool)
 
         def body(client: Client) -> None:
             for start, names in self._rounds(keys):
@@ -139,7 +135,7 @@ class RedisStore(RedisClient, StorageBackend):
                 for i, (name, value) in enumerate(zip(names, values), start):
                     if value is None:
                         continue
-                    if copy_in(value, pages[i]):
+                    if take(i, value):
                         served[i] = True
                     else:
                         corrupt.append(name)
@@ -154,15 +150,12 @@ class RedisStore(RedisClient, StorageBackend):
             self._call("delete_corrupt", READ, 0, lambda client: self._unlink(client, corrupt))
         return served
 
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
-                  host_indices: torch.Tensor) -> list[bool]:
-        pages = check_batch(self.codec, keys, host_pool, host_indices)
-        read_page = self.codec.payload_reader(host_pool)
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
         stored = [False] * len(keys)
 
         def queue_sets(pipe: Any, start: int, names: list[str]) -> None:
             for i, name in enumerate(names, start):
-                pipe.set(name, self.codec.encode_into(read_page(pages[i])), nx=True,
+                pipe.set(name, self.codec.encode_into(payload_of(i)), nx=True,
                          ex=self.ttl_seconds)
 
         def body(client: Client) -> None:

@@ -5,6 +5,8 @@
                   call (one pipeline for Redis); shared hits are written into the local store,
                   so the next read of them is local
     batch_set     local, then shared (SET NX for Redis); True per page either part holds
+    get_values,   the same at the bytes level (`ValueStore`); a shared hit is promoted from
+    put_values    the value it was read from (a copy: the taker may have been handed a view)
     delete        both parts: a deleted page must not come back through the shared store
     clear         the local part only: the shared store is every server's (docs/redis.md)
 
@@ -45,8 +47,11 @@ from hicache.storage.backends.base import (
     STAT_SKIPPED,
     STAT_WRITTEN,
     Counters,
-    StorageBackend,
+    PayloadSource,
+    ValueStore,
+    ValueTaker,
 )
+from hicache.storage.page_format import HEADER_BYTES
 
 LOCAL, SHARED = TIERED_PARTS  # "lmdb", "redis": config sections, and keys in `stats()`
 STAT_PROMOTED = "promoted_pages"  # pages served by the shared part and written locally
@@ -56,13 +61,14 @@ _LOCAL_STATS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_EVICTED, STAT_WRITTE
 _SUMMED_STATS = (STAT_CORRUPT, STAT_ERRORS)
 
 
-class TieredStore(StorageBackend):
-    """`StorageBackend` over a local store (an `LmdbStore`) in front of a shared one (a
+class TieredStore(ValueStore):
+    """`ValueStore` over a local store (an `LmdbStore`) in front of a shared one (a
     `RedisStore`) of the same page geometry (see the module docstring). Owns both: `close`
     closes them."""
 
-    def __init__(self, local: StorageBackend, shared: StorageBackend) -> None:
+    def __init__(self, local: ValueStore, shared: ValueStore) -> None:
         self.local, self.shared = local, shared
+        self.codec = local.codec
         self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_PROMOTED))
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
@@ -93,6 +99,36 @@ class TieredStore(StorageBackend):
                   host_indices: torch.Tensor) -> list[bool]:
         local = self.local.batch_set(keys, host_pool, host_indices)
         shared = self.shared.batch_set(keys, host_pool, host_indices)
+        return [a or b for a, b in zip(local, shared)]
+
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
+        served = self.local.get_values(keys, take)
+        missed = [i for i, ok in enumerate(served) if not ok]
+        if missed:
+            promoted: dict[int, bytes] = {}  # index in missed -> the shared value taken
+
+            def take_shared(j: int, value: memoryview | bytes) -> bool:
+                if not take(missed[j], value):
+                    return False
+                promoted[j] = bytes(value)
+                return True
+
+            self.shared.get_values([keys[i] for i in missed], take_shared)
+            for j in promoted:
+                served[missed[j]] = True
+            if promoted:
+                order = sorted(promoted)
+                stored = self.local.put_values(
+                    [keys[missed[j]] for j in order],
+                    lambda k: memoryview(promoted[order[k]])[HEADER_BYTES:])
+                self._counts.add(STAT_PROMOTED, sum(stored))
+        self._counts.add(STAT_HITS, sum(served))
+        self._counts.add(STAT_MISSES, len(keys) - sum(served))
+        return served
+
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
+        local = self.local.put_values(keys, payload_of)
+        shared = self.shared.put_values(keys, payload_of)
         return [a or b for a, b in zip(local, shared)]
 
     def delete(self, keys: Sequence[bytes]) -> int:

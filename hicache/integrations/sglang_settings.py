@@ -1,0 +1,121 @@
+"""What `HiCacheStore` reads from SGLang: its extra config (validated) and the namespace its
+keys live in. Imports no SGLang: plain values in, plain values out.
+
+SGLang's `--hicache-storage-backend-extra-config` JSON reaches the backend whole: SGLang's own
+keys (`SGLANG_KEYS`: which class to load, `interface_v1`, ...) beside hicache's::
+
+    backend     "lmdb" (default) | "redis" | "lmdb+redis"
+    lmdb        {"path", "max_size_gb", "sync"}    hicache's storage.lmdb section
+    redis       {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
+    namespace   a salt: servers with different salts never share pages
+
+Keys: SGLang's page hash (a string that already chains the whole prefix) under a namespace
+digest, `xxh3_128(root + hash)`, 16 bytes like hicache's own page keys, so every store works
+unchanged. The root covers all that makes two servers' bytes for one hash differ: the model
+(SGLang's name, tagged with its pool's page format), the shard (tp rank and size, except for
+MLA, whose KV every rank holds whole; pp, attention cp and dcp ranks), the host pool's class,
+layout, dtype, page size and page bytes, and the salt. A page of another geometry is never
+asked for, and if a colliding value were, its header would refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from hicache.config import TIERED_BACKEND, TIERED_PARTS, ConfigError
+from hicache.storage.backends import LMDB_KEYS
+from hicache.storage.backends.base import check_section_keys
+from hicache.storage.backends.redis_store import REDIS_KEYS
+
+CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+# Keys SGLang itself reads from the extra config (its factory, its controller); they pass.
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys")
+HICACHE_KEYS = ("backend", "namespace", *TIERED_PARTS)
+BACKENDS = ("lmdb", "redis", TIERED_BACKEND)
+# What each backend reads: its parts' sections (the tiered one reads both).
+_PARTS = {"lmdb": ("lmdb",), "redis": ("redis",), TIERED_BACKEND: TIERED_PARTS}
+_SECTION_KEYS = {"lmdb": LMDB_KEYS, "redis": REDIS_KEYS}
+# Defaults apart from a hicache server's own L3, so the two never share a capacity or a clear.
+DEFAULT_SECTIONS = {"lmdb": {"path": "~/.cache/hicache/sglang"},
+                    "redis": {"key_prefix": "hicache-sglang:"}}
+NAMESPACE_SEED = b"hicache/sglang/v1"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """hicache's part of the extra config, validated: which store, its sections, the salt."""
+
+    backend: str = "lmdb"
+    sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    namespace: str = ""
+    interface_v1: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StoreSettings:
+        """ValueError naming the key and what is allowed, for anything hicache cannot use."""
+        extra = dict(extra or {})
+        check_section_keys(CONFIG_FLAG, extra, (*SGLANG_KEYS, *HICACHE_KEYS))
+        backend = extra.get("backend", cls.backend)
+        if backend not in BACKENDS:
+            raise ValueError(f"{CONFIG_FLAG}: backend {backend!r} is not one of "
+                             f"{', '.join(BACKENDS)}")
+        namespace = extra.get("namespace", "")
+        if not isinstance(namespace, str):
+            raise ConfigError(f"{CONFIG_FLAG} namespace", f"must be a string, got {namespace!r}")
+        sections = {part: _section(extra, part) for part in _PARTS[backend]}
+        unused = sorted(set(TIERED_PARTS) - set(sections) & set(extra))
+        if unused:
+            raise ValueError(f"{CONFIG_FLAG}: section(s) {', '.join(unused)} given, but "
+                             f"backend {backend!r} reads only {', '.join(sections)}")
+        return cls(backend, sections, namespace, bool(extra.get("interface_v1", 0)))
+
+    def backend_config(self) -> Mapping[str, Any]:
+        """What `create_backend(self.backend, ...)` takes: the section, or both parts'."""
+        if self.backend == TIERED_BACKEND:
+            return dict(self.sections)
+        return self.sections[self.backend]
+
+
+def _section(extra: Mapping[str, Any], part: str) -> dict[str, Any]:
+    given = extra.get(part, {})
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{CONFIG_FLAG} {part}", f"must be an object of "
+                          f"{', '.join(_SECTION_KEYS[part])}, got {given!r}")
+    check_section_keys(f"{CONFIG_FLAG} {part}", given, _SECTION_KEYS[part])
+    return {**DEFAULT_SECTIONS[part], **given}
+
+
+def page_namespace(storage_config: Any, pool_format: Mapping[str, Any],
+                   salt: str) -> dict[str, Any]:
+    """The namespace of one server's pages: its shard (from SGLang's HiCacheStorageConfig),
+    its host pool's page format (`sglang_pages.pool_format`) and the salt."""
+    c = storage_config
+    return {
+        "model": c.model_name or "",
+        "mla": bool(c.is_mla_model),
+        # MLA's KV is whole on every tp rank: one copy serves them all (and any tp size).
+        "tp": None if c.is_mla_model else [c.tp_rank, c.tp_size],
+        "pp": [c.pp_rank, c.pp_size],
+        "attn_cp": [c.attn_cp_rank, c.attn_cp_size],
+        "dcp": [getattr(c, "dcp_rank", 0), getattr(c, "dcp_size", 1)],
+        "pool": dict(pool_format),
+        "salt": salt,
+    }
+
+
+def namespace_root(namespace: Mapping[str, Any]) -> bytes:
+    """The 16-byte root of a namespace's keys (canonical JSON, as hicache's page hash)."""
+    canonical = json.dumps(namespace, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_digest(NAMESPACE_SEED + canonical.encode())
+
+
+def store_key(root: bytes, page_hash: str) -> bytes:
+    """The stored key of SGLang's page hash `page_hash` under `root`."""
+    return xxhash.xxh3_128_digest(root + page_hash.encode())
