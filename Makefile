@@ -8,7 +8,7 @@ ROUTER_STAMP := $(ROUTER_VENV)/.installed
 SGLANG_DIR   ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_DIR)/.installed
 
-.PHONY: test compat install lint sglang-api serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean
+.PHONY: test compat install lint sglang-api serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean test-integrations
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,19 @@ $(VLLM_STAMP):
 # hicache (no cache, L1, L1+L2) against vLLM (prefix caching on and off): the same model,
 # dtype, KV tokens and limits; calibration and multi-turn tables, benchmarks/results/vs_vllm.json.
 # e.g. `make bench-vs-vllm ARGS="--quick"` (a smoke test) or ARGS="--only hicache".
+# hicache inside vLLM's venv, for its KV connector (hicache.integrations.vllm): the package
+# without its dependencies (vLLM brings torch), and the stores' clients.
+VLLM_HICACHE := $(VLLM_VENV)/.hicache-installed
+$(VLLM_HICACHE): pyproject.toml $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q lmdb xxhash redis
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $(VLLM_HICACHE)
+
+# vLLM's CPU build with HiCacheConnector inside (tests/integrations/): restart replay from
+# L3, a corrupted page recomputed, two servers over one Redis (~6 min once installed).
+test-integrations: $(STAMP) $(VLLM_HICACHE)
+	$(BIN)/python -m pytest -q -m integrations tests/integrations
+
 bench-vs-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 

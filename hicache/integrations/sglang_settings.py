@@ -27,10 +27,9 @@ from typing import Any
 
 import xxhash
 
-from hicache.config import TIERED_BACKEND, TIERED_PARTS, ConfigError
-from hicache.storage.backends import LMDB_KEYS
+from hicache.config import TIERED_PARTS, ConfigError
+from hicache.integrations.store_sections import STORES, backend_config, store_sections
 from hicache.storage.backends.base import check_section_keys
-from hicache.storage.backends.redis_store import REDIS_KEYS
 
 CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 # Keys SGLang itself reads from the extra config (its factory, its controller); they pass.
@@ -38,10 +37,7 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_
                "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                "hicache_storage_pass_prefix_keys")
 HICACHE_KEYS = ("backend", "namespace", *TIERED_PARTS)
-BACKENDS = ("lmdb", "redis", TIERED_BACKEND)
-# What each backend reads: its parts' sections (the tiered one reads both).
-_PARTS = {"lmdb": ("lmdb",), "redis": ("redis",), TIERED_BACKEND: TIERED_PARTS}
-_SECTION_KEYS = {"lmdb": LMDB_KEYS, "redis": REDIS_KEYS}
+BACKENDS = STORES
 # Defaults apart from a hicache server's own L3, so the two never share a capacity or a clear.
 DEFAULT_SECTIONS = {"lmdb": {"path": "~/.cache/hicache/sglang"},
                     "redis": {"key_prefix": "hicache-sglang:"}}
@@ -69,27 +65,12 @@ class StoreSettings:
         namespace = extra.get("namespace", "")
         if not isinstance(namespace, str):
             raise ConfigError(f"{CONFIG_FLAG} namespace", f"must be a string, got {namespace!r}")
-        sections = {part: _section(extra, part) for part in _PARTS[backend]}
-        unused = sorted(set(TIERED_PARTS) - set(sections) & set(extra))
-        if unused:
-            raise ValueError(f"{CONFIG_FLAG}: section(s) {', '.join(unused)} given, but "
-                             f"backend {backend!r} reads only {', '.join(sections)}")
+        sections = store_sections(CONFIG_FLAG, extra, backend, DEFAULT_SECTIONS)
         return cls(backend, sections, namespace, bool(extra.get("interface_v1", 0)))
 
     def backend_config(self) -> Mapping[str, Any]:
         """What `create_backend(self.backend, ...)` takes: the section, or both parts'."""
-        if self.backend == TIERED_BACKEND:
-            return dict(self.sections)
-        return self.sections[self.backend]
-
-
-def _section(extra: Mapping[str, Any], part: str) -> dict[str, Any]:
-    given = extra.get(part, {})
-    if not isinstance(given, Mapping):
-        raise ConfigError(f"{CONFIG_FLAG} {part}", f"must be an object of "
-                          f"{', '.join(_SECTION_KEYS[part])}, got {given!r}")
-    check_section_keys(f"{CONFIG_FLAG} {part}", given, _SECTION_KEYS[part])
-    return {**DEFAULT_SECTIONS[part], **given}
+        return backend_config(self.backend, self.sections)
 
 
 def page_namespace(storage_config: Any, pool_format: Mapping[str, Any],

@@ -1,0 +1,50 @@
+"""The store part of an engine's extra config, for every integration: which of hicache's L3
+stores (`lmdb`, `redis`, `lmdb+redis`) and its sections, validated, with the integration's
+own defaults (its own LMDB path and Redis key prefix, apart from a hicache server's L3).
+Imports no engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hicache.config import TIERED_BACKEND, TIERED_PARTS, ConfigError
+from hicache.storage.backends import LMDB_KEYS
+from hicache.storage.backends.base import check_section_keys
+from hicache.storage.backends.redis_store import REDIS_KEYS
+
+STORES = ("lmdb", "redis", TIERED_BACKEND)
+# What each store reads: its parts' sections (the tiered one reads both).
+PARTS = {"lmdb": ("lmdb",), "redis": ("redis",), TIERED_BACKEND: TIERED_PARTS}
+SECTION_KEYS = {"lmdb": LMDB_KEYS, "redis": REDIS_KEYS}
+
+Sections = Mapping[str, Mapping[str, Any]]
+
+
+def store_sections(where: str, extra: Mapping[str, Any], store: str,
+                   defaults: Sections) -> dict[str, dict[str, Any]]:
+    """The sections `store` reads from `extra` over `defaults`; ConfigError naming `where`
+    and the key for a section that is not an object, an unknown key, or a section given
+    that `store` does not read."""
+    sections = {part: _section(where, extra, part, defaults) for part in PARTS.get(store, ())}
+    unused = sorted(set(TIERED_PARTS) - set(sections) & set(extra))
+    if unused:
+        raise ConfigError(f"{where} {', '.join(unused)}",
+                          f"given, but the store {store!r} reads only "
+                          f"{', '.join(sections) or 'none'}")
+    return sections
+
+
+def backend_config(store: str, sections: Sections) -> Mapping[str, Any]:
+    """What `create_backend(store, ...)` takes: its section, or both parts' (tiered)."""
+    return dict(sections) if store == TIERED_BACKEND else sections[store]
+
+
+def _section(where: str, extra: Mapping[str, Any], part: str,
+             defaults: Sections) -> dict[str, Any]:
+    given = extra.get(part, {})
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{where} {part}", f"must be an object of "
+                          f"{', '.join(SECTION_KEYS[part])}, got {given!r}")
+    check_section_keys(f"{where} {part}", given, SECTION_KEYS[part])
+    return {**defaults.get(part, {}), **given}

@@ -1,0 +1,184 @@
+"""`HiCacheConnector`: hicache's L2 (host memory) and L3 (LMDB, Redis, both tiered) behind vLLM,
+as a v1 KV connector loaded by module path, with no vLLM change::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host_size_gb": 4, "storage_backend": "lmdb"}}'
+
+A page is one vLLM block of every layer, keyed by hicache's page hash of the block's tokens
+(chained from the first block) under a namespace of the model, its KV geometry and layout, the
+platform and the salt (`vllm_settings`). vLLM builds the connector twice: once beside its
+scheduler, once in each worker; they may be different processes and share nothing but the
+metadata the scheduler sends each step.
+
+    scheduler side                              worker side
+    get_num_new_matched_tokens: the leading     start_load_kv: L2 slots and L3 pages into
+      blocks in L2 (its own index of the          the request's blocks, before the forward;
+      worker's slots) or in L3 (batch_exists)     a page L3 cannot give (missing, failed
+    update_state_after_alloc: the load plan       checksum, store down) is reported through
+    build_connector_meta: loads; saves of         get_block_ids_with_load_errors: vLLM
+      every block this step fills, each to an     recomputes it (kv_load_failure_policy
+      L2 slot (least recently used evicted)       "recompute"), never serves it
+    request_finished: forget the request        wait_for_save: the step's filled blocks
+      (saves end within their step: no block      copied into their L2 slots, then queued
+      is held past it)                            for L3 (a writer thread, from a copy)
+
+Loads are synchronous: `start_load_kv` returns with every page in place, so
+`wait_for_layer_load` has nothing to wait for, and `get_num_new_matched_tokens` never asks
+vLLM to wait. Saves are copies into host memory at the end of the step; the L3 write runs
+beside the next steps. The scheduler's index of L2 follows the slots it assigns, so both sides
+agree without talking: a slot is reassigned only by a later step's save, after this step's
+loads have read it.
+
+Imports vLLM: load this module only inside vLLM (hicache itself never imports it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
+from hicache.integrations.vllm_settings import (
+    BlockGeometry,
+    ConnectorSettings,
+    ConnectorSpace,
+    namespace_fingerprint,
+)
+from hicache.integrations.vllm_worker import ConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["HiCacheConnector", "HiCacheMetadata"]
+
+logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
+
+@dataclass
+class HiCacheMetadata(KVConnectorMetadata):
+    """What the scheduler side sends the workers each step."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """hicache's tiers as a vLLM v1 KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        geometry = _geometry(vllm_config, kv_cache_config)
+        self.space = ConnectorSpace(settings, geometry,
+                                    _fingerprint(vllm_config, geometry, settings.namespace))
+        self._scheduler = (ConnectorScheduler(self.space)
+                           if role == KVConnectorRole.SCHEDULER else None)
+        self._worker = None if self._scheduler else ConnectorWorker(self.space, _tp_rank())
+        logger.info("hicache connector (%s): L2 %d pages of %d bytes, L3 %s", role.name,
+                    self.space.slots, geometry.page_bytes, settings.backend)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return HiCacheMetadata(self._scheduler.step(scheduler_output))
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheMetadata)
+        self._worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv has loaded every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save copies the step's blocks, every layer at once
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheMetadata)
+        self._worker.save(meta.plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        self.space.close_store()
+
+    def stats(self) -> dict[str, int]:
+        """This side's counters (hits by tier and tokens; saves, L3 writes, load errors)."""
+        side = self._scheduler or self._worker
+        return dict(side.counters)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    try:
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, AttributeError):  # not initialised: one rank
+        return 0
+
+
+def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> BlockGeometry:
+    """One block of every layer, from vLLM's KV cache config (one full-attention group)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError("hicache connector: needs vLLM's KV cache config with one group of "
+                         "full-attention layers (hybrid and sliding-window models are not "
+                         "supported yet)")
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None:
+        raise ValueError(f"hicache connector: {type(spec).__name__} layers are not supported "
+                         "(full attention only)")
+    return BlockGeometry(len(group.layer_names), spec.num_kv_heads, spec.head_size,
+                         spec.block_size, str(spec.dtype).removeprefix("torch."),
+                         spec.page_size_bytes)
+
+
+def _fingerprint(vllm_config: VllmConfig, geometry: BlockGeometry, salt: str) -> str:
+    import vllm
+    from vllm.platforms import current_platform
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layout = {"vllm": vllm.__version__, "attention_backend": str(backend or "auto"),
+              "cache_dtype": str(vllm_config.cache_config.cache_dtype)}
+    tp = (0, vllm_config.parallel_config.tensor_parallel_size)
+    return namespace_fingerprint(vllm_config.model_config.model, geometry, layout,
+                                 current_platform.device_type, tp, salt)

@@ -1,0 +1,158 @@
+"""The scheduler side of `HiCacheConnector`: which of a request's blocks hicache's tiers hold
+(its own index of the worker's L2 slots, then L3's `batch_exists`), and what each step loads
+and saves. It reads vLLM's `Request` and `SchedulerOutput` by their fields and imports no
+vLLM, so it runs in a test on plain objects.
+
+What must stay true: only `step` assigns L2 slots, and a slot a step loads from is not
+reassigned in that step (`keep`); the worker runs a step's loads before its forward and its
+saves after it, so the worker's host pool holds what `index` says at every load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key
+
+
+@dataclass
+class PageLoad:
+    block_id: int
+    page_hash: bytes
+    slot: int | None  # its L2 slot; None: from L3
+
+
+@dataclass
+class PageSave:
+    block_id: int
+    page_hash: bytes
+    slot: int | None  # the L2 slot it is copied to; None: L3 only (L2 full or none)
+
+
+@dataclass
+class StepPlan:
+    """One step's work for the workers (inside vLLM's connector metadata)."""
+
+    loads: list[PageLoad] = field(default_factory=list)
+    saves: list[PageSave] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows: its blocks, page hashes and what is saved."""
+
+    request: Any  # vLLM's Request: request_id, all_token_ids, num_prompt_tokens
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    saved: int = 0  # blocks [0, saved) are in hicache's tiers, queued for them, or vLLM's
+
+
+class ConnectorScheduler:
+    """The scheduler side: which blocks hicache holds, what each step loads and saves."""
+
+    def __init__(self, c: ConnectorSpace) -> None:
+        self.c = c
+        self.index = HostIndex(c.slots)
+        self.tracked: dict[str, _Tracked] = {}
+        self.planned: dict[str, tuple[int, list[PageLoad]]] = {}  # req_id -> (first block, hit)
+        self.loads: list[PageLoad] = []               # allocated, for this step's meta
+        self.counters = {"queries": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0,
+                         "saved_pages": 0}
+
+    def _hashes(self, t: _Tracked, blocks: int) -> list[bytes]:
+        """The page hashes of `t`'s first `blocks` blocks (its tokens so far)."""
+        have = len(t.hashes)
+        if blocks > have:
+            tokens = t.request.all_token_ids[have * self.c.block_size:blocks * self.c.block_size]
+            t.hashes += self.c.hasher.hash_pages(tokens, prev=t.hashes[-1] if have else None)
+        return t.hashes[:blocks]
+
+    def matched(self, request: Any, num_computed: int) -> int:
+        """Tokens beyond `num_computed` (block-aligned) found in L2 or L3: whole blocks, and
+        never the prompt's last token (vLLM computes at least one)."""
+        t = self.tracked.setdefault(request.request_id, _Tracked(request))
+        self.counters["queries"] += 1
+        blocks = (request.num_prompt_tokens - 1) // self.c.block_size
+        first = num_computed // self.c.block_size
+        t.saved = max(t.saved, first)  # vLLM's own hits: saved when vLLM computed them
+        hashes = self._hashes(t, blocks)
+        plan: list[PageLoad] = []
+        i = first
+        while i < blocks:
+            slot = self.index.find(hashes[i])
+            if slot is None:
+                break
+            plan.append(PageLoad(-1, hashes[i], slot))
+            i += 1
+        store = self.c.open_store()
+        if i < blocks and store is not None:
+            found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
+            plan += [PageLoad(-1, h, None) for h in hashes[i:i + found]]
+        if plan:
+            self.planned[request.request_id] = (first, plan)
+        else:
+            self.planned.pop(request.request_id, None)
+        return len(plan) * self.c.block_size
+
+    def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
+        planned = self.planned.pop(request.request_id, None)
+        t = self.tracked.setdefault(request.request_id, _Tracked(request))
+        if not num_external or planned is None:
+            return
+        first, plan = planned
+        ids = blocks.get_block_ids()[0]
+        n = num_external // self.c.block_size
+        for k, load in enumerate(plan[:n]):
+            load.block_id = ids[first + k]
+            self.loads.append(load)
+            self.counters["l2_hit_tokens" if load.slot is not None else "l3_hit_tokens"] += \
+                self.c.block_size
+        t.saved = max(t.saved, first + n)
+
+    def step(self, so: Any) -> StepPlan:
+        """This step's loads (allocated since the last step) and saves (the blocks it
+        fills), from vLLM's `SchedulerOutput`."""
+        meta = StepPlan(loads=self.loads)
+        self.loads = []
+        keep = {load.slot for load in meta.loads if load.slot is not None}
+        for new in so.scheduled_new_reqs:
+            t = self.tracked.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            self._save(t, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
+                       keep, meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self.tracked.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                t.block_ids += new_ids[0]
+            self._save(t, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id],
+                       keep, meta)
+        return meta
+
+    def _save(self, t: _Tracked, computed: int, keep: set[int], meta: StepPlan) -> None:
+        """Plan the saves of `t`'s blocks that this step fills (up to `computed` tokens)."""
+        full = min(computed // self.c.block_size, len(t.block_ids))
+        if full <= t.saved:
+            return
+        hashes = self._hashes(t, full)
+        for i in range(t.saved, full):
+            if self.index.find(hashes[i]) is not None:
+                continue  # L2 has it (another request's save)
+            slot = self.index.assign(hashes[i], keep)
+            if slot is None and not self.c.settings.has_storage:
+                continue
+            meta.saves.append(PageSave(t.block_ids[i], hashes[i], slot))
+            self.counters["saved_pages"] += 1
+        t.saved = full
+
+    def finished(self, req_id: str) -> None:
+        self.tracked.pop(req_id, None)
+        self.planned.pop(req_id, None)

@@ -1,0 +1,210 @@
+"""What `HiCacheConnector` reads from vLLM (its `kv_connector_extra_config`, validated), the
+namespace its page keys live in, and its scheduler's index of L2. Imports no vLLM: plain
+values in, plain values out.
+
+The extra config holds hicache's tier keys::
+
+    host_size_gb      L2, host memory for vLLM's blocks (GB, 10^9 bytes; 0: no L2)
+    storage_backend   "lmdb" (default) | "redis" | "lmdb+redis" | "none" (L2 only)
+    lmdb              {"path", "max_size_gb", "sync"}    hicache's storage.lmdb section
+    redis             {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
+    max_pending_writes  pages queued for L3 at most; beyond, a save skips L3 (counted)
+    namespace         a salt: servers with different salts never share pages
+
+A page is one vLLM block of every layer, keyed by hicache's page hash (`PageHasher`: xxh3 over
+the block's token ids, chained from the first block) from a root that names everything that
+makes two servers' bytes for one prefix differ: the model, dtype, block size, the KV layout
+(the per-layer block's shape, the attention backend), the platform (cpu / cuda), the tp rank
+and size, and the salt. A CPU layout is never served to a GPU one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import xxhash
+
+from hicache.config import TIERED_PARTS, ConfigError
+from hicache.integrations.store_sections import STORES, backend_config, store_sections
+from hicache.storage.backends import create_backend
+from hicache.storage.backends.base import ValueStore, check_section_keys
+from hicache.storage.hashing import PageHasher
+from hicache.storage.page_format import PageCodec, PageGeometry
+
+CONFIG_KEY = "kv_connector_extra_config"
+KEYS = ("host_size_gb", "storage_backend", "max_pending_writes", "namespace", *TIERED_PARTS)
+NO_STORAGE = "none"
+BACKENDS = (*STORES, NO_STORAGE)
+# Apart from a hicache server's own L3 (and SGLang's), so the two never share a clear.
+DEFAULT_SECTIONS = {"lmdb": {"path": "~/.cache/hicache/vllm"},
+                    "redis": {"key_prefix": "hicache-vllm:"}}
+DEFAULT_HOST_GB = 1.0
+DEFAULT_PENDING_WRITES = 4096
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """hicache's part of vLLM's extra config, validated."""
+
+    host_size_gb: float = DEFAULT_HOST_GB
+    backend: str = "lmdb"
+    sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    max_pending_writes: int = DEFAULT_PENDING_WRITES
+    namespace: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """ValueError naming the key and what is allowed, for anything hicache cannot use."""
+        extra = dict(extra or {})
+        check_section_keys(CONFIG_KEY, extra, KEYS)
+        host = extra.get("host_size_gb", DEFAULT_HOST_GB)
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or host < 0:
+            raise ConfigError(f"{CONFIG_KEY} host_size_gb", f"must be a number >= 0, got {host!r}")
+        backend = extra.get("storage_backend", cls.backend)
+        if backend not in BACKENDS:
+            raise ConfigError(f"{CONFIG_KEY} storage_backend",
+                              f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        pending = extra.get("max_pending_writes", DEFAULT_PENDING_WRITES)
+        if isinstance(pending, bool) or not isinstance(pending, int) or pending < 1:
+            raise ConfigError(f"{CONFIG_KEY} max_pending_writes",
+                              f"must be an integer >= 1, got {pending!r}")
+        namespace = extra.get("namespace", "")
+        if not isinstance(namespace, str):
+            raise ConfigError(f"{CONFIG_KEY} namespace", f"must be a string, got {namespace!r}")
+        sections = store_sections(CONFIG_KEY, extra, backend, DEFAULT_SECTIONS)
+        if host == 0 and backend == NO_STORAGE:
+            raise ConfigError(f"{CONFIG_KEY}", "host_size_gb 0 and storage_backend none "
+                              "leave hicache nothing to keep")
+        return cls(float(host), backend, sections, pending, namespace)
+
+    @property
+    def has_storage(self) -> bool:
+        return self.backend != NO_STORAGE
+
+    def backend_config(self) -> Mapping[str, Any]:
+        """What `create_backend(self.backend, ...)` takes: the section, or both parts'."""
+        return backend_config(self.backend, self.sections)
+
+    def host_slots(self, page_bytes: int) -> int:
+        """How many pages of `page_bytes` L2 holds (the scheduler and the worker agree)."""
+        return int(self.host_size_gb * 1e9) // page_bytes
+
+
+class BlockGeometry(NamedTuple):
+    """One vLLM block of every layer: what a stored page holds."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str              # torch's name without "torch.", e.g. "float32"
+    layer_block_bytes: int  # one layer's block (K and V), as vLLM lays it out
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * self.layer_block_bytes
+
+
+def namespace_fingerprint(model: str, geometry: BlockGeometry, layout: Mapping[str, Any],
+                          platform: str, tp: tuple[int, int], salt: str) -> str:
+    """The canonical JSON that roots a server's page hashes (`PageHasher`'s fingerprint)."""
+    return json.dumps({"engine": "vllm", "model": model, "geometry": geometry._asdict(),
+                       "layout": dict(layout), "platform": platform, "tp": list(tp),
+                       "salt": salt}, sort_keys=True, separators=(",", ":"))
+
+
+def store_key(page_hash: bytes, tp_rank: int) -> bytes:
+    """The stored key of a page hash on tp rank `tp_rank` (each rank stores its shard)."""
+    return xxhash.xxh3_128_digest(page_hash + tp_rank.to_bytes(4, "little"))
+
+
+class HostIndex:
+    """The scheduler's map of L2: page hash -> slot, least recently used first. The worker's
+    host pool holds what this says, because only this assigns slots."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._where: OrderedDict[bytes, int] = OrderedDict()
+        self._free = list(range(slots - 1, -1, -1))
+
+    def find(self, page_hash: bytes) -> int | None:
+        slot = self._where.get(page_hash)
+        if slot is not None:
+            self._where.move_to_end(page_hash)
+        return slot
+
+    def assign(self, page_hash: bytes, keep: set[int]) -> int | None:
+        """A slot for `page_hash` (evicting the least recently used page not in `keep`, the
+        slots this step reads); None when every slot is kept."""
+        if not self.slots:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((h for h, s in self._where.items() if s not in keep), None)
+            if victim is None:
+                return None
+            slot = self._where.pop(victim)
+        self._where[page_hash] = slot
+        return slot
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class ConnectorSpace:
+    """What the scheduler and worker sides share: the settings, one block's geometry, the
+    page hasher (rooted at `fingerprint`), the page codec, L2's size, and the L3 store
+    (opened on first use: the scheduler side's `batch_exists`, the worker side's reads and
+    writes; each process opens its own)."""
+
+    def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry,
+                 fingerprint: str) -> None:
+        self.settings = settings
+        self.geometry = geometry
+        self.block_size = geometry.block_size
+        self.hasher = PageHasher(geometry.block_size, fingerprint, geometry.dtype,
+                                 geometry.num_layers, geometry.kv_heads, geometry.head_dim)
+        dtype = getattr(torch, geometry.dtype)
+        self.codec = PageCodec(PageGeometry(geometry.num_layers, geometry.kv_heads,
+                                            geometry.head_dim, geometry.block_size, dtype),
+                               payload_bytes=geometry.page_bytes)
+        self.slots = settings.host_slots(geometry.page_bytes)
+        self.store: ValueStore | None = None
+
+    def open_store(self) -> ValueStore | None:
+        """The L3 store; None without one. One per process for one store and geometry (an
+        LMDB environment opens once per process; the scheduler and a worker may share one)."""
+        if self.store is None and self.settings.has_storage:
+            self._store_key = json.dumps([self.settings.backend, self.settings.backend_config(),
+                                          self.geometry._asdict()], sort_keys=True, default=str)
+            with _OPEN_LOCK:
+                entry = _OPEN_STORES.get(self._store_key)
+                if entry is None:
+                    entry = _OPEN_STORES[self._store_key] = [create_backend(
+                        self.settings.backend, self.settings.backend_config(), self.codec), 0]
+                entry[1] += 1
+            self.store = entry[0]
+        return self.store
+
+    def close_store(self) -> None:
+        if self.store is None:
+            return
+        self.store = None
+        with _OPEN_LOCK:
+            entry = _OPEN_STORES[self._store_key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _OPEN_STORES[self._store_key]
+                entry[0].close()
+
+
+# The stores this process has open: canonical (backend, config, geometry) -> [store, users].
+_OPEN_STORES: dict[str, list[Any]] = {}
+_OPEN_LOCK = threading.Lock()

@@ -1,0 +1,166 @@
+"""vLLM's CPU build with HiCacheConnector inside (`make test-integrations`: vLLM in .venv-vllm,
+SmolLM2-135M-Instruct in float32): a restarted server answers from hicache's L3 with the
+tokens of vLLM without the connector; a corrupted stored page is recomputed, never served;
+two servers share their pages through one Redis.
+
+Every server is a real `vllm.entrypoints.openai.api_server` (`--enforce-eager`: the same
+kernels, without minutes of compilation per start); `usage.prompt_tokens_details.
+cached_tokens` is vLLM's count of the prompt tokens it did not compute (its own prefix cache
+and the connector's; after a restart its own is empty).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import redis
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_vs_vllm as bv
+from redis_fixtures import RedisServer, require_redis_server
+
+pytestmark = pytest.mark.integrations
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+MODEL = "smollm2-135m-instruct"
+BLOCK = 128  # vLLM's CPU block size (its default)
+PROMPT_TOKENS = 1500
+HIT_TOKENS = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # whole blocks, short of the last token
+PAGES_PER_PROMPT = HIT_TOKENS // BLOCK
+ANSWER_TOKENS = 8
+START_TIMEOUT_S = 600.0
+WRITE_TIMEOUT_S = 60.0  # L3 writes run beside serving: wait for them before a restart
+KV_BYTES = 200_000_000
+SEED = 0
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(SEED)
+    return [[rng.randrange(100, 20000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
+
+def connector_config(extra: dict[str, Any]) -> str:
+    return json.dumps({"kv_connector": "HiCacheConnector",
+                       "kv_connector_module_path": "hicache.integrations.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": extra})
+
+
+def server(log_dir: Path, label: str, extra: dict[str, Any] | None) -> bv.VllmServer:
+    if not VLLM_PYTHON.exists():
+        pytest.skip("vLLM is not installed: `make test-integrations` installs it")
+    model = bv.model_folder(MODEL)
+    flags = ["--model", str(model), "--served-model-name", "smol", "--dtype", "float32",
+             "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", "4096",
+             "--enable-prompt-tokens-details", "--enforce-eager", "--seed", str(SEED),
+             "--uvicorn-log-level", "warning"]
+    if extra is not None:
+        flags += ["--kv-transfer-config", connector_config(extra)]
+    return bv.VllmServer(label, VLLM_PYTHON, flags, log_dir, START_TIMEOUT_S)
+
+
+def complete(base_url: str, prompt: list[int]) -> tuple[list[str], int]:
+    """(the greedy answer's text pieces, vLLM's cached prompt tokens)."""
+    body = {"model": "smol", "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+            "logprobs": 0}
+    req = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.load(resp)
+    tokens = out["choices"][0]["logprobs"]["tokens"]
+    return tokens, out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def lmdb_pages(path: Path) -> int:
+    if not (path / "data.mdb").exists():
+        return 0
+    with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
+        db = env.open_db(b"pages", create=False)
+        with env.begin(db=db) as txn:
+            return txn.stat(db)["entries"]
+
+
+def wait_for(count: Any, want: int) -> None:
+    """Until `count()` reaches `want` (the connector's L3 writes, behind serving)."""
+    deadline = time.monotonic() + WRITE_TIMEOUT_S
+    while count() < want:
+        assert time.monotonic() < deadline, f"L3 holds {count()} pages, not {want}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="module")
+def reference(log_dir: Path) -> list[list[str]]:
+    """vLLM's answers without the connector."""
+    with server(log_dir, "vllm-alone", None) as s:
+        return [complete(s.base_url, p)[0] for p in prompts(2)]
+
+
+@pytest.fixture
+def l3(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    yield {"host_size_gb": 0.1, "storage_backend": "lmdb",
+           "lmdb": {"path": str(tmp_path / "l3")}}
+
+
+def test_a_restarted_server_answers_from_l3_with_vllms_tokens(
+        log_dir: Path, reference: list[list[str]], l3: dict[str, Any]) -> None:
+    path = Path(l3["lmdb"]["path"])
+    with server(log_dir, "connector-first", l3) as s:
+        for p, ref in zip(prompts(2), reference):
+            assert complete(s.base_url, p) == (ref, 0)
+        wait_for(lambda: lmdb_pages(path), 2 * PAGES_PER_PROMPT)
+    with server(log_dir, "connector-restarted", l3) as s:
+        for p, ref in zip(prompts(2), reference):
+            assert complete(s.base_url, p) == (ref, HIT_TOKENS)
+
+
+def test_a_corrupted_page_is_recomputed_never_served(
+        log_dir: Path, reference: list[list[str]], l3: dict[str, Any]) -> None:
+    path = Path(l3["lmdb"]["path"])
+    with server(log_dir, "connector-to-corrupt", l3) as s:
+        assert complete(s.base_url, prompts(1)[0]) == (reference[0], 0)
+        wait_for(lambda: lmdb_pages(path), PAGES_PER_PROMPT)
+    with lmdb.open(str(path), max_dbs=2, map_size=1 << 33) as env:  # every page: a bit flipped
+        db = env.open_db(b"pages")
+        with env.begin(write=True, db=db) as txn:
+            for key, value in list(txn.cursor()):
+                flipped = bytearray(value)
+                flipped[-1] ^= 0x10
+                txn.put(key, bytes(flipped))
+    with server(log_dir, "connector-corrupted", l3) as s:
+        # vLLM counts the planned load in cached_tokens even when it recomputes it: the
+        # answer and the connector's report tell
+        assert complete(s.base_url, prompts(1)[0])[0] == reference[0]
+        assert complete(s.base_url, prompts(2)[1]) == (reference[1], 0)  # still serving
+        log = s.log_path.read_text(errors="replace")
+    assert f"{PAGES_PER_PROMPT} of {PAGES_PER_PROMPT} L3 pages could not be loaded" in log
+
+
+def test_two_servers_share_pages_through_one_redis(
+        log_dir: Path, reference: list[list[str]], tmp_path: Path) -> None:
+    require_redis_server()
+    with RedisServer.start(tmp_path) as rs:
+        shared = {"host_size_gb": 0.1, "storage_backend": "redis", "redis": {"url": rs.url}}
+        client = redis.Redis.from_url(rs.url)
+        with server(log_dir, "redis-a", shared) as a, server(log_dir, "redis-b", shared) as b:
+            assert complete(a.base_url, prompts(1)[0]) == (reference[0], 0)
+            wait_for(lambda: client.dbsize(), PAGES_PER_PROMPT)
+            assert complete(b.base_url, prompts(1)[0]) == (reference[0], HIT_TOKENS)
+            assert complete(b.base_url, prompts(2)[1]) == (reference[1], 0)
+            wait_for(lambda: client.dbsize(), 2 * PAGES_PER_PROMPT)
+            assert complete(a.base_url, prompts(2)[1]) == (reference[1], HIT_TOKENS)

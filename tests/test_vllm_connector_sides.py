@@ -1,0 +1,163 @@
+"""HiCacheConnector's two sides without vLLM: the scheduler side on plain objects carrying the
+fields of vLLM's Request / SchedulerOutput, the worker side on per-layer caches shaped as
+vLLM's CPU backend lays them out ([num_blocks, kv_heads, block_size, 2 * head_dim]), in the
+order vLLM calls them each step: match, allocate, build the step's plan, load before the
+forward, save after it. vLLM itself runs them in tests/integrations/test_vllm_connector.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import lmdb
+import pytest
+import torch
+
+from hicache.config import ConfigError
+from hicache.integrations.vllm_scheduler import ConnectorScheduler
+from hicache.integrations.vllm_settings import (
+    BlockGeometry,
+    ConnectorSettings,
+    ConnectorSpace,
+    HostIndex,
+    namespace_fingerprint,
+    store_key,
+)
+from hicache.integrations.vllm_worker import ConnectorWorker
+
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 8, 4, 16
+GEOMETRY = BlockGeometry(LAYERS, HEADS, DIM, BLOCK, "float32",
+                         layer_block_bytes=HEADS * BLOCK * 2 * DIM * 4)
+PROMPT = list(range(100, 100 + 4 * BLOCK + 1))  # 4 whole blocks and one token
+
+
+class Server:
+    """One vLLM server's connector pair over `l3`, with its own KV caches."""
+
+    def __init__(self, l3: Path | None, seed: int, fingerprint: str = "test-model",
+                 **extra: object) -> None:
+        config = {"storage_backend": "none"} if l3 is None else {"lmdb": {"path": str(l3)}}
+        settings = ConnectorSettings.from_extra_config({**config, **extra})
+        g = torch.Generator().manual_seed(seed)
+        self.kv = {f"model.layers.{i}.self_attn.attn":
+                   torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g)
+                   for i in range(LAYERS)}
+        self.scheduler = ConnectorScheduler(ConnectorSpace(settings, GEOMETRY, fingerprint))
+        self.worker_space = ConnectorSpace(settings, GEOMETRY, fingerprint)
+        self.worker = ConnectorWorker(self.worker_space, tp_rank=0)
+        self.worker.register(self.kv)
+
+    def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> int:
+        """One request through one step: its matched tokens (what vLLM would not compute)."""
+        request = SimpleNamespace(request_id=req_id, all_token_ids=tokens,
+                                  num_prompt_tokens=len(tokens), num_computed_tokens=0)
+        hit = self.scheduler.matched(request, 0)
+        self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+                                 hit)
+        new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[])
+        plan = self.scheduler.step(SimpleNamespace(
+            scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+            num_scheduled_tokens={req_id: len(tokens) - hit}))
+        self.worker.load(plan.loads)
+        self.worker.save(plan.saves)  # the forward has written the blocks it computed
+        self.scheduler.finished(req_id)
+        return hit
+
+    def block(self, block_id: int) -> list[torch.Tensor]:
+        return [kv[block_id].clone() for kv in self.kv.values()]
+
+    def close(self) -> None:
+        self.worker.close()
+        self.worker_space.close_store()
+        self.scheduler.c.close_store()
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path) -> None:
+    first = Server(tmp_path / "l3", seed=1)
+    assert first.prefill("a", PROMPT, [3, 5, 7, 9, 11]) == 0
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    first.close()
+    again = Server(tmp_path / "l3", seed=2)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.worker.counters["l3_loaded_pages"] == 4
+    assert again.worker.take_load_errors() == set()
+    again.close()
+
+
+def test_l2_serves_a_prefix_without_a_store(tmp_path: Path) -> None:
+    server = Server(None, seed=1)
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [server.block(b) for b in (3, 5)]
+    longer = PROMPT[:2 * BLOCK] + [7] * (2 * BLOCK + 1)  # shares two blocks
+    assert server.prefill("b", longer, [0, 1, 2, 4, 6]) == 2 * BLOCK
+    assert same(server.block(0), computed[0]) and same(server.block(1), computed[1])
+    assert server.worker.counters["l2_loaded_pages"] == 2
+    server.close()
+
+
+def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    second_page = first.scheduler.c.hasher.hash_pages(PROMPT[:2 * BLOCK])[1]
+    first.close()
+    with lmdb.open(str(tmp_path / "l3"), max_dbs=2) as env:  # a raw writer, stores closed
+        db = env.open_db(b"pages")
+        with env.begin(write=True, db=db) as txn:
+            key = store_key(second_page, 0)
+            value = bytearray(txn.get(key))
+            value[-1] ^= 0x10
+            txn.put(key, bytes(value))
+    again = Server(tmp_path / "l3", seed=2)
+    before = again.block(2)
+    again.prefill("a", PROMPT, [1, 2, 4, 6, 8])
+    assert again.worker.take_load_errors() == {2}  # vLLM recomputes block 2 and later
+    assert same(again.block(2), before)  # the bad page never reached the cache
+    assert again.worker.counters["load_errors"] == 1
+    again.close()
+
+
+def test_another_namespace_never_sees_the_pages(tmp_path: Path) -> None:
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    first.close()
+    cpu = namespace_fingerprint("m", GEOMETRY, {"attention_backend": "auto"}, "cpu", (0, 1), "")
+    others = [namespace_fingerprint("m", GEOMETRY, {"attention_backend": "auto"}, "cuda", (0, 1),
+                                    ""),
+              namespace_fingerprint("m", GEOMETRY, {"attention_backend": "auto"}, "cpu", (0, 1),
+                                    "salt"),
+              namespace_fingerprint("m", GEOMETRY._replace(dtype="bfloat16"),
+                                    {"attention_backend": "auto"}, "cpu", (0, 1), "")]
+    assert len({cpu, *others}) == 4
+    other = Server(tmp_path / "l3", seed=2, fingerprint=others[0])
+    assert other.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 0
+    other.close()
+
+
+def test_the_host_index_evicts_least_recent_but_not_what_a_step_reads() -> None:
+    index = HostIndex(2)
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    slot_a, slot_b = index.assign(a, set()), index.assign(b, set())
+    index.find(a)  # a is now the more recent
+    assert index.assign(c, keep=set()) == slot_b and index.find(b) is None
+    assert index.assign(b, keep={slot_a, slot_b}) is None  # both slots read this step
+    assert index.find(a) == slot_a and len(index) == 2
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"storage_backend": "disk"}, "storage_backend"),
+    ({"host_size_gb": -1}, "host_size_gb"),
+    ({"max_pending_writes": 0}, "max_pending_writes"),
+    ({"storage_backend": "lmdb", "redis": {}}, "redis"),
+    ({"host_size_gb": 0, "storage_backend": "none"}, "kv_connector_extra_config"),
+    ({"lmdb": {"paht": "/x"}}, "paht"),
+])
+def test_bad_extra_config_names_the_key(extra: dict, key: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=key):
+        ConnectorSettings.from_extra_config(extra)
