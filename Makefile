@@ -8,7 +8,7 @@ ROUTER_STAMP := $(ROUTER_VENV)/.installed
 SGLANG_DIR   ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_DIR)/.installed
 
-.PHONY: test compat install lint sglang-api serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean test-integrations
+.PHONY: test compat install lint sglang-api serve bench bench-shared-l3 bench-l3-overlap bench-policies bench-soak bench-radix bench-vs-vllm bench-router router-venv gpu-check clean test-integrations bench-vllm-connector
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,12 @@ $(VLLM_HICACHE): pyproject.toml $(VLLM_STAMP)
 # L3, a corrupted page recomputed, two servers over one Redis (~6 min once installed).
 test-integrations: $(STAMP) $(VLLM_HICACHE)
 	$(BIN)/python -m pytest -q -m integrations tests/integrations
+
+# vLLM alone against vLLM + HiCacheConnector (and ExampleConnector for the restart), same
+# flags and KV: restart replay, multi-turn with a working set several times the KV, the
+# saves' cost with no reuse (~15 min on 2 CPU cores); benchmarks/results/vllm_connector.json.
+bench-vllm-connector: $(STAMP) $(VLLM_HICACHE)
+	$(BIN)/python benchmarks/bench_vllm_connector.py $(ARGS)
 
 bench-vs-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)

@@ -20,8 +20,10 @@ import torch
 
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
+from hicache.storage.page_format import PageCodec
 
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
+WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 
 
 class ConnectorWorker:
@@ -39,6 +41,7 @@ class ConnectorWorker:
         self._pending = 0  # pages queued for L3, not yet written
         self._lock = threading.Lock()
         self._writer: threading.Thread | None = None
+        self._pin = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order: each a tensor whose dim 0 is the block
@@ -52,31 +55,45 @@ class ConnectorWorker:
                 raise ValueError(f"hicache connector: layer {name}'s block is {got} bytes "
                                  f"({tuple(kv.shape)}), the KV cache spec says {want}: a "
                                  "layout it cannot copy whole blocks of")
+        if want % WORD_BYTES:
+            raise ValueError(f"hicache connector: a layer's block is {want} bytes, not a "
+                             f"multiple of {WORD_BYTES}")
         if len(layers) != self.c.geometry.num_layers:
             raise ValueError(f"hicache connector: {len(layers)} KV layers registered, the KV "
                              f"cache config has {self.c.geometry.num_layers}")
         self.layers = layers
-        pin = layers[0].is_cuda
+        self._pin = layers[0].is_cuda  # host buffers pinned for the copies to and from CUDA
         self.host = torch.empty((self.c.slots, len(layers), want), dtype=torch.uint8,
-                                pin_memory=pin) if self.c.slots else None
+                                pin_memory=self._pin) if self.c.slots else None
         if self.c.settings.has_storage:
             self.c.open_store()
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name="hicache-l3-writer")
             self._writer.start()
 
-    def _blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Layer `layer`'s blocks `block_ids` as bytes: [len(block_ids), layer block bytes]."""
-        kv = self.layers[layer]
-        index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        return kv.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
+    def _pages(self, n: int) -> torch.Tensor:
+        """A CPU buffer of `n` pages: [n, layers, layer block bytes] uint8."""
+        return torch.empty((n, len(self.layers), self.c.geometry.layer_block_bytes),
+                           dtype=torch.uint8, pin_memory=self._pin)
 
-    def _put_blocks(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write `data` ([n, layer block bytes] uint8) into layer `layer`'s blocks."""
-        kv = self.layers[layer]
-        index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        rows = data.to(kv.device, non_blocking=True).view(kv.dtype)
-        kv.index_copy_(0, index, rows.reshape(len(block_ids), *kv.shape[1:]))
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks `block_ids` of every layer as pages (a new CPU buffer). Each layer's rows
+        are copied in its own dtype (a byte-wise copy of a strided view is many times
+        slower)."""
+        n = len(block_ids)
+        pages = self._pages(n)
+        for layer, kv in enumerate(self.layers):
+            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            pages[:, layer].view(kv.dtype).copy_(kv.index_select(0, index).reshape(n, -1))
+        return pages
+
+    def _scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
+        n = len(block_ids)
+        for layer, kv in enumerate(self.layers):
+            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            rows = pages[:, layer].view(kv.dtype).view(n, *kv.shape[1:])
+            kv.index_copy_(0, index, rows.to(kv.device, non_blocking=True))
 
     # ------------------------------------------------------------------ loads
 
@@ -87,30 +104,28 @@ class ConnectorWorker:
         from_l3 = [x for x in loads if x.slot is None]
         if from_l2:
             slots = torch.tensor([x.slot for x in from_l2], dtype=torch.long)
-            rows = self.host.index_select(0, slots)  # [n, layers, bytes]
-            for layer in range(len(self.layers)):
-                self._put_blocks(layer, [x.block_id for x in from_l2], rows[:, layer])
+            pages = _words(self.host).index_select(0, slots).view(torch.uint8)
+            self._scatter([x.block_id for x in from_l2], pages)
             self.counters["l2_loaded_pages"] += len(from_l2)
         if from_l3:
             self._load_l3(from_l3)
 
     def _load_l3(self, loads: list[PageLoad]) -> None:
-        """L3's pages into their blocks through a host buffer; a page L3 cannot give is a
-        load error (vLLM recomputes its block and those after it)."""
+        """L3's pages into their blocks through a host buffer, each checked (header and
+        checksum) before it is copied; a page L3 cannot give is a load error (vLLM
+        recomputes its block and those after it)."""
         store = self.c.store
-        n, layers = len(loads), len(self.layers)
-        staging = torch.empty((n, layers, self.c.geometry.layer_block_bytes), dtype=torch.uint8)
+        n = len(loads)
+        staging = self._pages(n)
         ok = [False] * n
         if store is not None:
-            ok = store.get_values(
-                [store_key(x.page_hash, self.tp_rank) for x in loads],
-                lambda i, value: self.c.codec.copy_into(value, [_bytes(staging[i])]))
+            ok = store.get_values([store_key(x.page_hash, self.tp_rank) for x in loads],
+                                  lambda i, value: _take(self.c.codec, value, staging[i]))
         good = [i for i in range(n) if ok[i]]
         bad = [loads[i].block_id for i in range(n) if not ok[i]]
         if good:
-            rows = staging[good]
-            for layer in range(layers):
-                self._put_blocks(layer, [loads[i].block_id for i in good], rows[:, layer])
+            self._scatter([loads[i].block_id for i in good],
+                          staging if len(good) == n else staging[good])
         self.counters["l3_loaded_pages"] += len(good)
         if bad:
             self.counters["load_errors"] += len(bad)
@@ -129,13 +144,12 @@ class ConnectorWorker:
         step may reassign the slot before the write)."""
         if not saves or not self.layers:
             return
-        ids = [x.block_id for x in saves]
-        rows = torch.stack([self._blocks(layer, ids) for layer in range(len(self.layers))],
-                           dim=1).cpu()  # [n, layers, bytes]
+        rows = self._gather([x.block_id for x in saves])  # [n, layers, bytes]
         in_l2 = [i for i, x in enumerate(saves) if x.slot is not None]
         if in_l2 and self.host is not None:
             slots = torch.tensor([saves[i].slot for i in in_l2], dtype=torch.long)
-            self.host.index_copy_(0, slots, rows[in_l2])
+            src = rows if len(in_l2) == len(saves) else rows[in_l2]
+            _words(self.host).index_copy_(0, slots, _words(src))
             self.counters["l2_saved_pages"] += len(in_l2)
         if self._writer is None:
             return
@@ -170,6 +184,21 @@ class ConnectorWorker:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
+
+
+def _take(codec: PageCodec, value: memoryview | bytes, page: torch.Tensor) -> bool:
+    """Copy a stored value's payload into `page` if its header and checksum pass."""
+    payload = codec.check(value)
+    if payload is None:
+        return False
+    _bytes(page)[:] = payload
+    return True
+
+
+def _words(pages: torch.Tensor) -> torch.Tensor:
+    """A [n, layers, bytes] uint8 buffer as 8-byte words (`register` checks that a layer's
+    block is a whole number of them)."""
+    return pages.view(torch.int64)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

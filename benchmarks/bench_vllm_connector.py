@@ -1,0 +1,244 @@
+"""vLLM alone against vLLM with HiCacheConnector (and, for the restart, vLLM's own reference
+connector, ExampleConnector), side by side in one run, every server with the same flags and
+KV size (`make bench-vllm-connector`):
+
+    restart     three prompts of --restart-tokens computed, the server stopped and started
+                again over its store, the prompts replayed: one token each, its latency;
+                replay / vLLM alone (computing them) per connector, cached tokens, tokens
+    multi-turn  bench_vs_vllm's chats (--clients x --rounds) against a KV of --kv-tokens,
+                several times smaller than the chats' working set: req/s, TTFT of rounds
+                >= 2, cached share, answers against vLLM alone's
+    no reuse    --unique-prompts prompts sharing nothing, all at once: req/s with the
+                connector over without (what its saves cost the serving path)
+
+vLLM runs `--enforce-eager` by default (the same kernels for every server, without minutes
+of compilation per start). JSON: benchmarks/results/vllm_connector.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import bench_vs_vllm as bv
+import lmdb
+import run_multiturn as rm
+
+OUT = rm.RESULTS / "vllm_connector.json"
+MODEL = "smollm2-135m-instruct"
+BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 heads x 64
+ALONE, HICACHE, EXAMPLE = "vLLM alone", "vLLM + HiCacheConnector", "vLLM + ExampleConnector"
+WARMUP_TOKENS = 64
+WRITE_TIMEOUT_S = 120.0
+GOAL_RESTART = 0.15
+GOAL_NO_REUSE = 0.97
+GOAL_MULTITURN = 1.5
+
+
+def connector(name: str, module: str, extra: dict[str, Any]) -> str:
+    return json.dumps({"kv_connector": name, "kv_connector_module_path": module,
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": extra})
+
+
+def flags(args: argparse.Namespace, kv_transfer: str | None) -> list[str]:
+    out = ["--model", str(args.model_path), "--served-model-name", bv.MODEL_NAME,
+           "--dtype", "float32", "--block-size", str(args.block_size),
+           "--kv-cache-memory-bytes", str((args.kv_tokens + args.block_size)
+                                          * BYTES_PER_TOKEN_F32),
+           "--max-model-len", str(args.kv_tokens), "--enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--seed", "0",
+           "--uvicorn-log-level", "warning", *shlex.split(args.vllm_args)]
+    return out + (["--kv-transfer-config", kv_transfer] if kv_transfer else [])
+
+
+def start(args: argparse.Namespace, label: str, kv_transfer: str | None) -> bv.VllmServer:
+    print(f"{label}: starting", file=sys.stderr, flush=True)
+    return bv.VllmServer(label, args.vllm_python, flags(args, kv_transfer), args.log_dir,
+                         bv.VLLM_STARTUP_TIMEOUT_S)
+
+
+def prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 20000) for _ in range(length)] for _ in range(n)]
+
+
+def one_by_one(base_url: str, batch: list[list[int]]) -> list[dict[str, Any]]:
+    """Each prompt alone, one token asked: latency, cached tokens, the token."""
+    bv.concurrent(base_url, prompts(99, 1, WARMUP_TOKENS), 1)  # first-request costs
+    out = []
+    for p in batch:
+        rec = bv.concurrent(base_url, [p], 1)[0]
+        out.append({"latency_s": rec.latency, "cached": rec.cached.get("device", 0),
+                    "token": rec.output_ids, "error": rec.error})
+    return out
+
+
+def lmdb_pages(path: Path) -> int:
+    if not (path / "data.mdb").exists():
+        return 0
+    with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
+        db = env.open_db(b"pages", create=False)
+        with env.begin(db=db) as txn:
+            return txn.stat(db)["entries"]
+
+
+def restart(args: argparse.Namespace, label: str, kv_transfer: str,
+            stored: Any) -> dict[str, Any]:
+    """First pass, stop, start again over the same store, replay."""
+    batch = prompts(1, 3, args.restart_tokens)
+    with start(args, label, kv_transfer) as s:
+        first = one_by_one(s.base_url, batch)
+        want = len(batch) * ((args.restart_tokens - 1) // args.block_size)
+        deadline = time.monotonic() + WRITE_TIMEOUT_S
+        while stored() < want and time.monotonic() < deadline:
+            time.sleep(0.2)  # hicache writes L3 beside serving
+    with start(args, f"{label} (restarted)", kv_transfer) as s:
+        replay = one_by_one(s.base_url, batch)
+    return {"first": first, "replay": replay}
+
+
+def multiturn_and_no_reuse(args: argparse.Namespace, label: str,
+                           kv_transfer: str | None) -> dict[str, Any]:
+    with start(args, label, kv_transfer) as s:
+        mt = bv.multiturn(s.base_url, args, label)
+        unique = prompts(7, args.unique_prompts, args.unique_tokens)
+        begin = time.perf_counter()
+        recs = bv.concurrent(s.base_url, unique, args.output_length)
+        seconds = time.perf_counter() - begin
+    return {"multiturn": mt, "no_reuse": {"seconds": seconds, "req_s": len(unique) / seconds,
+                                          "errors": sum(bool(r.error) for r in recs)}}
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    l3 = tmp / "hicache-l3"
+    hi = connector("HiCacheConnector", "hicache.integrations.vllm",
+                   {"host_size_gb": args.host_gb, "storage_backend": "lmdb",
+                    "lmdb": {"path": str(l3)}})
+    example_dir = tmp / "example"
+    example_dir.mkdir()
+    ex = connector("ExampleConnector",
+                   "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+                   {"shared_storage_path": str(example_dir)})
+    with start(args, ALONE, None) as s:
+        alone_restart = one_by_one(s.base_url, prompts(1, 3, args.restart_tokens))
+    result: dict[str, Any] = {"restart": {
+        ALONE: alone_restart,
+        HICACHE: restart(args, HICACHE, hi, lambda: lmdb_pages(l3)),
+        EXAMPLE: restart(args, EXAMPLE, ex, lambda: 1 << 30)}}
+    # multi-turn and no reuse: the connector's L3 a fresh one
+    hi_fresh = connector("HiCacheConnector", "hicache.integrations.vllm",
+                         {"host_size_gb": args.host_gb, "storage_backend": "lmdb",
+                          "lmdb": {"path": str(tmp / "hicache-l3-mt")}})
+    result["serving"] = {ALONE: multiturn_and_no_reuse(args, ALONE, None),
+                         HICACHE: multiturn_and_no_reuse(args, HICACHE, hi_fresh)}
+    return result
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    r = result["restart"]
+    alone = median([x["latency_s"] for x in r[ALONE]])
+    tokens = [x["token"] for x in r[ALONE]]
+    restart_rows = {}
+    for name in (HICACHE, EXAMPLE):
+        replay = r[name]["replay"]
+        restart_rows[name] = {
+            "first_s": median([x["latency_s"] for x in r[name]["first"]]),
+            "replay_s": median([x["latency_s"] for x in replay]),
+            "replay_over_alone": median([x["latency_s"] for x in replay]) / alone,
+            "cached": [x["cached"] for x in replay],
+            "same_tokens": [x["token"] for x in replay] == tokens}
+    s = result["serving"]
+    ref = s[ALONE]
+    same, compared = bv.same_tokens(s[HICACHE], ref)
+    mt = {name: {"req_s": s[name]["multiturn"]["request_throughput"],
+                 "ttft_after_first_s": s[name]["multiturn"]["ttft_after_first_s"],
+                 "hit_rate": s[name]["multiturn"]["hit_rate"]["all"],
+                 "errors": s[name]["multiturn"]["errors"]} for name in s}
+    return {"alone_restart_s": alone, "restart": restart_rows, "multiturn": mt,
+            "multiturn_ratio": mt[HICACHE]["req_s"] / mt[ALONE]["req_s"],
+            "same_multiturn_tokens": [same, compared],
+            "no_reuse_ratio": s[HICACHE]["no_reuse"]["req_s"] / s[ALONE]["no_reuse"]["req_s"]}
+
+
+def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [(f"restart: three {args.restart_tokens}-token prompts, one token each; vLLM alone "
+             f"computes them in {summary['alone_restart_s'] * 1000:.0f} ms (median)"), "",
+             ("| connector | first pass | replay after restart | replay / vLLM alone | goal | "
+             "cached tokens | same tokens |"), "|---|---:|---:|---:|---|---|---|"]
+    for name, row in summary["restart"].items():
+        goal = (f"<= {GOAL_RESTART} {'met' if row['replay_over_alone'] <= GOAL_RESTART else 'not met'}"
+                if name == HICACHE else "-")
+        lines.append(f"| {name} | {row['first_s'] * 1000:.0f} ms | {row['replay_s'] * 1000:.0f} ms"
+                     f" | {row['replay_over_alone']:.2f} | {goal} | {row['cached']} | "
+                     f"{'yes' if row['same_tokens'] else 'NO'} |")
+    lines += ["", (f"multi-turn: {args.clients} chats x {args.rounds} rounds, KV "
+              f"{args.kv_tokens} tokens"), "",
+              "| server | req/s | TTFT rounds >= 2 | cached share | errors |",
+              "|---|---:|---:|---:|---:|"]
+    for name, m in summary["multiturn"].items():
+        ttft = m["ttft_after_first_s"]
+        lines.append(f"| {name} | {m['req_s']:.3f} | "
+                     f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
+                     f"{(m['hit_rate'] or 0) * 100:.1f}% | {m['errors']} |")
+    same, compared = summary["same_multiturn_tokens"]
+    ratio, nr = summary["multiturn_ratio"], summary["no_reuse_ratio"]
+    lines += ["", (f"multi-turn req/s with the connector / alone: {ratio:.2f}x (goal >= "
+              f"{GOAL_MULTITURN}: {'met' if ratio >= GOAL_MULTITURN else 'not met'}); "
+              f"{same} of {compared} answers the same as vLLM alone's"),
+              (f"no reuse ({args.unique_prompts} unique {args.unique_tokens}-token prompts at "
+              f"once): {nr:.2f}x vLLM alone's req/s (goal >= {GOAL_NO_REUSE}: "
+              f"{'met' if nr >= GOAL_NO_REUSE else 'not met'})")]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", type=Path, default=bv.DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--kv-tokens", type=int, default=3008)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--host-gb", type=float, default=2.0)
+    ap.add_argument("--restart-tokens", type=int, default=1500)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--system-prompt-length", type=int, default=512)
+    ap.add_argument("--request-length", type=int, default=256)
+    ap.add_argument("--output-length", type=int, default=32)
+    ap.add_argument("--unique-prompts", type=int, default=16)
+    ap.add_argument("--unique-tokens", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-args", default="--enforce-eager")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    args.model_path = bv.model_folder(MODEL).resolve()
+    args.log_dir = rm.REPO / ".benchtmp" / "vllm_connector"
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-connector-") as tmp:
+        result = run(args, Path(tmp))
+    summary = summarize(result)
+    print(report(summary, args))
+    args.out.write_text(json.dumps({
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {platform.processor() or platform.system()}",
+        "model": MODEL, "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": summary, "runs": result}, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
