@@ -36,7 +36,7 @@ compat: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff
-	$(BIN)/ruff check hicache kernels server tests benchmarks
+	$(BIN)/ruff check hicache server tests benchmarks
 
 # SmolLM2-135M-Instruct with all three tiers (configs/default.yaml); e.g. `make serve ARGS="--port 8000"`.
 serve: $(STAMP)

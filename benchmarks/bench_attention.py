@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention
+from hicache.kernels.paged_attention import paged_decode_attention
 from server.models.attention import TorchAttention
 from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from server.models.forward_batch import ForwardBatch

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from hicache.kernels import cpu_attention, cpu_layer, cpu_linear
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_attention, cpu_layer, cpu_linear
 from server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
 from server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels import cpu_attention
+from hicache.kernels import cpu_attention
 from server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
 from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from server.models.forward_batch import ForwardBatch

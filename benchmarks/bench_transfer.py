@@ -1,7 +1,7 @@
 """Page transfer micro-benchmark: D->H gather and H->D scatter of scattered KV pages.
 
 For each model geometry and page size it moves N pages (K and V of every layer) between a
-device pool and a host pool, with each backend of `kernels.transfer_kv`, and compares them in the
+device pool and a host pool, with each backend of `hicache.kernels.transfer_kv`, and compares them in the
 same run with:
 
     contiguous      one `copy_` of the same number of bytes between two contiguous tensors
@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages
+from hicache.kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages
 
 
 class Geometry(NamedTuple):

@@ -26,8 +26,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from hicache.kernels.layouts import HOST_LAYOUTS as MEM_LAYOUTS
 from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
-from kernels.layouts import HOST_LAYOUTS as MEM_LAYOUTS
 
 TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
 TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part

@@ -108,7 +108,7 @@ def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:
     """`nvcc --cubin` of a kernel source for `arch`; skips only when no nvcc is installed."""
     import subprocess
 
-    from kernels import cuda_utils
+    from hicache.kernels import cuda_utils
 
     nvcc = cuda_utils.find_nvcc()
     if nvcc is None:
@@ -199,7 +199,7 @@ async def app_client(engine: Engine, *, wait_idle: bool = True, admin: bool = Fa
 
 
 def bf16_paths(kernel: Any, wanted: tuple[str, ...]) -> Iterator[Any]:
-    """A CPU kernel (kernels/cpu_linear.py, cpu_attention.py) on each of `wanted`'s
+    """A CPU kernel (hicache/kernels/cpu_linear.py, cpu_attention.py) on each of `wanted`'s
     bfloat16 paths this CPU has (AVX-512F always), in turn; its own path again after."""
     default = kernel.bf16_path
     try:

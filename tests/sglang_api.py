@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from conftest import missing_tool
 
-from kernels.layouts import LAYER_FIRST, PAGE_FIRST
+from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 SGLANG_DIR = Path(__file__).resolve().parent.parent / ".venv-sglang"
 SGLANG_MODULES = ("sglang.srt.mem_cache.hicache_storage",

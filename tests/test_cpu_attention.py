@@ -15,9 +15,9 @@ import torch
 from conftest import bf16_paths as paths
 from test_attention import make_case, new_kv
 
+from hicache.kernels import cpu_attention
+from hicache.kernels.cpu_attention import paged_attention_reference
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_attention
-from kernels.cpu_attention import paged_attention_reference
 from server.models.attention import CpuKernelAttention, TorchAttention
 from server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
 from server.models.forward_batch import ForwardBatch

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hicache.kernels import cpu_layer
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_layer
 from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
 from server.models.forward_batch import ForwardBatch

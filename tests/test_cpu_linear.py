@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import bf16_paths as paths
 
-from kernels import cpu_linear
+from hicache.kernels import cpu_linear
 from server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
 from server.models.linear import Linear, onednn_matches_kernel
 

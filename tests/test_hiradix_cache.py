@@ -7,12 +7,12 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hicache.kernels.transfer_kv import d2h_pages, h2d_pages
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine, TransferEngine, TransferHandle
 from hicache.tree.hiradix import LOAD_BACK_THRESHOLD, HiRadixCache
-from kernels.transfer_kv import d2h_pages, h2d_pages
 
 LAYERS, HEADS, DIM = 2, 2, 4
 MAX_POS = 256

@@ -26,7 +26,7 @@ import torch
 from redis_fixtures import RedisServer, free_port, redis_server
 from sglang_api import FakeHostPool, sglang_modules
 
-from kernels.layouts import LAYER_FIRST, PAGE_FIRST
+from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 

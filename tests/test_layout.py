@@ -1,5 +1,5 @@
 """The package layout's rules, checked on the source: dependencies run one way
-(server -> hicache -> kernels; inside hicache, storage -> tree, never back), the public
+(server -> hicache -> hicache.kernels; inside hicache, storage -> tree, never back), the public
 contracts import from their packages, and the serving side never asks which tree it holds."""
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # package prefix -> prefixes it must never import (directly, at any depth of the module)
 FORBIDDEN = {
-    "kernels": ("hicache", "server"),
+    "hicache.kernels": ("hicache", "server"),
     "hicache": ("server",),
     "hicache.tree": ("hicache.storage", "hicache.stack", "hicache.stats", "hicache.metrics"),
     "hicache.memory": ("hicache.tree", "hicache.transfer", "hicache.storage", "hicache.stack"),
     "hicache.transfer": ("hicache.tree", "hicache.storage", "hicache.stack"),
     "hicache.storage": ("hicache.stack", "hicache.stats", "hicache.metrics"),
-    "hicache.policies": ("hicache", "kernels", "server"),
-    "hicache.pages": ("hicache", "kernels", "server"),
+    "hicache.policies": ("hicache", "server"),
+    "hicache.pages": ("hicache", "server"),
     "hicache.events": ("hicache.storage", "hicache.tree", "hicache.memory", "hicache.transfer",
                        "hicache.stack"),
     "server.http": ("server.launch",),
-    "kernels.layouts": ("hicache", "kernels", "server"),
+    "hicache.kernels.layouts": ("hicache", "server"),
 }
 
 
@@ -47,7 +47,7 @@ def imported(path: Path) -> set[str]:
 
 
 def sources() -> list[Path]:
-    return sorted(p for pkg in ("hicache", "kernels", "server") for p in (ROOT / pkg).rglob("*.py"))
+    return sorted(p for pkg in ("hicache", "server") for p in (ROOT / pkg).rglob("*.py"))
 
 
 def within(name: str, prefix: str) -> bool:
@@ -127,7 +127,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles() -> None:
-    """No module of hicache/, server/ or kernels/ reaches itself through its imports (a
+    """No module of hicache/ or server/ reaches itself through its imports (a
     cycle in types, or through a function's import, is still a cycle in the design)."""
     assert import_cycles(import_graph()) == []
 
@@ -208,3 +208,17 @@ def test_only_the_tree_writes_node_fields(path: Path) -> None:
                 assert t.attr in GENERIC_SLOTS and not named_node, (
                     f"{path.relative_to(ROOT)}:{t.lineno} writes the node field {t.attr!r}; "
                     "only hicache/tree writes node fields (add a tree method)")
+
+
+def test_hicache_installs_no_top_level_kernels_package() -> None:
+    """`kernels` is the registry name of the package transformers (>= 5.25) imports its hub
+    kernels from; hicache's kernel bindings live in `hicache.kernels` and its C and CUDA
+    sources in kernels/ (no `__init__.py`, so never a package that shadows that one)."""
+    import importlib.metadata
+    import importlib.util
+
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    assert not list((ROOT / "kernels").glob("*.py"))
+    assert "hicache" not in importlib.metadata.packages_distributions().get("kernels", [])
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or spec.origin is None or ROOT / "kernels" not in Path(spec.origin).parents

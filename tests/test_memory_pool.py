@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache.kernels.layouts import HOST_LAYOUTS
 from hicache.memory import host as memory_pool_host
 from hicache.memory.device import (
     DeviceKVPool,
@@ -15,7 +16,6 @@ from hicache.memory.device import (
     slots_of,
 )
 from hicache.memory.host import HostKVPool
-from kernels.layouts import HOST_LAYOUTS
 
 SEED = 1234
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 
+from hicache.kernels import cpu_linear
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_linear
 from server.models import (
     EMBEDDED_TINY_LLAMA,
     ForwardBatch,

@@ -13,6 +13,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.lmdb_store import MIN_MAP_BYTES, LmdbStore
@@ -25,7 +26,6 @@ from hicache.storage.page_format import (
     PageGeometry,
     copy_bytes,
 )
-from kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 4, 4  # 256 B of float32 payload per page
 NUM_PAGES = 4

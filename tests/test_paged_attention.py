@@ -17,13 +17,13 @@ import pytest
 import torch
 from conftest import compile_cubin, missing_tool
 
-from hicache.memory.device import DeviceKVPool
-from kernels import cuda_utils, paged_attention
-from kernels.paged_attention import (
+from hicache.kernels import cuda_utils, paged_attention
+from hicache.kernels.paged_attention import (
     MAX_HEAD_DIM,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from hicache.memory.device import DeviceKVPool
 from server.models.attention import CudaPagedAttention, TorchAttention
 from server.models.forward_batch import ForwardBatch
 

@@ -18,6 +18,7 @@ import xxhash
 from typing_extensions import Self
 
 from hicache.config import LmdbConfig
+from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends import (
@@ -28,7 +29,6 @@ from hicache.storage.backends import (
 )
 from hicache.storage.backends.lmdb_store import MIN_MAP_BYTES, LmdbStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry, dtype_from_name
-from kernels.layouts import LAYER_FIRST, PAGE_FIRST
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4  # 2 KiB of float32 payload per page

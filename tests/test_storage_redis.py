@@ -41,11 +41,11 @@ from test_storage_lmdb import (
 )
 
 from hicache.config import ConfigError, RedisConfig
+from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.redis_store import PASSWORD_ENV, Backoff, RedisStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec
-from kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from server.config import load_config
 
 __all__ = ["redis_cluster", "redis_server"]  # session fixtures, used by name below

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import compile_cubin, missing_tool
 
-from kernels import cuda_utils, transfer_kv, transfer_kv_cuda
-from kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages, page_runs
+from hicache.kernels import cuda_utils, transfer_kv, transfer_kv_cuda
+from hicache.kernels.transfer_kv import LAYER_FIRST, PAGE_FIRST, d2h_pages, h2d_pages, page_runs
 
 NUM_LAYERS = 3
 KV_HEADS = 2

@@ -1,5 +1,5 @@
 """KV memory: the device pool (L1) with its page allocator, and the host pool (L2) in one of
-the layouts named in `kernels.layouts`. Sizes are tokens unless a name says pages or bytes."""
+the layouts named in `hicache.kernels.layouts`. Sizes are tokens unless a name says pages or bytes."""
 
 from hicache.memory.device import INDEX_DTYPE, DeviceKVPool, PageAllocator, resolve_device
 from hicache.memory.host import HostKVPool, available_memory_bytes

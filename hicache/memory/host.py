@@ -12,8 +12,8 @@ import os
 import torch
 
 from hicache.config import BYTES_PER_GB
+from hicache.kernels.layouts import HOST_LAYOUTS, PAGE_FIRST
 from hicache.memory.device import INDEX_DTYPE, PageAllocator, PagedSlots
-from kernels.layouts import HOST_LAYOUTS, PAGE_FIRST
 
 # A host pool may take at most this share of MemAvailable. SGLang refuses to start past the
 # free host memory: an oversized pinned pool cannot be swapped out and gets the process

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import xxhash
 
+from hicache.kernels.layouts import PAGE_FIRST
 from hicache.memory.host import HostKVPool
-from kernels.layouts import PAGE_FIRST
 
 MAGIC = b"HKV1"
 FORMAT_VERSION = 2  # the version every value is written in

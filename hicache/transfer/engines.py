@@ -30,12 +30,12 @@ from collections.abc import Callable
 
 import torch
 
+from hicache.kernels.cuda_utils import import_cupy, to_device_async
+from hicache.kernels.transfer_kv import d2h_pages, h2d_pages
 from hicache.memory.device import DeviceKVPool, pages_of
 from hicache.memory.host import HostKVPool
 from hicache.policies import IO_BACKENDS, check_choice
 from hicache.threads import one_openmp_thread
-from kernels.cuda_utils import import_cupy, to_device_async
-from kernels.transfer_kv import d2h_pages, h2d_pages
 
 
 class TransferHandle(ABC):

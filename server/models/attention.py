@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from hicache.kernels import cpu_attention
+from hicache.kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
-from kernels import cpu_attention
-from kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from server.models.forward_batch import ForwardBatch
 
 

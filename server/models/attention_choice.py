@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_attention
+from hicache.kernels import cpu_attention
 from server.models.attention import (
     AttentionBackend,
     CpuKernelAttention,

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import torch
 
-from kernels import cpu_layer, cpu_linear
-from kernels.cpu_layer import CpuLayerKernel
-from kernels.cpu_linear import CpuLinearKernel
+from hicache.kernels import cpu_layer, cpu_linear
+from hicache.kernels.cpu_layer import CpuLayerKernel
+from hicache.kernels.cpu_linear import CpuLinearKernel
 
 KernelT = TypeVar("KernelT")
 KERNEL_DTYPES = cpu_linear.DTYPES  # float32 and bfloat16: every CPU kernel takes both

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import CpuLinearKernel
+from hicache.kernels.cpu_linear import CpuLinearKernel
 
 
 def make_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -139,7 +139,7 @@ class Linear(nn.Module):
       rows or more take a oneDNN copy too, where its bits are the kernel's.
     - bfloat16 on the same kernel: float32 sums over the input pairs, one rounding; on AMX
       0.6-0.9x the speed of oneDNN's bfloat16 matmul at 2,048 rows and 1.5-4x faster for decode
-      batches (kernels/cpu_linear.py), every call on the kernel.
+      batches (hicache/kernels/cpu_linear.py), every call on the kernel.
     - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
       reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
       505 -> 272 us), and a row's result does not depend on how many rows share the call

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
-from kernels.cpu_layer import CpuLayerKernel, check_positions
-from kernels.cpu_linear import CpuLinearKernel
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import KERNEL_DTYPES

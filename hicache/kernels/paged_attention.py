@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda_utils import import_cupy, raw_module
+from hicache.kernels.cuda_utils import import_cupy, raw_module
 
 _KERNEL_FILE = "paged_attention.cu"
 _KERNELS = {

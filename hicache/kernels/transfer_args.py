@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.layouts import PAGE_FIRST
+from hicache.kernels.layouts import PAGE_FIRST
 
 
 class Transfer(NamedTuple):

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from hicache.kernels import cpu_build
 
-_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_SOURCE = Path(__file__).with_name("src") / "cpu_attention.c"
 _SYMBOLS = {torch.float32: "hicache_paged_attention_f32",
             torch.bfloat16: "hicache_paged_attention_bf16"}
 DTYPES = tuple(_SYMBOLS)

@@ -35,10 +35,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import transfer_kv_cuda
-from kernels.cuda_utils import as_torch_stream
-from kernels.layouts import HOST_LAYOUTS, LAYER_FIRST, PAGE_FIRST
-from kernels.transfer_args import Transfer
+from hicache.kernels import transfer_kv_cuda
+from hicache.kernels.cuda_utils import as_torch_stream
+from hicache.kernels.layouts import HOST_LAYOUTS, LAYER_FIRST, PAGE_FIRST
+from hicache.kernels.transfer_args import Transfer
 
 __all__ = ["HOST_LAYOUTS", "LAYER_FIRST", "PAGE_FIRST", "d2h_pages", "h2d_pages", "page_runs"]
 BACKENDS = ("reference", "direct", "cuda")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parent
+KERNEL_DIR = Path(__file__).resolve().parent / "src"  # the repository's kernels/ folder
 
 # Where a CUDA toolkit lives when its bin/ is not on PATH (the NVIDIA installers' default).
 DEFAULT_CUDA_HOME = "/usr/local/cuda"

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_build
+from hicache.kernels import cpu_build
 
-_SOURCE = Path(__file__).with_name("cpu_linear.c")
+_SOURCE = Path(__file__).with_name("src") / "cpu_linear.c"
 PANEL = 64  # outputs per panel: must match NR in cpu_linear.c
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_PATHS = ("avx512f", "avx512bf16", "amx")  # the ISA_ values of cpu_linear.c, in order

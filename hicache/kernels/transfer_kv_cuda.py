@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_device_async
-from kernels.layouts import PAGE_FIRST
+from hicache.kernels.cuda_utils import as_torch_stream, import_cupy, raw_module, to_device_async
+from hicache.kernels.layouts import PAGE_FIRST
 
 if TYPE_CHECKING:
-    from kernels.transfer_args import Transfer
+    from hicache.kernels.transfer_args import Transfer
 
 # CUDA launch shape: one warp per chunk, 8 warps per block, and at most this many blocks per SM
 # (enough 16-byte requests in flight to fill PCIe / C2C, leaving SMs to concurrent compute).

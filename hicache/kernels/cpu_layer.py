@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_build
+from hicache.kernels import cpu_build
 
-_SOURCE = Path(__file__).with_name("cpu_layer.c")
+_SOURCE = Path(__file__).with_name("src") / "cpu_layer.c"
 
 
 DTYPES = (torch.float32, torch.bfloat16)
