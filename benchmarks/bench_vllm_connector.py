@@ -85,6 +85,7 @@ def one_by_one(base_url: str, batch: list[list[int]]) -> list[dict[str, Any]]:
 
 
 def lmdb_pages(path: Path) -> int:
+    """Pages in the LMDB store at `path`, read beside the server that writes it."""
     if not (path / "data.mdb").exists():
         return 0
     with lmdb.open(str(path), max_dbs=2, readonly=True) as env:

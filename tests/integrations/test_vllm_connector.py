@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_vs_vllm as bv
+from bench_vllm_connector import lmdb_pages
 from redis_fixtures import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.integrations
@@ -80,15 +81,6 @@ def complete(base_url: str, prompt: list[int]) -> tuple[list[str], int]:
         out = json.load(resp)
     tokens = out["choices"][0]["logprobs"]["tokens"]
     return tokens, out["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def lmdb_pages(path: Path) -> int:
-    if not (path / "data.mdb").exists():
-        return 0
-    with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
-        db = env.open_db(b"pages", create=False)
-        with env.begin(db=db) as txn:
-            return txn.stat(db)["entries"]
 
 
 def wait_for(count: Any, want: int) -> None:
