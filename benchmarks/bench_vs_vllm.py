@@ -491,20 +491,23 @@ def calibrate(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "errors": errors[:bm.ERRORS_SHOWN]}
 
 
-def workload_args(args: argparse.Namespace, label: str = "") -> argparse.Namespace:
-    """`bench_multiturn`'s arguments for this driver's multi-turn workload."""
+def workload_args(args: argparse.Namespace, label: str = "",
+                  no_reuse: bool = False) -> argparse.Namespace:
+    """`bench_multiturn`'s arguments for this driver's multi-turn workload (`no_reuse`:
+    prompts of the same lengths that share nothing)."""
     return bm.parse_args([
         "--num-clients", str(args.clients), "--num-rounds", str(args.rounds),
         "--request-length", str(args.request_length), "--output-length", str(args.output_length),
         "--system-prompt-length", str(args.system_prompt_length),
         "--max-parallel", str(args.clients), "--seed", str(args.seed), "--label", label,
-        "--quiet"])
+        "--quiet", *(["--no-reuse"] if no_reuse else [])])
 
 
-def multiturn(base_url: str, args: argparse.Namespace, label: str) -> dict[str, Any]:
+def multiturn(base_url: str, args: argparse.Namespace, label: str,
+              no_reuse: bool = False) -> dict[str, Any]:
     """The multi-turn workload against one server: bench_multiturn's summary, the mean TTFT
     of rounds >= 2, and per request its chat, round, TTFT, cached tokens and answer."""
-    wargs = workload_args(args, label)
+    wargs = workload_args(args, label, no_reuse)
     runner = CompletionsRunner(wargs, bm.make_workload(wargs), range(1, args.rounds + 1),
                                lambda turn: base_url)
     duration = asyncio.run(runner.run())

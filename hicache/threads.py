@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
+BACKGROUND_NICENESS = 19  # work that may wait for idle cores: Linux's lowest priority
 
 
 @cache
@@ -52,4 +55,19 @@ def one_openmp_thread() -> bool:
         logger.debug("no OpenMP runtime found: this thread keeps torch's thread count")
         return False
     lib.omp_set_num_threads(1)
+    return True
+
+
+def background_priority(niceness: int = BACKGROUND_NICENESS) -> bool:
+    """Lower the calling thread's CPU priority to `niceness` (on Linux a thread's nice value
+    is its own): work that may wait, such as writing pages to L3, then runs on the cores the
+    serving path leaves idle instead of taking a share of them. Whether that was possible."""
+    if not hasattr(os, "setpriority"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError as err:
+        logger.debug("cannot lower this thread's priority: %s", err)
+        return False
     return True

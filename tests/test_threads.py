@@ -1,13 +1,15 @@
-"""hicache.threads: a background thread's torch ops run on that thread alone."""
+"""hicache.threads: a background thread's torch ops run on that thread alone, and its
+priority can be lowered without touching the others'."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
-from hicache.threads import _openmp, one_openmp_thread
+from hicache.threads import BACKGROUND_NICENESS, _openmp, background_priority, one_openmp_thread
 
 
 @pytest.mark.skipif(_openmp() is None, reason="no OpenMP runtime loaded")
@@ -27,3 +29,19 @@ def test_one_openmp_thread_limits_only_the_calling_thread() -> None:
     assert ok and threads == 1
     assert total.item() == pytest.approx(499999500000.0, rel=1e-6)  # ops still work
     assert torch.get_num_threads() == before  # this thread keeps its count
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
+def test_background_priority_lowers_only_the_calling_thread() -> None:
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[tuple[bool, int]] = []
+
+    def worker() -> None:
+        ok = background_priority()
+        seen.append((ok, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [(True, max(BACKGROUND_NICENESS, mine))]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

@@ -21,6 +21,7 @@ import torch
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.storage.page_format import PageCodec
+from hicache.threads import background_priority
 
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
 WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
@@ -164,6 +165,7 @@ class ConnectorWorker:
             self._writes.put((keys, rows[:take]))
 
     def _write_loop(self) -> None:
+        background_priority()  # the forward pass keeps the cores; L3 takes what it leaves
         while True:
             item = self._writes.get()
             if item is None:
