@@ -59,15 +59,24 @@ def one_openmp_thread() -> bool:
 
 
 def background_priority(niceness: int = BACKGROUND_NICENESS) -> bool:
-    """Lower the calling thread's CPU priority to `niceness` (on Linux a thread's nice value
-    is its own): work that may wait, such as writing pages to L3, then runs on the cores the
-    serving path leaves idle instead of taking a share of them. Whether that was possible."""
+    """Make the calling thread's CPU time the cores' leftovers: Linux's SCHED_IDLE policy
+    (it runs only when nothing else wants the core, and any other thread that wakes takes
+    the core at once) at nice `niceness` (on Linux a thread's policy and nice value are its
+    own). Work that may wait, such as writing pages to L3, then never holds up the forward
+    pass's threads, which meet at a barrier after every op: a thread that is merely
+    lower-priority still runs out its time slice before one of them gets the core back.
+    Whether the priority could be lowered (False where the OS has no such call)."""
     if not hasattr(os, "setpriority"):
         return False
+    tid = threading.get_native_id()
     try:
-        tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
     except OSError as err:
         logger.debug("cannot lower this thread's priority: %s", err)
         return False
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as err:
+            logger.debug("cannot make this thread SCHED_IDLE: %s", err)
     return True

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hicache.config import ConfigError
+from hicache.integrations import vllm_worker
 from hicache.integrations.vllm_scheduler import ConnectorScheduler
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
@@ -100,6 +101,29 @@ def test_l2_serves_a_prefix_without_a_store(tmp_path: Path) -> None:
     assert same(server.block(0), computed[0]) and same(server.block(1), computed[1])
     assert server.worker.counters["l2_loaded_pages"] == 2
     server.close()
+
+
+def test_staging_buffers_smaller_than_a_step_move_every_page(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pages per staging buffer, three free ones kept: a step's saves and loads (from
+    L2 and from L3) go through several buffers, reused, and every block arrives whole."""
+    page = LAYERS * GEOMETRY.layer_block_bytes
+    monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", 2 * page + 1)
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    assert first.worker._staging.pages == 2
+    assert first.prefill("b", PROMPT, [0, 1, 2, 4, 6]) == 4 * BLOCK  # from L2
+    assert all(same(first.block(b), c) for b, c in zip((0, 1, 2, 4), computed))
+    assert first.worker.counters["l2_loaded_pages"] == 4
+    first.close()
+    assert len(first.worker._staging._free) <= vllm_worker.STAGING_KEPT_CHUNKS
+    again = Server(tmp_path / "l3", seed=2)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK  # from L3
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.worker.counters["l3_loaded_pages"] == 4
+    assert again.worker.take_load_errors() == set()
+    again.close()
 
 
 def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
