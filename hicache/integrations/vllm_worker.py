@@ -155,21 +155,25 @@ class ConnectorWorker:
             finally:
                 self._staging.give(chunk)
             self.counters["l2_loaded_pages"] += len(run)
+        bad = 0
         for start in self._chunks(len(from_l3)):
-            self._load_l3(from_l3[start:start + self._staging.pages])
+            bad += self._load_l3(from_l3[start:start + self._staging.pages])
+        if bad:
+            logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
+                           "or failed their checksum): vLLM recomputes them", bad, len(from_l3))
 
-    def _load_l3(self, loads: list[PageLoad]) -> None:
+    def _load_l3(self, loads: list[PageLoad]) -> int:
         """L3's pages (at most a staging buffer's) into their blocks through the buffer,
         each checked (header and checksum) before it is copied; a page L3 cannot give is a
-        load error (vLLM recomputes its block and those after it)."""
+        load error (vLLM recomputes its block and those after it). How many were."""
         assert self._staging is not None
         chunk = self._staging.take()
         try:
-            self._load_l3_through(loads, chunk)
+            return self._load_l3_through(loads, chunk)
         finally:
             self._staging.give(chunk)
 
-    def _load_l3_through(self, loads: list[PageLoad], chunk: torch.Tensor) -> None:
+    def _load_l3_through(self, loads: list[PageLoad], chunk: torch.Tensor) -> int:
         store = self.c.store
         n = len(loads)
         staging = chunk[:n]
@@ -186,8 +190,7 @@ class ConnectorWorker:
         if bad:
             self.counters["load_errors"] += len(bad)
             self.load_errors.update(bad)
-            logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
-                           "or failed their checksum): vLLM recomputes them", len(bad), n)
+        return len(bad)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
