@@ -21,6 +21,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +32,7 @@ from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.storage.page_format import PageCodec
 from hicache.threads import background_priority
 
+T = TypeVar("T")
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
 WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
@@ -56,6 +60,20 @@ class _Staging:
         with self._lock:
             if len(self._free) < self._keep:
                 self._free.append(chunk)
+
+    @contextmanager
+    def lent(self) -> Iterator[torch.Tensor]:
+        """A buffer for the length of a `with` block."""
+        chunk = self.take()
+        try:
+            yield chunk
+        finally:
+            self.give(chunk)
+
+    def runs(self, items: Sequence[T]) -> Iterator[Sequence[T]]:
+        """`items` in runs of at most a buffer's pages."""
+        for start in range(0, len(items), self.pages):
+            yield items[start:start + self.pages]
 
 
 class ConnectorWorker:
@@ -108,18 +126,13 @@ class ConnectorWorker:
                                             name="hicache-l3-writer")
             self._writer.start()
 
-    def _chunks(self, n: int) -> range:
-        """Starts of the staging-buffer-sized runs of `n` pages."""
-        assert self._staging is not None
-        return range(0, n, self._staging.pages)
-
     def _gather(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """Blocks `block_ids` of every layer into `pages` ([n, layers, bytes] uint8, CPU).
         Each layer's rows are copied in its own dtype (a byte-wise copy of a strided view is
         many times slower), on the CPU straight into the buffer."""
         n = len(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, kv in enumerate(self.layers):
-            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
             dst = pages[:, layer].view(kv.dtype).view(n, *kv.shape[1:])
             if kv.is_cuda:
                 dst.copy_(kv.index_select(0, index), non_blocking=False)
@@ -129,8 +142,8 @@ class ConnectorWorker:
     def _scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
         n = len(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, kv in enumerate(self.layers):
-            index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
             rows = pages[:, layer].view(kv.dtype).view(n, *kv.shape[1:])
             kv.index_copy_(0, index, rows.to(kv.device, non_blocking=True))
         if self.layers and self.layers[0].is_cuda:  # the staging buffer is reused next
@@ -144,36 +157,29 @@ class ConnectorWorker:
         from_l2 = [x for x in loads if x.slot is not None]
         from_l3 = [x for x in loads if x.slot is None]
         assert self._staging is not None
-        for start in self._chunks(len(from_l2)):
-            run = from_l2[start:start + self._staging.pages]
-            chunk = self._staging.take()
-            try:
+        for run in self._staging.runs(from_l2):
+            with self._staging.lent() as chunk:
                 pages = chunk[:len(run)]
                 slots = torch.tensor([x.slot for x in run], dtype=torch.long)
                 torch.index_select(_words(self.host), 0, slots, out=_words(pages))
                 self._scatter([x.block_id for x in run], pages)
-            finally:
-                self._staging.give(chunk)
             self.counters["l2_loaded_pages"] += len(run)
         bad = 0
-        for start in self._chunks(len(from_l3)):
-            bad += self._load_l3(from_l3[start:start + self._staging.pages])
+        for run in self._staging.runs(from_l3):
+            bad += self._load_l3(run)
         if bad:
             logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
                            "or failed their checksum): vLLM recomputes them", bad, len(from_l3))
 
-    def _load_l3(self, loads: list[PageLoad]) -> int:
-        """L3's pages (at most a staging buffer's) into their blocks through the buffer,
-        each checked (header and checksum) before it is copied; a page L3 cannot give is a
-        load error (vLLM recomputes its block and those after it). How many were."""
+    def _load_l3(self, loads: Sequence[PageLoad]) -> int:
+        """L3's pages (at most a staging buffer's) into their blocks through a buffer, each
+        checked (header and checksum) before it is copied; a page L3 cannot give is a load
+        error (vLLM recomputes its block and those after it). How many were."""
         assert self._staging is not None
-        chunk = self._staging.take()
-        try:
+        with self._staging.lent() as chunk:
             return self._load_l3_through(loads, chunk)
-        finally:
-            self._staging.give(chunk)
 
-    def _load_l3_through(self, loads: list[PageLoad], chunk: torch.Tensor) -> int:
+    def _load_l3_through(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> int:
         store = self.c.store
         n = len(loads)
         staging = chunk[:n]
@@ -204,10 +210,10 @@ class ConnectorWorker:
         if not saves or not self.layers:
             return
         assert self._staging is not None
-        for start in self._chunks(len(saves)):
-            self._save_run(saves[start:start + self._staging.pages])
+        for run in self._staging.runs(saves):
+            self._save_run(run)
 
-    def _save_run(self, saves: list[PageSave]) -> None:
+    def _save_run(self, saves: Sequence[PageSave]) -> None:
         assert self._staging is not None
         chunk = self._staging.take()
         rows = chunk[:len(saves)]  # [n, layers, bytes]
