@@ -12,6 +12,8 @@ from test_engine import GREEDY, conversations, engine, tiered
 
 import hicache.storage.tier_race as tier_module
 from hicache.storage.cost import FetchCost, PrefillCost
+from hicache.storage.fetch_queue import FETCH_BATCH_PAGES
+from hicache.storage.race import race_batch_pages
 
 PAGE = 16
 PROMPT = conversations()[0][2]          # 232 tokens
@@ -186,8 +188,34 @@ def test_a_cold_race_gives_the_tokens_of_recomputation(tmp_path, reference) -> N
         assert fetched == 0 and storage["recomputed_hit_tokens"] == HIT_PAGES * PAGE
 
 
+def test_a_raced_tail_is_fetched_in_calls_of_a_few_pages(tmp_path, reference,
+                                                        monkeypatch) -> None:
+    """The fetched tail of a race comes in RACE_BATCHES calls or more, so that its pages
+    arrive, and are counted, while the head is computed; the answer is recomputation's."""
+    head = 2
+    with tiered(tmp_path) as e:
+        e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        e.flush_cache(["device", "host"])
+        force_head(e, head, monkeypatch)
+        backend, calls = e.cache.storage.io.backend, []
+        inner_get = backend.batch_get
+
+        def counted(keys, host_pool, host_indices):
+            calls.append(len(keys))
+            return inner_get(keys, host_pool, host_indices)
+
+        monkeypatch.setattr(backend, "batch_get", counted)
+        again = e.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        check_integrity(e)
+    assert again["output_ids"] == reference
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == (HIT_PAGES - head) * PAGE
+    size = race_batch_pages(HIT_PAGES - head, FETCH_BATCH_PAGES)
+    assert size < HIT_PAGES - head and calls and max(calls) == size
+    assert sum(calls) == HIT_PAGES - head
+
+
 def test_a_race_against_a_stalled_link_computes_the_hit(tmp_path, reference) -> None:
-    """A link on which the hit's one batch takes seconds: the compute side takes page after
+    """A link on which the hit's pages take seconds: the compute side takes page after
     page, reaches the end with nothing fetched, and the request goes on as a recompute."""
     with tiered(tmp_path) as probe:
         page_bytes = probe.cache.host_pool.page_bytes

@@ -197,6 +197,29 @@ def test_a_reverse_fetch_goes_back_to_front_above_its_floor(pool) -> None:
         io.close()
 
 
+def test_a_reverse_fetch_in_small_batches_counts_each_as_it_arrives(pool) -> None:
+    """A race's fetch in batches of its own size: back to front, none below the floor, the
+    trailing pages counted batch by batch (the compute side sees the rate early)."""
+    backend = ScriptedBackend()
+    pages, floor, batch = 24, 6, 5
+    second = key("op", pages - 2 * batch)
+    backend.hold[second], backend.entered[second] = threading.Event(), threading.Event()
+    io = controller(backend, pool, workers=1)
+    try:
+        op = op_of("op", pages, pool, reverse=True)
+        io.fetch(op, floor=floor, batch_pages=batch)
+        assert backend.entered[second].wait(WAIT_S)
+        assert io.progress(op).completed == batch  # the last batch is in, the next in flight
+        backend.hold[second].set()
+        assert op.finished.wait(WAIT_S)
+        assert [len(call) for call in backend.calls] == [5, 5, 5, 3]
+        assert [call[0] for call in backend.calls] == [
+            key("op", 19), key("op", 14), key("op", 9), key("op", floor)]
+        assert op.completed_pages == pages - floor
+    finally:
+        io.close()
+
+
 def test_a_reverse_fetch_stops_at_its_last_missing_page(pool) -> None:
     """A miss in a back-to-front fetch ends it there: the pages below cannot join the suffix."""
     backend = ScriptedBackend()

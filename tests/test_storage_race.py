@@ -7,11 +7,13 @@ import pytest
 
 from hicache.storage.race import (
     FIRST_SHARE,
+    RACE_BATCHES,
     FetchRate,
     Race,
     fetch_rate,
     first_target,
     next_target,
+    race_batch_pages,
 )
 
 HIT = 128
@@ -29,6 +31,13 @@ def test_the_first_target_is_the_plan_or_a_share_and_short_of_the_end() -> None:
     assert first_target(HIT, HIT) == HIT - 1
     assert first_target(3, None) == 1
     assert first_target(1, None) == 0  # one page: nothing to race over
+
+
+def test_a_raced_fetch_comes_in_several_calls_of_at_most_a_whole_fetchs_batch() -> None:
+    assert race_batch_pages(24, 32) == 3  # 8 calls: the first arrives an eighth of the way
+    assert race_batch_pages(RACE_BATCHES * 100, 32) == 32
+    assert race_batch_pages(3, 32) == 1
+    assert race_batch_pages(0, 32) == 1
 
 
 def test_the_head_is_final_where_the_fetched_suffix_reaches_it() -> None:

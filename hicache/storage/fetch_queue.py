@@ -99,6 +99,7 @@ class FetchBatches:
 
     total: int                  # pages to fetch: len(host_indices) // page_size
     reverse: bool = False       # back to front
+    batch_pages: int = FETCH_BATCH_PAGES  # pages per batch handed out
     next: int = 0               # the edge of the pages not handed out yet
     stop: int = 0               # no batch at or past this page (forward), below it (reverse)
     in_flight: int = 0          # batches a worker holds
@@ -108,20 +109,21 @@ class FetchBatches:
     started_at: float | None = None
 
     @classmethod
-    def of(cls, total: int, reverse: bool) -> FetchBatches:
-        return cls(total, reverse, next=total if reverse else 0, stop=0 if reverse else total)
+    def of(cls, total: int, reverse: bool, batch_pages: int) -> FetchBatches:
+        return cls(total, reverse, batch_pages, next=total if reverse else 0,
+                   stop=0 if reverse else total)
 
     def left(self) -> bool:
         """Whether a batch is left to hand out."""
         return self.next > self.stop if self.reverse else self.next < self.stop
 
-    def hand_out(self, batch_pages: int) -> tuple[int, int]:
+    def hand_out(self) -> tuple[int, int]:
         """The next batch `[start, end)`."""
         if self.reverse:
-            start, end = max(self.stop, self.next - batch_pages), self.next
+            start, end = max(self.stop, self.next - self.batch_pages), self.next
             self.next = start
         else:
-            start, end = self.next, min(self.stop, self.next + batch_pages)
+            start, end = self.next, min(self.stop, self.next + self.batch_pages)
             self.next = end
         return start, end
 
@@ -170,10 +172,12 @@ class FetchQueue:
         self._cv = threading.Condition()
         self._closed = False
 
-    def put(self, op: PrefetchOp, floor: int = 0) -> None:
+    def put(self, op: PrefetchOp, floor: int = 0, batch_pages: int | None = None) -> None:
+        """Queue `op`'s fetch (none below page `floor` when reversed), in batches of
+        `batch_pages` (None: the queue's)."""
         total = len(op.host_indices) // self.page_size
         with self._cv:
-            op.fetch = FetchBatches.of(total, op.reverse)
+            op.fetch = FetchBatches.of(total, op.reverse, batch_pages or self.batch_pages)
             if op.reverse:
                 op.fetch.stop = min(total, max(0, floor))
             if op.cancelled or total == 0:
@@ -192,7 +196,7 @@ class FetchQueue:
                     if op.cancelled or not f.left():
                         self._maybe_finish(op)
                         continue
-                    start, end = f.hand_out(self.batch_pages)
+                    start, end = f.hand_out()
                     f.in_flight += 1
                     if f.started_at is None:
                         f.started_at = time.monotonic()

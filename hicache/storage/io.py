@@ -101,11 +101,12 @@ class StorageController:
         """Ask storage how many of `op.hashes` it holds (sets `op.hit_pages`, `op.queried`)."""
         self._query_q.put(lambda: self._query(op))
 
-    def fetch(self, op: PrefetchOp, floor: int = 0) -> None:
+    def fetch(self, op: PrefetchOp, floor: int = 0, batch_pages: int | None = None) -> None:
         """Fetch pages `op.fetch_base + i` of `op.hashes` into page i of `op.host_indices`,
         for the `len(op.host_indices) // page_size` pages it holds (back to front when
-        `op.reverse`, none below page `floor` of `op.hashes`)."""
-        self._fetches.put(op, floor - op.fetch_base)
+        `op.reverse`, none below page `floor` of `op.hashes`), `batch_pages` a call (None:
+        FETCH_BATCH_PAGES)."""
+        self._fetches.put(op, floor - op.fetch_base, batch_pages)
 
     def limit(self, op: PrefetchOp, floor: int) -> None:
         """A back-to-front fetch hands out no batch below page `floor` of `op.hashes`."""

@@ -36,6 +36,12 @@ from typing import NamedTuple
 # computed beyond the meeting page is lost; large enough that its forward's fixed cost is a
 # small part of it. A 2,048-token hit computes 256 tokens before the first measured split.
 FIRST_SHARE = 1 / 8
+# A raced fetch comes in at least this many calls: its pages arrive, and its rate is
+# measured, while the compute side still has work to size by them. Fetched in the batches of
+# a whole fetch (32 pages), a race's tail of 24 pages over a slow link arrives in one call
+# at its very end, so the compute side reaching its target sees nothing yet, computes on
+# into pages the call brings, and the race costs more than a recompute.
+RACE_BATCHES = 8
 
 
 @dataclass(eq=False)
@@ -71,6 +77,12 @@ def first_target(hit_pages: int, planned: int | None) -> int:
         return 0
     head = planned if planned else math.ceil(hit_pages * FIRST_SHARE)
     return min(max(1, head), hit_pages - 1)
+
+
+def race_batch_pages(fetch_pages: int, largest: int) -> int:
+    """Pages per call of a raced fetch of `fetch_pages` pages: RACE_BATCHES calls at
+    least, each no larger than `largest` (a whole fetch's batch) nor smaller than a page."""
+    return min(largest, max(1, math.ceil(fetch_pages / RACE_BATCHES)))
 
 
 class FetchRate(NamedTuple):

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 from hicache.events.schema import MEDIUM_DISK
 from hicache.pages import page_count
 from hicache.policies import PREFETCH_POLICIES, check_choice
-from hicache.storage.fetch_queue import PrefetchOp, PrefetchState
+from hicache.storage.fetch_queue import FETCH_BATCH_PAGES, PrefetchOp, PrefetchState
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import StorageController
 from hicache.storage.planner import CostEstimates, FetchPlanner
-from hicache.storage.race import Race, first_target
+from hicache.storage.race import Race, first_target, race_batch_pages
 from hicache.storage.tier_race import HeadRace
 from hicache.storage.tier_state import KnownStored, Resume, StorageCounters
 from hicache.tree.node import node_hashes
@@ -247,10 +247,12 @@ class StorageTier(HeadRace):
         if host is None:
             return self._done(op)
         op.host_indices, op.state = host, PrefetchState.FETCHING
+        batch = None
         if head:
             op.fetch_base, op.reverse = hit - pages, True
             op.race = Race(hit, head, planned_s=op.planned_race_s, started_s=time.monotonic())
-        self.io.fetch(op, floor=head)
+            batch = race_batch_pages(hit - head, FETCH_BATCH_PAGES)
+        self.io.fetch(op, floor=head, batch_pages=batch)
         return None
 
     def _recomputed(self, op: PrefetchOp, hit: int) -> None:
