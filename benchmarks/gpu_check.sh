@@ -25,8 +25,9 @@ per_test=()  # a hung test fails with its traceback instead of eating the whole 
 tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_attention.py
        tests/test_flashinfer_attention.py tests/test_transfer.py
        tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
-       tests/test_server_process.py)
-# The server-process tests start `python -m server.launch` with `model.device: cuda`.
+       tests/test_server_process.py tests/test_vllm_connector_sides.py)
+# The server-process tests start `python -m server.launch` with `model.device: cuda`; the vLLM
+# connector's worker side copies blocks of caches on the GPU through pinned buffers.
 HICACHE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-400}" "$PY" -m pytest -q -rs \
   -p no:cacheprovider "${per_test[@]}" --junitxml="$RESULTS/gpu_tests.xml" "${tests[@]}" \
   > "$RESULTS/gpu_tests.log" 2>&1

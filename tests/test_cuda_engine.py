@@ -12,6 +12,7 @@ from test_engine import GREEDY, conversations, run_workload
 from hicache.transfer.engines import CudaTransferEngine
 from server.config import load_config
 from server.engine import Engine
+from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 
@@ -43,6 +44,9 @@ def test_the_gpu_engine_uses_the_cuda_paths(tmp_path) -> None:
         assert e.cache.host_pool.is_pinned
         assert isinstance(e.cache.controller.transfer, CudaTransferEngine)
         backend = e.loaded.model.attn_backend
+        if flashinfer_available():  # the CUDA default; float32 pools take its fallback
+            assert isinstance(backend, FlashInferAttention)
+            backend = backend._fallback
         assert type(backend).__name__ == "CudaPagedAttention"
 
 
@@ -101,3 +105,56 @@ def test_gpu_engine_matches_transformers_greedy_generation() -> None:
             logits = model(torch.tensor([ids], device="cuda")).logits
             ids.append(int(logits[0, -1].argmax()))
     assert ours == ids[len(prompt):]
+
+
+# bfloat16 through FlashInfer (the CUDA default where `flashinfer` imports): every tier move
+# gives the tokens FlashInfer's own recomputation gives. FlashInfer's prefill on sm90
+# computes a query row over the same key tiles whatever the other rows of its batch, and the
+# workload runs one request at a time, so a cached prefix and a recomputed one hold the same
+# bits.
+needs_flashinfer = pytest.mark.skipif(not flashinfer_available(),
+                                      reason="flashinfer-python not installed (make gpu-check)")
+BF16 = {"model.dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def flashinfer_reference() -> list[list[int]]:
+    with cuda_engine(**BF16, **{"cache.enable_radix_cache": False}) as e:
+        assert isinstance(e.loaded.model.attn_backend, FlashInferAttention)
+        return run_workload(e)
+
+
+def flush_device_and_host(e: Engine) -> None:
+    e.flush_cache(["device", "host"])
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("tiers", ["l1", "l2", "l3"])
+def test_flashinfer_bfloat16_gives_the_tokens_of_its_recomputation(
+        tmp_path, flashinfer_reference, tiers: str) -> None:
+    overrides = {"l1": {}, "l2": {"cache.max_total_tokens": 256, "storage.backend": "none",
+                                   "host.ratio": 8.0}, "l3": {}}[tiers]
+    between = flush_device_and_host if tiers == "l3" else None
+    with tiered_cuda(tmp_path, **BF16, **overrides) as e:
+        backend = e.loaded.model.attn_backend
+        assert isinstance(backend, FlashInferAttention)
+        assert run_workload(e, between_turns=between) == flashinfer_reference
+        stats = e.stats()
+    if tiers == "l1":
+        assert stats["counters"]["cached_device"] > 0
+    if tiers == "l2":
+        assert stats["tiers"]["host"]["load_back_tokens"] > 0
+    if tiers == "l3":
+        assert stats["tiers"]["storage"]["hits"] > 0
+
+
+@needs_flashinfer
+def test_flashinfer_bfloat16_restart_serves_the_prefix_from_disk(
+        tmp_path, flashinfer_reference) -> None:
+    prompt = conversations()[0][2]
+    with tiered_cuda(tmp_path, **BF16) as e:
+        first = e.generate(input_ids=prompt, sampling_params=GREEDY)
+    with tiered_cuda(tmp_path, **BF16) as e2:
+        again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["output_ids"] == first["output_ids"] == flashinfer_reference[6]
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == (len(prompt) - 1) // 16 * 16

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from hicache.memory.device import DeviceKVPool, slots_of
-from server.models.attention import ReferenceAttention, TorchAttention
+from server.models import EMBEDDED_TINY_LLAMA, load_model
+from server.models.attention import AttentionBackend, ReferenceAttention, TorchAttention
 from server.models.attention_choice import (
     CUDA_ATTENTION_ENV,
     make_attention_backend,
@@ -129,3 +130,53 @@ def test_flashinfer_matches_the_reference_on_the_pool(seqs, dtype: torch.dtype) 
     torch.testing.assert_close(got.float(), paged_kv_reference(
         q.float(), k_cache.float(), v_cache.float(), table, HEAD_DIM ** -0.5),
         rtol=2e-2, atol=2e-2)
+
+
+class Refuse(AttentionBackend):
+    """A fallback that fails the test: every layer of every batch went through FlashInfer."""
+
+    def forward(self, q, k, v, layer, batch, kv_pool):
+        raise AssertionError("FlashInferAttention fell back")
+
+
+@needs_flashinfer
+def test_the_model_in_bfloat16_through_flashinfer_stays_within_its_tolerance() -> None:
+    """The embedded Llama in bfloat16 on CUDA with FlashInfer for every batch: a whole
+    prefill, a cached prefix then its extend, and token-by-token decode, each against
+    float32 through SDPA over the same 250 tokens: logits within 5% of their scale, the same
+    argmax at >= 95% of positions, a differing argmax only where float32's top two were within
+    the bound (the CPU's bfloat16 rule, tests/test_model.py)."""
+    f32 = load_model(EMBEDDED_TINY_LLAMA, dtype="float32", device="cuda")
+    f32.model.attn_backend = TorchAttention()
+    b16 = load_model(EMBEDDED_TINY_LLAMA, dtype="bfloat16", device="cuda")
+    b16.model.attn_backend = FlashInferAttention(fallback=Refuse())
+    c = f32.config
+
+    def pool(dtype: torch.dtype) -> DeviceKVPool:
+        return DeviceKVPool(32, PAGE, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                            dtype, "cuda")
+
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(SEED))
+    tokens = prompt.cuda()
+    slots = pool(torch.float32).alloc(256)[:len(prompt)].cuda()
+
+    def logits(lm, kv: DeviceKVPool, prefix: int, end: int) -> torch.Tensor:
+        batch = ForwardBatch(tokens[prefix:end], torch.arange(prefix, end, device="cuda"),
+                             slots[prefix:end], [slots[:end]], [prefix], [end - prefix])
+        return lm.model.forward_all_logits(batch, kv).float()
+
+    ref = logits(f32, pool(torch.float32), 0, 250)
+    whole = logits(b16, pool(torch.bfloat16), 0, 250)
+    split_pool = pool(torch.bfloat16)
+    split = torch.cat([logits(b16, split_pool, 0, 128), logits(b16, split_pool, 128, 250)])
+    step_pool = pool(torch.bfloat16)
+    stepped = torch.cat([logits(b16, step_pool, 0, 200),
+                         *(logits(b16, step_pool, t, t + 1) for t in range(200, 250))])
+    bound = 0.05 * ref.abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    for low in (whole, split, stepped):
+        assert torch.isfinite(low).all()
+        assert (low - ref).abs().max().item() < bound
+        same = low.argmax(-1) == ref.argmax(-1)
+        assert same.float().mean().item() >= 0.95
+        assert ((top2[:, 0] - top2[:, 1])[~same] < 2 * bound).all()

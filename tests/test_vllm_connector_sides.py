@@ -6,6 +6,7 @@ forward, save after it. vLLM itself runs them in tests/integrations/test_vllm_co
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +28,13 @@ from hicache.integrations.vllm_settings import (
 from hicache.integrations.vllm_worker import ConnectorWorker
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 8, 4, 16
+# `make gpu-check` runs this file again with HICACHE_TEST_DEVICE=cuda: the caches on the GPU,
+# the host buffers pinned
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
+# vLLM's two layouts of a layer's cache: the block at dim 0 (its CPU backend), or K and V
+# first (FlashAttention on CUDA)
+LAYOUTS = {"blocks_first": (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM),
+           "kv_first": (2, NUM_BLOCKS, BLOCK, HEADS, DIM)}
 GEOMETRY = BlockGeometry(LAYERS, HEADS, DIM, BLOCK, "float32",
                          layer_block_bytes=HEADS * BLOCK * 2 * DIM * 4)
 PROMPT = list(range(100, 100 + 4 * BLOCK + 1))  # 4 whole blocks and one token
@@ -36,17 +44,18 @@ class Server:
     """One vLLM server's connector pair over `l3`, with its own KV caches."""
 
     def __init__(self, l3: Path | None, seed: int, fingerprint: str = "test-model",
-                 **extra: object) -> None:
+                 layout: str = "blocks_first", **extra: object) -> None:
         config = {"storage_backend": "none"} if l3 is None else {"lmdb": {"path": str(l3)}}
         settings = ConnectorSettings.from_extra_config({**config, **extra})
         g = torch.Generator().manual_seed(seed)
         self.kv = {f"model.layers.{i}.self_attn.attn":
-                   torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g)
+                   torch.randn(LAYOUTS[layout], generator=g).to(DEVICE)
                    for i in range(LAYERS)}
+        self.block_dim = 1 if layout == "kv_first" else 0
         self.scheduler = ConnectorScheduler(ConnectorSpace(settings, GEOMETRY, fingerprint))
         self.worker_space = ConnectorSpace(settings, GEOMETRY, fingerprint)
         self.worker = ConnectorWorker(self.worker_space, tp_rank=0)
-        self.worker.register(self.kv)
+        self.worker.register(self.kv, NUM_BLOCKS)
 
     def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> int:
         """One request through one step: its matched tokens (what vLLM would not compute)."""
@@ -67,7 +76,7 @@ class Server:
         return hit
 
     def block(self, block_id: int) -> list[torch.Tensor]:
-        return [kv[block_id].clone() for kv in self.kv.values()]
+        return [kv.select(self.block_dim, block_id).clone() for kv in self.kv.values()]
 
     def close(self) -> None:
         self.worker.close()
@@ -79,21 +88,25 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path) -> None:
-    first = Server(tmp_path / "l3", seed=1)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path,
+                                                                  layout: str) -> None:
+    first = Server(tmp_path / "l3", seed=1, layout=layout)
     assert first.prefill("a", PROMPT, [3, 5, 7, 9, 11]) == 0
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
-    again = Server(tmp_path / "l3", seed=2)
+    again = Server(tmp_path / "l3", seed=2, layout=layout)
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert not same(again.block(0), first.block(0))  # only the loaded blocks changed
     assert again.worker.counters["l3_loaded_pages"] == 4
     assert again.worker.take_load_errors() == set()
     again.close()
 
 
-def test_l2_serves_a_prefix_without_a_store(tmp_path: Path) -> None:
-    server = Server(None, seed=1)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_l2_serves_a_prefix_without_a_store(tmp_path: Path, layout: str) -> None:
+    server = Server(None, seed=1, layout=layout)
     server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
     computed = [server.block(b) for b in (3, 5)]
     longer = PROMPT[:2 * BLOCK] + [7] * (2 * BLOCK + 1)  # shares two blocks
@@ -109,7 +122,7 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     L2 and from L3) go through several buffers, reused, and every block arrives whole."""
     page = LAYERS * GEOMETRY.layer_block_bytes
     monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", 2 * page + 1)
-    first = Server(tmp_path / "l3", seed=1)
+    first = Server(tmp_path / "l3", seed=1, layout="kv_first")
     first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     assert first.worker._staging.pages == 2
@@ -118,7 +131,7 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     assert first.worker.counters["l2_loaded_pages"] == 4
     first.close()
     assert len(first.worker._staging._free) <= vllm_worker.STAGING_KEPT_CHUNKS
-    again = Server(tmp_path / "l3", seed=2)
+    again = Server(tmp_path / "l3", seed=2, layout="kv_first")
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK  # from L3
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert again.worker.counters["l3_loaded_pages"] == 4
@@ -185,3 +198,16 @@ def test_the_host_index_evicts_least_recent_but_not_what_a_step_reads() -> None:
 def test_bad_extra_config_names_the_key(extra: dict, key: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=key):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize("shape, num_blocks", [
+    ((NUM_BLOCKS, HEADS, BLOCK, DIM), NUM_BLOCKS),  # half a block: K only
+    ((2, 2, BLOCK, HEADS, DIM), None),  # two blocks, or K and V of two? unsaid
+    ((2, 2, BLOCK, HEADS, DIM), 2),  # both readings still fit
+])
+def test_a_layout_of_no_whole_blocks_is_refused_by_name(shape, num_blocks) -> None:
+    settings = ConnectorSettings.from_extra_config({"storage_backend": "none"})
+    worker = ConnectorWorker(ConnectorSpace(settings, GEOMETRY, "m"), tp_rank=0)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(LAYERS)}
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.attn"):
+        worker.register(kv, num_blocks)

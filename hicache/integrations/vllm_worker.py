@@ -82,7 +82,8 @@ class ConnectorWorker:
     def __init__(self, c: ConnectorSpace, tp_rank: int) -> None:
         self.c = c
         self.tp_rank = tp_rank
-        self.layers: list[torch.Tensor] = []  # each layer's cache, blocks at dim 0
+        self.layers: list[torch.Tensor] = []  # each layer's cache
+        self._block_dims: list[int] = []  # each layer's block dim: 0, or 1 after K / V
         self.host: torch.Tensor | None = None  # [slots, layers, layer block bytes] uint8
         self.load_errors: set[int] = set()
         self.counters = {"l2_loaded_pages": 0, "l3_loaded_pages": 0, "load_errors": 0,
@@ -95,18 +96,17 @@ class ConnectorWorker:
         self._writer: threading.Thread | None = None
         self._pin = False
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """vLLM's per-layer caches, in layer order: each a tensor whose dim 0 is the block
-        (`[num_blocks, ...]`), one block of one layer `layer_block_bytes` long."""
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        """vLLM's per-layer caches, in layer order, in either of vLLM's layouts: the block at
+        dim 0 (`[num_blocks, ...]`: the CPU backend, FlashInfer) or K and V first, then the
+        block (`[2, num_blocks, ...]`: FlashAttention on CUDA); one block of one layer is
+        `layer_block_bytes` long either way. `num_blocks` (vLLM's KV cache config) tells
+        the two apart where the bytes alone cannot."""
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[n] for n in names]
         want = self.c.geometry.layer_block_bytes
-        for name, kv in zip(names, layers):
-            got = kv[0].numel() * kv.element_size()
-            if got != want:
-                raise ValueError(f"hicache connector: layer {name}'s block is {got} bytes "
-                                 f"({tuple(kv.shape)}), the KV cache spec says {want}: a "
-                                 "layout it cannot copy whole blocks of")
+        self._block_dims = [_block_dim(name, kv, want, num_blocks)
+                            for name, kv in zip(names, layers)]
         if want % WORD_BYTES:
             raise ValueError(f"hicache connector: a layer's block is {want} bytes, not a "
                              f"multiple of {WORD_BYTES}")
@@ -129,12 +129,15 @@ class ConnectorWorker:
     def _gather(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """Blocks `block_ids` of every layer into `pages` ([n, layers, bytes] uint8, CPU).
         Each layer's rows are copied in its own dtype (a byte-wise copy of a strided view is
-        many times slower), on the CPU straight into the buffer."""
+        many times slower), on the CPU straight into the buffer. A `[2, blocks, ...]`
+        layer's block is stored as its K rows, then its V rows."""
         n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, kv in enumerate(self.layers):
-            dst = pages[:, layer].view(kv.dtype).view(n, *kv.shape[1:])
-            if kv.is_cuda:
+        for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
+            dst = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
+            if dim == 1:
+                dst.copy_(kv.index_select(1, index).transpose(0, 1))
+            elif kv.is_cuda:
                 dst.copy_(kv.index_select(0, index), non_blocking=False)
             else:
                 torch.index_select(kv, 0, index, out=dst)
@@ -143,9 +146,11 @@ class ConnectorWorker:
         """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
         n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, kv in enumerate(self.layers):
-            rows = pages[:, layer].view(kv.dtype).view(n, *kv.shape[1:])
-            kv.index_copy_(0, index, rows.to(kv.device, non_blocking=True))
+        for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
+            rows = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
+            if dim == 1:
+                rows = rows.transpose(0, 1)
+            kv.index_copy_(dim, index, rows.to(kv.device, non_blocking=True))
         if self.layers and self.layers[0].is_cuda:  # the staging buffer is reused next
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
@@ -288,3 +293,29 @@ def _layer_order(name: str) -> tuple[int, str]:
     """vLLM's layer names carry their index ("model.layers.11.self_attn.attn")."""
     digits = [int(part) for part in name.split(".") if part.isdigit()]
     return (digits[0] if digits else -1, name)
+
+
+def _block_dim(name: str, kv: torch.Tensor, block_bytes: int, num_blocks: int | None) -> int:
+    """0 where `kv` is `[num_blocks, ...]`, 1 where it is `[2, num_blocks, ...]` (K, V), by
+    where a block of `block_bytes` fits; ValueError for a layout it fits neither way, or
+    both ways with `num_blocks` not settling which."""
+    fits = []
+    if kv.dim() >= 2 and kv[0].numel() * kv.element_size() == block_bytes:
+        fits.append(0)
+    if kv.dim() >= 3 and kv.shape[0] == 2 and kv[:, 0].numel() * kv.element_size() == block_bytes:
+        fits.append(1)
+    if len(fits) > 1 and num_blocks is not None:  # [2, 2, ...]: two blocks, or K and V?
+        fits = [d for d in fits if kv.shape[d] == num_blocks]
+    if len(fits) != 1:
+        why = "either" if fits else "neither"
+        raise ValueError(f"hicache connector: layer {name}'s cache {tuple(kv.shape)} has "
+                         f"blocks of {block_bytes} bytes (the KV cache spec) at {why} dim 0 "
+                         "([num_blocks, ...]) or dim 1 ([2, num_blocks, ...]): a layout it "
+                         "cannot copy whole blocks of")
+    return fits[0]
+
+
+def _block_shape(kv: torch.Tensor, dim: int) -> tuple[int, ...]:
+    """One block of `kv` as a page stores it: `kv.shape[1:]`, or `(2, *kv.shape[2:])` for a
+    `[2, blocks, ...]` layer (its K block, then its V block)."""
+    return tuple(kv.shape[1:]) if dim == 0 else (2, *kv.shape[2:])

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's float workspace (its examples' size)
 HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer's prebuilt kernels cover
+DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer has no float32 attention
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,9 @@ def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 class FlashInferAttention(AttentionBackend):
     """Every CUDA batch through FlashInfer over the pool's pages (see the module
-    docstring); a batch whose slots are not whole pages, or a head dim FlashInfer's kernels
-    do not cover, through `fallback` (the CuPy decode kernel with SDPA for prefill)."""
+    docstring); a batch whose slots are not whole pages, a head dim FlashInfer's kernels
+    do not cover, or a float32 pool (FlashInfer computes in 16-bit types only), through
+    `fallback` (the CuPy decode kernel with SDPA for prefill)."""
 
     def __init__(self, fallback: AttentionBackend | None = None) -> None:
         import flashinfer  # the caller checked it imports (make_attention_backend)
@@ -135,7 +137,7 @@ class FlashInferAttention(AttentionBackend):
         """(the planned wrapper, or None for the fallback), once per batch."""
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
-        if dim not in HEAD_DIMS or heads % kv_heads:
+        if dim not in HEAD_DIMS or heads % kv_heads or k_cache.dtype not in DTYPES:
             return None
         table = paged_kv(batch, page_size)
         if table is None:
