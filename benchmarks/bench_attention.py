@@ -9,7 +9,9 @@ All read K/V through a slot table of scattered pages (as the engine's pool holds
                repeated (the engine's path on the CPU, and on CUDA without CuPy)
     kernel     kernels/paged_attention.cu, one launch for the batch (CUDA only)
     flashinfer `FlashInferAttention`: FlashInfer's paged decode over the pool's pages, planned
-               once per batch (CUDA with flashinfer-python; the engine's CUDA default)
+               once per batch (CUDA with flashinfer-python; the engine's CUDA default);
+               timed twice: a fresh batch per call (page table and plan included), and
+               one layer on a batch already planned (what each further layer costs)
 
 Prints a markdown table (microseconds per layer call and speed-ups over the per-sequence
 loop) and writes JSON. Without a GPU the kernel column stays empty and the table says so.
@@ -69,18 +71,24 @@ def torch_decode(q, k, v, table, lens, scale):
     return torch.stack(outs)
 
 
-def batched_decode(q, k, v, table, lens, scale, backend=None, page_size: int = 0):
-    """What TorchAttention (or `backend`) does for a decode batch, a fresh batch (and plan)
-    per call (its own scale: 1/sqrt(head_dim))."""
-    del scale
+def decode_batch(table, lens, q) -> ForwardBatch:
+    """The decode batch of `table`'s sequences (one new token each, its slot the last)."""
     seq_slots = [row[:n] for row, n in zip(table, lens.tolist())]
-    batch = ForwardBatch(
+    return ForwardBatch(
         input_ids=torch.zeros(len(seq_slots), dtype=torch.int64, device=q.device),
         positions=lens - 1, out_slots=torch.stack([s[-1] for s in seq_slots]),
         seq_slots=seq_slots, prefix_lens=[len(s) - 1 for s in seq_slots],
         extend_lens=[1] * len(seq_slots))
+
+
+def batched_decode(q, k, v, table, lens, scale, backend=None, page_size: int = 0, batch=None):
+    """What TorchAttention (or `backend`) does for a decode batch (its own scale:
+    1/sqrt(head_dim)): a fresh batch, so a fresh plan, per call unless `batch` is given (the
+    engine plans once per batch and runs every layer on that plan)."""
+    del scale
     pool = SimpleNamespace(get_kv=lambda layer: (k, v), page_size=page_size)
-    return (backend or TorchAttention()).forward(q, None, None, 0, batch, pool)
+    return (backend or TorchAttention()).forward(q, None, None, 0,
+                                                 batch or decode_batch(table, lens, q), pool)
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:
@@ -112,7 +120,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             batched = timed(functools.partial(batched_decode, *case), args.repeats, cuda)
             row = {"geometry": geom, "batch": args.batch, "seq_len": seq_len,
                    "device": device, "torch_s": ref, "batched_s": batched, "kernel_s": None,
-                   "max_abs_err": None, "flashinfer_s": None, "flashinfer_max_abs_err": None}
+                   "max_abs_err": None, "flashinfer_s": None, "flashinfer_layer_s": None,
+                   "flashinfer_max_abs_err": None}
             if cuda:
                 row["kernel_s"] = timed(functools.partial(paged_decode_attention, *case),
                                         args.repeats, cuda)
@@ -122,6 +131,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             if flashinfer is not None:
                 fn = functools.partial(batched_decode, *case, flashinfer, args.page_size)
                 row["flashinfer_s"] = timed(fn, args.repeats, cuda)
+                planned = decode_batch(table, lens, q)
+                row["flashinfer_layer_s"] = timed(
+                    functools.partial(fn, batch=planned), args.repeats, cuda)
                 row["flashinfer_max_abs_err"] = float(
                     (fn().float() - torch_decode(*case).float()).abs().max())
             rows.append(row)
@@ -131,8 +143,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 def table(rows: list[dict]) -> str:
     out = [("| geometry | batch | seq len | device | per-sequence µs | batched µs | batched "
            "speed-up | kernel µs | kernel speed-up | kernel max err | flashinfer µs | "
-           "flashinfer vs batched | flashinfer max err |"),
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "flashinfer vs batched | flashinfer max err | flashinfer layer µs (planned) | "
+           "kernel / flashinfer layer |"),
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cells = []
         for key, err, base in (("kernel_s", "max_abs_err", "torch_s"),
@@ -140,6 +153,9 @@ def table(rows: list[dict]) -> str:
             t = r.get(key)
             cells += (["", "", ""] if t is None else
                       [f"{t * 1e6:,.0f}", f"{r[base] / t:.1f}x", f"{r[err]:.1e}"])
+        layer, kernel = r.get("flashinfer_layer_s"), r.get("kernel_s")
+        cells += (["", ""] if layer is None else
+                  [f"{layer * 1e6:,.0f}", "" if kernel is None else f"{kernel / layer:.2f}x"])
         out.append(f"| {r['geometry']} | {r['batch']} | {r['seq_len']} | {r['device']} | "
                    f"{r['torch_s'] * 1e6:,.0f} | {r['batched_s'] * 1e6:,.0f} | "
                    f"{r['torch_s'] / r['batched_s']:.1f}x | " + " | ".join(cells) + " |")

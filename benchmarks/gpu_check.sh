@@ -5,6 +5,7 @@
 # elsewhere set PYTHON (and PYTHONPATH to the repository root).
 #   GPU_RESULTS   where JSON and logs go (default benchmarks/results)
 #   GPU_BENCHES   which benchmarks run (default "transfer attention prefill tier")
+#   GPU_TESTS     which test files run (default: every file with a CUDA path, below)
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
 RESULTS=${GPU_RESULTS:-benchmarks/results}
@@ -26,6 +27,7 @@ tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_a
        tests/test_flashinfer_attention.py tests/test_transfer.py
        tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
        tests/test_server_process.py tests/test_vllm_connector_sides.py)
+[ -n "${GPU_TESTS:-}" ] && read -r -a tests <<< "$GPU_TESTS"
 # The server-process tests start `python -m server.launch` with `model.device: cuda`; the vLLM
 # connector's worker side copies blocks of caches on the GPU through pinned buffers.
 HICACHE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-400}" "$PY" -m pytest -q -rs \

@@ -139,6 +139,11 @@ class Refuse(AttentionBackend):
         raise AssertionError("FlashInferAttention fell back")
 
 
+def use_backend(lm, backend: AttentionBackend) -> None:
+    for layer in lm.model.model.layers:
+        layer.self_attn.backend = backend
+
+
 @needs_flashinfer
 def test_the_model_in_bfloat16_through_flashinfer_stays_within_its_tolerance() -> None:
     """The embedded Llama in bfloat16 on CUDA with FlashInfer for every batch: a whole
@@ -147,9 +152,9 @@ def test_the_model_in_bfloat16_through_flashinfer_stays_within_its_tolerance() -
     argmax at >= 95% of positions, a differing argmax only where float32's top two were within
     the bound (the CPU's bfloat16 rule, tests/test_model.py)."""
     f32 = load_model(EMBEDDED_TINY_LLAMA, dtype="float32", device="cuda")
-    f32.model.attn_backend = TorchAttention()
+    use_backend(f32, TorchAttention())
     b16 = load_model(EMBEDDED_TINY_LLAMA, dtype="bfloat16", device="cuda")
-    b16.model.attn_backend = FlashInferAttention(fallback=Refuse())
+    use_backend(b16, FlashInferAttention(fallback=Refuse()))
     c = f32.config
 
     def pool(dtype: torch.dtype) -> DeviceKVPool:
