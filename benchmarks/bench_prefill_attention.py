@@ -12,7 +12,8 @@ as the engine holds them:
     kernel       on the CPU, float32, where it builds: `CpuKernelAttention`, the engine's
                  CPU default (kernels/cpu_attention.c: K/V read through the slots, no gather)
     flashinfer   on CUDA with flashinfer-python: `FlashInferAttention`, FlashInfer's paged
-                 prefill over the pool's pages (the engine's CUDA default)
+                 prefill over the pool's pages (the engine's CUDA default), planned each
+                 call; `flashinfer_layer` the same on a batch already planned
     contiguous   SDPA on K/V already contiguous, KV heads repeated, the same causal rule
                  (`is_causal`, or the lower-right bias past a prefix): the flash path's
                  speed with nothing to gather, the bound the engine is measured against
@@ -69,16 +70,21 @@ def make_case(prefix: int, extend: int, geom: str, page_size: int, device: str, 
     return q, k, v, slots.to(device)
 
 
-def engine(q, k, v, slots, prefix: int, backend: AttentionBackend, page_size: int):
-    """A fresh batch each call, as each forward pass builds its own plan."""
+def prefill_batch(q, slots, prefix: int) -> ForwardBatch:
     extend = q.shape[0]
-    batch = ForwardBatch(
+    return ForwardBatch(
         input_ids=torch.zeros(extend, dtype=torch.int64, device=q.device),
         positions=torch.arange(prefix, prefix + extend, device=q.device),
         out_slots=slots[prefix:], seq_slots=[slots], prefix_lens=[prefix],
         extend_lens=[extend])
+
+
+def engine(q, k, v, slots, prefix: int, backend: AttentionBackend, page_size: int,
+           batch: ForwardBatch | None = None):
+    """A fresh batch each call, as each forward pass builds its own plan, unless `batch`
+    (already planned: what each further layer of a forward costs)."""
     pool = SimpleNamespace(get_kv=lambda layer: (k, v), page_size=page_size)
-    return backend.forward(q, None, None, 0, batch, pool)
+    return backend.forward(q, None, None, 0, batch or prefill_batch(q, slots, prefix), pool)
 
 
 def contiguous(q, keys, values, prefix: int):
@@ -117,6 +123,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                 fn = functools.partial(engine, q, k, v, slots, prefix, backend, args.page_size)
                 row[f"{label}_s"] = timed(fn, args.repeats, cuda)
                 row[f"{label}_max_err"] = float((fn().float() - want.float()).abs().max())
+            if "flashinfer" in backends:  # a layer on a batch already planned
+                planned = functools.partial(engine, q, k, v, slots, prefix,
+                                            backends["flashinfer"], args.page_size,
+                                            prefill_batch(q, slots, prefix))
+                row["flashinfer_layer_s"] = timed(planned, args.repeats, cuda)
+                row["flashinfer_layer_max_err"] = float(
+                    (planned().float() - want.float()).abs().max())
             rows.append(row)
             print(f"{geom} {case}: " + ", ".join(
                 f"{label} {row[f'{label}_s'] * 1e3:.2f} ms" for label in (*backends, "contiguous")),

@@ -30,6 +30,12 @@ def tiered_cuda(tmp_path, **overrides) -> Engine:
                           "storage.prefetch_threshold": 32, **overrides})
 
 
+# A hit fetched whole (storage.overlap off) where a test counts the tokens L3 serves; the
+# default races a restarted server's first hit (its head computed while its tail is fetched),
+# and where the line falls is timing: then only the tokens and whole pages are checked.
+WHOLE = {"storage.overlap": False}
+
+
 @pytest.fixture(scope="module")
 def cuda_reference() -> list[list[int]]:
     """Recomputation on the GPU: no prefix cache at all."""
@@ -81,14 +87,25 @@ def test_gpu_prefixes_from_l3_after_flushing_l1_and_l2(tmp_path, cuda_reference,
         assert stats["tiers"]["storage"]["hits"] > 0
 
 
-def test_gpu_restart_serves_the_prefix_from_disk(tmp_path, cuda_reference) -> None:
+def check_restart(details: dict, prompt: list[int], overlap: bool) -> None:
+    whole = (len(prompt) - 1) // 16 * 16
+    assert details["device"] == details["host"] == 0
+    if overlap:
+        assert details["storage"] % 16 == 0 and details["storage"] <= whole
+    else:
+        assert details["storage"] == whole
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole", "raced"])
+def test_gpu_restart_serves_the_prefix_from_disk(tmp_path, cuda_reference, overlap) -> None:
     prompt = conversations()[0][2]
-    with tiered_cuda(tmp_path) as e:
+    mode = {} if overlap else WHOLE
+    with tiered_cuda(tmp_path, **mode) as e:
         first = e.generate(input_ids=prompt, sampling_params=GREEDY)
-    with tiered_cuda(tmp_path) as e2:
+    with tiered_cuda(tmp_path, **mode) as e2:
         again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
     assert again["output_ids"] == first["output_ids"] == cuda_reference[6]
-    assert again["meta_info"]["cached_tokens_details"]["storage"] == (len(prompt) - 1) // 16 * 16
+    check_restart(again["meta_info"]["cached_tokens_details"], prompt, overlap)
 
 
 def test_gpu_engine_matches_transformers_greedy_generation() -> None:
@@ -108,10 +125,11 @@ def test_gpu_engine_matches_transformers_greedy_generation() -> None:
 
 
 # bfloat16 through FlashInfer (the CUDA default where `flashinfer` imports): every tier move
-# gives the tokens FlashInfer's own recomputation gives. FlashInfer's prefill on sm90
-# computes a query row over the same key tiles whatever the other rows of its batch, and the
-# workload runs one request at a time, so a cached prefix and a recomputed one hold the same
-# bits.
+# gives the tokens FlashInfer's own recomputation gives on this workload (run on an H200,
+# 2026-12-04). A GPU does not promise it in general: cuBLAS picks its kernel by the row count,
+# so a prompt extended after a cached prefix and one recomputed whole can differ in the last
+# bits, and bfloat16 turns that into a flipped token at a near tie (seen once in
+# bench_tier_ttft's three prompts). On the CPU the kernels are batch-invariant by design.
 needs_flashinfer = pytest.mark.skipif(not flashinfer_available(),
                                       reason="flashinfer-python not installed (make gpu-check)")
 BF16 = {"model.dtype": "bfloat16"}
@@ -133,7 +151,7 @@ def flush_device_and_host(e: Engine) -> None:
 def test_flashinfer_bfloat16_gives_the_tokens_of_its_recomputation(
         tmp_path, flashinfer_reference, tiers: str) -> None:
     overrides = {"l1": {}, "l2": {"cache.max_total_tokens": 256, "storage.backend": "none",
-                                   "host.ratio": 8.0}, "l3": {}}[tiers]
+                                   "host.ratio": 8.0}, "l3": WHOLE}[tiers]
     between = flush_device_and_host if tiers == "l3" else None
     with tiered_cuda(tmp_path, **BF16, **overrides) as e:
         backend = e.loaded.model.attn_backend
@@ -149,12 +167,14 @@ def test_flashinfer_bfloat16_gives_the_tokens_of_its_recomputation(
 
 
 @needs_flashinfer
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole", "raced"])
 def test_flashinfer_bfloat16_restart_serves_the_prefix_from_disk(
-        tmp_path, flashinfer_reference) -> None:
+        tmp_path, flashinfer_reference, overlap) -> None:
     prompt = conversations()[0][2]
-    with tiered_cuda(tmp_path, **BF16) as e:
+    mode = {**BF16, **({} if overlap else WHOLE)}
+    with tiered_cuda(tmp_path, **mode) as e:
         first = e.generate(input_ids=prompt, sampling_params=GREEDY)
-    with tiered_cuda(tmp_path, **BF16) as e2:
+    with tiered_cuda(tmp_path, **mode) as e2:
         again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
     assert again["output_ids"] == first["output_ids"] == flashinfer_reference[6]
-    assert again["meta_info"]["cached_tokens_details"]["storage"] == (len(prompt) - 1) // 16 * 16
+    check_restart(again["meta_info"]["cached_tokens_details"], prompt, overlap)
