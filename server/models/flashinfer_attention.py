@@ -72,12 +72,14 @@ def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV | None:
     page_rank = torch.arange(int(pages.sum())) - (pages.cumsum(0) - pages)[page_seq]
     page_len = torch.clamp(lens[page_seq] - page_rank * page_size, max=page_size)
     page_row = starts[page_seq] + page_rank * page_size  # each page's first row
-    slot_page = torch.repeat_interleave(torch.arange(page_len.numel()), page_len)
-    slot_offset = torch.arange(int(lens.sum())) - page_row[slot_page]
     slots = torch.cat(batch.seq_slots)
-    host = torch.cat([page_row, slot_page, slot_offset]).to(slots.device, non_blocking=True)
-    rows, of_page, offset = host.split([page_row.numel(), slot_page.numel(), slot_offset.numel()])
+    n, device = slots.numel(), slots.device
+    rows, lengths = torch.cat([page_row, page_len]).to(device, non_blocking=True).split(
+        page_row.numel())
     first = slots[rows]
+    of_page = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths,
+                                      output_size=n)  # each row's page
+    offset = torch.arange(n, device=device) - rows[of_page]
     bad = (first % page_size != 0).any() | (first[of_page] + offset != slots).any()
     if bool(bad):
         return None
