@@ -163,3 +163,28 @@ def test_cuda_batches_match_the_reference(ratio: int, dtype: torch.dtype) -> Non
     want = ReferenceAttention().forward(q, k, v, 0, batch, pool)
     tol = CUDA_TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_cpu_whose_causal_path_differs_takes_the_masked_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the probe finds SDPA's causal path off the masked call's bits (another torch
+    build or CPU), prompts from scratch take the masked call: still the reference's bits."""
+    from server.models import attention
+    monkeypatch.setattr(attention, "causal_flag_is_exact", lambda *shape: False)
+    seqs = ((0, 2), (0, 17), (0, 129), (0, 300))
+    pool, batch, q = make_case(seqs, KV_HEADS * 4, torch.float32)
+    k, v = new_kv(pool, batch)
+    got = TorchAttention().forward(q, k, v, 0, batch, pool)
+    plan = batch.memo("torch_attention", lambda: pytest.fail("no plan kept"))
+    assert all(p.mask is not None for p in plan.prefills)  # no causal flag
+    assert torch.equal(got, ReferenceAttention().forward(q, k, v, 0, batch, pool))
+
+
+def test_the_causal_probe_passes_only_where_the_paths_agree() -> None:
+    """A probe that says "exact" means the two calls agree at its lengths (129 among them)."""
+    from server.models.attention import _additive, _causal_mask, _prefill, causal_flag_is_exact
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn((129, h, 64), generator=gen) for h in (8, 2, 2))
+    same = torch.equal(_prefill(q, k, v, None),
+                       _prefill(q, k, v, _additive(_causal_mask(0, 129, q.device), q.dtype)))
+    assert same or not causal_flag_is_exact(torch.float32, 2, 4, 64)

@@ -35,7 +35,9 @@ tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ from hicache.kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_de
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
 from server.models.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -136,6 +140,32 @@ def _plan(batch: ForwardBatch, causal_flag: bool, lower_right: bool,
                  torch.cat(gather) if gather else None, tuple(parts))
 
 
+# The prompt lengths `causal_flag_is_exact` compares the two paths at: below, at and above
+# the CPU kernels' block sizes.
+CAUSAL_PROBE_LENGTHS = (2, 17, 64, 129, 300)
+
+
+@functools.cache
+def causal_flag_is_exact(dtype: torch.dtype, kv_heads: int, group: int, dim: int) -> bool:
+    """Whether SDPA's causal path on the CPU gives the very bits of its masked call for this
+    dtype and head geometry, at CAUSAL_PROBE_LENGTHS: the torch build and the CPU pick the
+    kernels (so on torch 2.14 and an AVX-512 EPYC; not on torch 2.11 and a Xeon with AMX,
+    2026-12-04). Where it does not, every CPU prefill takes the masked call, which a cached
+    prefix goes through too, so a prompt computed from scratch and one extending a cached
+    prefix still give the same tokens. Probed once per process and geometry."""
+    gen = torch.Generator().manual_seed(0)
+    for n in CAUSAL_PROBE_LENGTHS:
+        q = torch.randn((n, kv_heads * group, dim), generator=gen).to(dtype)
+        k = torch.randn((n, kv_heads, dim), generator=gen).to(dtype)
+        v = torch.randn((n, kv_heads, dim), generator=gen).to(dtype)
+        masked = _additive(_causal_mask(0, n, torch.device("cpu")), dtype)
+        if not torch.equal(_prefill(q, k, v, None), _prefill(q, k, v, masked)):
+            logger.warning("SDPA's causal path differs from its masked call here (%s, %d "
+                           "tokens): CPU prefills take the masked call", dtype, n)
+            return False
+    return True
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: attend) as SDPA's additive one: 0 where allowed, -inf elsewhere.
     SDPA turns a boolean mask into this itself, on every call: built once per batch instead,
@@ -159,9 +189,9 @@ class TorchAttention(AttentionBackend):
     """Batched attention through SDPA on any device (see the module docstring).
 
     On the CPU a sequence with no cached prefix takes SDPA's causal path instead of a
-    materialised mask: bit-identical to the masked call (checked over 642 shapes in float32
-    and bfloat16, and in tests), so a prompt computed from scratch and one extending a cached
-    prefix give the same tokens. `lower_right` (default: on CUDA) runs every prefill through
+    materialised mask where that is bit-identical to the masked call (`causal_flag_is_exact`;
+    so over 642 shapes in float32 and bfloat16 on this project's machine), so a prompt
+    computed from scratch and one extending a cached prefix give the same tokens. `lower_right` (default: on CUDA) runs every prefill through
     the lower-right causal bias instead, mask-free; on the CPU torch materialises that bias
     on each call, which is why it is not the CPU's default (tests use it there to check it).
     """
@@ -176,7 +206,10 @@ class TorchAttention(AttentionBackend):
         k_cache, v_cache = kv_pool.get_kv(layer)  # each [num_slots, kv_heads, head_dim]
         cpu = q.device.type == "cpu"
         lower_right = not cpu if self.lower_right is None else self.lower_right
-        plan = batch.memo("torch_attention", lambda: _plan(batch, cpu, lower_right, q.dtype))
+        plan = batch.memo("torch_attention", lambda: _plan(
+            batch, cpu and causal_flag_is_exact(q.dtype, k_cache.shape[1],
+                                                q.shape[1] // k_cache.shape[1], q.shape[2]),
+            lower_right, q.dtype))
         if plan.all_decode:
             return _decode(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)  # [T, heads, head_dim]
