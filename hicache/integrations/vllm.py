@@ -89,7 +89,6 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler = (ConnectorScheduler(self.space)
                            if role == KVConnectorRole.SCHEDULER else None)
         self._worker = None if self._scheduler else ConnectorWorker(self.space, _tp_rank())
-        self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         logger.info("hicache connector (%s): L2 %d pages of %d bytes, L3 %s", role.name,
                     self.space.slots, geometry.page_bytes, settings.backend)
 
@@ -114,7 +113,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches, self._num_blocks)
+        self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

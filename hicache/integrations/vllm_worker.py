@@ -96,17 +96,15 @@ class ConnectorWorker:
         self._writer: threading.Thread | None = None
         self._pin = False
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order, in either of vLLM's layouts: the block at
         dim 0 (`[num_blocks, ...]`: the CPU backend, FlashInfer) or K and V first, then the
         block (`[2, num_blocks, ...]`: FlashAttention on CUDA); one block of one layer is
-        `layer_block_bytes` long either way. `num_blocks` (vLLM's KV cache config) tells
-        the two apart where the bytes alone cannot."""
+        `layer_block_bytes` long either way."""
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[n] for n in names]
         want = self.c.geometry.layer_block_bytes
-        self._block_dims = [_block_dim(name, kv, want, num_blocks)
-                            for name, kv in zip(names, layers)]
+        self._block_dims = [_block_dim(name, kv, want) for name, kv in zip(names, layers)]
         if want % WORD_BYTES:
             raise ValueError(f"hicache connector: a layer's block is {want} bytes, not a "
                              f"multiple of {WORD_BYTES}")
@@ -295,22 +293,20 @@ def _layer_order(name: str) -> tuple[int, str]:
     return (digits[0] if digits else -1, name)
 
 
-def _block_dim(name: str, kv: torch.Tensor, block_bytes: int, num_blocks: int | None) -> int:
+def _block_dim(name: str, kv: torch.Tensor, block_bytes: int) -> int:
     """0 where `kv` is `[num_blocks, ...]`, 1 where it is `[2, num_blocks, ...]` (K, V), by
     where a block of `block_bytes` fits; ValueError for a layout it fits neither way, or
-    both ways with `num_blocks` not settling which."""
+    both ways (`[2, 2, ...]`: two blocks, or K and V of two: nothing in the shape tells)."""
     fits = []
     if kv.dim() >= 2 and kv[0].numel() * kv.element_size() == block_bytes:
         fits.append(0)
     if kv.dim() >= 3 and kv.shape[0] == 2 and kv[:, 0].numel() * kv.element_size() == block_bytes:
         fits.append(1)
-    if len(fits) > 1 and num_blocks is not None:  # [2, 2, ...]: two blocks, or K and V?
-        fits = [d for d in fits if kv.shape[d] == num_blocks]
     if len(fits) != 1:
-        why = "either" if fits else "neither"
+        why = "both" if fits else "neither"
         raise ValueError(f"hicache connector: layer {name}'s cache {tuple(kv.shape)} has "
-                         f"blocks of {block_bytes} bytes (the KV cache spec) at {why} dim 0 "
-                         "([num_blocks, ...]) or dim 1 ([2, num_blocks, ...]): a layout it "
+                         f"blocks of {block_bytes} bytes (the KV cache spec) at {why} of dim 0 "
+                         "([num_blocks, ...]) and dim 1 ([2, num_blocks, ...]): a layout it "
                          "cannot copy whole blocks of")
     return fits[0]
 

@@ -142,7 +142,7 @@ def _plan(batch: ForwardBatch, causal_flag: bool, lower_right: bool,
 
 # The prompt lengths `causal_flag_is_exact` compares the two paths at: below, at and above
 # the CPU kernels' block sizes.
-CAUSAL_PROBE_LENGTHS = (2, 17, 64, 129, 300)
+CAUSAL_PROBE_LENGTHS = (2, 17, 64, 129, 300, 520, 800)
 
 
 @functools.cache
@@ -207,8 +207,8 @@ class TorchAttention(AttentionBackend):
         cpu = q.device.type == "cpu"
         lower_right = not cpu if self.lower_right is None else self.lower_right
         plan = batch.memo("torch_attention", lambda: _plan(
-            batch, cpu and causal_flag_is_exact(q.dtype, k_cache.shape[1],
-                                                q.shape[1] // k_cache.shape[1], q.shape[2]),
+            batch, cpu and not lower_right and causal_flag_is_exact(
+                q.dtype, k_cache.shape[1], q.shape[1] // k_cache.shape[1], q.shape[2]),
             lower_right, q.dtype))
         if plan.all_decode:
             return _decode(q, k_cache, v_cache, plan)
