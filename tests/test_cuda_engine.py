@@ -87,7 +87,18 @@ def test_gpu_prefixes_from_l3_after_flushing_l1_and_l2(tmp_path, cuda_reference,
         assert stats["tiers"]["storage"]["hits"] > 0
 
 
-def check_restart(details: dict, prompt: list[int], overlap: bool) -> None:
+def check_restart(tmp_path, reference: list[int], overlap: bool, **overrides) -> None:
+    """A prompt served, the server restarted over its LMDB, the prompt served again: the
+    reference's tokens both times, the second from L3 (whole pages; every one of them when
+    fetched whole, as many as the race left to the fetch when raced)."""
+    prompt = conversations()[0][2]
+    mode = {**overrides, **({} if overlap else WHOLE)}
+    with tiered_cuda(tmp_path, **mode) as e:
+        first = e.generate(input_ids=prompt, sampling_params=GREEDY)
+    with tiered_cuda(tmp_path, **mode) as e2:
+        again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["output_ids"] == first["output_ids"] == reference
+    details = again["meta_info"]["cached_tokens_details"]
     whole = (len(prompt) - 1) // 16 * 16
     assert details["device"] == details["host"] == 0
     if overlap:
@@ -98,14 +109,7 @@ def check_restart(details: dict, prompt: list[int], overlap: bool) -> None:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["whole", "raced"])
 def test_gpu_restart_serves_the_prefix_from_disk(tmp_path, cuda_reference, overlap) -> None:
-    prompt = conversations()[0][2]
-    mode = {} if overlap else WHOLE
-    with tiered_cuda(tmp_path, **mode) as e:
-        first = e.generate(input_ids=prompt, sampling_params=GREEDY)
-    with tiered_cuda(tmp_path, **mode) as e2:
-        again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
-    assert again["output_ids"] == first["output_ids"] == cuda_reference[6]
-    check_restart(again["meta_info"]["cached_tokens_details"], prompt, overlap)
+    check_restart(tmp_path, cuda_reference[6], overlap)
 
 
 def test_gpu_engine_matches_transformers_greedy_generation() -> None:
@@ -170,11 +174,4 @@ def test_flashinfer_bfloat16_gives_the_tokens_of_its_recomputation(
 @pytest.mark.parametrize("overlap", [False, True], ids=["whole", "raced"])
 def test_flashinfer_bfloat16_restart_serves_the_prefix_from_disk(
         tmp_path, flashinfer_reference, overlap) -> None:
-    prompt = conversations()[0][2]
-    mode = {**BF16, **({} if overlap else WHOLE)}
-    with tiered_cuda(tmp_path, **mode) as e:
-        first = e.generate(input_ids=prompt, sampling_params=GREEDY)
-    with tiered_cuda(tmp_path, **mode) as e2:
-        again = e2.generate(input_ids=prompt, sampling_params=GREEDY)
-    assert again["output_ids"] == first["output_ids"] == flashinfer_reference[6]
-    check_restart(again["meta_info"]["cached_tokens_details"], prompt, overlap)
+    check_restart(tmp_path, flashinfer_reference[6], overlap, **BF16)
