@@ -133,12 +133,10 @@ class ConnectorWorker:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
             dst = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
-            if dim == 1:
-                dst.copy_(kv.index_select(1, index).transpose(0, 1))
-            elif kv.is_cuda:
-                dst.copy_(kv.index_select(0, index), non_blocking=False)
-            else:
+            if dim == 0 and not kv.is_cuda:
                 torch.index_select(kv, 0, index, out=dst)
+            else:
+                dst.copy_(kv.index_select(dim, index).movedim(dim, 0))
 
     def _scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
@@ -146,9 +144,7 @@ class ConnectorWorker:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
             rows = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
-            if dim == 1:
-                rows = rows.transpose(0, 1)
-            kv.index_copy_(dim, index, rows.to(kv.device, non_blocking=True))
+            kv.index_copy_(dim, index, rows.movedim(0, dim).to(kv.device, non_blocking=True))
         if self.layers and self.layers[0].is_cuda:  # the staging buffer is reused next
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 

@@ -191,9 +191,10 @@ class TorchAttention(AttentionBackend):
     On the CPU a sequence with no cached prefix takes SDPA's causal path instead of a
     materialised mask where that is bit-identical to the masked call (`causal_flag_is_exact`;
     so over 642 shapes in float32 and bfloat16 on this project's machine), so a prompt
-    computed from scratch and one extending a cached prefix give the same tokens. `lower_right` (default: on CUDA) runs every prefill through
-    the lower-right causal bias instead, mask-free; on the CPU torch materialises that bias
-    on each call, which is why it is not the CPU's default (tests use it there to check it).
+    computed from scratch and one extending a cached prefix give the same tokens.
+    `lower_right` (default: on CUDA) runs every prefill through the lower-right causal bias
+    instead, mask-free; on the CPU torch materialises that bias on each call, which is why it
+    is not the CPU's default (tests use it there to check it).
     """
 
     def __init__(self, lower_right: bool | None = None) -> None:
