@@ -36,6 +36,10 @@ def tiered_cuda(tmp_path, **overrides) -> Engine:
 WHOLE = {"storage.overlap": False}
 
 
+def flush_device_and_host(e: Engine) -> None:
+    e.flush_cache(["device", "host"])
+
+
 @pytest.fixture(scope="module")
 def cuda_reference() -> list[list[int]]:
     """Recomputation on the GPU: no prefix cache at all."""
@@ -77,11 +81,8 @@ def test_tiny_gpu_l1_loads_back_from_pinned_l2(tmp_path, cuda_reference, io_back
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_gpu_prefixes_from_l3_after_flushing_l1_and_l2(tmp_path, cuda_reference,
                                                        policy) -> None:
-    def flush(e: Engine) -> None:
-        e.flush_cache(["device", "host"])
-
     with tiered_cuda(tmp_path, **{"host.write_policy": policy}) as e:
-        assert run_workload(e, between_turns=flush) == cuda_reference
+        assert run_workload(e, between_turns=flush_device_and_host) == cuda_reference
         stats = e.stats()
     if policy == "write_through":
         assert stats["tiers"]["storage"]["hits"] > 0
@@ -144,10 +145,6 @@ def flashinfer_reference() -> list[list[int]]:
     with cuda_engine(**BF16, **{"cache.enable_radix_cache": False}) as e:
         assert isinstance(e.loaded.model.attn_backend, FlashInferAttention)
         return run_workload(e)
-
-
-def flush_device_and_host(e: Engine) -> None:
-    e.flush_cache(["device", "host"])
 
 
 @needs_flashinfer
