@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.build import build_stack
+from hicache.memory.malloc import keep_freed_memory
 from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
 from hicache.stack import CacheStack
@@ -80,6 +81,7 @@ def in_passing_thread(fn: Callable[[], None]) -> None:
 class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
+        keep_freed_memory()  # each forward pass reuses the last one's freed activations
         in_passing_thread(self._start_up)
         self._accepting = True
         self._cache_closed = False
