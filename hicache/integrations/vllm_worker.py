@@ -116,7 +116,9 @@ class ConnectorWorker:
         page_bytes = len(layers) * want
         self._staging = _Staging(max(1, STAGING_CHUNK_BYTES // page_bytes), len(layers), want,
                                  self._pin)
-        self.host = torch.empty((self.c.slots, len(layers), want), dtype=torch.uint8,
+        # zeros, not empty: every page of L2 is touched here, at start-up, as vLLM's own KV
+        # cache is, and not by the first save into each slot on the forward's thread
+        self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
                                 pin_memory=self._pin) if self.c.slots else None
         if self.c.settings.has_storage:
             self.c.open_store()
