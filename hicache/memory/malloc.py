@@ -3,10 +3,11 @@
 torch's CPU tensors come from malloc. By default glibc hands a block of 128 KiB or more
 straight back to the kernel when it is freed (a block first served by mmap, or the top of a
 heap past its trim threshold), and the next forward pass, allocating the same activations
-again, faults every page of them back in: on 2 cores, a 1,024-token prefill of
-SmolLM2-135M in float32 took 110,889 page faults per call (433 MiB) and 848 ms, and 0 faults
-and 686-756 ms with the thresholds below (`benchmarks/bench_forward.py`'s shapes; a
-virtual machine whose host takes freed pages back pays most for them). vLLM's CPU guide
+again, faults every page of them back in. On 2 cores (a VM whose host takes freed pages
+back, which makes a fault dear), a 1,024-token prefill of SmolLM2-135M in float32 took
+110,889 page faults per call on the main thread (848-900 ms, median of 7) and 26,944 on
+another thread (783 ms), and 0 faults with the thresholds below (686-756 and 667 ms). In
+the served multi-turn benchmark one pass each moved within its noise. vLLM's CPU guide
 preloads tcmalloc for the same reason; this keeps glibc and changes two of its settings:
 
     M_MMAP_THRESHOLD  32 MiB, glibc's largest: blocks up to this size come from the heap
