@@ -21,7 +21,6 @@ once; a libc other than glibc is left as it is.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import platform
 
@@ -37,11 +36,9 @@ def keep_freed_memory() -> bool:
     """Set the two thresholds; whether glibc took both (False elsewhere: nothing changed)."""
     if platform.libc_ver()[0] != "glibc":
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: glibc's
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     took = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
