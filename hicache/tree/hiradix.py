@@ -38,6 +38,7 @@ from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
 from hicache.tree.base import EMPTY, HostCounters, HostSizes, MatchResult, concat
 from hicache.tree.hiradix_loads import HostLoads
+from hicache.tree.hiradix_writes import HostWrites
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import HiTreeNode, TreeNode
 from hicache.tree.radix import RadixCache
@@ -49,14 +50,7 @@ logger = logging.getLogger(__name__)
 LOAD_BACK_THRESHOLD = 10
 
 
-def _depth(node: TreeNode) -> int:
-    depth = 0
-    while node.parent is not None:
-        depth, node = depth + 1, node.parent
-    return depth
-
-
-class HiRadixCache(HostLoads, RadixCache):
+class HiRadixCache(HostWrites, HostLoads, RadixCache):
     """The L1 radix tree plus the L2 host tier; see the module docstring."""
 
     node_cls = HiTreeNode
@@ -160,101 +154,6 @@ class HiRadixCache(HostLoads, RadixCache):
                 self._split_writes.setdefault(write, []).append(new)
                 self._write_of[new.id] = write
 
-    # ----------------------------------------------------------------------- write policy
-
-    def _on_path(self, path: list[TreeNode]) -> None:
-        """Back up the nodes the policy wants copied, parents first: write_through all of
-        them, write_through_selective those used by `write_through_threshold` requests
-        (`hit_count`: one per request when the scheduler counts its use once)."""
-        if self.write_policy == "write_back":
-            return
-        for node in path:
-            if node.backuped or node.evicted:
-                continue
-            if (self.write_policy == "write_through_selective"
-                    and node.hit_count < self.write_through_threshold):
-                break
-            if not node.parent.backuped or not self._write_backup(node):
-                break
-
-    def _write_backup(self, node: HiTreeNode) -> bool:
-        """Queue node's D->H copy (making room in L2 if needed); False when dropped."""
-        host = self.controller.write(node.value, node.id)
-        if host is None:
-            self.evict_host(len(node.key), writing=node)
-            host = self.controller.write(node.value, node.id)
-        if host is None:
-            self.counters.write_dropped_tokens += len(node.key)
-            return False
-        node.host_value = host
-        self.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
-        self._ongoing_writes[node.id] = node
-        return True
-
-    def _backup_path(self, node: HiTreeNode) -> bool:
-        """Back up `node` and its un-backed ancestors, top down (write_back eviction)."""
-        chain = []
-        while not node.backuped:
-            chain.append(node)
-            node = node.parent
-        return all(self._write_backup(n) for n in reversed(chain))
-
-    def back_up_path(self, node: HiTreeNode) -> bool:
-        """Queue the D->H copy of `node` and of its ancestors not in L2 yet, whatever the
-        write policy (the storage tier hangs a fetched tail below a computed head); False
-        when L2 has no room for one of them."""
-        return self._backup_path(node)
-
-    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
-        """Apply finished D->H acks: release the locks. Returns the nodes that reached L2
-        (the tier owner backs them up to L3)."""
-        if wait:
-            self.controller.wait_writes()
-        written = []
-        for ack in self.controller.poll_writes():
-            node = self._ongoing_writes.pop(ack.node_id)
-            halves = self._split_halves(node)
-            self.dec_lock_ref(node)
-            if not ack.ok:
-                self._drop_backup(node)
-                continue
-            if node.host_value is None:  # dropped with a failed ancestor's copy (FIFO)
-                continue
-            self.counters.written_tokens += len(node.key)
-            self._copy_heap.push(node)
-            for half in halves:
-                self.record_stored(half, MEDIUM_CPU)
-            written.append(node)
-        return written
-
-    def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
-        """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the
-        upper halves split off it meanwhile (KV events only: otherwise nobody asks)."""
-        if self.events is None:
-            return []
-        halves = self._split_writes.pop(node.id, [])
-        for half in halves:
-            del self._write_of[half.id]
-        return sorted(halves, key=_depth) + [node]
-
-    def _drop_backup(self, node: HiTreeNode) -> None:
-        """A failed write: forget the (garbage) host copies of `node` and its descendants.
-
-        Copies run in FIFO order, so the descendants' writes (queued after this one) are
-        not acked yet: they are all still locked on the device and nothing is lost.
-        """
-        self.counters.transfer_failures += 1
-        logger.error("D->H copy of %d tokens failed; the subtree stays on L1 only",
-                     len(node.key))
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n.host_value is not None:
-                self.controller.host_pool.free(n.host_value)
-                n.host_value = None
-            stack.extend(n.children.values())
-        self._copy_heap.push(node.parent)
-
     # --------------------------------------------------------------------------- evict
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
@@ -291,7 +190,7 @@ class HiRadixCache(HostLoads, RadixCache):
         while freed < num_tokens and (node := self._device_heap.pop()) is not None:
             if node.backuped:
                 freed += self._demote(node)
-            elif self.write_policy == "write_back" and self._backup_path(node):
+            elif self.write_policy == "write_back" and self.back_up_path(node):
                 written_back.append(node)
                 freed += len(node.key)
             else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -26,12 +25,13 @@ from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
 from hicache.tree.eviction_order import eviction_key
 from hicache.tree.leaf_heap import LeafHeap
-from hicache.tree.node import Key, TreeNode, node_hashes
+from hicache.tree.node import Key, TreeNode
 from hicache.tree.retention import Retention
+from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 
-class RadixCache(Retention, PrefixCache):
+class RadixCache(TreeEvents, Retention, PrefixCache):
     """Page-aligned radix tree over token ids; see docs/architecture.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
@@ -70,36 +70,6 @@ class RadixCache(Retention, PrefixCache):
         self._init_tree()
         if self.events is not None:
             self.events.cleared()
-
-    # --------------------------------------------------------------------------- events
-    # One event per node operation, naming the node's pages by their hashes. Splits change
-    # no hash, and send nothing.
-
-    def record_stored(self, node: TreeNode, medium: str) -> None:
-        """`node`'s pages have landed on `medium`."""
-        if self.events is not None:
-            hasher, parent = self.events.hasher, node.parent
-            hashes = node_hashes(node, self.root, hasher)
-            prev = None if parent is self.root else node_hashes(parent, self.root, hasher)[-1]
-            self.events.stored(hashes, prev, node.key, medium)
-
-    def record_all(self) -> None:
-        """Say again what every node holds (after an `AllBlocksCleared` that some nodes
-        outlived: a flush of L3, pinned pages a flush kept), parents first."""
-        for node in self.iter_nodes():
-            if node.value is not None:
-                self.record_stored(node, MEDIUM_GPU)
-
-    def record_removed(self, node: TreeNode, medium: str, reason: str) -> None:
-        """`node`'s pages have left `medium` (call while `node` is still attached)."""
-        if self.events is not None:
-            self.events.removed(node_hashes(node, self.root, self.events.hasher), medium,
-                                reason)
-
-    def flushing(self) -> AbstractContextManager[None]:
-        """KV events: removals inside are an operator's flush (`BlockRemoved.reason`
-        "flushed")."""
-        return self.events.flushing() if self.events is not None else nullcontext()
 
     # ----------------------------------------------------------------------------- keys
 

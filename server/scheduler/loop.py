@@ -31,9 +31,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from server.inbox import Inbox, SchedulerStopped
 from server.model_runner import ModelRunner
 from server.request import Request
 from server.scheduler.admission import Admission
+from server.scheduler.endings import RequestEndings
 from server.scheduler.kv import RequestKV
 from server.scheduler.retraction import Retraction, progress
 from server.scheduler.text import OutputText
@@ -67,7 +67,7 @@ def fill_end(req: Request) -> int:
     return req.head_stop or req.seq_len
 
 
-class Scheduler:
+class Scheduler(RequestEndings):
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
                  schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
@@ -364,95 +364,3 @@ class Scheduler:
         elif req.on_update is not None:
             req.text = self.text.decode(req, req.output_ids)
             self._notify(req, False)
-
-    @contextmanager
-    def _alone(self, req: Request, stage: str) -> Iterator[None]:
-        """Serve `req` in the block; an exception there fails `req` alone (`_fail_request`)
-        and the scheduler goes on with the others."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            self._fail_request(req, stage, exc)
-
-    def _fail_request(self, req: Request, stage: str, exc: Exception) -> None:
-        """Fail `req` alone after an exception while serving it (logged with its traceback,
-        counted in `request_errors`); its KV goes back to the pool, never into the tree."""
-        logger.error("request %s failed in %s; the others go on", req.rid, stage,
-                     exc_info=exc)
-        self.counters.request_errors += 1
-        req.error = f"the server failed in {stage}: {type(exc).__name__}: {exc}"
-        if req in self.waiting:
-            try:
-                self.cache.end_prefetch(req.rid)  # idempotent: a prefetch ends once
-            except Exception:
-                logger.exception("request %s: ending its storage prefetch failed", req.rid)
-        if req in self.running or req in self.waiting:  # not finished (or half) already
-            self._finish(req, "error", keep_cache=False)
-
-    def _finish(self, req: Request, reason: str, keep_cache: bool = True) -> None:
-        """Release the request's KV and lock, take it off the queues, tell its client. The
-        last two happen even when the release raises (the request then reports an error and
-        the exception goes on to the caller): a request is never left half finished."""
-        req.finish_reason = reason
-        try:
-            self.kv.release(req, keep_cache)
-        except BaseException as exc:
-            req.finish_reason = "error"
-            req.error = req.error or f"the server failed releasing its cache: {exc!r}"
-            raise
-        finally:
-            if req.finish_reason == "error":
-                try:
-                    req.text = self.text.decode(req, req.output_ids)
-                except Exception:
-                    logger.warning("request %s: its output cannot be decoded", req.rid,
-                                   exc_info=True)
-                    req.text = ""
-            if req in self.running:
-                self.running.remove(req)
-            elif req in self.waiting:
-                self.waiting.remove(req)
-            self._notify(req, True)
-
-    def _notify(self, req: Request, done: bool) -> None:
-        """Run the request's callback; a callback that raises (its client went away) aborts
-        that request, never the scheduler."""
-        if req.on_update is None:
-            return
-        try:
-            req.on_update(req, done)
-        except Exception:
-            logger.warning("dropping request %s: its result callback failed", req.rid,
-                           exc_info=True)
-            req.on_update = None
-            if not done:
-                self._finish(req, "abort")
-
-    def abort(self, rid: str) -> bool:
-        """Finish a waiting or running request now (its client left); False if unknown."""
-        for req in (*self.waiting, *self.running):
-            if req.rid == rid:
-                self.cache.end_prefetch(rid)
-                self._finish(req, "abort")
-                return True
-        return False
-
-    def fail_all(self, message: str) -> None:
-        """After the loop died: finish every request and command with `message`, touching
-        neither the tree nor the pools (their state is unknown). Any thread, once `run` has
-        returned; never raises. From here on submit / call fail at once."""
-        queued = self.inbox.close(message)
-        arrived = [payload for kind, payload in queued if kind == "req"]
-        for req in (*self.waiting, *self.running, *arrived):
-            req.error, req.finish_reason = message, "error"
-            try:
-                if req.on_update is not None:
-                    req.on_update(req, True)
-            except Exception:  # noqa: BLE001 - its client is gone; tell the others
-                logger.debug("request %s: callback failed after the scheduler died", req.rid)
-        self.waiting, self.running = [], []
-        pending = [payload for kind, payload in queued if kind == "cmd"]
-        for _, fut, _ in (*self._commands, *pending):
-            if not fut.done():
-                fut.set_exception(SchedulerStopped(message))
-        self._commands = []

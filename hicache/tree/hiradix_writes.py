@@ -1,0 +1,130 @@
+"""Pages going down the two-tier tree: the write policy's L1 -> L2 backups (`_on_path`,
+`back_up_path`), acked in `writing_check`, and a failed copy's cleanup. `HiRadixCache` is
+made of this; see `hiradix.py` for the node states and invariants.
+
+Threading: scheduler thread only, like the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hicache.events.schema import MEDIUM_CPU
+from hicache.transfer.controller import HiCacheController
+from hicache.tree.base import HostCounters
+from hicache.tree.leaf_heap import LeafHeap
+from hicache.tree.node import HiTreeNode, TreeNode
+
+logger = logging.getLogger("hicache.tree.hiradix")  # the tree's own logger, as before
+
+
+def _depth(node: TreeNode) -> int:
+    depth = 0
+    while node.parent is not None:
+        depth, node = depth + 1, node.parent
+    return depth
+
+
+class HostWrites:
+    """L1 -> L2 backups over the tree's nodes, pools and heaps (given by `HiRadixCache`:
+    its controller, counters, write policy, heaps and the base tree's operations)."""
+
+    controller: HiCacheController
+    counters: HostCounters
+    write_policy: str
+    write_through_threshold: int
+    events: Any
+    _ongoing_writes: dict[int, HiTreeNode]
+    _split_writes: dict[int, list[HiTreeNode]]
+    _write_of: dict[int, int]
+    _copy_heap: LeafHeap
+
+    def _on_path(self, path: list[TreeNode]) -> None:
+        """Back up the nodes the policy wants copied, parents first: write_through all of
+        them, write_through_selective those used by `write_through_threshold` requests
+        (`hit_count`: one per request when the scheduler counts its use once)."""
+        if self.write_policy == "write_back":
+            return
+        for node in path:
+            if node.backuped or node.evicted:
+                continue
+            if (self.write_policy == "write_through_selective"
+                    and node.hit_count < self.write_through_threshold):
+                break
+            if not node.parent.backuped or not self._write_backup(node):
+                break
+
+    def _write_backup(self, node: HiTreeNode) -> bool:
+        """Queue node's D->H copy (making room in L2 if needed); False when dropped."""
+        host = self.controller.write(node.value, node.id)
+        if host is None:
+            self.evict_host(len(node.key), writing=node)
+            host = self.controller.write(node.value, node.id)
+        if host is None:
+            self.counters.write_dropped_tokens += len(node.key)
+            return False
+        node.host_value = host
+        self.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
+        self._ongoing_writes[node.id] = node
+        return True
+
+    def back_up_path(self, node: HiTreeNode) -> bool:
+        """Queue the D->H copy of `node` and of its ancestors not in L2 yet, top down,
+        whatever the write policy (write_back eviction; the storage tier hangs a fetched
+        tail below a computed head); False when L2 has no room for one of them."""
+        chain = []
+        while not node.backuped:
+            chain.append(node)
+            node = node.parent
+        return all(self._write_backup(n) for n in reversed(chain))
+
+    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
+        """Apply finished D->H acks: release the locks. Returns the nodes that reached L2
+        (the tier owner backs them up to L3)."""
+        if wait:
+            self.controller.wait_writes()
+        written = []
+        for ack in self.controller.poll_writes():
+            node = self._ongoing_writes.pop(ack.node_id)
+            halves = self._split_halves(node)
+            self.dec_lock_ref(node)
+            if not ack.ok:
+                self._drop_backup(node)
+                continue
+            if node.host_value is None:  # dropped with a failed ancestor's copy (FIFO)
+                continue
+            self.counters.written_tokens += len(node.key)
+            self._copy_heap.push(node)
+            for half in halves:
+                self.record_stored(half, MEDIUM_CPU)
+            written.append(node)
+        return written
+
+    def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
+        """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the
+        upper halves split off it meanwhile (KV events only: otherwise nobody asks)."""
+        if self.events is None:
+            return []
+        halves = self._split_writes.pop(node.id, [])
+        for half in halves:
+            del self._write_of[half.id]
+        return sorted(halves, key=_depth) + [node]
+
+    def _drop_backup(self, node: HiTreeNode) -> None:
+        """A failed write: forget the (garbage) host copies of `node` and its descendants.
+
+        Copies run in FIFO order, so the descendants' writes (queued after this one) are
+        not acked yet: they are all still locked on the device and nothing is lost.
+        """
+        self.counters.transfer_failures += 1
+        logger.error("D->H copy of %d tokens failed; the subtree stays on L1 only",
+                     len(node.key))
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host_value is not None:
+                self.controller.host_pool.free(n.host_value)
+                n.host_value = None
+            stack.extend(n.children.values())
+        self._copy_heap.push(node.parent)
