@@ -1,12 +1,19 @@
 /* The part of cpu_attention.c that reads q and the KV pool and writes the output, included
  * once per element type (no include guard): T, LOAD(p) (16 elements of T at p as float32),
  * STORE(p, v) (v as 16 elements of T) and NAME(f) (f with the type's suffix) come from
- * cpu_attention.c. The math in between is float32 either way. With AMX_PATH (bfloat16
- * only) the work items run on AMX's tiles (amx_run_item) and there is no phase 1. */
+ * cpu_attention.c. The math in between is float32 either way. With AMX_PATH or DP_PATH
+ * (bfloat16 only) the work items multiply bfloat16 pairs, on AMX's tiles (amx_run_item) or
+ * with vdpbf16ps (dp_run_item), phase 1 packing K and V in pairs (pack_k_pairs,
+ * pack_v_pairs) instead of transposing K. */
 #ifndef AMX_PATH
 #define AMX_PATH 0
 #define AMX_PATH_DEFAULTED
 #endif
+#ifndef DP_PATH
+#define DP_PATH 0
+#define DP_PATH_DEFAULTED
+#endif
+#define PAIR_PATH (AMX_PATH || DP_PATH)
 
 /* The item's output rows: O / l of each (token, group head), in T. */
 static void NAME(store_rows)(const Item *it, const Scratch *w, const int64_t *seq,
@@ -20,7 +27,7 @@ static void NAME(store_rows)(const Item *it, const Scratch *w, const int64_t *se
     }
 }
 
-#if !AMX_PATH
+#if !PAIR_PATH
 
 
 /* K of keys [0, num_keys) (their slots from `slots`) transposed to [D][ld], columns
@@ -161,93 +168,104 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
 }
 
 
+#elif DP_PATH
+/* S[r][0..64) = q_r . k_j (unscaled, as AMX stores it) for 4 rows, one vdpbf16ps per pair
+ * of dims: the block's K pairs as pack_k_pairs lays them out, q's pair broadcast. */
+static inline __attribute__((always_inline, target("avx512bf16"))) void dp_qk_tile(
+        float *s, const uint16_t *q16, const uint32_t *k_tiles, int64_t dim) {
+    __m512 acc[MICRO_ROWS][4];
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < dim / 2; ++pair) {
+        const uint32_t *row = k_tiles + (pair >> 4) * 4 * 256 + (pair & 15) * 16;
+        __m512i k[4];
+        for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(row + c * 256);
+        for (int i = 0; i < MICRO_ROWS; ++i) {
+            uint32_t qp;
+            memcpy(&qp, q16 + i * dim + 2 * pair, sizeof qp);
+            const __m512i qv = _mm512_set1_epi32((int)qp);
+            for (int c = 0; c < 4; ++c)
+                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)k[c], (__m512bh)qv);
+        }
+    }
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + i * KEY_BLOCK + c * VEC, acc[i][c]);
+}
+
+/* O[r][d0 .. d0 + 16 * CHUNK) = alpha_r * O[r] + sum over the block's key pairs of
+ * (P[r][2j], P[r][2j+1]) . (v_2j, v_2j+1)[...] for 4 rows, one vdpbf16ps per pair of keys:
+ * V as pack_v_pairs lays it out, P's pair (bfloat16) broadcast. */
+#define DP_PV_TILE(CHUNK)                                                                   \
+    static inline __attribute__((always_inline, target("avx512bf16"))) void                 \
+    dp_pv_tile_##CHUNK(float *o, const uint16_t *p16, const float *alpha,                   \
+                       const uint32_t *v_tiles, int64_t key_pairs, int64_t dim, int64_t d0) { \
+        const int64_t groups = dim / VEC;                                                   \
+        __m512 acc[MICRO_ROWS][CHUNK];                                                      \
+        for (int i = 0; i < MICRO_ROWS; ++i) {                                              \
+            const __m512 a = _mm512_set1_ps(alpha[i]);                                      \
+            for (int c = 0; c < CHUNK; ++c)                                                 \
+                acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dim + d0 + c * VEC), a);  \
+        }                                                                                   \
+        for (int64_t j = 0; j < key_pairs; ++j) {                                           \
+            const uint32_t *row = v_tiles + ((j >> 4) * groups + d0 / VEC) * 256            \
+                                  + (j & 15) * 16;                                          \
+            __m512i vv[CHUNK];                                                              \
+            for (int c = 0; c < CHUNK; ++c) vv[c] = _mm512_loadu_si512(row + c * 256);      \
+            for (int i = 0; i < MICRO_ROWS; ++i) {                                          \
+                uint32_t pp;                                                                \
+                memcpy(&pp, p16 + i * KEY_BLOCK + 2 * j, sizeof pp);                        \
+                const __m512i pv = _mm512_set1_epi32((int)pp);                              \
+                for (int c = 0; c < CHUNK; ++c)                                             \
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)vv[c], (__m512bh)pv); \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < MICRO_ROWS; ++i)                                                \
+            for (int c = 0; c < CHUNK; ++c)                                                 \
+                _mm512_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                    \
+    }
+DP_PV_TILE(4)
+DP_PV_TILE(1)
+
+/* run_item with vdpbf16ps (AVX512-BF16 without AMX): the rows of up to TOKEN_TILE new
+ * tokens, padded to whole register tiles with copies of the last row; per block, S from
+ * the K pairs, softmax_step_p16 (P in bfloat16, as on AMX), O from the V pairs. `tiles` as
+ * amx_run_item's. */
+static __attribute__((target("avx512bf16"))) void dp_run_item(
+        const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
+        const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
+        const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
+        int64_t dim, float scale, uint16_t *out) {
+    const int64_t rows = it->num_tokens * (heads / kv_heads);
+    const int64_t padded = round_up(rows, MICRO_ROWS);
+    const int64_t num_keys = load_pair_rows(it, w, q, q_stride, seq, heads, kv_heads, dim,
+                                            padded);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+        const int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
+        const uint32_t *k_tiles, *v_tiles;
+        block_pairs(w, tiles, k_cache, v_cache, slots + seq[3], num_keys, j0, kv_heads,
+                    it->kv_head, dim, &k_tiles, &v_tiles);
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
+            dp_qk_tile(w->s + r * KEY_BLOCK, w->q16 + r * dim, k_tiles, dim);
+        for (int64_t r = 0; r < padded; ++r)
+            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
+                                           &w->m[r], &w->l[r], w->p16 + r * KEY_BLOCK);
+        const int64_t key_pairs = (block + 1) / 2;
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS) {
+            int64_t d0 = 0;
+            for (; d0 + 4 * VEC <= dim; d0 += 4 * VEC)
+                dp_pv_tile_4(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
+                             key_pairs, dim, d0);
+            for (; d0 < dim; d0 += VEC)
+                dp_pv_tile_1(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
+                             key_pairs, dim, d0);
+        }
+    }
+    NAME(store_rows)(it, w, seq, heads, heads / kv_heads, dim, out);
+}
+
+
 #else
-/* One block of 64 keys' K (keys past `num_keys` zero) as the B tiles of S = Q K^T:
- * tile (t, g) at k_tiles + (4 t + g) * 256 words holds, row p, the dims (32 t + 2 p,
- * 32 t + 2 p + 1) of keys 16 g .. 16 g + 15 (a 16 x 16 transpose of 32-bit pairs). Asks for
- * each key's V row meanwhile (read by pack_v next). */
-static void amx_pack_k(uint32_t *k_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *slots, int64_t num_keys, int64_t kv_heads,
-                       int64_t kv_head, int64_t dim) {
-    for (int64_t g = 0; g < KEY_BLOCK / 16; ++g)
-        for (int64_t t = 0; t < dim / 32; ++t) {
-            __m512 r[VEC];
-            for (int i = 0; i < VEC; ++i) {
-                const int64_t j = 16 * g + i;
-                if (j < num_keys) {
-                    const int64_t at = (slots[j] * kv_heads + kv_head) * dim + 32 * t;
-                    _mm_prefetch((const char *)(v_cache + at), _MM_HINT_T1);
-                    r[i] = _mm512_loadu_ps((const float *)(k_cache + at));
-                } else {
-                    r[i] = _mm512_setzero_ps();
-                }
-            }
-            transpose16(r);
-            for (int p = 0; p < VEC; ++p)
-                _mm512_storeu_ps((float *)(k_tiles + ((4 * t + g) * 16 + p) * 16), r[p]);
-        }
-}
-
-/* One block's V (keys past `num_keys` zero) as the B tiles of O += P V: tile (h, g) at
- * v_tiles + (h * dim / 16 + g) * 256 words holds, row p, keys (32 h + 2 p, 32 h + 2 p + 1)
- * interleaved over dims 16 g .. 16 g + 15. Asks for the next block's K rows meanwhile. */
-static void amx_pack_v(uint32_t *v_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *slots, int64_t num_keys, int64_t next_keys,
-                       int64_t kv_heads, int64_t kv_head, int64_t dim) {
-    const int64_t groups = dim / 16;
-    for (int64_t h = 0; h < KEY_BLOCK / 32; ++h)
-        for (int64_t p = 0; p < 16; ++p) {
-            const int64_t ja = 32 * h + 2 * p, jb = ja + 1;
-            const uint16_t *va = ja < num_keys ? v_cache + (slots[ja] * kv_heads + kv_head) * dim
-                                               : NULL;
-            const uint16_t *vb = jb < num_keys ? v_cache + (slots[jb] * kv_heads + kv_head) * dim
-                                               : NULL;
-            for (int64_t j = ja; j <= jb; ++j)
-                if (j < next_keys)
-                    _mm_prefetch((const char *)(k_cache + (slots[KEY_BLOCK + j] * kv_heads
-                                                           + kv_head) * dim), _MM_HINT_T1);
-            for (int64_t g = 0; g < groups; ++g) {
-                const __m512i lo = va ? _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(va + 16 * g))) : _mm512_setzero_si512();
-                const __m512i hi = vb ? _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(vb + 16 * g))) : _mm512_setzero_si512();
-                _mm512_storeu_si512(v_tiles + ((h * groups + g) * 16 + p) * 16,
-                                    _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
-        }
-}
-
-/* softmax_step for the AMX path, in one pass over a row of S (unscaled, as the tile stored
- * it): scaled, m and l updated, P written as bfloat16 for the PV tiles (vcvtneps2bf16:
- * every AMX CPU has AVX512-BF16); returns alpha. */
-static inline __attribute__((target("avx512bf16"))) float amx_softmax_step(
-        const float *s, __m512 scale, int64_t valid, float *m, float *l, uint16_t *p16) {
-    if (valid <= 0) {  /* none of this row's keys: P = 0, nothing else moves */
-        memset(p16, 0, sizeof(uint16_t) * KEY_BLOCK);
-        return 1.0f;
-    }
-    __mmask16 mask[4];
-    __m512 v[4], mx = _mm512_set1_ps(-INFINITY);
-    for (int c = 0; c < 4; ++c) {
-        const int64_t n = valid - c * VEC;
-        mask[c] = n >= VEC ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
-        v[c] = _mm512_mul_ps(_mm512_loadu_ps(s + c * VEC), scale);
-        mx = _mm512_mask_max_ps(mx, mask[c], mx, v[c]);
-    }
-    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx));
-    const float alpha = m_new == *m ? 1.0f : exp_scalar(*m - m_new);
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-        const __m512 p = _mm512_maskz_mov_ps(mask[c], exp_ps(_mm512_sub_ps(v[c], mv)));
-        sum = _mm512_add_ps(sum, p);
-        _mm256_storeu_si256((__m256i *)(p16 + c * VEC), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
-    *m = m_new;
-    return alpha;
-}
-
 /* run_item on AMX: the rows of up to TOKEN_TILE new tokens, padded to whole tiles of 16. */
 /* `tiles`: the sequence's K and V tiles from phase 1 (block b's K tiles at b * 64 * dim
  * words, its V tiles right after), or NULL for a sequence with one item, whose blocks are
@@ -257,37 +275,17 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
         const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
         const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
         int64_t dim, float scale, uint16_t *out) {
-    const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
-    const int64_t rows = it->num_tokens * group;
+    const int64_t rows = it->num_tokens * (heads / kv_heads);
     const int64_t padded = round_up(rows, AMX_ROWS);
-    for (int64_t r = 0; r < padded; ++r) {
-        int64_t t = (r < rows ? r : rows - 1) / group, g = (r < rows ? r : rows - 1) % group;
-        int64_t token = it->first_token + t;
-        memcpy(w->q16 + r * dim, q + (seq[0] + token) * q_stride + (it->kv_head * group + g) * dim,
-               sizeof(uint16_t) * dim);
-        w->pos[r] = prefix + token;
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
-        memset(w->o + r * dim, 0, sizeof(float) * dim);
-    }
+    const int64_t num_keys = load_pair_rows(it, w, q, q_stride, seq, heads, kv_heads, dim,
+                                            padded);
     /* padding rows (up to a whole tile) get P = 0 and are never normalised nor stored */
     memset(w->p16 + rows * KEY_BLOCK, 0, sizeof(uint16_t) * (padded - rows) * KEY_BLOCK);
-    const int64_t num_keys = prefix + it->first_token + it->num_tokens;
-    const int64_t *own = slots + slot0;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
-        const int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
-        const int64_t next = num_keys - j0 - block < KEY_BLOCK ? num_keys - j0 - block : KEY_BLOCK;
-        const uint32_t *k_tiles = w->k_tiles, *v_tiles = w->v_tiles;
-        if (tiles != NULL) {
-            k_tiles = tiles + j0 * dim;
-            v_tiles = k_tiles + KEY_BLOCK * dim / 2;
-        } else {
-            amx_pack_k(w->k_tiles, k_cache, v_cache, own + j0, block, kv_heads, it->kv_head,
-                       dim);
-            amx_pack_v(w->v_tiles, k_cache, v_cache, own + j0, block, next, kv_heads,
-                       it->kv_head, dim);
-        }
+        const uint32_t *k_tiles, *v_tiles;
+        block_pairs(w, tiles, k_cache, v_cache, slots + seq[3], num_keys, j0, kv_heads,
+                    it->kv_head, dim, &k_tiles, &v_tiles);
         for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {  /* S = Q K^T */
             AMX_ZERO_C();
             for (int64_t t = 0; t < dim / 32; ++t)
@@ -295,7 +293,7 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
             AMX_STORE_C(w->s + r0 * KEY_BLOCK, KEY_BLOCK * 4);
         }
         for (int64_t r = 0; r < rows; ++r)
-            w->alpha[r] = amx_softmax_step(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
+            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
                                            &w->m[r], &w->l[r], w->p16 + r * KEY_BLOCK);
         for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS)  /* O = alpha O + P V */
             for (int64_t d0 = 0; d0 < dim; d0 += KEY_BLOCK) {
@@ -315,7 +313,7 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
                 }
             }
     }
-    NAME(store_rows)(it, w, seq, heads, group, dim, out);
+    NAME(store_rows)(it, w, seq, heads, heads / kv_heads, dim, out);
 }
 #endif
 
@@ -326,7 +324,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                 float scale, T *out, float *workspace, int num_threads) {
     if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0
-        || (AMX_PATH && dim % KEY_BLOCK != 0))
+        || (AMX_PATH && dim % KEY_BLOCK != 0) || (DP_PATH && dim % 32 != 0))
         return -1;
     /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
      * first */
@@ -354,7 +352,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
             }
     const int64_t group = heads / kv_heads;
     float *kt = workspace, *scratch = workspace + kt_off[num_seqs * kv_heads];
-#if AMX_PATH
+#if PAIR_PATH
     /* phase 1's work: (seq * kv_heads + kv head, first key) of every block to pack */
     int64_t num_blocks = kt_off[num_seqs * kv_heads] / (KEY_BLOCK * dim), b = 0;
     int64_t *blocks = malloc(sizeof(int64_t) * (size_t)(2 * num_blocks + 1));
@@ -374,19 +372,21 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
+#if PAIR_PATH
 #if AMX_PATH
         configure_tiles(AMX_ROWS);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_blocks; ++p) {
-            /* phase 1 on AMX: each block of a sharing (seq, kv head) as K and V tiles */
+            /* phase 1 in pairs: each block of a sharing (seq, kv head) as K and V tiles */
             const int64_t pair = blocks[2 * p], j0 = blocks[2 * p + 1];
             const int64_t *sq = seqs + 4 * (pair / kv_heads);
             const int64_t keys = sq[1] + sq[2];
             const int64_t block = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
             uint32_t *k_tiles = (uint32_t *)(kt + kt_off[pair]) + j0 * dim;
-            amx_pack_k(k_tiles, k_cache, v_cache, slots + sq[3] + j0, block, kv_heads,
+            pack_k_pairs(k_tiles, k_cache, v_cache, slots + sq[3] + j0, block, kv_heads,
                        pair % kv_heads, dim);
-            amx_pack_v(k_tiles + KEY_BLOCK * dim / 2, k_cache, v_cache, slots + sq[3] + j0,
+            pack_v_pairs(k_tiles + KEY_BLOCK * dim / 2, k_cache, v_cache, slots + sq[3] + j0,
                        block, 0, kv_heads, pair % kv_heads, dim);
         }
 #else
@@ -405,11 +405,16 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
         for (int64_t p = 0; p < num_items; ++p) {
             const Item *it = items + p;
             const int64_t *sq = seqs + 4 * it->seq;
-#if AMX_PATH
+#if PAIR_PATH
             const uint32_t *own = shares_kt(sq)
                 ? (const uint32_t *)(kt + kt_off[it->seq * kv_heads + it->kv_head]) : NULL;
+#if AMX_PATH
             amx_run_item(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
                          kv_heads, dim, scale, out);
+#else
+            dp_run_item(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
+                        kv_heads, dim, scale, out);
+#endif
 #else
             const float *own = shares_kt(sq) ? kt + kt_off[it->seq * kv_heads + it->kv_head]
                                              : NULL;
@@ -421,7 +426,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
         release_tiles();
 #endif
     }
-#if AMX_PATH
+#if PAIR_PATH
     free(blocks);
 #endif
     free(kt_off);
@@ -433,3 +438,8 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
 #undef AMX_PATH
 #undef AMX_PATH_DEFAULTED
 #endif
+#ifdef DP_PATH_DEFAULTED
+#undef DP_PATH
+#undef DP_PATH_DEFAULTED
+#endif
+#undef PAIR_PATH

@@ -68,15 +68,33 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-BF16_PATHS = ("avx512f", "amx")
+BF16_PATHS = ("avx512f", "avx512bf16", "amx")
+# the paths that round P to bfloat16 for PV, and the head dims they take
+PAIR_DIMS = {"avx512bf16": 32, "amx": 64}
 
 
-@pytest.mark.parametrize(("dim", "ratio"), ((64, 3), (128, 4), (80, 4), (64, 1)))
+def test_bfloat16_takes_the_fastest_path_this_cpu_has(kernel) -> None:
+    """vdpbf16ps where /proc/cpuinfo lists AVX512-BF16, AMX's tiles where it lists them
+    (and Linux grants them), the last of `bf16_paths` by default."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    assert ("avx512bf16" in kernel.bf16_paths) == ("avx512_bf16" in flags)
+    if "amx" in kernel.bf16_paths:
+        assert "amx_bf16" in flags
+    assert kernel.bf16_path == kernel.bf16_paths[-1]
+
+
+@pytest.mark.parametrize(("dim", "ratio"), ((64, 3), (128, 4), (80, 4), (96, 2), (64, 1)))
 def test_bfloat16_matches_the_reference(kernel, dim: int, ratio: int) -> None:
-    """bfloat16 q and pool, read exactly as float32; float32 math (on AMX, P rounded to
-    bfloat16 for PV), the output rounded once: within a bfloat16 step or two of the float32
-    reference on those values, and of SDPA in bfloat16 (which rounds more). head_dim 80 is
-    not a multiple of 64: AMX's path leaves it to AVX-512F."""
+    """bfloat16 q and pool, read exactly as float32; float32 math (on the pair paths, AMX
+    and vdpbf16ps, P rounded to bfloat16 for PV), the output rounded once: within a
+    bfloat16 step or two of the float32 reference on those values, and of SDPA in bfloat16
+    (which rounds more). head_dim 80 is not a multiple of 32 nor 64: the pair paths leave it
+    to AVX-512F."""
     for on_path in paths(kernel, BF16_PATHS):
         bfloat16_against_the_reference(on_path, dim, ratio)
 
@@ -88,7 +106,8 @@ def bfloat16_against_the_reference(kernel, dim: int, ratio: int) -> None:
     exact = paged_attention_reference(q.float(), kc.float(), vc.float(), slots, seqs,
                                       dim ** -0.5)
     # P in bfloat16 (AMX): each weight off by up to 2^-9 of itself, summed over the keys
-    atol = 4e-3 if kernel.bf16_path == "amx" and dim % 64 == 0 else 1e-3
+    pairs = dim % PAIR_DIMS.get(kernel.bf16_path, dim + 1) == 0
+    atol = 4e-3 if pairs else 1e-3
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=atol)
     sdpa = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2 ** -6, atol=2e-2)

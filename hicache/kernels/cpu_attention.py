@@ -16,9 +16,10 @@ that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
 how). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as the float32
-kernel does, and rounds the output once; or, where the CPU has AMX and head_dim is a
-multiple of 64, runs QK^T and PV on AMX's tiles (P rounded to bfloat16 for PV, as torch's
-bfloat16 flash attention does), each row still alone. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
+kernel does, and rounds the output once; or multiplies bfloat16 pairs: where the CPU has AMX
+and head_dim is a multiple of 64, QK^T and PV on AMX's tiles, else where it has AVX512-BF16
+and head_dim is a multiple of 32, with vdpbf16ps (both with P rounded to bfloat16 for PV,
+as torch's bfloat16 flash attention does), each row still alone. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
 (`kernels/cpu_build.py`: the key, the compiler, the shared OpenMP runtime) and returns None
 where either is missing or the build fails (the caller keeps torch's SDPA).
 
@@ -44,7 +45,9 @@ DTYPES = tuple(_SYMBOLS)
 _WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
 MAX_HEAD_DIM = 256  # must match cpu_attention.c
 HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
-AMX_HEAD_DIM_MULTIPLE = 64  # the AMX path's: whole 64-wide C tiles of the output
+# the pair paths': whole 64-wide C tiles of the output on AMX, whole 32-dim rows of K's
+# pair tiles with vdpbf16ps; other head dims stay on AVX-512F
+PAIR_HEAD_DIM_MULTIPLE = {"amx": 64, "avx512bf16": 32}
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
 
 
@@ -64,12 +67,19 @@ class CpuAttentionKernel:
                 ctypes.c_void_p, ctypes.c_int,
             ]
             self._fns[dtype] = fn
-        self._amx = library.hicache_paged_attention_bf16_amx
-        self._amx.restype = ctypes.c_int
-        self._amx.argtypes = self._fns[torch.bfloat16].argtypes
         # bfloat16 on AMX's tiles where the CPU has them (head dims a multiple of 64), else
-        # on AVX-512F; tests set "avx512f" to run that path on any machine
+        # with vdpbf16ps where it has AVX512-BF16 (head dims a multiple of 32), else on
+        # AVX-512F; tests set a path to run it beside this CPU's own
+        self._pair_fns = {}
+        for isa, symbol in (("avx512bf16", "hicache_paged_attention_bf16_dp"),
+                             ("amx", "hicache_paged_attention_bf16_amx")):
+            fn = getattr(library, symbol)
+            fn.restype = ctypes.c_int
+            fn.argtypes = self._fns[torch.bfloat16].argtypes
+            self._pair_fns[isa] = fn
         self.bf16_paths = ("avx512f",)
+        if library.hicache_paged_attention_has_avx512bf16():
+            self.bf16_paths += ("avx512bf16",)
         if library.hicache_paged_attention_has_amx():
             self.bf16_paths += ("amx",)
         self.bf16_path = self.bf16_paths[-1]
@@ -98,9 +108,9 @@ class CpuAttentionKernel:
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
         need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
         fn = self._fns[q.dtype]
-        if (q.dtype == torch.bfloat16 and self.bf16_path == "amx"
-                and dim % AMX_HEAD_DIM_MULTIPLE == 0):
-            fn = self._amx
+        if (q.dtype == torch.bfloat16 and self.bf16_path in self._pair_fns
+                and dim % PAIR_HEAD_DIM_MULTIPLE[self.bf16_path] == 0):
+            fn = self._pair_fns[self.bf16_path]
         rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                       slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim,
                       scale, out.data_ptr(), self._workspace(need).data_ptr(), threads)
