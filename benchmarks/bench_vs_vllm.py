@@ -30,7 +30,8 @@ and `stream_options.include_usage` (the cached prompt tokens are in the last chu
 machine's load hits all); the tables show the median and the best pass. Ratios are
 hicache / vLLM as speed: above 1 means hicache is faster. Every multi-turn answer is
 compared, token by token, with the first vLLM prefix-cache pass's answer to the same chat
-and round. Server logs go to `.benchtmp/vs_vllm/`; a server that does not come up has the
+and round; each chat's first difference is scored by hicache's model in-process, its logit
+gap between the two tokens against the near-tie threshold (`answer_ties.py`). Server logs go to `.benchtmp/vs_vllm/`; a server that does not come up has the
 end of its log printed. Every server is stopped when the driver ends, also on an error,
 Ctrl-C or SIGTERM.
 """
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
+import answer_ties
 import bench_multiturn as bm
 import multiturn_report as mr
 import numpy as np
@@ -689,6 +691,8 @@ def print_report(report: dict[str, Any]) -> None:
           f"{a['system_prompt_length']}-token shared system prompt, {a['request_length']}-token "
           f"questions, {a['output_length']}-token answers, over /v1/completions:\n")
     print(multiturn_table(s))
+    if report.get("ties"):
+        print("\n" + answer_ties.ties_table(report["ties"], s["reference"]))
     print(f"\nJSON: {report['out']}; server logs: {rm._shown(LOG_DIR)}")
 
 
@@ -854,6 +858,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ServerStartError as e:
         raise SystemExit(str(e)) from None
     report = build_report(args, runs)
+    report["ties"] = answer_ties.ties(report, workload_args(args))
     rm.write_report(as_json(report), args.out)
     print_report(report)
     return report

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import answer_ties
 import bench_multiturn as bm
 import bench_vs_vllm as bv
 
@@ -198,3 +199,43 @@ def test_kv_tokens_read_from_either_log(tmp_path: Path) -> None:
     assert bv.logged_tokens(bv.VLLM_KV_LOGGED, vl) == 3040
     assert bv.logged_tokens(bv.VLLM_KV_LOGGED, hi) is None
     assert bv.logged_tokens(bv.VLLM_KV_LOGGED, tmp_path / "missing.log") is None
+
+
+def _workload() -> bm.Workload:
+    return bm.Workload(system=[1, 2], questions=[[[3], [4], [5]], [[6], [7], [8]]],
+                       no_reuse=False, history=[[1, 2], [1, 2]])
+
+
+def test_each_chat_is_compared_up_to_its_first_differing_answer() -> None:
+    """Chat 0 differs in round 2 at its second token (the prompt holds round 1's shared
+    answer); chat 1 never differs; round 3 of chat 0 follows a divergence, uncompared."""
+    ref = {(0, 1): [9, 9], (0, 2): [10, 11, 12], (0, 3): [13], (1, 1): [14], (1, 2): [15],
+           (1, 3): [16]}
+    ours = {**ref, (0, 2): [10, 20, 12], (0, 3): [30]}
+    found, after = answer_ties.first_divergences(_workload(), ours, ref, rounds=3)
+    assert found == [answer_ties.Divergence(0, 2, [1, 2, 3, 9, 9, 4], [10], 20, 11)]
+    assert after == 1
+    # an answer that is a prefix of the other's (a stop) has no token to score
+    short = {**ref, (1, 1): []}
+    found, after = answer_ties.first_divergences(_workload(), short, ref, rounds=3)
+    assert found == [] and after == 2
+
+
+def test_a_divergence_is_scored_by_the_model_it_came_from(monkeypatch, tmp_path: Path
+                                                          ) -> None:
+    """The embedded model scores the shared prefix: the gap is its logit difference
+    between the two tokens, and a near tie is one within the dtype's share of the scale."""
+    from server.models.loader import EMBEDDED_TINY_LLAMA
+
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
+    scorer = answer_ties.Scorer(EMBEDDED_TINY_LLAMA, "float32")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    logits = scorer.logits(prompt)
+    top2 = logits.topk(2).indices.tolist()
+    d = answer_ties.Divergence(0, 1, prompt[:-2], prompt[-2:], top2[0], top2[1])
+    got = answer_ties.explain(d, scorer, "float32")
+    assert got["argmax_here"] == top2[0] and got["token"] == 2
+    assert got["gap"] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]))
+    assert got["near_tie"] == (got["gap"] <= 1e-3 * float(logits.abs().max()))
+    far = answer_ties.explain(d._replace(theirs=int(logits.argmin())), scorer, "float32")
+    assert not far["near_tie"]
