@@ -118,7 +118,7 @@ def ties(report: dict[str, Any], workload_args: argparse.Namespace,
     ref = next(r for r in runs if r["label"] == ref_label and r["pass"] == int(ref_pass))
     dtype, out = report["args"]["dtype"], {}
     for run in runs:
-        if run["engine"] != "hicache":
+        if run["engine"] != "hicache" or run is ref:
             continue
         wl = bm.make_workload(workload_args)
         found, after = first_divergences(wl, records(run), records(ref),
