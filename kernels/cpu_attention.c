@@ -42,6 +42,7 @@
 #define MICRO_ROWS 4   /* query rows per register tile */
 #define VEC 16         /* floats per AVX-512 vector */
 #define MAX_HEAD_DIM 256
+#define PAIR_DIMS 32   /* head dims per row of K's pair tiles (16 pairs): the pair paths' unit */
 
 typedef struct {
     int64_t seq, kv_head, first_token, num_tokens;
@@ -205,17 +206,17 @@ int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
 /* One block of 64 keys' K (keys past `num_keys` zero) as the B tiles of S = Q K^T:
  * tile (t, g) at k_tiles + (4 t + g) * 256 words holds, row p, the dims (32 t + 2 p,
  * 32 t + 2 p + 1) of keys 16 g .. 16 g + 15 (a 16 x 16 transpose of 32-bit pairs). Asks for
- * each key's V row meanwhile (read by pack_v next). */
+ * each key's V row meanwhile (read by pack_v_pairs next). */
 static void pack_k_pairs(uint32_t *k_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *slots, int64_t num_keys, int64_t kv_heads,
-                       int64_t kv_head, int64_t dim) {
+                         const int64_t *slots, int64_t num_keys, int64_t kv_heads,
+                         int64_t kv_head, int64_t dim) {
     for (int64_t g = 0; g < KEY_BLOCK / 16; ++g)
-        for (int64_t t = 0; t < dim / 32; ++t) {
+        for (int64_t t = 0; t < dim / PAIR_DIMS; ++t) {
             __m512 r[VEC];
             for (int i = 0; i < VEC; ++i) {
                 const int64_t j = 16 * g + i;
                 if (j < num_keys) {
-                    const int64_t at = (slots[j] * kv_heads + kv_head) * dim + 32 * t;
+                    const int64_t at = (slots[j] * kv_heads + kv_head) * dim + PAIR_DIMS * t;
                     _mm_prefetch((const char *)(v_cache + at), _MM_HINT_T1);
                     r[i] = _mm512_loadu_ps((const float *)(k_cache + at));
                 } else {
@@ -232,8 +233,8 @@ static void pack_k_pairs(uint32_t *k_tiles, const uint16_t *k_cache, const uint1
  * v_tiles + (h * dim / 16 + g) * 256 words holds, row p, keys (32 h + 2 p, 32 h + 2 p + 1)
  * interleaved over dims 16 g .. 16 g + 15. Asks for the next block's K rows meanwhile. */
 static void pack_v_pairs(uint32_t *v_tiles, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *slots, int64_t num_keys, int64_t next_keys,
-                       int64_t kv_heads, int64_t kv_head, int64_t dim) {
+                         const int64_t *slots, int64_t num_keys, int64_t next_keys,
+                         int64_t kv_heads, int64_t kv_head, int64_t dim) {
     const int64_t groups = dim / 16;
     for (int64_t h = 0; h < KEY_BLOCK / 32; ++h)
         for (int64_t p = 0; p < 16; ++p) {
@@ -359,8 +360,8 @@ static void block_pairs(Scratch *w, const uint32_t *tiles, const uint16_t *k_cac
 #undef NAME
 #undef AMX_PATH
 
-/* bfloat16 with vdpbf16ps (AVX512-BF16, head dims a multiple of 32): AMX's arithmetic on
- * 16-lane vectors, per block of 64 keys from key 0: S from K's pairs, the online softmax in
+/* bfloat16 with vdpbf16ps (AVX512-BF16, head dims a multiple of PAIR_DIMS): AMX's
+ * arithmetic on 16-lane vectors, per block of 64 keys from key 0: S from K's pairs, the online softmax in
  * float32, P rounded to bfloat16, O = alpha O + P V from V's pairs. Each row runs alone in
  * its own lanes' accumulators, so a row's bits depend only on its query and its keys. */
 #define DP_PATH 1
@@ -374,7 +375,4 @@ static void block_pairs(Scratch *w, const uint32_t *tiles, const uint16_t *k_cac
 
 int hicache_paged_attention_has_amx(void) { return amx_available(); }
 
-int hicache_paged_attention_has_avx512bf16(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
-}
+int hicache_paged_attention_has_avx512bf16(void) { return avx512bf16_available(); }

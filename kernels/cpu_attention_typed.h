@@ -288,8 +288,8 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
                     it->kv_head, dim, &k_tiles, &v_tiles);
         for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {  /* S = Q K^T */
             AMX_ZERO_C();
-            for (int64_t t = 0; t < dim / 32; ++t)
-                AMX_DOT4(w->q16 + r0 * dim + 32 * t, dim * 2, k_tiles + 4 * t * 256, 256, 64);
+            for (int64_t t = 0; t < dim / PAIR_DIMS; ++t)
+                AMX_DOT4(w->q16 + r0 * dim + PAIR_DIMS * t, dim * 2, k_tiles + 4 * t * 256, 256, 64);
             AMX_STORE_C(w->s + r0 * KEY_BLOCK, KEY_BLOCK * 4);
         }
         for (int64_t r = 0; r < rows; ++r)
@@ -324,7 +324,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                 float scale, T *out, float *workspace, int num_threads) {
     if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0
-        || (AMX_PATH && dim % KEY_BLOCK != 0) || (DP_PATH && dim % 32 != 0))
+        || (AMX_PATH && dim % KEY_BLOCK != 0) || (DP_PATH && dim % PAIR_DIMS != 0))
         return -1;
     /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
      * first */
@@ -385,9 +385,9 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
             const int64_t block = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
             uint32_t *k_tiles = (uint32_t *)(kt + kt_off[pair]) + j0 * dim;
             pack_k_pairs(k_tiles, k_cache, v_cache, slots + sq[3] + j0, block, kv_heads,
-                       pair % kv_heads, dim);
+                         pair % kv_heads, dim);
             pack_v_pairs(k_tiles + KEY_BLOCK * dim / 2, k_cache, v_cache, slots + sq[3] + j0,
-                       block, 0, kv_heads, pair % kv_heads, dim);
+                         block, 0, kv_heads, pair % kv_heads, dim);
         }
 #else
 #pragma omp for schedule(dynamic, 1)

@@ -35,4 +35,10 @@ static inline void store_bf16_ps(__mmask16 mask, uint16_t *p, __m512 v) {
 /* v rounded to bfloat16 and back: the float32 value torch's bfloat16 op would store. */
 static inline __m512 rne_bf16(__m512 v) { return bf16_to_f32(round_bf16(v)); }
 
+/* Whether this CPU has AVX512-BF16 (vdpbf16ps, vcvtneps2bf16). */
+static inline int avx512bf16_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
 #endif

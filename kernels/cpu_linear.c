@@ -308,10 +308,7 @@ static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
 int hicache_linear_has_amx(void) { return amx_available(); }
 
 /* Whether this CPU has AVX512-BF16 (vdpbf16ps). */
-int hicache_linear_has_avx512bf16(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
-}
+int hicache_linear_has_avx512bf16(void) { return avx512bf16_available(); }
 
 /* Pairs of one panel: ceil(K / 2) rounded up to whole AMX tiles. */
 static inline int64_t padded_pairs(int64_t K) {
