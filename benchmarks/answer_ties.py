@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_multiturn as bm
 
+from hicache.memory.device import DeviceKVPool
+from server.models.forward_batch import ForwardBatch
+from server.models.loader import load_model
+
 # A top-two gap within this share of the logits' scale is a tie rounding may break either
 # way: float32's summation order; bfloat16's 8 significant bits (tests/test_real_model.py).
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 2 ** -7}
@@ -80,18 +84,12 @@ class Scorer:
     compute them (the same kernels, one forward from scratch)."""
 
     def __init__(self, model_path: str, dtype: str) -> None:
-        from hicache.memory.device import DeviceKVPool
-        from server.models.loader import load_model
-
         self.lm = load_model(model_path, dtype, "cpu")
-        self._pool_type = DeviceKVPool
 
     def logits(self, ids: list[int]) -> torch.Tensor:
-        from server.models.forward_batch import ForwardBatch
-
         c, page = self.lm.config, 16
-        pool = self._pool_type(len(ids) // page + 2, page, c.num_hidden_layers,
-                               c.num_key_value_heads, c.head_dim, self.lm.dtype, "cpu")
+        pool = DeviceKVPool(len(ids) // page + 2, page, c.num_hidden_layers,
+                            c.num_key_value_heads, c.head_dim, self.lm.dtype, "cpu")
         slots = torch.arange(page, page + len(ids))
         batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), slots, [slots], [0],
                              [len(ids)])
@@ -109,14 +107,13 @@ def explain(d: Divergence, scorer: Scorer, dtype: str) -> dict[str, Any]:
             "near_tie": abs(gap) <= NEAR_TIE[dtype] * scale}
 
 
-def ties(report: dict[str, Any], workload_args: argparse.Namespace,
-         scorer: Scorer | None = None) -> dict[str, Any]:
+def ties(report: dict[str, Any], workload_args: argparse.Namespace) -> dict[str, Any]:
     """Per hicache server (each pass) against the report's reference run: its divergences,
-    explained; the scorer is built once when there is any."""
+    explained; the model is loaded once, when there is any."""
     runs = report["runs"]
     ref_label, ref_pass = report["summary"]["reference"].rsplit(" pass ", 1)
     ref = next(r for r in runs if r["label"] == ref_label and r["pass"] == int(ref_pass))
-    dtype, out = report["args"]["dtype"], {}
+    dtype, out, scorer = report["args"]["dtype"], {}, None
     for run in runs:
         if run["engine"] != "hicache" or run is ref:
             continue

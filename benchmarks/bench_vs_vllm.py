@@ -31,8 +31,8 @@ machine's load hits all); the tables show the median and the best pass. Ratios a
 hicache / vLLM as speed: above 1 means hicache is faster. Every multi-turn answer is
 compared, token by token, with the first vLLM prefix-cache pass's answer to the same chat
 and round; each chat's first difference is scored by hicache's model in-process, its logit
-gap between the two tokens against the near-tie threshold (`answer_ties.py`). Server logs go to `.benchtmp/vs_vllm/`; a server that does not come up has the
-end of its log printed. Every server is stopped when the driver ends, also on an error,
+gap between the two tokens against the near-tie threshold (`answer_ties.py`). Server logs
+go to `.benchtmp/vs_vllm/`; a server that does not come up has the end of its log printed. Every server is stopped when the driver ends, also on an error,
 Ctrl-C or SIGTERM.
 """
 
@@ -587,11 +587,9 @@ def speed_ratio(key: str, hicache: float | None, vllm: float | None) -> float | 
 
 def same_tokens(run: dict[str, Any], ref: dict[str, Any]) -> tuple[int, int]:
     """(answers equal to `ref`'s for the same chat and round, answers compared)."""
-    ref_ids = {(r["client"], r["round"]): r["output_ids"] for r in ref["multiturn"]["records"]
-               if not r["error"]}
-    pairs = [(r["output_ids"], ref_ids[(r["client"], r["round"])])
-             for r in run["multiturn"]["records"]
-             if not r["error"] and (r["client"], r["round"]) in ref_ids]
+    ref_ids = answer_ties.records(ref)
+    pairs = [(ids, ref_ids[turn]) for turn, ids in answer_ties.records(run).items()
+             if turn in ref_ids]
     return sum(a == b for a, b in pairs), len(pairs)
 
 

@@ -19,9 +19,10 @@ how). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as
 kernel does, and rounds the output once; or multiplies bfloat16 pairs: where the CPU has AMX
 and head_dim is a multiple of 64, QK^T and PV on AMX's tiles, else where it has AVX512-BF16
 and head_dim is a multiple of 32, with vdpbf16ps (both with P rounded to bfloat16 for PV,
-as torch's bfloat16 flash attention does), each row still alone. It needs AVX-512F and a C compiler: `load()` builds it once into `cache_dir`
-(`kernels/cpu_build.py`: the key, the compiler, the shared OpenMP runtime) and returns None
-where either is missing or the build fails (the caller keeps torch's SDPA).
+as torch's bfloat16 flash attention does), each row still alone. It needs AVX-512F and a
+C compiler: `load()` builds it once into `cache_dir` (`kernels/cpu_build.py`: the key, the
+compiler, the shared OpenMP runtime) and returns None where either is missing or the build
+fails (the caller keeps torch's SDPA).
 
 Threading: a kernel call may come from any thread; it uses `num_threads` OpenMP threads.
 """

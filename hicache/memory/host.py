@@ -59,11 +59,11 @@ class HostKVPool(PagedSlots):
 
     The buffer is zeroed at allocation, every page of it touched once, as vLLM zeroes its
     KV cache: where the OS (or a VM's host) backs memory only on first touch, that cost is
-    paid at start, not by the serving path's first write of each page (measured on a
-    2-core VM that backs guest memory lazily: a 2,048-token prefill's L1 -> L2 backup in
-    SmolLM2 bfloat16, 47 MB, cost 127 ms of CPU more on untouched pages). A page's bytes
-    mean nothing until written. `pin_memory=None` pins when CUDA is available (pinned memory makes H2D/D2H copies
-    asynchronous); pinning without CUDA is refused.
+    paid at start, not by the serving path's first write of each page (on a 2-core VM that
+    backs guest memory lazily, a 2,048-token SmolLM2 bfloat16 prefill with L2 took 140 ms
+    more than without it on untouched pages, 38 ms more once zeroed). A page's bytes mean
+    nothing until written. `pin_memory=None` pins when CUDA is available (pinned memory
+    makes H2D/D2H copies asynchronous); pinning without CUDA is refused.
 
     Threading: the scheduler thread owns allocation (`alloc`, `free`). Transfer and storage
     threads only read or write the bytes of pages they were handed (`get_page(s)`,
