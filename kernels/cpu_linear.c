@@ -40,13 +40,13 @@
  * mr, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(
         const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-        const float *bias, float *y, int64_t ldy, int cols) {
+        const float *bias, float *y, int64_t ldy, int cols, int fetch) {
     __m512 acc[MR][4];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *wk = w + k * NR;
-        if (mr <= 2) {  /* memory-bound: fetch ahead (a prefetch past the panel is harmless) */
+        if (fetch) {  /* the panel comes from memory: fetch ahead (past its end is harmless) */
             const char *ahead = (const char *)(wk + PREFETCH_ROWS * NR);
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
@@ -77,14 +77,14 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 static void tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                      const float *bias, float *y, int64_t ldy, int cols) {
+                      const float *bias, float *y, int64_t ldy, int cols, int fetch) {
     switch (mr) {
-    case 1: tile(1, x, ldx, w, K, bias, y, ldy, cols); break;
-    case 2: tile(2, x, ldx, w, K, bias, y, ldy, cols); break;
-    case 3: tile(3, x, ldx, w, K, bias, y, ldy, cols); break;
-    case 4: tile(4, x, ldx, w, K, bias, y, ldy, cols); break;
-    case 5: tile(5, x, ldx, w, K, bias, y, ldy, cols); break;
-    default: tile(6, x, ldx, w, K, bias, y, ldy, cols); break;
+    case 1: tile(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 2: tile(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 3: tile(3, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 4: tile(4, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 5: tile(5, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    default: tile(6, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
     }
 }
 
@@ -130,7 +130,7 @@ int hicache_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const 
             for (int64_t m = b * block; m < end; m += MR) {
                 const int mr = end - m < MR ? (int)(end - m) : MR;
                 tile_rows(mr, x + m * ldx, ldx, w, K, bias ? bias + p * NR : NULL,
-                          y + m * N + p * NR, N, cols);
+                          y + m * N + p * NR, N, cols, m == b * block);
             }
         }
     }
@@ -192,14 +192,14 @@ static inline __attribute__((always_inline)) void store_bf16(
 #define TILE_BF16(NAME, TARGET, STEP)                                                       \
     static inline __attribute__((always_inline, target(TARGET))) void NAME(                 \
             const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,     \
-            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {                     \
+            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int fetch) {          \
         __m512 acc[MR][4];                                                                  \
         for (int i = 0; i < mr; i++)                                                        \
             for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();                    \
         const int64_t pairs = (K + 1) / 2;                                                  \
         for (int64_t q = 0; q < pairs; q++) {                                               \
             const uint16_t *wq = w + q * 2 * NR;                                            \
-            if (mr <= 2) {                                                                  \
+            if (fetch) {                                                                    \
                 const char *ahead = (const char *)(wq + PREFETCH_ROWS * 2 * NR);            \
                 _mm_prefetch(ahead, _MM_HINT_T0);                                           \
                 _mm_prefetch(ahead + 64, _MM_HINT_T0);                                      \
@@ -244,14 +244,14 @@ TILE_BF16(tile_bf16_f, "avx512f", STEP_F)
 #define TILE_ROWS_BF16(NAME, TILE, TARGET)                                                  \
     static __attribute__((target(TARGET))) void NAME(                                       \
             int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,           \
-            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols) {                     \
+            const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int fetch) {         \
         switch (mr) {                                                                       \
-        case 1: TILE(1, x, ldx, w, K, bias, y, ldy, cols); break;                           \
-        case 2: TILE(2, x, ldx, w, K, bias, y, ldy, cols); break;                           \
-        case 3: TILE(3, x, ldx, w, K, bias, y, ldy, cols); break;                           \
-        case 4: TILE(4, x, ldx, w, K, bias, y, ldy, cols); break;                           \
-        case 5: TILE(5, x, ldx, w, K, bias, y, ldy, cols); break;                           \
-        default: TILE(6, x, ldx, w, K, bias, y, ldy, cols); break;                          \
+        case 1: TILE(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                    \
+        case 2: TILE(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                    \
+        case 3: TILE(3, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                    \
+        case 4: TILE(4, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                    \
+        case 5: TILE(5, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                    \
+        default: TILE(6, x, ldx, w, K, bias, y, ldy, cols, fetch); break;                   \
         }                                                                                   \
     }
 TILE_ROWS_BF16(tile_rows_bf16_dp, tile_bf16_dp, "avx512bf16")
@@ -375,6 +375,7 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
                 for (int64_t m = b * block; m < end; m += step) {
                     const int mr = end - m < step ? (int)(end - m) : step;
                     const uint16_t *xm = x + m * ldx;
+                    const int fetch = m == b * block;  /* the panel's first tile streams it */
                     uint16_t *ym = y + m * N + p * NR + col0;
                     if (isa == ISA_AMX) {
                         if (configured != mr) {
@@ -383,9 +384,9 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
                         }
                         tile_bf16_amx(mr, xm, ldx, w, K, bp, ym, N, cols, half);
                     } else if (isa == ISA_AVX512BF16) {
-                        tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols);
+                        tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                     } else {
-                        tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols);
+                        tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                     }
                 }
             }
