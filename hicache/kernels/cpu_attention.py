@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -108,22 +109,77 @@ class CpuAttentionKernel:
             return out
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
         need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
-        fn = self._fns[q.dtype]
-        if (q.dtype == torch.bfloat16 and self.bf16_path in self._pair_fns
-                and dim % PAIR_HEAD_DIM_MULTIPLE[self.bf16_path] == 0):
-            fn = self._pair_fns[self.bf16_path]
-        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                      slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim,
-                      scale, out.data_ptr(), self._workspace(need).data_ptr(), threads)
-        if rc != 0:
-            raise RuntimeError(f"CPU attention kernel failed: {_ERRORS.get(rc, rc)}")
+        rc = self._function(q.dtype, dim)(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale,
+            out.data_ptr(), self._workspace(need).data_ptr(), threads)
+        raise_on_error(rc)
         return out
+
+    def bind_layers(self, q: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    slots: torch.Tensor, seqs: torch.Tensor, scale: float, out: torch.Tensor,
+                    threads: int) -> BoundLayers:
+        """The attention of q over each `(k_cache, v_cache)` of `caches` (one per layer,
+        every one of the first's layout) into `out` (contiguous, q's shape), as calls with
+        every argument checked and bound now: `bound(i)` runs layer i reading q and the
+        caches wherever they are at that moment. For a caller that runs every layer of one
+        batch over buffers it keeps (server/models/cpu_forward.py)."""
+        k0, v0 = caches[0]
+        check(q, k0, v0, slots, seqs)
+        for k, v in caches:
+            if not (k.shape == v.shape == k0.shape and k.dtype == v.dtype == k0.dtype
+                    and k.is_contiguous() and v.is_contiguous() and k.device.type == "cpu"
+                    and v.device.type == "cpu"):
+                raise ValueError(f"every layer's caches must be contiguous {k0.dtype} "
+                                 f"{tuple(k0.shape)} CPU tensors, got {k.dtype} "
+                                 f"{tuple(k.shape)} and {v.dtype} {tuple(v.shape)}")
+        if (out.dtype != q.dtype or out.device.type != "cpu" or not out.is_contiguous()
+                or out.shape != q.shape):
+            raise ValueError(f"out must be contiguous {q.dtype} {tuple(q.shape)} on the CPU, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        _, heads, dim = q.shape
+        kv_heads = k0.shape[1]
+        workspace = self._workspace(self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads,
+                                                       kv_heads, dim, threads))
+        fn = self._function(q.dtype, dim)
+        tail = (slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale,
+                out.data_ptr(), workspace.data_ptr(), threads)
+        calls = [functools.partial(fn, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
+                                   *tail) for k, v in caches]
+        return BoundLayers(calls, (q, caches, slots, seqs, out, workspace))
+
+    def _function(self, dtype: torch.dtype, dim: int):
+        """The C function for this dtype and head dim on this CPU's (or the set) path."""
+        if (dtype == torch.bfloat16 and self.bf16_path in self._pair_fns
+                and dim % PAIR_HEAD_DIM_MULTIPLE[self.bf16_path] == 0):
+            return self._pair_fns[self.bf16_path]
+        return self._fns[dtype]
 
     def _workspace(self, floats: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < floats:
             buf = self._local.buf = torch.empty(floats, dtype=torch.float32)  # 64-B aligned
         return buf
+
+
+class BoundLayers:
+    """`CpuAttentionKernel.bind_layers`' calls: `bound(layer)` runs that layer's attention
+    (RuntimeError if the kernel fails). Holds the tensors the calls point into."""
+
+    def __init__(self, calls: list[Callable[[], int]], keep: tuple) -> None:
+        self._calls = calls
+        self._keep = keep  # the calls hold raw pointers into these
+
+    def __call__(self, layer: int) -> None:
+        raise_on_error(self._calls[layer]())
+
+
+def raise_on_error(rc: int) -> None:
+    """RuntimeError naming the kernel's error code, unless it is 0."""
+    if rc != 0:
+        raise RuntimeError(f"CPU attention kernel failed: {_ERRORS.get(rc, rc)}")
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,27 +82,39 @@ class CpuLayerKernel:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`weight * x / sqrt(mean(x^2) + eps)` per row of x `[M, H]`. With `residual`
         (contiguous `[M, H]`): `(norm(residual + x), residual + x)`, the sum a new tensor."""
-        _float_rows("x", x)
+        _check_norm(x, weight, residual)
         rows, hidden = x.shape
-        if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
-            raise ValueError(f"weight must be [{hidden}] contiguous {x.dtype}, got "
-                             f"{weight.dtype} {tuple(weight.shape)}")
-        total = None
-        if residual is not None:
-            _float_rows("residual", residual, hidden)
-            if (residual.shape[0] != rows or not residual.is_contiguous()
-                    or residual.dtype != x.dtype):
-                raise ValueError(f"residual must be contiguous {x.dtype} [{rows}, {hidden}], "
-                                 f"got {residual.dtype} {tuple(residual.shape)} strides "
-                                 f"{residual.stride()}")
-            total = torch.empty((rows, hidden), dtype=x.dtype)
+        total = None if residual is None else torch.empty((rows, hidden), dtype=x.dtype)
         out = torch.empty((rows, hidden), dtype=x.dtype)
         if rows:
-            self._fn("norm", x.dtype)(x.data_ptr(), _row_stride(x),
-                       None if residual is None else residual.data_ptr(),
-                       None if total is None else total.data_ptr(), weight.data_ptr(), eps,
-                       rows, hidden, out.data_ptr(), torch.get_num_threads())
+            self._norm_call(x, weight, eps, out, residual, total, torch.get_num_threads())()
         return out if total is None else (out, total)
+
+    def bind_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out: torch.Tensor, residual: torch.Tensor | None = None,
+                      total: torch.Tensor | None = None, threads: int = 1
+                      ) -> Callable[[], None]:
+        """`rms_norm` into `out` (and `residual + x` into `total`, given with `residual`),
+        every argument checked and bound now; the call reads and writes those tensors'
+        storage wherever it is when called. The tensors must outlive the call, `out` and
+        `total` may not overlap the inputs (server/models/cpu_forward.py keeps them)."""
+        _check_norm(x, weight, residual)
+        _check_out("out", out, x)
+        if (residual is None) != (total is None):
+            raise ValueError("total is given exactly when residual is")
+        if total is not None:
+            _check_out("total", total, x)
+        return self._norm_call(x, weight, eps, out, residual, total, _threads(threads))
+
+    def _norm_call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                   residual: torch.Tensor | None, total: torch.Tensor | None,
+                   threads: int) -> Callable[[], None]:
+        rows, hidden = x.shape
+        return functools.partial(
+            self._fn("norm", x.dtype), x.data_ptr(), _row_stride(x),
+            None if residual is None else residual.data_ptr(),
+            None if total is None else total.data_ptr(), weight.data_ptr(), eps, rows, hidden,
+            out.data_ptr(), threads)
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, checked: bool = False) -> torch.Tensor:
@@ -109,40 +122,107 @@ class CpuLayerKernel:
         in place by `positions` (int64 `[T]`, each below cos's rows): rotate-half pairs,
         cos and sin `[max_positions, head_dim // 2]` contiguous, of x's dtype. Returns x.
         `checked`: the caller already checked the positions' range (once per batch)."""
-        if (x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 3
-                or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2
-                or (x.shape[0] > 1 and x.stride(0) < x.shape[1] * x.shape[2])):
-            raise ValueError(f"x must be float32 or bfloat16 [T, heads, head_dim] with each "
-                             f"row's heads contiguous, got {x.dtype} {tuple(x.shape)} strides "
-                             f"{x.stride()}")
-        tokens, heads, dim = x.shape
-        for name, t in (("cos", cos), ("sin", sin)):
-            if (t.dtype != x.dtype or t.dim() != 2 or t.shape[1] != dim // 2
-                    or not t.is_contiguous()):
-                raise ValueError(f"{name} must be contiguous {x.dtype} [positions, "
-                                 f"{dim // 2}], got {t.dtype} {tuple(t.shape)}")
-        if (positions.dtype != torch.int64 or positions.shape != (tokens,)
-                or not positions.is_contiguous()):
-            raise ValueError(f"positions must be contiguous int64 [{tokens}], got "
-                             f"{positions.dtype} {tuple(positions.shape)}")
+        _check_rope(x, positions, cos, sin)
         if not checked:
             check_positions(positions, cos.shape[0])
-        if tokens:
-            self._fn("rope", x.dtype)(x.data_ptr(), _row_stride(x), tokens, heads, dim, positions.data_ptr(),
-                       cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        if x.shape[0]:
+            self._rope_call(x, positions, cos, sin, torch.get_num_threads())()
         return x
+
+    def bind_rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, threads: int = 1) -> Callable[[], None]:
+        """`rope_` as a call bound now (layouts checked now). It reads `positions` when
+        called: the caller checks their range (`check_positions`) before every call."""
+        _check_rope(x, positions, cos, sin)
+        return self._rope_call(x, positions, cos, sin, _threads(threads))
+
+    def _rope_call(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, threads: int) -> Callable[[], None]:
+        tokens, heads, dim = x.shape
+        return functools.partial(
+            self._fn("rope", x.dtype), x.data_ptr(), _row_stride(x), tokens, heads, dim,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of contiguous `[M, 2 I]` (gate | up) -> `[M, I]`."""
-        _float_rows("gate_up", gate_up)
-        if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-            raise ValueError(f"gate_up must be contiguous [M, 2 I], got "
-                             f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+        _check_gate_up(gate_up)
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inter), dtype=gate_up.dtype)
         if rows:
-            self._fn("silu", gate_up.dtype)(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+            self._silu_call(gate_up, out, torch.get_num_threads())()
         return out
+
+    def bind_silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor,
+                      threads: int = 1) -> Callable[[], None]:
+        """`silu_mul` into `out` (contiguous `[M, I]`), as a call bound now."""
+        _check_gate_up(gate_up)
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        if (out.dtype != gate_up.dtype or out.device.type != "cpu" or not out.is_contiguous()
+                or out.shape != (rows, inter)):
+            raise ValueError(f"out must be contiguous {gate_up.dtype} [{rows}, {inter}] on the "
+                             f"CPU, got {out.dtype} {tuple(out.shape)}")
+        return self._silu_call(gate_up, out, _threads(threads))
+
+    def _silu_call(self, gate_up: torch.Tensor, out: torch.Tensor,
+                   threads: int) -> Callable[[], None]:
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        return functools.partial(self._fn("silu", gate_up.dtype), gate_up.data_ptr(), rows,
+                                 inter, out.data_ptr(), threads)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    _float_rows("x", x)
+    rows, hidden = x.shape
+    if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be [{hidden}] contiguous {x.dtype}, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if residual is not None:
+        _float_rows("residual", residual, hidden)
+        if (residual.shape[0] != rows or not residual.is_contiguous()
+                or residual.dtype != x.dtype):
+            raise ValueError(f"residual must be contiguous {x.dtype} [{rows}, {hidden}], "
+                             f"got {residual.dtype} {tuple(residual.shape)} strides "
+                             f"{residual.stride()}")
+
+
+def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if (t.dtype != like.dtype or t.device.type != "cpu" or not t.is_contiguous()
+            or t.shape != like.shape):
+        raise ValueError(f"{name} must be contiguous {like.dtype} {tuple(like.shape)} on the "
+                         f"CPU, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> None:
+    if (x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 3
+            or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2
+            or (x.shape[0] > 1 and x.stride(0) < x.shape[1] * x.shape[2])):
+        raise ValueError(f"x must be float32 or bfloat16 [T, heads, head_dim] with each "
+                         f"row's heads contiguous, got {x.dtype} {tuple(x.shape)} strides "
+                         f"{x.stride()}")
+    tokens, _, dim = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (t.dtype != x.dtype or t.dim() != 2 or t.shape[1] != dim // 2
+                or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {x.dtype} [positions, "
+                             f"{dim // 2}], got {t.dtype} {tuple(t.shape)}")
+    if (positions.dtype != torch.int64 or positions.shape != (tokens,)
+            or not positions.is_contiguous()):
+        raise ValueError(f"positions must be contiguous int64 [{tokens}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+
+
+def _check_gate_up(gate_up: torch.Tensor) -> None:
+    _float_rows("gate_up", gate_up)
+    if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be contiguous [M, 2 I], got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+
+
+def _threads(threads: int) -> int:
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
 
 
 def check_positions(positions: torch.Tensor, limit: int) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,21 +90,38 @@ class CpuLinearKernel:
         """`x @ W.T (+ bias)`, `[M, out_features]` in x's dtype, for `packed = pack(W)`
         (W, the bias and x of one dtype)."""
         self.check(x, packed, out_features, bias)
-        rows, k = x.shape
-        y = torch.empty((rows, out_features), dtype=x.dtype)
-        row_stride = x.stride(0) if rows > 1 else k  # one row: its stride is never used
-        args = (x.data_ptr(), row_stride, rows, k, packed.data_ptr(), out_features,
-                None if bias is None else bias.data_ptr(), y.data_ptr())
-        if x.dtype == torch.bfloat16:
-            rc = self._fn_bf16(*args, BF16_PATHS.index(self.bf16_path),
-                               torch.get_num_threads())
-        else:
-            rc = self._fn(*args, torch.get_num_threads())
-        if rc != 0:
+        y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        if self._bound(x, packed, out_features, bias, y, torch.get_num_threads())() != 0:
             raise RuntimeError(f"CPU linear kernel refused x {tuple(x.shape)} with "
                                f"{out_features} outputs")
         return y
 
+    def bind(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+             bias: torch.Tensor | None, y: torch.Tensor, threads: int) -> Callable[[], int]:
+        """`self(x, packed, out_features, bias)` into `y` (contiguous `[M, out_features]`),
+        as a call with every argument checked and bound now: it reads x's rows and writes
+        y wherever they are when called (0 on success), on this bfloat16 path and `threads`
+        threads. For a caller that runs the same shapes many times over buffers it keeps
+        (server/models/cpu_forward.py); the tensors must outlive the call."""
+        self.check(x, packed, out_features, bias)
+        if (y.dtype != x.dtype or y.device.type != "cpu" or not y.is_contiguous()
+                or y.shape != (x.shape[0], out_features)):
+            raise ValueError(f"y must be contiguous {x.dtype} [{x.shape[0]}, {out_features}] "
+                             f"on the CPU, got {y.dtype} {tuple(y.shape)}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return self._bound(x, packed, out_features, bias, y, threads)
+
+    def _bound(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None, y: torch.Tensor, threads: int) -> Callable[[], int]:
+        rows, k = x.shape
+        row_stride = x.stride(0) if rows > 1 else k  # one row: its stride is never used
+        args = (x.data_ptr(), row_stride, rows, k, packed.data_ptr(), out_features,
+                None if bias is None else bias.data_ptr(), y.data_ptr())
+        if x.dtype == torch.bfloat16:
+            return functools.partial(self._fn_bf16, *args, BF16_PATHS.index(self.bf16_path),
+                                     threads)
+        return functools.partial(self._fn, *args, threads)
 
     def check(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
               bias: torch.Tensor | None) -> None:

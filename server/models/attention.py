@@ -325,23 +325,33 @@ class CpuKernelAttention(AttentionBackend):
         batch: ForwardBatch, kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
-        if (q.dtype not in cpu_attention.DTYPES or k_cache.dtype != q.dtype
-                or not cpu_attention.supports_head_dim(q.shape[-1])):
+        if k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1]):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool)
         slots, seqs = batch.memo("cpu_kernel_attention",
                                  lambda: _kernel_plan(batch, q, k_cache, v_cache))
         return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]),
                            checked=True)
 
+    @staticmethod
+    def takes(dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the kernel runs this dtype and head dim (else TorchAttention does)."""
+        return dtype in cpu_attention.DTYPES and cpu_attention.supports_head_dim(head_dim)
 
-def _kernel_plan(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def kernel_indices(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's `slots` (every sequence's, concatenated) and `seqs` rows (first row in
-    `[T]`, prefix_len, extend_len, first entry in `slots`), built once per batch and checked
-    against the first layer's tensors (every layer's q and pool have the same layout)."""
+    `[T]`, prefix_len, extend_len, first entry in `slots`) of a batch (not checked)."""
     firsts = itertools.accumulate(batch.seq_lens[:-1], initial=0)
     seqs = torch.tensor(list(zip(batch.extend_starts, batch.prefix_lens, batch.extend_lens,
                                  firsts)), dtype=torch.int64)  # [S, 4]
     slots = torch.cat(batch.seq_slots).to(torch.int64).contiguous()
+    return slots, seqs
+
+
+def _kernel_plan(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel_indices`, built once per batch and checked against the first layer's
+    tensors (every layer's q and pool have the same layout)."""
+    slots, seqs = kernel_indices(batch)
     cpu_attention.check(q, k_cache, v_cache, slots, seqs)
     return slots, seqs

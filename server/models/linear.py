@@ -152,6 +152,10 @@ class Linear(nn.Module):
     tied LM head): one copy on oneDNN, one or two on the kernel.
     """
 
+    # Packings and unpackings of any Linear so far: what binds a packed copy's address
+    # (server/models/cpu_forward.py) rebinds when it moves.
+    packings = 0
+
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -184,6 +188,7 @@ class Linear(nn.Module):
     def pack(self) -> None:
         """(Re)build the packed copy of W: the kernel's panels where it takes this weight,
         else oneDNN's layout where packing works (CPU); else nothing."""
+        Linear.packings += 1
         if self.kernel is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
             self.panels = self.kernel.pack(self.weight)
             if self.weight.dtype == torch.float32 and self.packable and onednn_matches_kernel(self.kernel, *self.weight.shape,
@@ -199,6 +204,7 @@ class Linear(nn.Module):
             self.pad_single_row = not torch.equal(self._packed(x[:1]), self._packed(x)[:1])
 
     def unpack(self) -> None:
+        Linear.packings += 1
         self.packed = self.panels = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from hicache.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from server.models.attention import AttentionBackend
 from server.models.config import ModelArchConfig
+from server.models.cpu_forward import LeanForward
 from server.models.cpu_kernels import KERNEL_DTYPES
 from server.models.forward_batch import ForwardBatch
 from server.models.linear import Linear, linear, make_param, onednn_linear_works
@@ -204,8 +205,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, device)
+        # small batches with every op on the CPU kernels: the same calls, bound once
+        # (set by LlamaForCausalLM whenever its kernels or weights change)
+        self.lean: LeanForward | None = None
 
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
+        if self.lean is not None:
+            h = self.lean(batch, kv_pool)
+            if h is not None:
+                return h
         h = F.embedding(batch.input_ids, self.embed_tokens.weight)  # [T, hidden]
         for layer in self.layers:
             h = layer(h, self.rotary_emb, batch, kv_pool)
@@ -264,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 m.kernel = kernel if self.device.type == "cpu" else None
+        self._refresh_lean()
 
     @torch.no_grad()
     def use_linear_kernel(self, kernel: CpuLinearKernel | None) -> None:
@@ -276,6 +285,11 @@ class LlamaForCausalLM(nn.Module):
                     m.pack()
         self._head_kernel = kernel if self.device.type == "cpu" else None
         self._pack_head()
+        self._refresh_lean()
+
+    def _refresh_lean(self) -> None:
+        """The lean path for the kernels and packed weights the model has now (or none)."""
+        self.model.lean = LeanForward.build(self.model, self.config, self.dtype)
 
     def _pack_head(self) -> None:
         """A tied bfloat16 LM head on the linear kernel: the table packed once (one more
@@ -324,6 +338,7 @@ class LlamaForCausalLM(nn.Module):
             for m in linears:
                 m.pack()
             self._pack_head()
+            self._refresh_lean()
 
     def _load_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

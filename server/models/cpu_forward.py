@@ -1,0 +1,213 @@
+"""The forward pass of a small batch (a decode step, a short extend) on the CPU kernels, with
+the per-call Python taken out.
+
+Through the modules, each of a decode step's ~330 kernel calls checks its tensors and
+allocates its output again. `LeanForward` does both once per batch size: a `_Plan` keeps
+buffers of T rows and every kernel call bound to them (the kernels' `bind*` methods), so a
+step copies its positions in, binds attention to its slots, and runs the bound calls. The
+same kernels in the same order on the same inputs: the modules' bits (tests compare).
+
+It takes a batch of at most LEAN_MAX_ROWS new tokens when every Linear runs on the linear
+kernel's panels, RMSNorm, RoPE and SiLU * up on the layer kernel and every layer's attention
+on one CpuKernelAttention, in float32 or bfloat16, over a CPU pool of the model's dtype;
+otherwise `LlamaModel.forward` runs the modules.
+
+What must stay true: a plan's calls hold raw pointers into its buffers and into the model's
+packed weights, so a plan keeps references to every tensor it bound, and is dropped when a
+Linear repacks (`Linear.packings` moves) or the model changes kernels (the model builds a new
+LeanForward).
+
+Threading: the scheduler thread (the model's forward); plans are kept per thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache.kernels.cpu_linear import CpuLinearKernel
+from hicache.memory.device import DeviceKVPool
+from server.models.attention import CpuKernelAttention, kernel_indices
+from server.models.cpu_kernels import KERNEL_DTYPES
+from server.models.forward_batch import ForwardBatch
+from server.models.linear import Linear
+
+if TYPE_CHECKING:
+    from server.models.llama import LlamaDecoderLayer, LlamaModel
+
+# New tokens up to which a batch takes the lean path: decode batches and short extends,
+# where the Python per call is a visible share of the step (at 300 rows it is under 1%).
+LEAN_MAX_ROWS = 64
+# Plans kept per thread, one per batch size (and thread count, kernel paths) seen lately.
+MAX_PLANS = 16
+
+
+class _Layer(NamedTuple):
+    """One decoder layer's bound calls, in order around its attention."""
+
+    before_attention: tuple[Callable[[], object], ...]  # input norm, q|k|v, RoPE
+    after_attention: tuple[Callable[[], object], ...]  # o, post norm, gate|up, SiLU, down
+
+
+class _Plan:
+    """Buffers of `rows` rows and every call of one forward bound to them."""
+
+    def __init__(self, lean: LeanForward, rows: int, threads: int) -> None:
+        model, config = lean.model, lean.config
+        self.packings = Linear.packings
+        self.rows, self.threads = rows, threads
+        dtype, hidden = lean.dtype, config.hidden_size
+        q_size, kv_size = config.q_size, config.kv_size
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype)
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.h = (empty(rows, hidden), empty(rows, hidden))  # the residual stream, in turn
+        self.x, self.a, self.m, self.out = (empty(rows, hidden) for _ in range(4))
+        self.qkv = empty(rows, q_size + 2 * kv_size)
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, \
+            config.head_dim
+        self.q = self.qkv[:, :q_size].view(rows, heads, dim)
+        self.k = self.qkv[:, q_size:q_size + kv_size].view(rows, kv_heads, dim)
+        self.v = self.qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
+        self.attention_out = empty(rows, heads, dim)
+        self.gate_up = empty(rows, 2 * config.intermediate_size)
+        self.act = empty(rows, config.intermediate_size)
+        self._current = 0  # which of self.h holds the residual while binding
+        self._keep: list[torch.Tensor] = []  # packed weights the calls point into
+        self.layers = [self._bind_layer(lean, layer, i) for i, layer in enumerate(model.layers)]
+        self.final_norm = self._norm(lean.layer_kernel, model.norm, self.m, self.out)
+
+    def _bind_layer(self, lean: LeanForward, layer: LlamaDecoderLayer, i: int) -> _Layer:
+        attn, mlp, ops = layer.self_attn, layer.mlp, lean.layer_kernel
+        if i == 0:  # the embeddings are the residual: h[0]
+            in_norm = ops.bind_rms_norm(self.h[0], layer.input_layernorm.weight,
+                                        layer.input_layernorm.eps, self.x,
+                                        threads=self.threads)
+        else:  # the previous layer's h + mlp, added here (the same bits as apart)
+            in_norm = self._norm(ops, layer.input_layernorm, self.m, self.x)
+        rotated = self.qkv[:, :attn.split[0] + attn.split[1]].view(
+            self.rows, attn.heads + attn.kv_heads, attn.head_dim)
+        cos, sin = lean.rope_tables
+        before = (in_norm, self._linear(lean, attn.qkv_proj, self.x, self.qkv),
+                  ops.bind_rope_(rotated, self.positions, cos, sin, self.threads))
+        after = (self._linear(lean, attn.o_proj, self.attention_out.view(self.rows, -1),
+                              self.a),
+                 self._norm(ops, layer.post_attention_layernorm, self.a, self.x),
+                 self._linear(lean, mlp.gate_up_proj, self.x, self.gate_up),
+                 ops.bind_silu_mul(self.gate_up, self.act, self.threads),
+                 self._linear(lean, mlp.down_proj, self.act, self.m))
+        return _Layer(before, after)
+
+    def _norm(self, ops: CpuLayerKernel, norm: torch.nn.Module, x: torch.Tensor,
+              out: torch.Tensor) -> Callable[[], None]:
+        """`out = norm(h + x)` with the sum into the other residual buffer, which then holds
+        the residual."""
+        h, total = self.h[self._current], self.h[1 - self._current]
+        self._current = 1 - self._current
+        return ops.bind_rms_norm(x, norm.weight, norm.eps, out, residual=h, total=total,
+                                 threads=self.threads)
+
+    def _linear(self, lean: LeanForward, linear: Linear, x: torch.Tensor,
+                y: torch.Tensor) -> Callable[[], int]:
+        self._keep.append(linear.panels)
+        return lean.linear_kernel.bind(x, linear.panels, linear.weight.shape[0], linear.bias,
+                                       y, self.threads)
+
+
+class LeanForward:
+    """`LlamaModel.forward` for small batches on the CPU kernels (the module docstring)."""
+
+    def __init__(self, model: LlamaModel, config, dtype: torch.dtype,
+                 linear_kernel: CpuLinearKernel, layer_kernel: CpuLayerKernel,
+                 rope_tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.model, self.config, self.dtype = model, config, dtype
+        self.linear_kernel, self.layer_kernel = linear_kernel, layer_kernel
+        self.rope_tables = rope_tables
+        self._local = threading.local()
+
+    @classmethod
+    def build(cls, model: LlamaModel, config, dtype: torch.dtype) -> LeanForward | None:
+        """A LeanForward for `model` when all of it runs on the CPU kernels (the module
+        docstring); None otherwise."""
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        kernels = {m.kernel for m in linears}
+        layer_kernels = {model.norm.kernel, model.rotary_emb.kernel,
+                         *(layer.mlp.kernel for layer in model.layers)}
+        if (dtype not in KERNEL_DTYPES or model.norm.weight.device.type != "cpu"
+                or len(kernels) != 1 or None in kernels
+                or any(m.panels is None for m in linears)
+                or len(layer_kernels) != 1 or None in layer_kernels):
+            return None
+        rotary = model.rotary_emb
+        tables = ((rotary.cos_bf16, rotary.sin_bf16) if dtype == torch.bfloat16
+                  else (rotary.cos, rotary.sin))
+        return cls(model, config, dtype, kernels.pop(), layer_kernels.pop(), tables)
+
+    @torch.inference_mode()  # its plans' buffers are inference tensors
+    def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
+        """The final norm's `[T, hidden]` output, as `LlamaModel.forward`; None when this
+        batch, pool or attention backend is not the lean path's (the caller runs the
+        modules)."""
+        backend = self._attention(batch, kv_pool)
+        if backend is None:
+            return None
+        plan = self._plan(batch.num_tokens, torch.get_num_threads())
+        check_positions(batch.positions, self.rope_tables[0].shape[0])
+        plan.positions.copy_(batch.positions)
+        torch.index_select(self.model.embed_tokens.weight, 0, batch.input_ids, out=plan.h[0])
+        slots, seqs = batch.memo("cpu_kernel_indices", lambda: kernel_indices(batch))
+        k_buffers, v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
+        attention = backend.kernel.bind_layers(
+            plan.q, list(zip(k_buffers, v_buffers)), slots, seqs,
+            1.0 / math.sqrt(self.config.head_dim), plan.attention_out, plan.threads)
+        hook, out_slots = batch.layer_hook, batch.out_slots
+        for i, layer in enumerate(plan.layers):
+            _run(layer.before_attention)
+            if hook is not None:  # the runner waits here for this layer's loads
+                hook(i)
+            k_buffers[i].index_copy_(0, out_slots, plan.k)
+            v_buffers[i].index_copy_(0, out_slots, plan.v)
+            attention(i)
+            _run(layer.after_attention)
+        plan.final_norm()
+        return plan.out.clone()  # the plan's buffer is the next step's
+
+    def _attention(self, batch: ForwardBatch, kv_pool: DeviceKVPool
+                   ) -> CpuKernelAttention | None:
+        """The layers' one CpuKernelAttention when the batch and pool are the lean path's."""
+        layers = self.model.layers
+        backend = layers[0].self_attn.backend
+        if (not 0 < batch.num_tokens <= LEAN_MAX_ROWS
+                or not isinstance(backend, CpuKernelAttention)
+                or batch.input_ids.device.type != "cpu"
+                or kv_pool.dtype != self.dtype or kv_pool.device.type != "cpu"
+                or not backend.takes(self.dtype, self.config.head_dim)
+                or any(layer.self_attn.backend is not backend for layer in layers)):
+            return None
+        return backend
+
+    def _plan(self, rows: int, threads: int) -> _Plan:
+        plans = getattr(self._local, "plans", None)
+        if plans is None:
+            plans = self._local.plans = OrderedDict()
+        key = (rows, threads, self.linear_kernel.bf16_path)
+        plan = plans.get(key)
+        if plan is None or plan.packings != Linear.packings:
+            plan = plans[key] = _Plan(self, rows, threads)
+            if len(plans) > MAX_PLANS:
+                plans.popitem(last=False)
+        plans.move_to_end(key)
+        return plan
+
+
+def _run(calls: tuple[Callable[[], object], ...]) -> None:
+    for call in calls:
+        if call():  # the linear kernel's refusal (never, for the shapes bound); else None
+            raise RuntimeError(f"a CPU kernel refused a call bound by LeanForward: {call}")
