@@ -26,20 +26,19 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
 from hicache.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from server.models.attention import CpuKernelAttention, kernel_indices
+from server.models.config import ModelArchConfig
 from server.models.cpu_kernels import KERNEL_DTYPES
 from server.models.forward_batch import ForwardBatch
 from server.models.linear import Linear
-
-if TYPE_CHECKING:
-    from server.models.llama import LlamaDecoderLayer, LlamaModel
 
 # New tokens up to which a batch takes the lean path: decode batches and short extends,
 # where the Python per call is a visible share of the step (at 300 rows it is under 1%).
@@ -71,8 +70,8 @@ class _Plan:
         self.h = (empty(rows, hidden), empty(rows, hidden))  # the residual stream, in turn
         self.x, self.a, self.m, self.out = (empty(rows, hidden) for _ in range(4))
         self.qkv = empty(rows, q_size + 2 * kv_size)
-        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, \
-            config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim = config.head_dim
         self.q = self.qkv[:, :q_size].view(rows, heads, dim)
         self.k = self.qkv[:, q_size:q_size + kv_size].view(rows, kv_heads, dim)
         self.v = self.qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
@@ -84,7 +83,8 @@ class _Plan:
         self.layers = [self._bind_layer(lean, layer, i) for i, layer in enumerate(model.layers)]
         self.final_norm = self._norm(lean.layer_kernel, model.norm, self.m, self.out)
 
-    def _bind_layer(self, lean: LeanForward, layer: LlamaDecoderLayer, i: int) -> _Layer:
+    def _bind_layer(self, lean: LeanForward, layer: nn.Module, i: int) -> _Layer:
+        """Layer i's calls (`layer` a LlamaDecoderLayer: llama.py imports this module)."""
         attn, mlp, ops = layer.self_attn, layer.mlp, lean.layer_kernel
         if i == 0:  # the embeddings are the residual: h[0]
             in_norm = ops.bind_rms_norm(self.h[0], layer.input_layernorm.weight,
@@ -105,7 +105,7 @@ class _Plan:
                  self._linear(lean, mlp.down_proj, self.act, self.m))
         return _Layer(before, after)
 
-    def _norm(self, ops: CpuLayerKernel, norm: torch.nn.Module, x: torch.Tensor,
+    def _norm(self, ops: CpuLayerKernel, norm: nn.Module, x: torch.Tensor,
               out: torch.Tensor) -> Callable[[], None]:
         """`out = norm(h + x)` with the sum into the other residual buffer, which then holds
         the residual."""
@@ -124,7 +124,7 @@ class _Plan:
 class LeanForward:
     """`LlamaModel.forward` for small batches on the CPU kernels (the module docstring)."""
 
-    def __init__(self, model: LlamaModel, config, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, config: ModelArchConfig, dtype: torch.dtype,
                  linear_kernel: CpuLinearKernel, layer_kernel: CpuLayerKernel,
                  rope_tables: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.model, self.config, self.dtype = model, config, dtype
@@ -133,9 +133,10 @@ class LeanForward:
         self._local = threading.local()
 
     @classmethod
-    def build(cls, model: LlamaModel, config, dtype: torch.dtype) -> LeanForward | None:
-        """A LeanForward for `model` when all of it runs on the CPU kernels (the module
-        docstring); None otherwise."""
+    def build(cls, model: nn.Module, config: ModelArchConfig,
+              dtype: torch.dtype) -> LeanForward | None:
+        """A LeanForward for `model` (a LlamaModel) when all of it runs on the CPU kernels
+        (the module docstring); None otherwise."""
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         kernels = {m.kernel for m in linears}
         layer_kernels = {model.norm.kernel, model.rotary_emb.kernel,
