@@ -150,7 +150,7 @@ class CpuAttentionKernel:
                                    *tail) for k, v in caches]
         return BoundLayers(calls, (q, caches, slots, seqs, out, workspace))
 
-    def _function(self, dtype: torch.dtype, dim: int):
+    def _function(self, dtype: torch.dtype, dim: int) -> Callable[..., int]:
         """The C function for this dtype and head dim on this CPU's (or the set) path."""
         if (dtype == torch.bfloat16 and self.bf16_path in self._pair_fns
                 and dim % PAIR_HEAD_DIM_MULTIPLE[self.bf16_path] == 0):
