@@ -99,11 +99,11 @@ class CpuLayerKernel:
         storage wherever it is when called. The tensors must outlive the call, `out` and
         `total` may not overlap the inputs (server/models/cpu_forward.py keeps them)."""
         _check_norm(x, weight, residual)
-        _check_out("out", out, x)
+        _check_out("out", out, x.dtype, x.shape)
         if (residual is None) != (total is None):
             raise ValueError("total is given exactly when residual is")
         if total is not None:
-            _check_out("total", total, x)
+            _check_out("total", total, x.dtype, x.shape)
         return self._norm_call(x, weight, eps, out, residual, total, _threads(threads))
 
     def _norm_call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
@@ -156,11 +156,7 @@ class CpuLayerKernel:
                       threads: int = 1) -> Callable[[], None]:
         """`silu_mul` into `out` (contiguous `[M, I]`), as a call bound now."""
         _check_gate_up(gate_up)
-        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        if (out.dtype != gate_up.dtype or out.device.type != "cpu" or not out.is_contiguous()
-                or out.shape != (rows, inter)):
-            raise ValueError(f"out must be contiguous {gate_up.dtype} [{rows}, {inter}] on the "
-                             f"CPU, got {out.dtype} {tuple(out.shape)}")
+        _check_out("out", out, gate_up.dtype, (gate_up.shape[0], gate_up.shape[1] // 2))
         return self._silu_call(gate_up, out, _threads(threads))
 
     def _silu_call(self, gate_up: torch.Tensor, out: torch.Tensor,
@@ -185,11 +181,10 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
                              f"{residual.stride()}")
 
 
-def _check_out(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if (t.dtype != like.dtype or t.device.type != "cpu" or not t.is_contiguous()
-            or t.shape != like.shape):
-        raise ValueError(f"{name} must be contiguous {like.dtype} {tuple(like.shape)} on the "
-                         f"CPU, got {t.dtype} {tuple(t.shape)}")
+def _check_out(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.shape != shape:
+        raise ValueError(f"{name} must be contiguous {dtype} {tuple(shape)} on the CPU, got "
+                         f"{t.dtype} {tuple(t.shape)}")
 
 
 def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -163,7 +163,7 @@ class LeanForward:
         check_positions(batch.positions, self.rope_tables[0].shape[0])
         plan.positions.copy_(batch.positions)
         torch.index_select(self.model.embed_tokens.weight, 0, batch.input_ids, out=plan.h[0])
-        slots, seqs = batch.memo("cpu_kernel_indices", lambda: kernel_indices(batch))
+        slots, seqs = kernel_indices(batch)  # checked by bind_layers
         k_buffers, v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
         attention = backend.kernel.bind_layers(
             plan.q, list(zip(k_buffers, v_buffers)), slots, seqs,
