@@ -178,10 +178,12 @@ class LmdbConfig(Section):
     SECTION: ClassVar[str] = "storage.lmdb"
     path: str = "~/.cache/hicache/lmdb"
     max_size_gb: float = 32.0  # capacity bound; least recently used pages go first
+    prefault_gb: float = 0.0  # page cache faulted in at open for the writes that grow it
 
     def _validate(self) -> None:
         self._non_empty("path")
         self._at_least("max_size_gb", 0, strict=True)
+        self._at_least("prefault_gb", 0)
 
     @property
     def resolved_path(self) -> Path:
@@ -191,6 +193,10 @@ class LmdbConfig(Section):
     @property
     def max_size_bytes(self) -> int:
         return int(self.max_size_gb * BYTES_PER_GB)
+
+    @property
+    def prefault_bytes(self) -> int:
+        return int(self.prefault_gb * BYTES_PER_GB)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "prefetch_timeout_max": 30.0, "fetch_workers": 4, "cost_model": True,
         "overlap": True,
         "prefill_warmup_s": 1.0,
-        "lmdb": {"path": "~/.cache/hicache/lmdb", "max_size_gb": 32},
+        "lmdb": {"path": "~/.cache/hicache/lmdb", "max_size_gb": 32, "prefault_gb": 0.0},
         "redis": {"url": "redis://127.0.0.1:6379/0", "cluster": False,
                   "key_prefix": "hicache:", "ttl_seconds": None},
         "throttle": {"bandwidth_mb_s": None, "latency_ms": 0.0},

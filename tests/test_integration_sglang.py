@@ -236,8 +236,8 @@ def test_an_unreachable_store_is_misses_not_exceptions(api: types.SimpleNamespac
 @pytest.mark.parametrize(("extra", "message"), [
     ({"backend": "s3"}, "backend 's3' is not one of lmdb, redis, lmdb\\+redis"),
     ({"pth": "/x"}, "unknown key\\(s\\) pth"),
-    ({"lmdb": {"size": 1}}, "lmdb: unknown key\\(s\\) size; allowed: path, max_size_gb, sync"),
-    ({"lmdb": "/tmp/x"}, "lmdb: must be an object of path, max_size_gb, sync"),
+    ({"lmdb": {"size": 1}}, "lmdb: unknown key\\(s\\) size; allowed: path, max_size_gb, prefault_gb, sync"),
+    ({"lmdb": "/tmp/x"}, "lmdb: must be an object of path, max_size_gb, prefault_gb, sync"),
     ({"redis": {"url": "redis://h:1"}}, "redis: given, but the store 'lmdb' reads only lmdb"),
     ({"namespace": 3}, "namespace: must be a string, got 3"),
     ({"backend": "redis", "redis": {"url": "http://h"}}, "storage.redis.url"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -248,6 +249,80 @@ def test_capacity_is_what_the_disk_can_hold_when_that_is_less(tmp_path: Path,
     store.close()
 
 
+def _data_file(path: Path) -> os.stat_result:
+    return (path / "data.mdb").stat()
+
+
+def test_prefault_extends_the_file_sparsely_and_the_store_works_as_before(tmp_path: Path) -> None:
+    """A prefaulted store's data.mdb reaches `prefault_bytes` past its last page without
+    taking disk; pages written into that tail, across a reopen, read back exactly."""
+    path, pool = tmp_path / "l3", filled_pool()
+    store = open_store(path, prefault_bytes=4 * MIN_MAP_BYTES)
+    head = store.stats()["high_water_bytes"]
+    assert store.prefaulted_bytes == store.stats()["prefaulted_bytes"] == 4 * MIN_MAP_BYTES
+    assert _data_file(path).st_size == head + 4 * MIN_MAP_BYTES
+    assert _data_file(path).st_blocks * 512 < 2 * MIN_MAP_BYTES  # a hole, not written
+    assert store.stats()["capacity_bytes"] == CAPACITY  # the hole is no disk in use
+    write_range(store, pool, 0, 600, batch=50)  # ~2.4 MiB: inside the tail
+    assert _data_file(path).st_size == head + 4 * MIN_MAP_BYTES
+    assert store.stats()["errors"] == 0 and all(read_matches(store, pool, 0, 600))
+    store.close()
+    assert lmdb_file.damage(path) is None
+    again = open_store(path, prefault_bytes=4 * MIN_MAP_BYTES)  # the tail past the new head
+    high = again.stats()["high_water_bytes"]
+    assert high > 2 * MIN_MAP_BYTES and _data_file(path).st_size == high + 4 * MIN_MAP_BYTES
+    write_range(again, pool, 600, 900, batch=50)  # into the tail and past it
+    assert again.stats()["errors"] == 0 and again.stats()["pages"] == 1500
+    assert all(read_matches(again, pool, 0, 1500))
+    again.close()
+    env = lmdb.open(str(path), max_dbs=2, readonly=True)  # LMDB itself reads it whole
+    with env.begin(db=env.open_db(b"pages", create=False)) as txn:
+        assert txn.stat()["entries"] == 1500
+    env.close()
+
+
+def test_prefault_stays_inside_the_bound_the_room_and_free_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def tail(name: str, **kw: Any) -> int:
+        store = open_store(tmp_path / name, **kw)
+        stats, done = store.stats(), store.prefaulted_bytes
+        store.close()
+        assert _data_file(tmp_path / name).st_size == stats["high_water_bytes"] + done
+        return done
+
+    assert tail("bound", max_size_bytes=2 * MIN_MAP_BYTES, prefault_bytes=100 * MIN_MAP_BYTES) \
+        < 2 * MIN_MAP_BYTES  # the file never passes the map's bound
+    monkeypatch.setattr(lmdb_file, "room_bytes", lambda path: MIN_MAP_BYTES // 2)
+    assert tail("room", prefault_bytes=8 * MIN_MAP_BYTES) <= MIN_MAP_BYTES // 2
+    monkeypatch.undo()
+    monkeypatch.setattr(lmdb_file, "free_memory_bytes", lambda: 2 * MIN_MAP_BYTES)
+    assert tail("memory", prefault_bytes=8 * MIN_MAP_BYTES) == MIN_MAP_BYTES  # half of it
+
+
+def test_prefault_never_shrinks_a_longer_file_and_its_failure_only_logs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    path, pool = tmp_path / "l3", filled_pool()
+    store = open_store(path)
+    write_range(store, pool, 0, 40)
+    store.close()
+    long = _data_file(path).st_size + 16 * MIN_MAP_BYTES  # as another process's prefault left it
+    os.truncate(path / "data.mdb", long)
+    store = open_store(path, prefault_bytes=MIN_MAP_BYTES)
+    assert _data_file(path).st_size == long and store.prefaulted_bytes == MIN_MAP_BYTES
+    store.close()
+
+    def refuse(fd: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    caplog.set_level(logging.WARNING, logger="hicache.storage.backends.lmdb_store")
+    store = open_store(tmp_path / "other", prefault_bytes=MIN_MAP_BYTES)
+    assert store.prefaulted_bytes == 0 and "no prefault" in caplog.text
+    write_range(store, pool, 0, 40)
+    assert all(read_matches(store, pool, 0, 40)) and store.stats()["errors"] == 0
+    store.close()
+
+
 def test_capacity_bound_evicts_least_recently_used(tmp_path: Path) -> None:
     capacity = 2 * MIN_MAP_BYTES  # ~480 pages
     path, pool = tmp_path / "l3", filled_pool()
@@ -453,7 +528,7 @@ def test_registry(tmp_path: Path) -> None:
     assert isinstance(mapping, LmdbStore)
     with pytest.raises(ValueError, match="registered: none, lmdb"):
         create_backend("nfs", {}, codec)
-    with pytest.raises(ValueError, match="allowed: path, max_size_gb, sync"):
+    with pytest.raises(ValueError, match="allowed: path, max_size_gb, prefault_gb, sync"):
         create_backend("lmdb", {"path": str(tmp_path / "c"), "mapsize": 1}, codec)
     with pytest.raises(ValueError, match="already registered"):
         register_backend("lmdb", lambda config, codec: mapping)

@@ -45,7 +45,8 @@ class Server:
 
     def __init__(self, l3: Path | None, seed: int, fingerprint: str = "test-model",
                  layout: str = "blocks_first", **extra: object) -> None:
-        config = {"storage_backend": "none"} if l3 is None else {"lmdb": {"path": str(l3)}}
+        config = {"storage_backend": "none"} if l3 is None else \
+            {"lmdb": {"path": str(l3), "prefault_gb": 0}}  # not the 2 GB of vLLM's default
         settings = ConnectorSettings.from_extra_config({**config, **extra})
         g = torch.Generator().manual_seed(seed)
         self.kv = {f"model.layers.{i}.self_attn.attn":
@@ -176,6 +177,28 @@ def test_another_namespace_never_sees_the_pages(tmp_path: Path) -> None:
     other = Server(tmp_path / "l3", seed=2, fingerprint=others[0])
     assert other.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 0
     other.close()
+
+
+def test_the_worker_prefaults_l3_and_the_scheduler_shares_its_store(tmp_path: Path) -> None:
+    """The worker side applies the LMDB section's prefault_gb as it registers vLLM's caches;
+    the scheduler side, which opens L3 at its first request, never prefaults, and in one
+    process the two use one environment."""
+    assert ConnectorSettings.from_extra_config({}).sections["lmdb"]["prefault_gb"] == 2.0
+    lmdb_section = {"path": str(tmp_path / "l3"), "prefault_gb": 0.002}
+    server = Server(tmp_path / "l3", seed=1, lmdb=lmdb_section)
+    store = server.worker_space.store
+    assert store is not None and store.prefaulted_bytes == 2_000_000
+    assert server.prefill("a", PROMPT, [3, 5, 7, 9, 11]) == 0
+    assert server.scheduler.c.store is store
+    server.close()
+    again = Server(tmp_path / "l3", seed=2, lmdb=lmdb_section)  # pages written into the tail
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
+    again.close()
+    alone = ConnectorSpace(ConnectorSettings.from_extra_config(
+        {"lmdb": {**lmdb_section, "path": str(tmp_path / "other")}}), GEOMETRY, "m")
+    store = alone.open_store(prefault=False)  # a scheduler in a process of its own
+    assert store is not None and store.prefaulted_bytes == 0
+    alone.close_store()
 
 
 def test_the_host_index_evicts_least_recent_but_not_what_a_step_reads() -> None:

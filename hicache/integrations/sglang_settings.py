@@ -5,7 +5,7 @@ SGLang's `--hicache-storage-backend-extra-config` JSON reaches the backend whole
 keys (`SGLANG_KEYS`: which class to load, `interface_v1`, ...) beside hicache's::
 
     backend     "lmdb" (default) | "redis" | "lmdb+redis"
-    lmdb        {"path", "max_size_gb", "sync"}    hicache's storage.lmdb section
+    lmdb        {"path", "max_size_gb", "prefault_gb", "sync"}  storage.lmdb
     redis       {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
     namespace   a salt: servers with different salts never share pages
 

@@ -85,7 +85,7 @@ class ConnectorScheduler:
                 break
             plan.append(PageLoad(-1, hashes[i], slot))
             i += 1
-        store = self.c.open_store()
+        store = self.c.open_store(prefault=False)
         if i < blocks and store is not None:
             found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
             plan += [PageLoad(-1, h, None) for h in hashes[i:i + found]]

@@ -66,16 +66,17 @@ def create_backend(name: str, config: Mapping[str, Any] | Any,
 
 # Keys of an `lmdb` section: `LmdbConfig`'s, plus `sync` for callers that want no
 # fdatasync per commit (benchmarks, throwaway caches).
-LMDB_KEYS = ("path", "max_size_gb", "sync")
+LMDB_KEYS = ("path", "max_size_gb", "prefault_gb", "sync")
 
 
 def _lmdb_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:
     check_section_keys(LmdbConfig.SECTION, config, LMDB_KEYS)
     defaults = LmdbConfig()
     section = LmdbConfig(path=config.get("path", defaults.path),
-                         max_size_gb=config.get("max_size_gb", defaults.max_size_gb))
+                         max_size_gb=config.get("max_size_gb", defaults.max_size_gb),
+                         prefault_gb=config.get("prefault_gb", defaults.prefault_gb))
     return LmdbStore(section.resolved_path, section.max_size_bytes, codec,
-                     sync=bool(config.get("sync", True)))
+                     sync=bool(config.get("sync", True)), prefault_bytes=section.prefault_bytes)
 
 
 def _tiered_factory(config: Mapping[str, Any], codec: PageCodec) -> StorageBackend:

@@ -23,7 +23,9 @@ The current meta page's environment spans pages 0..mm_last_pg, so the file must 
 LMDB 0.9.36 and 1.0 (64-bit little-endian; integers are in host order). LMDB's format would
 allow a tail of free pages never written, but LMDB leaves none: the file held every page of
 its meta after each of 20,000 random put/delete transactions, and py-lmdb's own verifier
-(`lmdb.verify`) notes the same.
+(`lmdb.verify`) notes the same. A file longer than its environment is sound: LMDB reads and
+writes pages by number and never looks at the file's size (a store's prefault leaves a
+sparse tail past the last page; see `LmdbEnvironment.prefault`).
 
 Threads: functions of paths, no state; any thread.
 """
@@ -182,6 +184,18 @@ def room_bytes(env_dir: Path) -> int:
     return room
 
 
+def free_memory_bytes() -> int | None:
+    """Memory no page of anything holds now (Linux's MemFree), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class FileSize:
     """The size of one open data file, by fstat of a descriptor kept open.
 
@@ -197,6 +211,14 @@ class FileSize:
         if self._fd is None:
             raise ValueError("FileSize is closed")
         return os.fstat(self._fd).st_size
+
+    def allocated_bytes(self) -> int:
+        """What the file takes on disk: `bytes()` less the holes of a sparse tail (see
+        `LmdbEnvironment.prefault`)."""
+        if self._fd is None:
+            raise ValueError("FileSize is closed")
+        info = os.fstat(self._fd)
+        return min(info.st_size, info.st_blocks * 512)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -166,7 +166,8 @@ class LmdbStore(LmdbEnvironment, ValueStore):
         out = self._counts.snapshot()
         out[STAT_ERRORS_BY_OP] = self._faults.by_op()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
-                    "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path)})
+                    "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path),
+                    "prefaulted_bytes": self.prefaulted_bytes})
         self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
         return out
 
