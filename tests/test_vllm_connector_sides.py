@@ -125,6 +125,8 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     page = LAYERS * GEOMETRY.layer_block_bytes
     monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", 2 * page + 1)
     first = Server(tmp_path / "l3", seed=1, layout="kv_first")
+    # made before the first request, which then faults no new buffer in
+    assert len(first.worker._staging._free) == vllm_worker.STAGING_READY_CHUNKS
     first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     assert first.worker._staging.pages == 2

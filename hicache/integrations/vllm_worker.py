@@ -37,17 +37,21 @@ logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers 
 WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
+STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first load's and save's
 
 
 class _Staging:
     """Staging buffers of `pages` pages each ([pages, layers, layer block bytes] uint8),
     handed out and given back (by the L3 writer, once it wrote their pages); up to `keep`
-    free ones are kept, the rest freed. Thread-safe."""
+    free ones are kept, the rest freed; `ready` of them are made (and zeroed, so their
+    memory is faulted in) up front. Thread-safe."""
 
     def __init__(self, pages: int, layers: int, block_bytes: int, pin: bool,
-                 keep: int = STAGING_KEPT_CHUNKS) -> None:
+                 keep: int = STAGING_KEPT_CHUNKS, ready: int = 0) -> None:
         self.pages, self._shape, self._pin, self._keep = pages, (pages, layers, block_bytes), pin, keep
-        self._free: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = [
+            torch.zeros(self._shape, dtype=torch.uint8, pin_memory=pin)
+            for _ in range(min(ready, keep))]
         self._lock = threading.Lock()
 
     def take(self) -> torch.Tensor:
@@ -114,8 +118,10 @@ class ConnectorWorker:
         self.layers = layers
         self._pin = layers[0].is_cuda  # host buffers pinned for the copies to and from CUDA
         page_bytes = len(layers) * want
+        # ready buffers: the first request's loads (a restart's first replay) and saves
+        # would otherwise fault their memory in on the forward's thread
         self._staging = _Staging(max(1, STAGING_CHUNK_BYTES // page_bytes), len(layers), want,
-                                 self._pin)
+                                 self._pin, ready=STAGING_READY_CHUNKS)
         # zeros, not empty: every page of L2 is touched here, at start-up, as vLLM's own KV
         # cache is, and not by the first save into each slot on the forward's thread
         self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
