@@ -218,6 +218,8 @@ class FileSize:
         if self._fd is None:
             raise ValueError("FileSize is closed")
         info = os.fstat(self._fd)
+        if not info.st_blocks:  # a filesystem that counts no blocks (some FUSE ones)
+            return info.st_size
         return min(info.st_size, info.st_blocks * 512)
 
     def close(self) -> None:
