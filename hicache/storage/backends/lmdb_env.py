@@ -49,8 +49,8 @@ Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default): a store 
 writing pages past the end of data.mdb, and each of those goes into page cache memory the
 kernel hands out as it is written. Where that memory is slow to come by (a VM whose host
 backs guest memory only when it is touched: ~2.7 ms per MB on the 2-core VMs of
-docs/benchmarks.md, against 0.06 ms to overwrite a page already cached), the L3 writer spends
-most of its time there, and on a busy host that time is taken from serving. At open, a store
+docs/benchmarks.md, against ~0.06 ms per MB to overwrite pages cached already), the L3
+writer spends most of its time there, and on a busy host that time is taken from serving. At open, a store
 with `prefault_bytes` extends data.mdb to that much past its last page (a sparse tail: no
 disk is taken until LMDB writes there; extended inside a write transaction, so no writer of
 any process grows the file meanwhile) and reads the tail once: the page cache holds it, and
