@@ -45,19 +45,12 @@ writer lock.
 Buffers: transactions are begun with `buffers=True`: a value a body reads is a view of the
 mapped file, valid only until its transaction ends; a body copies what it keeps.
 
-Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default): a store grows by
-writing pages past the end of data.mdb, and each of those goes into page cache memory the
-kernel hands out as it is written. Where that memory is slow to come by (a VM whose host
-backs guest memory only when it is touched: ~2.7 ms per MB on the 2-core VMs of
-docs/benchmarks.md, against ~0.06 ms per MB to overwrite pages cached already), the L3
-writer spends most of its time there, and on a busy host that time is taken from serving. At open, a store
-with `prefault_bytes` extends data.mdb to that much past its last page (a sparse tail: no
-disk is taken until LMDB writes there; extended inside a write transaction, so no writer of
-any process grows the file meanwhile) and reads the tail once: the page cache holds it, and
-the writes that grow the store fill memory already there. The tail is capped by the map's
-bound, the room on disk (and RLIMIT_FSIZE) and half the memory free at open; the pages read
-are clean, so the kernel takes them back first under pressure. Reading a tail cached already
-(a restart) costs ~0.1 ms per MB.
+Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default; docs/tiers.md): the
+writes that grow a store fill new page cache memory, which on a VM whose host backs memory
+when first touched costs ~2.7 ms per MB (overwriting cached pages: ~0.06). At open, data.mdb
+is extended that far past its last page (a hole, extended inside a write transaction so no
+writer of any process grows it meanwhile; never shrunk) and the tail read once
+(`lmdb_file.read_range`), capped by the map's bound, the disk's room and half the free memory.
 
 Durability: `sync=True` (default) flushes the data of each committed transaction (one
 msync per `batch_set`; metasync off: a crash may lose the last commit but never corrupts the
@@ -115,20 +108,7 @@ OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evictin
 # at least, so a write that still fails after this many is failing for another reason (an EIO
 # taken for a full disk must not empty the store 10% at a time).
 MAX_SPACE_EVICTIONS = 3
-PREFAULT_CHUNK_BYTES = 2**20  # one read of the prefaulted tail
 PREFAULT_FREE_SHARE = 0.5  # of the memory free at open, the most a prefault takes
-
-
-def _read_through(fd: int, start: int, end: int) -> int:
-    """Read bytes `start` to `end` of `fd` (into one reused buffer); how many were read."""
-    buffer = memoryview(bytearray(PREFAULT_CHUNK_BYTES))
-    offset = start
-    while offset < end:
-        got = os.preadv(fd, [buffer[:min(PREFAULT_CHUNK_BYTES, end - offset)]], offset)
-        if got <= 0:
-            break
-        offset += got
-    return offset - start
 
 
 class _Replaced(Exception):
@@ -212,7 +192,7 @@ class LmdbEnvironment:
             return 0
         try:
             head, end = self._txn(True, extend, make_room=False)
-            done = _read_through(fd, head, end)
+            done = lmdb_file.read_range(fd, head, end)
         except (OSError, lmdb.Error, _Replaced, StoreClosed) as err:
             logger.warning("LMDB store %s: no prefault: %s", self.path, err)
             return 0

@@ -27,7 +27,7 @@ its meta after each of 20,000 random put/delete transactions, and py-lmdb's own 
 writes pages by number and never looks at the file's size (a store's prefault leaves a
 sparse tail past the last page; see `LmdbEnvironment.prefault`).
 
-Threads: functions of paths, no state; any thread.
+Threads: functions of paths and open files, no state; any thread.
 """
 
 from __future__ import annotations
@@ -182,6 +182,22 @@ def room_bytes(env_dir: Path) -> int:
             size = 0
         room = min(room, max(0, limit - size))
     return room
+
+
+READ_CHUNK_BYTES = 2**20  # one read of `read_range`
+
+
+def read_range(fd: int, start: int, end: int) -> int:
+    """Read bytes `start` to `end` of the open file `fd` and drop them (one reused buffer),
+    which leaves them in the page cache; how many were read."""
+    buffer = memoryview(bytearray(READ_CHUNK_BYTES))
+    offset = start
+    while offset < end:
+        got = os.preadv(fd, [buffer[:min(READ_CHUNK_BYTES, end - offset)]], offset)
+        if got <= 0:
+            break
+        offset += got
+    return offset - start
 
 
 def free_memory_bytes() -> int | None:
