@@ -7,6 +7,7 @@ forward, save after it. vLLM itself runs them in tests/integrations/test_vllm_co
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import torch
 
 from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
+from hicache.integrations.vllm_buffers import WriteRing
 from hicache.integrations.vllm_scheduler import ConnectorScheduler
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
@@ -38,6 +40,12 @@ LAYOUTS = {"blocks_first": (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM),
 GEOMETRY = BlockGeometry(LAYERS, HEADS, DIM, BLOCK, "float32",
                          layer_block_bytes=HEADS * BLOCK * 2 * DIM * 4)
 PROMPT = list(range(100, 100 + 4 * BLOCK + 1))  # 4 whole blocks and one token
+PAGE = LAYERS * GEOMETRY.layer_block_bytes
+
+
+def ring_gb(pages: int) -> float:
+    """`write_buffer_gb` that holds `pages` pages."""
+    return (pages + 0.5) * PAGE / 1e9
 
 
 class Server:
@@ -45,8 +53,9 @@ class Server:
 
     def __init__(self, l3: Path | None, seed: int, fingerprint: str = "test-model",
                  layout: str = "blocks_first", **extra: object) -> None:
+        # not the 2 GB prefault nor the 0.5 GB write ring of vLLM's defaults
         config = {"storage_backend": "none"} if l3 is None else \
-            {"lmdb": {"path": str(l3), "prefault_gb": 0}}  # not the 2 GB of vLLM's default
+            {"lmdb": {"path": str(l3), "prefault_gb": 0}, "write_buffer_gb": ring_gb(64)}
         settings = ConnectorSettings.from_extra_config({**config, **extra})
         g = torch.Generator().manual_seed(seed)
         self.kv = {f"model.layers.{i}.self_attn.attn":
@@ -120,10 +129,9 @@ def test_l2_serves_a_prefix_without_a_store(tmp_path: Path, layout: str) -> None
 
 def test_staging_buffers_smaller_than_a_step_move_every_page(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two pages per staging buffer, three free ones kept: a step's saves and loads (from
-    L2 and from L3) go through several buffers, reused, and every block arrives whole."""
-    page = LAYERS * GEOMETRY.layer_block_bytes
-    monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", 2 * page + 1)
+    """Two pages per staging buffer: a step's loads (from L2 and from L3) go through
+    several buffers, reused, and every block arrives whole."""
+    monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", 2 * PAGE + 1)
     first = Server(tmp_path / "l3", seed=1, layout="kv_first")
     # made before the first request, which then faults no new buffer in
     assert len(first.worker._staging._free) == vllm_worker.STAGING_READY_CHUNKS
@@ -141,6 +149,54 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     assert again.worker.counters["l3_loaded_pages"] == 4
     assert again.worker.take_load_errors() == set()
     again.close()
+
+
+def test_saves_past_a_full_write_ring_stay_in_l2_and_reach_l3_no_more(tmp_path: Path) -> None:
+    """A writer that is behind: the ring's three rows take a step's first three pages for
+    L3; the fourth, and every page of the next step, is kept in L2 only (counted), no
+    buffer made for it. Once the writer goes on, what the ring held is in L3."""
+    server = Server(tmp_path / "l3", seed=1, write_buffer_gb=ring_gb(3))
+    store, go = server.worker_space.store, threading.Event()
+    write = store.put_values
+
+    def held(*args, **kwargs):
+        go.wait(30)
+        return write(*args, **kwargs)
+
+    store.put_values = held
+    ring = server.worker._ring
+    assert ring.capacity == 3
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [server.block(b) for b in (3, 5, 7, 9)]
+    other = [7] * (2 * BLOCK + 1)
+    server.prefill("b", other, [0, 1, 2])
+    counters = server.worker.counters
+    assert ring.used == 3
+    assert counters["l3_skipped_pages"] == 1 + 2 and counters["l2_saved_pages"] == 4 + 2
+    go.set()
+    server.close()
+    assert counters["l3_written_pages"] == 3 and ring.used == 0
+    again = Server(tmp_path / "l3", seed=2)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 3 * BLOCK  # the fourth: recomputed
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4), computed))
+    assert again.prefill("b", other, [10, 12, 13]) == 0
+    again.close()
+
+
+def test_the_write_ring_hands_out_rows_in_order_and_wraps() -> None:
+    ring = WriteRing(4, layers=1, block_bytes=8, pin=False)
+    first = ring.reserve(3)
+    assert first == slice(0, 3)
+    assert ring.reserve(3) == slice(3, 4)  # up to the end; the rest comes after the wrap
+    assert ring.reserve(1) is None  # full
+    ring.release(first)
+    assert ring.reserve(5) == slice(0, 3) and ring.used == 4
+    with pytest.raises(ValueError, match="latest"):
+        ring.cancel(slice(3, 4))
+    ring.cancel(slice(0, 3))
+    assert ring.used == 1 and ring.reserve(2) == slice(0, 2)
+    with pytest.raises(ValueError):
+        WriteRing(0, layers=1, block_bytes=8, pin=False)
 
 
 def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
@@ -216,7 +272,10 @@ def test_the_host_index_evicts_least_recent_but_not_what_a_step_reads() -> None:
 @pytest.mark.parametrize("extra, key", [
     ({"storage_backend": "disk"}, "storage_backend"),
     ({"host_size_gb": -1}, "host_size_gb"),
-    ({"max_pending_writes": 0}, "max_pending_writes"),
+    ({"write_buffer_gb": 0}, "write_buffer_gb"),
+    ({"write_buffer_gb": float("nan")}, "write_buffer_gb"),
+    ({"write_buffer_gb": "1"}, "write_buffer_gb"),
+    ({"host_size_gb": float("inf")}, "host_size_gb"),
     ({"storage_backend": "lmdb", "redis": {}}, "redis"),
     ({"host_size_gb": 0, "storage_backend": "none"}, "kv_connector_extra_config"),
     ({"lmdb": {"paht": "/x"}}, "paht"),

@@ -8,7 +8,8 @@ The extra config holds hicache's tier keys::
     storage_backend   "lmdb" (default) | "redis" | "lmdb+redis" | "none" (L2 only)
     lmdb              {"path", "max_size_gb", "prefault_gb", "sync"}  storage.lmdb
     redis             {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
-    max_pending_writes  pages queued for L3 at most; beyond, a save skips L3 (counted)
+    write_buffer_gb   host memory for pages waiting for the L3 writer (GB, made at start);
+                      a block it has no room for is kept in L2 only (counted)
     namespace         a salt: servers with different salts never share pages
 
 A page is one vLLM block of every layer, keyed by hicache's page hash (`PageHasher`: xxh3 over
@@ -21,6 +22,7 @@ and size, and the salt. A CPU layout is never served to a GPU one.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -38,7 +40,7 @@ from hicache.storage.hashing import PageHasher
 from hicache.storage.page_format import PageCodec, PageGeometry
 
 CONFIG_KEY = "kv_connector_extra_config"
-KEYS = ("host_size_gb", "storage_backend", "max_pending_writes", "namespace", *TIERED_PARTS)
+KEYS = ("host_size_gb", "storage_backend", "write_buffer_gb", "namespace", *TIERED_PARTS)
 NO_STORAGE = "none"
 BACKENDS = (*STORES, NO_STORAGE)
 # Apart from a hicache server's own L3 (and SGLang's), so the two never share a clear. The
@@ -49,7 +51,8 @@ BACKENDS = (*STORES, NO_STORAGE)
 DEFAULT_SECTIONS = {"lmdb": {"path": "~/.cache/hicache/vllm", "prefault_gb": 2.0},
                     "redis": {"key_prefix": "hicache-vllm:"}}
 DEFAULT_HOST_GB = 1.0
-DEFAULT_PENDING_WRITES = 4096
+# ~340 pages of SmolLM2-135M in float32 (1.47 MB each), ~240 of an 8B model's 16-token blocks
+DEFAULT_WRITE_BUFFER_GB = 0.5
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class ConnectorSettings:
     host_size_gb: float = DEFAULT_HOST_GB
     backend: str = "lmdb"
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    max_pending_writes: int = DEFAULT_PENDING_WRITES
+    write_buffer_gb: float = DEFAULT_WRITE_BUFFER_GB
     namespace: str = ""
 
     @classmethod
@@ -68,16 +71,16 @@ class ConnectorSettings:
         extra = dict(extra or {})
         check_section_keys(CONFIG_KEY, extra, KEYS)
         host = extra.get("host_size_gb", DEFAULT_HOST_GB)
-        if isinstance(host, bool) or not isinstance(host, (int, float)) or host < 0:
+        if not _finite(host) or host < 0:
             raise ConfigError(f"{CONFIG_KEY} host_size_gb", f"must be a number >= 0, got {host!r}")
         backend = extra.get("storage_backend", cls.backend)
         if backend not in BACKENDS:
             raise ConfigError(f"{CONFIG_KEY} storage_backend",
                               f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        pending = extra.get("max_pending_writes", DEFAULT_PENDING_WRITES)
-        if isinstance(pending, bool) or not isinstance(pending, int) or pending < 1:
-            raise ConfigError(f"{CONFIG_KEY} max_pending_writes",
-                              f"must be an integer >= 1, got {pending!r}")
+        ring = extra.get("write_buffer_gb", DEFAULT_WRITE_BUFFER_GB)
+        if not _finite(ring) or ring <= 0:
+            raise ConfigError(f"{CONFIG_KEY} write_buffer_gb",
+                              f"must be a number > 0, got {ring!r}")
         namespace = extra.get("namespace", "")
         if not isinstance(namespace, str):
             raise ConfigError(f"{CONFIG_KEY} namespace", f"must be a string, got {namespace!r}")
@@ -85,7 +88,7 @@ class ConnectorSettings:
         if host == 0 and backend == NO_STORAGE:
             raise ConfigError(f"{CONFIG_KEY}", "host_size_gb 0 and storage_backend none "
                               "leave hicache nothing to keep")
-        return cls(float(host), backend, sections, pending, namespace)
+        return cls(float(host), backend, sections, float(ring), namespace)
 
     @property
     def has_storage(self) -> bool:
@@ -103,6 +106,16 @@ class ConnectorSettings:
     def host_slots(self, page_bytes: int) -> int:
         """How many pages of `page_bytes` L2 holds (the scheduler and the worker agree)."""
         return int(self.host_size_gb * 1e9) // page_bytes
+
+    def write_ring_pages(self, page_bytes: int) -> int:
+        """How many pages of `page_bytes` the L3 writer's ring holds (one at least)."""
+        return max(1, int(self.write_buffer_gb * 1e9) // page_bytes)
+
+
+def _finite(value: Any) -> bool:
+    """A finite int or float (not a bool, NaN or an infinity)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
 
 
 class BlockGeometry(NamedTuple):

@@ -10,10 +10,11 @@ the step's blocks into their L2 slots and queue a copy for the L3 writer thread;
 fault there costs the pages, never the step. The writer runs on the cores' leftovers
 (`hicache.threads.background_priority`).
 
-Copies between the blocks and host memory go through staging buffers of whole pages that are
-kept and reused (`_Staging`): a buffer allocated per step costs the kernel's page faults on
-every copy (measured on 2 cores: 64 pages of SmolLM2-135M gathered in 30 ms into a new buffer,
-8 ms into a reused one).
+Copies between the blocks and host memory go through buffers made once and reused
+(`vllm_buffers`): a save gathers its blocks into the write ring's free rows, copies them on
+into their L2 slots, and queues the rows for the L3 writer; blocks the ring has no room for
+(the writer is behind) are kept in L2 only, through a staging buffer, and counted
+(`l3_skipped_pages`). Loads pass through staging buffers.
 """
 
 from __future__ import annotations
@@ -21,63 +22,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 
+from hicache.integrations.vllm_buffers import Staging, WriteRing
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.storage.page_format import PageCodec
 from hicache.threads import background_priority
 
-T = TypeVar("T")
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
 WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
-STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first load's and save's
-
-
-class _Staging:
-    """Staging buffers of `pages` pages each ([pages, layers, layer block bytes] uint8),
-    handed out and given back (by the L3 writer, once it wrote their pages); up to `keep`
-    free ones are kept, the rest freed; `ready` of them are made (and zeroed, so their
-    memory is faulted in) up front. Thread-safe."""
-
-    def __init__(self, pages: int, layers: int, block_bytes: int, pin: bool,
-                 keep: int = STAGING_KEPT_CHUNKS, ready: int = 0) -> None:
-        self.pages, self._shape, self._pin, self._keep = pages, (pages, layers, block_bytes), pin, keep
-        self._free: list[torch.Tensor] = [
-            torch.zeros(self._shape, dtype=torch.uint8, pin_memory=pin)
-            for _ in range(min(ready, keep))]
-        self._lock = threading.Lock()
-
-    def take(self) -> torch.Tensor:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return torch.empty(self._shape, dtype=torch.uint8, pin_memory=self._pin)
-
-    def give(self, chunk: torch.Tensor) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(chunk)
-
-    @contextmanager
-    def lent(self) -> Iterator[torch.Tensor]:
-        """A buffer for the length of a `with` block."""
-        chunk = self.take()
-        try:
-            yield chunk
-        finally:
-            self.give(chunk)
-
-    def runs(self, items: Sequence[T]) -> Iterator[Sequence[T]]:
-        """`items` in runs of at most a buffer's pages."""
-        for start in range(0, len(items), self.pages):
-            yield items[start:start + self.pages]
+STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
 
 
 class ConnectorWorker:
@@ -92,11 +51,9 @@ class ConnectorWorker:
         self.load_errors: set[int] = set()
         self.counters = {"l2_loaded_pages": 0, "l3_loaded_pages": 0, "load_errors": 0,
                          "l2_saved_pages": 0, "l3_written_pages": 0, "l3_skipped_pages": 0}
-        self._writes: queue.Queue[tuple[list[bytes], torch.Tensor, torch.Tensor] | None] = \
-            queue.Queue()
-        self._staging: _Staging | None = None
-        self._pending = 0  # pages queued for L3, not yet written
-        self._lock = threading.Lock()
+        self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
+        self._staging: Staging | None = None
+        self._ring: WriteRing | None = None  # pages waiting for the L3 writer
         self._writer: threading.Thread | None = None
         self._pin = False
 
@@ -118,16 +75,18 @@ class ConnectorWorker:
         self.layers = layers
         self._pin = layers[0].is_cuda  # host buffers pinned for the copies to and from CUDA
         page_bytes = len(layers) * want
-        # ready buffers: the first request's loads (a restart's first replay) and saves
-        # would otherwise fault their memory in on the forward's thread
-        self._staging = _Staging(max(1, STAGING_CHUNK_BYTES // page_bytes), len(layers), want,
-                                 self._pin, ready=STAGING_READY_CHUNKS)
+        # ready buffers: the first request's loads (a restart's first replay) would
+        # otherwise fault their memory in on the forward's thread
+        self._staging = Staging(max(1, STAGING_CHUNK_BYTES // page_bytes), len(layers), want,
+                                self._pin, keep=STAGING_KEPT_CHUNKS, ready=STAGING_READY_CHUNKS)
         # zeros, not empty: every page of L2 is touched here, at start-up, as vLLM's own KV
         # cache is, and not by the first save into each slot on the forward's thread
         self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
                                 pin_memory=self._pin) if self.c.slots else None
         if self.c.settings.has_storage:
             self.c.open_store()
+            self._ring = WriteRing(self.c.settings.write_ring_pages(page_bytes), len(layers),
+                                   want, self._pin)
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name="hicache-l3-writer")
             self._writer.start()
@@ -212,18 +171,35 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ saves
 
     def save(self, saves: list[PageSave]) -> None:
-        """The step's filled blocks into their L2 slots, then queued for L3 (a copy: a later
-        step may reassign the slot before the write), a staging buffer at a time."""
+        """The step's filled blocks: gathered into the write ring's free rows, copied on into
+        their L2 slots, and queued for the L3 writer (the ring's copy, not the L2 slot: a
+        later step may reassign the slot before the write). Blocks the ring has no room for
+        go to L2 alone, a staging buffer at a time."""
         if not saves or not self.layers:
             return
+        rest: Sequence[PageSave] = saves
+        while rest and self._ring is not None:
+            rows = self._ring.reserve(len(rest))
+            if rows is None:
+                break
+            run, rest = rest[:rows.stop - rows.start], rest[rows.stop - rows.start:]
+            try:
+                self._save_rows(run, self._ring.rows[rows])
+            except BaseException:
+                self._ring.cancel(rows)
+                raise
+            self._writes.put(([store_key(x.page_hash, self.tp_rank) for x in run], rows))
+        if rest and self._ring is not None:
+            self.counters["l3_skipped_pages"] += len(rest)
+        rest = [x for x in rest if x.slot is not None]
         assert self._staging is not None
-        for run in self._staging.runs(saves):
-            self._save_run(run)
+        for run in self._staging.runs(rest):
+            with self._staging.lent() as chunk:
+                self._save_rows(run, chunk[:len(run)])
 
-    def _save_run(self, saves: Sequence[PageSave]) -> None:
-        assert self._staging is not None
-        chunk = self._staging.take()
-        rows = chunk[:len(saves)]  # [n, layers, bytes]
+    def _save_rows(self, saves: Sequence[PageSave], rows: torch.Tensor) -> None:
+        """`saves`' blocks gathered into `rows` ([n, layers, bytes]), then those with an L2
+        slot copied into it."""
         self._gather([x.block_id for x in saves], rows)
         in_l2 = [i for i, x in enumerate(saves) if x.slot is not None]
         if in_l2 and self.host is not None:
@@ -231,37 +207,24 @@ class ConnectorWorker:
             src = rows if len(in_l2) == len(saves) else rows[in_l2]
             _words(self.host).index_copy_(0, slots, _words(src))
             self.counters["l2_saved_pages"] += len(in_l2)
-        take = 0
-        if self._writer is not None:
-            with self._lock:
-                room = self.c.settings.max_pending_writes - self._pending
-                take = max(0, min(room, len(saves)))
-                self._pending += take
-            if take < len(saves):
-                self.counters["l3_skipped_pages"] += len(saves) - take
-        if take:  # the writer gives the buffer back once it wrote the pages
-            keys = [store_key(x.page_hash, self.tp_rank) for x in saves[:take]]
-            self._writes.put((keys, rows[:take], chunk))
-        else:
-            self._staging.give(chunk)
 
     def _write_loop(self) -> None:
         background_priority()  # the forward pass keeps the cores; L3 takes what it leaves
-        assert self._staging is not None
+        assert self._ring is not None
+        ring = self._ring
         while True:
             item = self._writes.get()
             if item is None:
                 return
-            keys, rows, chunk = item
+            keys, rows = item
             try:
-                stored = self.c.store.put_values(keys, lambda i, rows=rows: [_bytes(rows[i])])
+                stored = self.c.store.put_values(
+                    keys, lambda i, rows=rows: [_bytes(ring.rows[rows.start + i])])
                 self.counters["l3_written_pages"] += sum(stored)
             except Exception:  # a store fault costs the pages, never the server
                 logger.exception("hicache connector: an L3 write failed")
             finally:
-                self._staging.give(chunk)
-                with self._lock:
-                    self._pending -= len(keys)
+                ring.release(rows)
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
