@@ -218,9 +218,14 @@ class ConnectorWorker:
                 return
             keys, rows = item
             try:
-                stored = self.c.store.put_values(
-                    keys, lambda i, rows=rows: [_bytes(ring.rows[rows.start + i])])
-                self.counters["l3_written_pages"] += sum(stored)
+                # a transaction (and sync) per page: LMDB mallocs a transaction's new pages
+                # and frees them at commit; a page's worth is reused by the next, while a
+                # batch's is handed back to the kernel and faulted in again, drawing on the
+                # free memory vLLM's own activations fault in from (docs/integrations.md)
+                for i, key in enumerate(keys):
+                    row = rows.start + i
+                    stored = self.c.store.put_values([key], lambda _, row=row: [_bytes(ring.rows[row])])
+                    self.counters["l3_written_pages"] += sum(stored)
             except Exception:  # a store fault costs the pages, never the server
                 logger.exception("hicache connector: an L3 write failed")
             finally:
