@@ -183,6 +183,19 @@ def test_saves_past_a_full_write_ring_stay_in_l2_and_reach_l3_no_more(tmp_path: 
     again.close()
 
 
+def test_the_l3_writer_commits_a_page_per_transaction(tmp_path: Path) -> None:
+    """LMDB mallocs a transaction's new pages and frees them at commit: a page at a time
+    its memory is reused, a batch's goes back to the kernel (vllm_worker._write_loop)."""
+    server = Server(tmp_path / "l3", seed=1)
+    env = server.worker_space.store._env
+    before = env.info()["last_txnid"]
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    server.worker.close()  # the writer has written what was queued
+    assert server.worker.counters["l3_written_pages"] == 4
+    assert env.info()["last_txnid"] - before == 4
+    server.close()
+
+
 def test_the_write_ring_hands_out_rows_in_order_and_wraps() -> None:
     ring = WriteRing(4, layers=1, block_bytes=8, pin=False)
     first = ring.reserve(3)
