@@ -93,6 +93,20 @@ $(VLLM_STAMP):
 	     $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; fi
 	touch $(VLLM_STAMP)
 
+# tcmalloc, which vLLM's CPU guide preloads (Debian's libtcmalloc-minimal4): the system's
+# where it is installed, else the package from Debian's registry unpacked into the venv's
+# lib/ beside its libiomp5 (no root needed). Without apt the benches run without it and
+# their reports say so (benchmarks/bench_vs_vllm.py: vllm_preload).
+VLLM_TCMALLOC := $(VLLM_VENV)/.tcmalloc
+$(VLLM_TCMALLOC): $(VLLM_STAMP)
+	if nvidia-smi >/dev/null 2>&1 || ldconfig -p | grep -q libtcmalloc_minimal.so.4; then :; \
+	else d=$$(mktemp -d) && (cd $$d && apt-get download -q libtcmalloc-minimal4 && \
+	     dpkg -x libtcmalloc-minimal4_*.deb x) && \
+	     cp -L $$(find $$d/x -name libtcmalloc_minimal.so.4) $(VLLM_VENV)/lib/ ; \
+	     rm -rf $$d; test -f $(VLLM_VENV)/lib/libtcmalloc_minimal.so.4 || \
+	     echo "no tcmalloc: vLLM runs without it (apt-get download failed)"; fi
+	touch $(VLLM_TCMALLOC)
+
 # hicache (no cache, L1, L1+L2) against vLLM (prefix caching on and off): the same model,
 # dtype, KV tokens and limits; calibration and multi-turn tables, benchmarks/results/vs_vllm.json.
 # e.g. `make bench-vs-vllm ARGS="--quick"` (a smoke test) or ARGS="--only hicache".
@@ -111,11 +125,11 @@ test-integrations: $(STAMP) $(VLLM_HICACHE)
 
 # vLLM alone against vLLM + HiCacheConnector (and ExampleConnector for the restart), same
 # flags and KV: restart replay, multi-turn with a working set several times the KV, the
-# saves' cost with no reuse (~15 min on 2 CPU cores); benchmarks/results/vllm_connector.json.
-bench-vllm-connector: $(STAMP) $(VLLM_HICACHE)
+# saves' cost with no reuse (~30 min on 2 CPU cores); benchmarks/results/vllm_connector.json.
+bench-vllm-connector: $(STAMP) $(VLLM_HICACHE) $(VLLM_TCMALLOC)
 	$(BIN)/python benchmarks/bench_vllm_connector.py $(ARGS)
 
-bench-vs-vllm: $(STAMP) $(VLLM_STAMP)
+bench-vs-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_TCMALLOC)
 	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 
 # SGLang's router in its own venv (it pins its own fastapi and pydantic), installed once:

@@ -206,17 +206,28 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
 
 
 # vLLM's CPU guide preloads tcmalloc and Intel's OpenMP (its wheel ships libiomp5); each is
-# preloaded when present, so vLLM runs as its documentation sets it up.
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+# preloaded when present, so vLLM runs as its documentation sets it up. Without tcmalloc,
+# glibc's malloc hands vLLM's activations back to the kernel and faults them in again: 1-3
+# million page faults in a no-reuse pass of bench_vllm_connector against ~50,000 with it,
+# vLLM ~16% slower, and that count moved from pass to pass by 2x.
+TCMALLOC_NAME = "libtcmalloc_minimal.so.4"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu") / TCMALLOC_NAME
 
 
 def vllm_preload(python: Path | None) -> list[str]:
-    """The libraries vLLM's CPU guide preloads that exist here (tcmalloc: Debian's
-    libtcmalloc-minimal4; libiomp5: in the vLLM venv's lib/)."""
-    libs = [TCMALLOC]
-    if python is not None:
-        libs.append(Path(python).parent.parent / "lib" / "libiomp5.so")
-    return [str(p) for p in libs if p.is_file()]
+    """The libraries vLLM's CPU guide preloads that exist here: tcmalloc (Debian's
+    libtcmalloc-minimal4, installed, or unpacked into the vLLM venv's lib/ by the Makefile)
+    and libiomp5 (in the vLLM venv's lib/)."""
+    lib = Path(python).parent.parent / "lib" if python is not None else None
+    tcmalloc = [TCMALLOC, *([lib / TCMALLOC_NAME] if lib else [])]
+    libs = [next((p for p in tcmalloc if p.is_file()), None),
+            lib / "libiomp5.so" if lib else None]
+    return [str(p) for p in libs if p is not None and p.is_file()]
+
+
+def preload_names(python: Path | None) -> list[str]:
+    """What `vllm_env` preloads on this machine, by file name (for the reports)."""
+    return [] if rm.gpu_name() is not None else [Path(p).name for p in vllm_preload(python)]
 
 
 def vllm_env(cores: int | None = None, python: Path | None = None) -> dict[str, str]:
@@ -679,7 +690,8 @@ def print_report(report: dict[str, Any]) -> None:
           f"{a['kv_tokens']:,} tokens, page {a['page_size']}, {MAX_RUNNING_REQUESTS} running, "
           f"{MAX_BATCH_TOKENS} batched tokens; {_n(a['passes'], 'pass', 'passes')}: median "
           "(best pass); vs vLLM is speed (above 1: hicache faster), no cache against vLLM "
-          "no cache, the cached ones against vLLM prefix cache.\n")
+          "no cache, the cached ones against vLLM prefix cache; vLLM preloads "
+          f"{', '.join(v.get('vllm_preload') or []) or 'nothing'}.\n")
     print(f"Calibration: prefill of {a['prefill_tokens']:,} uncached tokens (median of "
           f"{_n(a['prefill_repeats'], 'prompt', 'prompts')}), decode of {a['decode_tokens']} "
           f"tokens after {DECODE_PROMPT_TOKENS}-token prompts; KV tokens as each log reports "
@@ -840,7 +852,8 @@ def build_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[s
     return {
         **rm.report_stamp(),
         "versions": {"hicache_torch": venv_versions(None)["torch"],
-                     "vllm_torch": vllm.get("torch"), "vllm": vllm.get("vllm")},
+                     "vllm_torch": vllm.get("torch"), "vllm": vllm.get("vllm"),
+                     "vllm_preload": preload_names(args.vllm_python)},
         "args": shown, "limits": {"max_running": MAX_RUNNING_REQUESTS,
                                   "max_batched_tokens": MAX_BATCH_TOKENS},
         "summary": summarize_runs(runs), "runs": runs, "out": rm._shown(args.out),

@@ -239,3 +239,20 @@ def test_a_divergence_is_scored_by_the_model_it_came_from(monkeypatch, tmp_path:
     assert got["near_tie"] == (got["gap"] <= 1e-3 * float(logits.abs().max()))
     far = answer_ties.explain(d._replace(theirs=int(logits.argmin())), scorer, "float32")
     assert not far["near_tie"]
+
+
+def test_vllm_preloads_the_systems_tcmalloc_else_the_venvs_and_its_libiomp5(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    monkeypatch.setattr(bv, "TCMALLOC", tmp_path / "system" / bv.TCMALLOC_NAME)
+    assert bv.vllm_preload(python) == []
+    (venv / "lib" / "libiomp5.so").touch()
+    (venv / "lib" / bv.TCMALLOC_NAME).touch()
+    assert bv.vllm_preload(python) == [str(venv / "lib" / bv.TCMALLOC_NAME),
+                                       str(venv / "lib" / "libiomp5.so")]
+    bv.TCMALLOC.parent.mkdir()
+    bv.TCMALLOC.touch()  # installed on the system: that one
+    assert bv.vllm_preload(python) == [str(bv.TCMALLOC), str(venv / "lib" / "libiomp5.so")]
+    assert bv.vllm_preload(None) == [str(bv.TCMALLOC)]
