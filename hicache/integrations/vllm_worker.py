@@ -222,9 +222,9 @@ class ConnectorWorker:
                 # and frees them at commit; a page's worth is reused by the next, while a
                 # batch's is handed back to the kernel and faulted in again, drawing on the
                 # free memory vLLM's own activations fault in from (docs/integrations.md)
-                for i, key in enumerate(keys):
-                    row = rows.start + i
-                    stored = self.c.store.put_values([key], lambda _, row=row: [_bytes(ring.rows[row])])
+                for row, key in zip(range(rows.start, rows.stop), keys):
+                    page = ring.rows[row]
+                    stored = self.c.store.put_values([key], lambda _, page=page: [_bytes(page)])
                     self.counters["l3_written_pages"] += sum(stored)
             except Exception:  # a store fault costs the pages, never the server
                 logger.exception("hicache connector: an L3 write failed")

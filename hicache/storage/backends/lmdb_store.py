@@ -63,8 +63,12 @@ class LmdbStore(LmdbEnvironment, ValueStore):
     """`ValueStore` over one LMDB environment (see the module docstring).
 
     `LmdbStore(path, max_size_bytes, codec, *, sync=True, initial_map_bytes=...)`: the
-    constructor is `LmdbEnvironment`'s.
+    arguments are `LmdbEnvironment`'s.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch_local = threading.local()  # each writing thread's value buffer
 
     # ------------------------------------------------------------------ ValueStore
 
@@ -137,10 +141,9 @@ class LmdbStore(LmdbEnvironment, ValueStore):
 
     def _scratch(self) -> bytearray:
         """The calling thread's buffer of one stored value (made on its first write)."""
-        local = self.__dict__.setdefault("_scratch_local", threading.local())
-        scratch = getattr(local, "value", None)
+        scratch = getattr(self._scratch_local, "value", None)
         if scratch is None:
-            scratch = local.value = bytearray(self.codec.value_bytes)
+            scratch = self._scratch_local.value = bytearray(self.codec.value_bytes)
         return scratch
 
     def sample_keys(self, count: int) -> list[bytes]:
