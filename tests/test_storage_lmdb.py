@@ -281,6 +281,38 @@ def test_prefault_extends_the_file_sparsely_and_the_store_works_as_before(tmp_pa
     env.close()
 
 
+def _thread_write_bytes() -> int | None:
+    """Bytes this thread has sent toward the disk (Linux's per-task I/O accounting), or
+    None where the kernel does not count them."""
+    try:
+        with open("/proc/thread-self/io", encoding="ascii") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("write_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def test_pages_written_into_a_prefaulted_tail_go_to_disk_once(tmp_path: Path) -> None:
+    """Pages of 1.47 MB (SmolLM2's, as the vLLM connector stores them), one synced
+    transaction each, into a prefaulted tail: the disk is sent about what they hold. A tail
+    cached by readahead's large folios had each sync write back its neighbours' folio too
+    (100 pages: ~2.5x; 800: 5.7x)."""
+    if _thread_write_bytes() is None:
+        pytest.skip("this kernel keeps no per-task write_bytes")
+    codec = PageCodec(PageGeometry(30, 3, 64, 32, torch.float32))
+    count = 100
+    store = LmdbStore(tmp_path / "l3", codec=codec, max_size_bytes=1 << 30,
+                      prefault_bytes=256 << 20)
+    assert store.prefaulted_bytes == 256 << 20
+    payload = bytes(codec.payload_bytes)
+    keys = keys_of(0, count)
+    before = _thread_write_bytes()
+    for key in keys:
+        assert store.put_values([key], lambda _: [payload]) == [True]
+    sent = _thread_write_bytes() - before
+    store.close()
+    assert sent < 1.25 * count * codec.value_bytes
+
+
 def test_prefault_stays_inside_the_bound_the_room_and_free_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def tail(name: str, **kw: Any) -> int:
