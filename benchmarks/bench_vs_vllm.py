@@ -230,6 +230,15 @@ def preload_names(python: Path | None) -> list[str]:
     return [] if rm.gpu_name() is not None else [Path(p).name for p in vllm_preload(python)]
 
 
+def preload_clause(versions: dict[str, Any]) -> str:
+    """The report header's words on what vLLM preloaded: none for a run without vLLM (its
+    `vllm_preload` is None)."""
+    names = versions.get("vllm_preload")
+    if names is None:
+        return ""
+    return f"; vLLM preloads {', '.join(names) or 'nothing'}"
+
+
 def vllm_env(cores: int | None = None, python: Path | None = None) -> dict[str, str]:
     """vLLM's environment: OpenMP threads on every core (its default binds one of two), the
     KV size from --kv-cache-memory-bytes alone (VLLM_CPU_KVCACHE_SPACE takes whole GiB), no
@@ -690,8 +699,8 @@ def print_report(report: dict[str, Any]) -> None:
           f"{a['kv_tokens']:,} tokens, page {a['page_size']}, {MAX_RUNNING_REQUESTS} running, "
           f"{MAX_BATCH_TOKENS} batched tokens; {_n(a['passes'], 'pass', 'passes')}: median "
           "(best pass); vs vLLM is speed (above 1: hicache faster), no cache against vLLM "
-          "no cache, the cached ones against vLLM prefix cache; vLLM preloads "
-          f"{', '.join(v.get('vllm_preload') or []) or 'nothing'}.\n")
+          "no cache, the cached ones against vLLM prefix cache"
+          f"{preload_clause(v)}.\n")
     print(f"Calibration: prefill of {a['prefill_tokens']:,} uncached tokens (median of "
           f"{_n(a['prefill_repeats'], 'prompt', 'prompts')}), decode of {a['decode_tokens']} "
           f"tokens after {DECODE_PROMPT_TOKENS}-token prompts; KV tokens as each log reports "
@@ -853,7 +862,8 @@ def build_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[s
         **rm.report_stamp(),
         "versions": {"hicache_torch": venv_versions(None)["torch"],
                      "vllm_torch": vllm.get("torch"), "vllm": vllm.get("vllm"),
-                     "vllm_preload": preload_names(args.vllm_python)},
+                     "vllm_preload": (preload_names(args.vllm_python)
+                                      if args.only != HICACHE else None)},
         "args": shown, "limits": {"max_running": MAX_RUNNING_REQUESTS,
                                   "max_batched_tokens": MAX_BATCH_TOKENS},
         "summary": summarize_runs(runs), "runs": runs, "out": rm._shown(args.out),

@@ -256,3 +256,13 @@ def test_vllm_preloads_the_systems_tcmalloc_else_the_venvs_and_its_libiomp5(
     bv.TCMALLOC.touch()  # installed on the system: that one
     assert bv.vllm_preload(python) == [str(bv.TCMALLOC), str(venv / "lib" / "libiomp5.so")]
     assert bv.vllm_preload(None) == [str(bv.TCMALLOC)]
+
+
+def test_the_report_names_vllms_preload_only_where_vllm_ran() -> None:
+    """A `--only hicache` run records no preload (None) and its header says nothing of one;
+    a vLLM run's header names each library, or "nothing"."""
+    assert bv.preload_clause({"vllm_preload": None}) == ""
+    assert bv.preload_clause({}) == ""
+    assert bv.preload_clause({"vllm_preload": []}) == "; vLLM preloads nothing"
+    assert bv.preload_clause({"vllm_preload": ["libtcmalloc_minimal.so.4", "libiomp5.so"]}) \
+        == "; vLLM preloads libtcmalloc_minimal.so.4, libiomp5.so"
