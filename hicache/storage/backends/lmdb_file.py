@@ -191,13 +191,10 @@ def read_range(fd: int, start: int, end: int) -> int:
     """Read bytes `start` to `end` of the open file `fd` and drop them (one reused buffer),
     which leaves them in the page cache as base pages; how many were read.
 
-    Base pages, not readahead's: the reads are advised random (on `fd` only, not on other
-    opens of the file), so the kernel caches each 4 KiB page alone instead of in the large
-    folios (up to 2 MiB on ext4 since Linux 6.x) its readahead builds. A write dirties the
-    whole folio it lands in and a sync writes the folio back whole, so LMDB's pages written
-    one synced transaction at a time into a tail of large folios had each neighbour's
-    folio written back again and again: 800 pages of 1.47 MB (1.18 GB) wrote 6.77 GB to
-    disk, against 1.21 GB into base pages (Linux 6.18, ext4; docs/tiers.md)."""
+    Base pages, not readahead's large folios (Linux 6.x): the reads are advised random, on
+    `fd` only. A write dirties the whole folio it lands in and a sync writes it back whole,
+    so pages committed one synced transaction at a time into large folios were written to
+    disk several times over (docs/tiers.md)."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_RANDOM)
     buffer = memoryview(bytearray(READ_CHUNK_BYTES))
