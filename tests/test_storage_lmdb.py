@@ -295,7 +295,7 @@ def test_pages_written_into_a_prefaulted_tail_go_to_disk_once(tmp_path: Path) ->
     """Pages of 1.47 MB (SmolLM2's, as the vLLM connector stores them), one synced
     transaction each, into a prefaulted tail: the disk is sent about what they hold. A tail
     cached by readahead's large folios had each sync write back its neighbours' folio too
-    (100 pages: ~2.5x; 800: 5.7x)."""
+    (100 pages: 2.2x; 800: 5.7x)."""
     if _thread_write_bytes() is None:
         pytest.skip("this kernel keeps no per-task write_bytes")
     codec = PageCodec(PageGeometry(30, 3, 64, 32, torch.float32))
