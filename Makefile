@@ -98,14 +98,15 @@ $(VLLM_STAMP):
 # lib/ beside its libiomp5 (no root needed). Without apt the benches run without it, their
 # reports say so (benchmarks/bench_vs_vllm.py: vllm_preload), and the next run tries again.
 VLLM_TCMALLOC := $(VLLM_VENV)/.tcmalloc
+HAVE_TCMALLOC = nvidia-smi >/dev/null 2>&1 || ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
+	test -f $(VLLM_VENV)/lib/libtcmalloc_minimal.so.4
 $(VLLM_TCMALLOC): $(VLLM_STAMP)
-	if ! nvidia-smi >/dev/null 2>&1 && ! ldconfig -p | grep -q libtcmalloc_minimal.so.4; then \
+	if ! { $(HAVE_TCMALLOC); }; then \
 	  d=$$(mktemp -d) && (cd $$d && apt-get download -q libtcmalloc-minimal4 && \
 	    dpkg -x libtcmalloc-minimal4_*.deb x && \
 	    cp -L $$(find x -name libtcmalloc_minimal.so.4) $(CURDIR)/$(VLLM_VENV)/lib/); \
 	  rm -rf $$d; fi
-	if nvidia-smi >/dev/null 2>&1 || ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
-	   test -f $(VLLM_VENV)/lib/libtcmalloc_minimal.so.4; then touch $(VLLM_TCMALLOC); \
+	if $(HAVE_TCMALLOC); then touch $(VLLM_TCMALLOC); \
 	else echo "no tcmalloc: vLLM runs without it (apt-get download failed)"; fi
 
 # hicache (no cache, L1, L1+L2) against vLLM (prefix caching on and off): the same model,
