@@ -45,12 +45,11 @@ writer lock.
 Buffers: transactions are begun with `buffers=True`: a value a body reads is a view of the
 mapped file, valid only until its transaction ends; a body copies what it keeps.
 
-Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default; docs/tiers.md): the
-writes that grow a store fill new page cache memory, which on a VM whose host backs memory
-when first touched costs ~2.7 ms per MB (overwriting cached pages: ~0.06). At open, data.mdb
-is extended that far past its last page (a hole, extended inside a write transaction so no
-writer of any process grows it meanwhile; never shrunk) and the tail read once
-(`lmdb_file.read_range`), capped by the map's bound, the disk's room and half the free memory.
+Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default; why and what it
+costs: docs/tiers.md): at open, data.mdb is extended that far past its last page (a hole,
+extended inside a write transaction so no writer of any process grows it meanwhile; never
+shrunk) and the tail put in the page cache (`lmdb_file.read_range`), capped by the map's
+bound, the disk's room and half the free memory.
 
 Durability: `sync=True` (default) flushes the data of each committed transaction (one
 msync per `batch_set`; metasync off: a crash may lose the last commit but never corrupts the
