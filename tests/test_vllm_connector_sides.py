@@ -2,12 +2,15 @@
 fields of vLLM's Request / SchedulerOutput, the worker side on per-layer caches shaped as
 vLLM's CPU backend lays them out ([num_blocks, kv_heads, block_size, 2 * head_dim]), in the
 order vLLM calls them each step: match, allocate, build the step's plan, load before the
-forward, save after it. vLLM itself runs them in tests/integrations/test_vllm_connector.py."""
+forward, save after it; a request whose hit reaches into L3 is held back a step and more,
+as vLLM holds it (WAITING_FOR_REMOTE_KVS), until the worker reports its loads finished.
+vLLM itself runs them in tests/integrations/test_vllm_connector.py."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,24 +69,49 @@ class Server:
         self.worker_space = ConnectorSpace(settings, GEOMETRY, fingerprint)
         self.worker = ConnectorWorker(self.worker_space, tp_rank=0)
         self.worker.register(self.kv)
+        self.errors: set[int] = set()  # blocks the worker reported it could not load
+        self.waited: list[str] = []  # requests held back for their L3 loads
 
     def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> int:
-        """One request through one step: its matched tokens (what vLLM would not compute)."""
+        """One request as vLLM runs it: its matched tokens (what vLLM would not compute;
+        after a failed load, only those before the first block that failed)."""
         request = SimpleNamespace(request_id=req_id, all_token_ids=tokens,
                                   num_prompt_tokens=len(tokens), num_computed_tokens=0)
-        hit = self.scheduler.matched(request, 0)
+        hit, wait = self.scheduler.matched(request, 0)
         self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
                                  hit)
+        if wait:  # a step without the request; its loads finish beside later steps
+            self.step([], {})
+            self.waited.append(req_id)
+            self.wait_for_loads(req_id)
+            hit = min([hit] + [block_ids.index(b) * BLOCK for b in self.errors
+                               if b in block_ids])
         new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
+        self.step([new], {req_id: len(tokens) - hit})
+        self.scheduler.finished(req_id)
+        return hit
+
+    def step(self, new: list[SimpleNamespace], scheduled: dict[str, int]) -> None:
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                  num_computed_tokens=[])
         plan = self.scheduler.step(SimpleNamespace(
-            scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-            num_scheduled_tokens={req_id: len(tokens) - hit}))
-        self.worker.load(plan.loads)
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled))
+        self.worker.load(plan.loads, plan.async_loads)
         self.worker.save(plan.saves)  # the forward has written the blocks it computed
-        self.scheduler.finished(req_id)
-        return hit
+        self.errors |= self.worker.take_load_errors()
+
+    def wait_for_loads(self, req_id: str) -> None:
+        """Steps (empty ones: vLLM runs them while a request waits for its KV) until the
+        worker reports `req_id`'s loads finished, as `get_finished` does after a step."""
+        deadline = time.monotonic() + 30
+        while True:
+            self.step([], {})  # its start_load_kv places what the loader has read
+            done = self.worker.take_finished_loads()
+            if req_id in done:
+                return
+            assert not done and time.monotonic() < deadline
+            time.sleep(0.001)
 
     def block(self, block_id: int) -> list[torch.Tensor]:
         return [kv.select(self.block_dim, block_id).clone() for kv in self.kv.values()]
@@ -92,6 +120,18 @@ class Server:
         self.worker.close()
         self.worker_space.close_store()
         self.scheduler.c.close_store()
+
+
+def hold(store: object, method: str) -> threading.Event:
+    """`store.<method>` made to wait, in whichever thread calls it, until the event is set."""
+    go, real = threading.Event(), getattr(store, method)
+
+    def held(*args, **kwargs):
+        go.wait(30)
+        return real(*args, **kwargs)
+
+    setattr(store, method, held)
+    return go
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -111,7 +151,7 @@ def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path,
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert same(again.block(0), untouched)  # only the loaded blocks changed
     assert again.worker.counters["l3_loaded_pages"] == 4
-    assert again.worker.take_load_errors() == set()
+    assert again.errors == set() and again.waited == ["a"]
     again.close()
 
 
@@ -124,7 +164,52 @@ def test_l2_serves_a_prefix_without_a_store(tmp_path: Path, layout: str) -> None
     assert server.prefill("b", longer, [0, 1, 2, 4, 6]) == 2 * BLOCK
     assert same(server.block(0), computed[0]) and same(server.block(1), computed[1])
     assert server.worker.counters["l2_loaded_pages"] == 2
+    assert server.waited == []  # a copy from host memory, made in the request's step
     server.close()
+
+
+def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
+    """A hit from L3 holds its request back while the loader reads it; the steps of other
+    requests go on meanwhile, and the request is handed back with its blocks in place."""
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    first.close()
+    again = Server(tmp_path / "l3", seed=2)
+    go = hold(again.worker_space.store, "get_values")
+    request = SimpleNamespace(request_id="a", all_token_ids=PROMPT,
+                              num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
+    assert again.scheduler.matched(request, 0) == (4 * BLOCK, True)
+    again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 4, 6, 8],)),
+                              4 * BLOCK)
+    again.step([], {})
+    other = [7] * (2 * BLOCK + 1)
+    assert again.prefill("b", other, [0, 10, 12]) == 0  # steps without "a"
+    assert again.worker.take_finished_loads() == set()
+    go.set()
+    again.wait_for_loads("a")
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.errors == set() and again.worker.counters["l3_loaded_pages"] == 4
+    again.close()
+
+
+def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path) -> None:
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    first.close()
+    again = Server(tmp_path / "l3", seed=2)
+    before = [again.block(b) for b in (1, 2, 4, 6)]
+    store = again.worker_space.store
+    read = store.get_values
+    store.get_values = lambda *args, **kwargs: 1 / 0
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 0  # every page recomputed
+    assert again.errors == {1, 2, 4, 6} and again.waited == ["a"]
+    assert all(same(again.block(b), x) for b, x in zip((1, 2, 4, 6), before))
+    store.get_values = read
+    # the blocks computed again were saved: L2 serves them
+    assert again.prefill("b", PROMPT, [0, 10, 12, 13, 14]) == 4 * BLOCK
+    assert again.worker.counters["l2_loaded_pages"] == 4 and again.waited == ["a"]
+    again.close()
 
 
 def test_staging_buffers_smaller_than_a_step_move_every_page(
@@ -147,7 +232,7 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK  # from L3
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert again.worker.counters["l3_loaded_pages"] == 4
-    assert again.worker.take_load_errors() == set()
+    assert again.errors == set() and again.waited == ["a"]
     again.close()
 
 
@@ -156,14 +241,7 @@ def test_saves_past_a_full_write_ring_stay_in_l2_and_reach_l3_no_more(tmp_path: 
     L3; the fourth, and every page of the next step, is kept in L2 only (counted), no
     buffer made for it. Once the writer goes on, what the ring held is in L3."""
     server = Server(tmp_path / "l3", seed=1, write_buffer_gb=ring_gb(3))
-    store, go = server.worker_space.store, threading.Event()
-    write = store.put_values
-
-    def held(*args, **kwargs):
-        go.wait(30)
-        return write(*args, **kwargs)
-
-    store.put_values = held
+    go = hold(server.worker_space.store, "put_values")
     ring = server.worker._ring
     assert ring.capacity == 3
     server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
@@ -226,11 +304,16 @@ def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
             txn.put(key, bytes(value))
     again = Server(tmp_path / "l3", seed=2)
     before = again.block(2)
-    again.prefill("a", PROMPT, [1, 2, 4, 6, 8])
-    assert again.worker.take_load_errors() == {2}  # vLLM recomputes block 2 and later
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == BLOCK
+    assert again.errors == {2}  # vLLM recomputes block 2 and later
     assert same(again.block(2), before)  # the bad page never reached the cache
     assert again.worker.counters["load_errors"] == 1
     again.close()
+    # the read dropped the bad value, and the recomputed block was stored anew
+    third = Server(tmp_path / "l3", seed=3)
+    assert third.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
+    assert third.errors == set() and same(third.block(2), before)
+    third.close()
 
 
 def test_another_namespace_never_sees_the_pages(tmp_path: Path) -> None:

@@ -13,23 +13,30 @@ scheduler, once in each worker; they may be different processes and share nothin
 metadata the scheduler sends each step.
 
     scheduler side                              worker side
-    get_num_new_matched_tokens: the leading     start_load_kv: L2 slots and L3 pages into
-      blocks in L2 (its own index of the          the request's blocks, before the forward;
-      worker's slots) or in L3 (batch_exists)     a page L3 cannot give (missing, failed
-    update_state_after_alloc: the load plan       checksum, store down) is reported through
+    get_num_new_matched_tokens: the leading     start_load_kv: L2 slots into the request's
+      blocks in L2 (its own index of the          blocks; L3 pages the loader thread has
+      worker's slots) or in L3 (batch_exists);    read into theirs; a page L3 cannot give
+      asynchronous when L3 has some               (missing, failed checksum, store down) is
+    update_state_after_alloc: the load plan       reported through
     build_connector_meta: loads; saves of         get_block_ids_with_load_errors: vLLM
       every block this step fills, each to an     recomputes it (kv_load_failure_policy
       L2 slot (least recently used evicted)       "recompute"), never serves it
-    request_finished: forget the request        wait_for_save: the step's filled blocks
-      (saves end within their step: no block      copied into their L2 slots, then queued
-      is held past it)                            for L3 (a writer thread, from a copy)
+    request_finished: forget the request        get_finished: requests whose L3 pages are
+      (saves end within their step: no block      all placed
+      is held past it)                          wait_for_save: the step's filled blocks
+                                                  copied into their L2 slots, then queued
+                                                  for L3 (a writer thread, from a copy)
 
-Loads are synchronous: `start_load_kv` returns with every page in place, so
-`wait_for_layer_load` has nothing to wait for, and `get_num_new_matched_tokens` never asks
-vLLM to wait. Saves are copies into host memory at the end of the step; the L3 write runs
-beside the next steps. The scheduler's index of L2 follows the slots it assigns, so both sides
-agree without talking: a slot is reassigned only by a later step's save, after this step's
-loads have read it.
+A hit from L2 alone loads synchronously: `start_load_kv` copies it in place before the step's
+saves (a memory copy; `wait_for_layer_load` has nothing to wait for). A hit that reaches into
+L3 loads asynchronously: `get_num_new_matched_tokens` says so, vLLM allocates the request's
+blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the worker's loader thread reads and
+checks its L3 pages beside the steps of other requests; a later step's `start_load_kv`
+places them, and `get_finished` hands the request back, its failed blocks reported in the
+same step, for vLLM to compute. Saves are copies into host memory at the end of the step;
+the L3 write runs beside the next steps. The scheduler's index of L2 follows the slots it
+assigns, so both sides agree without talking: a slot is reassigned only by a later step's
+save, after this step's loads have read it.
 
 Imports vLLM: load this module only inside vLLM (hicache itself never imports it).
 """
@@ -96,7 +103,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.matched(request, num_computed_tokens), False
+        return self._scheduler.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -118,7 +125,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMetadata)
-        self._worker.load(meta.plan.loads)
+        self._worker.load(meta.plan.loads, meta.plan.async_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has loaded every layer
@@ -133,6 +140,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMetadata)
         self._worker.save(meta.plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # no save outlives its step; loads: the requests whose L3 pages are in place
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

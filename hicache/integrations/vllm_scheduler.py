@@ -4,8 +4,14 @@ and saves. It reads vLLM's `Request` and `SchedulerOutput` by their fields and i
 vLLM, so it runs in a test on plain objects.
 
 What must stay true: only `step` assigns L2 slots, and a slot a step loads from is not
-reassigned in that step (`keep`); the worker runs a step's loads before its forward and its
-saves after it, so the worker's host pool holds what `index` says at every load.
+reassigned in that step (`keep`); the worker copies a step's L2 loads before that step's
+saves, so the worker's host pool holds what `index` says at every load.
+
+A request whose hit reaches into L3 is loaded asynchronously (vLLM's WAITING_FOR_REMOTE_KVS):
+its L2 pages are copied in the step that allocated its blocks, as a synchronous load's are,
+and its L3 pages by the worker's loader thread while vLLM goes on with other requests; the
+worker reports it done through `get_finished`. A hit from L2 alone is a memory copy and
+stays synchronous.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ class PageSave:
 class StepPlan:
     """One step's work for the workers (inside vLLM's connector metadata)."""
 
-    loads: list[PageLoad] = field(default_factory=list)
+    loads: list[PageLoad] = field(default_factory=list)  # copied before this step's saves
     saves: list[PageSave] = field(default_factory=list)
+    # L3 pages of requests loaded asynchronously, by request: read beside the steps that follow
+    async_loads: dict[str, list[PageLoad]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +65,7 @@ class ConnectorScheduler:
         self.tracked: dict[str, _Tracked] = {}
         self.planned: dict[str, tuple[int, list[PageLoad]]] = {}  # req_id -> (first block, hit)
         self.loads: list[PageLoad] = []               # allocated, for this step's meta
+        self.async_loads: dict[str, list[PageLoad]] = {}  # the same, L3 pages loaded async
         self.counters = {"queries": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0,
                          "saved_pages": 0}
 
@@ -68,9 +77,10 @@ class ConnectorScheduler:
             t.hashes += self.c.hasher.hash_pages(tokens, prev=t.hashes[-1] if have else None)
         return t.hashes[:blocks]
 
-    def matched(self, request: Any, num_computed: int) -> int:
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed` (block-aligned) found in L2 or L3: whole blocks, and
-        never the prompt's last token (vLLM computes at least one)."""
+        never the prompt's last token (vLLM computes at least one); and whether they load
+        asynchronously (some are in L3 only)."""
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         self.counters["queries"] += 1
         blocks = (request.num_prompt_tokens - 1) // self.c.block_size
@@ -93,7 +103,7 @@ class ConnectorScheduler:
             self.planned[request.request_id] = (first, plan)
         else:
             self.planned.pop(request.request_id, None)
-        return len(plan) * self.c.block_size
+        return len(plan) * self.c.block_size, any(x.slot is None for x in plan)
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
         planned = self.planned.pop(request.request_id, None)
@@ -105,23 +115,26 @@ class ConnectorScheduler:
         n = num_external // self.c.block_size
         for k, load in enumerate(plan[:n]):
             load.block_id = ids[first + k]
-            self.loads.append(load)
-            self.counters["l2_hit_tokens" if load.slot is not None else "l3_hit_tokens"] += \
-                self.c.block_size
+            if load.slot is not None:
+                self.loads.append(load)
+                self.counters["l2_hit_tokens"] += self.c.block_size
+            else:
+                self.async_loads.setdefault(request.request_id, []).append(load)
+                self.counters["l3_hit_tokens"] += self.c.block_size
         t.saved = max(t.saved, first + n)
 
     def step(self, so: Any) -> StepPlan:
         """This step's loads (allocated since the last step) and saves (the blocks it
         fills), from vLLM's `SchedulerOutput`."""
-        meta = StepPlan(loads=self.loads)
-        self.loads = []
+        meta = StepPlan(loads=self.loads, async_loads=self.async_loads)
+        self.loads, self.async_loads = [], {}
         keep = {load.slot for load in meta.loads if load.slot is not None}
         for new in so.scheduled_new_reqs:
             t = self.tracked.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = list(new.block_ids[0])
-            self._save(t, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
+            self._save(t, new.num_computed_tokens, so.num_scheduled_tokens[new.req_id],
                        keep, meta)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -133,13 +146,20 @@ class ConnectorScheduler:
                 t.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 t.block_ids += new_ids[0]
-            self._save(t, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id],
+            self._save(t, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
                        keep, meta)
         return meta
 
-    def _save(self, t: _Tracked, computed: int, keep: set[int], meta: StepPlan) -> None:
-        """Plan the saves of `t`'s blocks that this step fills (up to `computed` tokens)."""
-        full = min(computed // self.c.block_size, len(t.block_ids))
+    def _save(self, t: _Tracked, computed: int, scheduled: int, keep: set[int],
+              meta: StepPlan) -> None:
+        """Plan the saves of `t`'s blocks that this step fills: its tokens from `computed`
+        (what vLLM has) to `computed + scheduled`. Where vLLM has less than was saved or
+        loaded (blocks that failed to load, a preempted request), it computes them again
+        and they are saved again: a page that failed its checksum is stored anew."""
+        bs = self.c.block_size
+        t.saved = min(t.saved, computed // bs)
+        full = min((computed + scheduled) // bs, len(t.block_ids),
+                   len(t.request.all_token_ids) // bs)
         if full <= t.saved:
             return
         hashes = self._hashes(t, full)

@@ -3,12 +3,15 @@ host pool and L3. Torch and hicache's stores only (no vLLM), so it runs in a tes
 tensors shaped as vLLM's CPU backend lays them out.
 
 A page is one block of every layer, each layer's block copied whole (its bytes in vLLM's own
-order: the layout is the backend's, and the namespace names it). Loads are synchronous and
-checked: a page from L3 is copied into its block only after its checksum passed; one that
-fails is reported (`take_load_errors`) and its block left for vLLM to recompute. Saves copy
-the step's blocks into their L2 slots and queue a copy for the L3 writer thread; a store
-fault there costs the pages, never the step. The writer runs on the cores' leftovers
-(`hicache.threads.background_priority`).
+order: the layout is the backend's, and the namespace names it). Loads from L2 are copies
+made in the step, before its saves. Loads from L3 are asynchronous: a loader thread reads a
+request's pages into staging buffers while vLLM holds the request back, checking each page's
+header and checksum as it copies it; vLLM's thread places what was read into the blocks at
+its next step and then reports the request (`take_finished_loads`). A page that failed is
+never copied into its block: it is reported (`take_load_errors`, in the same step) and
+vLLM computes it. Saves copy the step's blocks into their L2 slots and queue a copy for the
+L3 writer thread; a store fault there costs the pages, never the step. The writer runs on
+the cores' leftovers (`hicache.threads.background_priority`).
 
 Copies between the blocks and host memory go through buffers made once and reused
 (`vllm_buffers`): a save gathers its blocks into the write ring's free rows, copies them on
@@ -23,6 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +43,18 @@ STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB
 STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
 
 
+@dataclass
+class _Read:
+    """A staging buffer of one request's L3 pages, read by the loader thread."""
+
+    req_id: str
+    loads: Sequence[PageLoad]
+    chunk: torch.Tensor | None  # the pages, in `loads`' order
+    ok: list[bool]  # which arrived whole (header and checksum passed)
+    total: int  # the request's L3 pages
+    last: bool  # its last buffer
+
+
 class ConnectorWorker:
     """The worker side: vLLM's per-layer caches, the L2 host pool, L3 reads and writes."""
 
@@ -49,6 +65,12 @@ class ConnectorWorker:
         self._block_dims: list[int] = []  # each layer's block dim: 0, or 1 after K / V
         self.host: torch.Tensor | None = None  # [slots, layers, layer block bytes] uint8
         self.load_errors: set[int] = set()
+        self.finished_loads: set[str] = set()  # requests whose L3 pages are all placed
+        self._async: queue.Queue[tuple[str, list[PageLoad]] | None] = queue.Queue()
+        self._read: list[_Read] = []  # read by the loader, not yet placed in their blocks
+        self._read_lock = threading.Lock()
+        self._failed: dict[str, list[int]] = {}  # blocks that failed, of requests placing
+        self._loader: threading.Thread | None = None
         self.counters = {"l2_loaded_pages": 0, "l3_loaded_pages": 0, "load_errors": 0,
                          "l2_saved_pages": 0, "l3_written_pages": 0, "l3_skipped_pages": 0}
         self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
@@ -90,6 +112,9 @@ class ConnectorWorker:
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name="hicache-l3-writer")
             self._writer.start()
+            self._loader = threading.Thread(target=self._load_loop, daemon=True,
+                                            name="hicache-l3-loader")
+            self._loader.start()
 
     def _gather(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """Blocks `block_ids` of every layer into `pages` ([n, layers, bytes] uint8, CPU).
@@ -117,56 +142,100 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, loads: list[PageLoad]) -> None:
-        if not loads or not self.layers:
-            return
-        from_l2 = [x for x in loads if x.slot is not None]
-        from_l3 = [x for x in loads if x.slot is None]
-        assert self._staging is not None
-        for run in self._staging.runs(from_l2):
-            with self._staging.lent() as chunk:
-                pages = chunk[:len(run)]
-                slots = torch.tensor([x.slot for x in run], dtype=torch.long)
-                torch.index_select(_words(self.host), 0, slots, out=_words(pages))
-                self._scatter([x.block_id for x in run], pages)
-            self.counters["l2_loaded_pages"] += len(run)
-        bad = 0
-        for run in self._staging.runs(from_l3):
-            bad += self._load_l3(run)
-        if bad:
-            logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
-                           "or failed their checksum): vLLM recomputes them", bad, len(from_l3))
+    def load(self, loads: list[PageLoad],
+             async_loads: dict[str, list[PageLoad]] | None = None) -> None:
+        """The step's loads, on vLLM's thread: L2 pages into their blocks; what the loader
+        has read from L3 since the last step into its blocks (a request whose pages are all
+        placed is finished); each request's L3 pages in `async_loads` queued for the
+        loader (with no store to read them from, the request fails them all at once)."""
+        for req_id, pages in (async_loads or {}).items():
+            if self._loader is not None:
+                self._async.put((req_id, pages))
+            else:
+                self._place(_Read(req_id, pages, None, [False] * len(pages), len(pages), True))
+        if loads and self.layers:
+            assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
+            assert self._staging is not None
+            for run in self._staging.runs(loads):
+                with self._staging.lent() as chunk:
+                    pages = chunk[:len(run)]
+                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
+                    torch.index_select(_words(self.host), 0, slots, out=_words(pages))
+                    self._scatter([x.block_id for x in run], pages)
+                self.counters["l2_loaded_pages"] += len(run)
+        with self._read_lock:
+            read, self._read = self._read, []
+        for r in read:
+            self._place(r)
 
-    def _load_l3(self, loads: Sequence[PageLoad]) -> int:
-        """L3's pages (at most a staging buffer's) into their blocks through a buffer, each
-        checked (header and checksum) before it is copied; a page L3 cannot give is a load
-        error (vLLM recomputes its block and those after it). How many were."""
+    def _load_loop(self) -> None:
+        """The loader thread: each request's L3 pages read and checked into staging
+        buffers, a buffer at a time, handed to vLLM's thread (`load`) to copy into the
+        request's blocks. Torch ops stay on vLLM's thread: one here would start an OpenMP
+        team of its own beside the forward's."""
         assert self._staging is not None
-        with self._staging.lent() as chunk:
-            return self._load_l3_through(loads, chunk)
+        while True:
+            item = self._async.get()
+            if item is None:
+                return
+            req_id, loads = item
+            runs = list(self._staging.runs(loads))
+            for k, run in enumerate(runs):
+                chunk = self._staging.take()
+                try:
+                    ok = self._read_l3(run, chunk)
+                except Exception:  # a fault costs these pages, never the server
+                    logger.exception("hicache connector: an L3 read failed")
+                    ok = [False] * len(run)
+                with self._read_lock:
+                    self._read.append(_Read(req_id, run, chunk, ok, len(loads),
+                                            k == len(runs) - 1))
 
-    def _load_l3_through(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> int:
+    def _read_l3(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> list[bool]:
+        """L3's pages (at most `chunk`'s) into `chunk`, each checked (header and checksum)
+        as it is copied: which arrived whole."""
         store = self.c.store
-        n = len(loads)
-        staging = chunk[:n]
-        ok = [False] * n
-        if store is not None:
-            ok = store.get_values([store_key(x.page_hash, self.tp_rank) for x in loads],
-                                  lambda i, value: _take(self.c.codec, value, staging[i]))
-        good = [i for i in range(n) if ok[i]]
-        bad = [loads[i].block_id for i in range(n) if not ok[i]]
-        if good:
-            self._scatter([loads[i].block_id for i in good],
-                          staging if len(good) == n else staging[good])
+        if store is None:
+            return [False] * len(loads)
+        return store.get_values([store_key(x.page_hash, self.tp_rank) for x in loads],
+                                lambda i, value: _take(self.c.codec, value, chunk[i]))
+
+    def _place(self, r: _Read) -> None:
+        """Pages the loader read into their blocks, on vLLM's thread; those that did not
+        arrive whole are load errors (vLLM computes them, and the blocks after them)."""
+        n = len(r.loads)
+        good = [i for i in range(n) if r.ok[i]]
+        try:
+            if good:
+                assert r.chunk is not None
+                self._scatter([r.loads[i].block_id for i in good],
+                              r.chunk[:n] if len(good) == n else r.chunk[good])
+        finally:
+            if r.chunk is not None:
+                self._staging.give(r.chunk)
+        bad = self._failed.setdefault(r.req_id, [])
+        bad += [r.loads[i].block_id for i in range(n) if not r.ok[i]]
         self.counters["l3_loaded_pages"] += len(good)
+        if not r.last:
+            return
+        del self._failed[r.req_id]
         if bad:
             self.counters["load_errors"] += len(bad)
             self.load_errors.update(bad)
-        return len(bad)
+            logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
+                           "or failed their checksum): vLLM recomputes them", len(bad), r.total)
+        self.finished_loads.add(r.req_id)
 
     def take_load_errors(self) -> set[int]:
+        """Blocks that could not be loaded, since the last call."""
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose L3 loads are done (placed or failed), since the last call; their
+        failed blocks are in `take_load_errors` from the same step on."""
+        done, self.finished_loads = self.finished_loads, set()
+        return done
 
     # ------------------------------------------------------------------ saves
 
@@ -232,7 +301,11 @@ class ConnectorWorker:
                 ring.release(rows)
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Load and write what is queued, then stop the loader and the writer."""
+        if self._loader is not None:
+            self._async.put(None)
+            self._loader.join()
+            self._loader = None
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join()

@@ -140,7 +140,12 @@ def test_a_corrupted_page_is_recomputed_never_served(
         assert complete(s.base_url, prompts(1)[0])[0] == reference[0]
         assert complete(s.base_url, prompts(2)[1]) == (reference[1], 0)  # still serving
         log = s.log_path.read_text(errors="replace")
+        # the bad values were dropped as they were read, and the blocks vLLM computed
+        # again stored anew
+        wait_for(lambda: lmdb_pages(path), 2 * PAGES_PER_PROMPT)
     assert f"{PAGES_PER_PROMPT} of {PAGES_PER_PROMPT} L3 pages could not be loaded" in log
+    with server(log_dir, "connector-healed", l3) as s:
+        assert complete(s.base_url, prompts(1)[0]) == (reference[0], HIT_TOKENS)
 
 
 def test_two_servers_share_pages_through_one_redis(
