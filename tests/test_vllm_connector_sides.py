@@ -91,13 +91,15 @@ class Server:
         self.scheduler.finished(req_id)
         return hit
 
-    def step(self, new: list[SimpleNamespace], scheduled: dict[str, int]) -> None:
+    def step(self, new: list[SimpleNamespace], scheduled: dict[str, int],
+             idle: bool | None = None) -> None:
+        """One step; `idle`: it runs no forward (by default, when it schedules nothing)."""
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                  num_computed_tokens=[])
         plan = self.scheduler.step(SimpleNamespace(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
             num_scheduled_tokens=scheduled))
-        self.worker.load(plan.loads, plan.async_loads)
+        self.worker.load(plan.loads, plan.async_loads, idle=not new if idle is None else idle)
         self.worker.save(plan.saves)  # the forward has written the blocks it computed
         self.errors |= self.worker.take_load_errors()
 
@@ -120,6 +122,18 @@ class Server:
         self.worker.close()
         self.worker_space.close_store()
         self.scheduler.c.close_store()
+
+
+def reading_threads(store: object) -> list[str]:
+    """The names of the threads that call `store.get_values`, as they call it."""
+    names, real = [], store.get_values
+
+    def read(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    store.get_values = read
+    return names
 
 
 def hold(store: object, method: str) -> threading.Event:
@@ -146,12 +160,15 @@ def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path,
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
     again = Server(tmp_path / "l3", seed=2, layout=layout)
+    readers = reading_threads(again.worker_space.store)
     untouched = again.block(0)
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert same(again.block(0), untouched)  # only the loaded blocks changed
     assert again.worker.counters["l3_loaded_pages"] == 4
     assert again.errors == set() and again.waited == ["a"]
+    # nothing else ran: the step that waits for the load, with no forward, read it itself
+    assert readers == [threading.current_thread().name]
     again.close()
 
 
@@ -176,13 +193,14 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
     again = Server(tmp_path / "l3", seed=2)
+    readers = reading_threads(again.worker_space.store)
     go = hold(again.worker_space.store, "get_values")
     request = SimpleNamespace(request_id="a", all_token_ids=PROMPT,
                               num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
     assert again.scheduler.matched(request, 0) == (4 * BLOCK, True)
     again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 4, 6, 8],)),
                               4 * BLOCK)
-    again.step([], {})
+    again.step([], {}, idle=False)  # other requests' forward (the connector's saves none)
     other = [7] * (2 * BLOCK + 1)
     assert again.prefill("b", other, [0, 10, 12]) == 0  # steps without "a"
     assert again.worker.take_finished_loads() == set()
@@ -190,6 +208,7 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     again.wait_for_loads("a")
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert again.errors == set() and again.worker.counters["l3_loaded_pages"] == 4
+    assert readers == ["hicache-l3-loader"]
     again.close()
 
 

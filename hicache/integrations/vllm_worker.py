@@ -142,17 +142,30 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, loads: list[PageLoad],
-             async_loads: dict[str, list[PageLoad]] | None = None) -> None:
-        """The step's loads, on vLLM's thread: L2 pages into their blocks; what the loader
-        has read from L3 since the last step into its blocks (a request whose pages are all
-        placed is finished); each request's L3 pages in `async_loads` queued for the
-        loader (with no store to read them from, the request fails them all at once)."""
+    def load(self, loads: list[PageLoad], async_loads: dict[str, list[PageLoad]] | None = None,
+             idle: bool = False) -> None:
+        """The step's loads, on vLLM's thread: L2 pages into their blocks; each request's L3
+        pages in `async_loads` queued for the loader (with no store to read them from, the
+        request fails them all at once); what the loader has read since the last step into
+        its blocks (a request whose pages are all placed is finished). In an `idle` step
+        (no forward: vLLM only waits for loads) this thread reads what is queued itself,
+        placing each buffer as it is read: it stalls nothing, reuses one staging buffer
+        where the loader holds a request's buffers till the next step, and hands the
+        request back a step sooner."""
         for req_id, pages in (async_loads or {}).items():
             if self._loader is not None:
                 self._async.put((req_id, pages))
             else:
                 self._place(_Read(req_id, pages, None, [False] * len(pages), len(pages), True))
+        while idle and self._loader is not None:
+            try:
+                item = self._async.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:  # close() is stopping the loader: leave that to it
+                self._async.put(None)
+                break
+            self._read_request(*item, place=True)
         if loads and self.layers:
             assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
             assert self._staging is not None
@@ -173,23 +186,30 @@ class ConnectorWorker:
         buffers, a buffer at a time, handed to vLLM's thread (`load`) to copy into the
         request's blocks. Torch ops stay on vLLM's thread: one here would start an OpenMP
         team of its own beside the forward's."""
-        assert self._staging is not None
         while True:
             item = self._async.get()
             if item is None:
                 return
-            req_id, loads = item
-            runs = list(self._staging.runs(loads))
-            for k, run in enumerate(runs):
-                chunk = self._staging.take()
-                try:
-                    ok = self._read_l3(run, chunk)
-                except Exception:  # a fault costs these pages, never the server
-                    logger.exception("hicache connector: an L3 read failed")
-                    ok = [False] * len(run)
-                with self._read_lock:
-                    self._read.append(_Read(req_id, run, chunk, ok, len(loads),
-                                            k == len(runs) - 1))
+            self._read_request(*item)
+
+    def _read_request(self, req_id: str, loads: list[PageLoad], place: bool = False) -> None:
+        """One request's L3 pages read into staging buffers, queued for `load` to place;
+        or, on vLLM's thread (`place`), each buffer placed as it is read, and so reused."""
+        assert self._staging is not None
+        runs = list(self._staging.runs(loads))
+        for k, run in enumerate(runs):
+            chunk = self._staging.take()
+            try:
+                ok = self._read_l3(run, chunk)
+            except Exception:  # a fault costs these pages, never the server
+                logger.exception("hicache connector: an L3 read failed")
+                ok = [False] * len(run)
+            read = _Read(req_id, run, chunk, ok, len(loads), k == len(runs) - 1)
+            if place:
+                self._place(read)
+                continue
+            with self._read_lock:
+                self._read.append(read)
 
     def _read_l3(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> list[bool]:
         """L3's pages (at most `chunk`'s) into `chunk`, each checked (header and checksum)
