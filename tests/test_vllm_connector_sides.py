@@ -193,14 +193,18 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
     again = Server(tmp_path / "l3", seed=2)
-    readers = reading_threads(again.worker_space.store)
     go = hold(again.worker_space.store, "get_values")
+    readers = reading_threads(again.worker_space.store)  # named as they start to read
     request = SimpleNamespace(request_id="a", all_token_ids=PROMPT,
                               num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
     assert again.scheduler.matched(request, 0) == (4 * BLOCK, True)
     again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 4, 6, 8],)),
                               4 * BLOCK)
     again.step([], {}, idle=False)  # other requests' forward (the connector's saves none)
+    deadline = time.monotonic() + 30
+    while not readers:  # the loader has taken the request (a step with no forward would)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     other = [7] * (2 * BLOCK + 1)
     assert again.prefill("b", other, [0, 10, 12]) == 0  # steps without "a"
     assert again.worker.take_finished_loads() == set()

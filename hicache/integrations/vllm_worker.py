@@ -152,20 +152,25 @@ class ConnectorWorker:
         placing each buffer as it is read: it stalls nothing, reuses one staging buffer
         where the loader holds a request's buffers till the next step, and hands the
         request back a step sooner."""
-        for req_id, pages in (async_loads or {}).items():
-            if self._loader is not None:
-                self._async.put((req_id, pages))
-            else:
+        new = list((async_loads or {}).items())
+        if self._loader is None:
+            for req_id, pages in new:
                 self._place(_Read(req_id, pages, None, [False] * len(pages), len(pages), True))
-        while idle and self._loader is not None:
-            try:
-                item = self._async.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:  # close() is stopping the loader: leave that to it
-                self._async.put(None)
-                break
-            self._read_request(*item, place=True)
+        elif not idle:
+            for item in new:
+                self._async.put(item)
+        else:  # what is queued first, then this step's, each read and placed here
+            while True:
+                try:
+                    item = self._async.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:  # close() is stopping the loader: leave that to it
+                    self._async.put(None)
+                    break
+                self._read_request(*item, place=True)
+            for req_id, pages in new:
+                self._read_request(req_id, pages, place=True)
         if loads and self.layers:
             assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
             assert self._staging is not None
