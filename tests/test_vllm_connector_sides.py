@@ -72,46 +72,52 @@ class Server:
         self.errors: set[int] = set()  # blocks the worker reported it could not load
         self.waited: list[str] = []  # requests held back for their L3 loads
 
-    def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> int:
+    def prefill(self, req_id: str, tokens: list[int], block_ids: list[int],
+                others: int = 0) -> int:
         """One request as vLLM runs it: its matched tokens (what vLLM would not compute;
-        after a failed load, only those before the first block that failed)."""
+        after a failed load, only those before the first block that failed). `others`:
+        tokens of other requests (not the connector's) in the step that allocates it."""
         request = SimpleNamespace(request_id=req_id, all_token_ids=tokens,
                                   num_prompt_tokens=len(tokens), num_computed_tokens=0)
         hit, wait = self.scheduler.matched(request, 0)
         self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
                                  hit)
         if wait:  # a step without the request; its loads finish beside later steps
-            self.step([], {})
+            errors = self.step([], {}, others)
             self.waited.append(req_id)
-            self.wait_for_loads(req_id)
-            hit = min([hit] + [block_ids.index(b) * BLOCK for b in self.errors
-                               if b in block_ids])
+            errors |= self.wait_for_loads(req_id)
+            hit = min([hit] + [block_ids.index(b) * BLOCK for b in errors if b in block_ids])
         new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
         self.step([new], {req_id: len(tokens) - hit})
         self.scheduler.finished(req_id)
         return hit
 
     def step(self, new: list[SimpleNamespace], scheduled: dict[str, int],
-             idle: bool | None = None) -> None:
-        """One step; `idle`: it runs no forward (by default, when it schedules nothing)."""
+             others: int = 0) -> set[int]:
+        """One step (with no forward when it schedules no token); the blocks the worker
+        reported it could not load."""
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                  num_computed_tokens=[])
         plan = self.scheduler.step(SimpleNamespace(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=scheduled))
-        self.worker.load(plan.loads, plan.async_loads, idle=not new if idle is None else idle)
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()) + others))
+        self.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
         self.worker.save(plan.saves)  # the forward has written the blocks it computed
-        self.errors |= self.worker.take_load_errors()
+        errors = self.worker.take_load_errors()
+        self.errors |= errors
+        return errors
 
-    def wait_for_loads(self, req_id: str) -> None:
+    def wait_for_loads(self, req_id: str) -> set[int]:
         """Steps (empty ones: vLLM runs them while a request waits for its KV) until the
-        worker reports `req_id`'s loads finished, as `get_finished` does after a step."""
-        deadline = time.monotonic() + 30
+        worker reports `req_id`'s loads finished, as `get_finished` does after a step; the
+        load errors reported meanwhile."""
+        deadline, errors = time.monotonic() + 30, set()
         while True:
-            self.step([], {})  # its start_load_kv places what the loader has read
+            errors |= self.step([], {})  # its start_load_kv places what the loader has read
             done = self.worker.take_finished_loads()
             if req_id in done:
-                return
+                return errors
             assert not done and time.monotonic() < deadline
             time.sleep(0.001)
 
@@ -200,7 +206,7 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     assert again.scheduler.matched(request, 0) == (4 * BLOCK, True)
     again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 4, 6, 8],)),
                               4 * BLOCK)
-    again.step([], {}, idle=False)  # other requests' forward (the connector's saves none)
+    again.step([], {}, others=1)  # other requests' forward (the connector's saves none)
     deadline = time.monotonic() + 30
     while not readers:  # the loader has taken the request (a step with no forward would)
         assert time.monotonic() < deadline
@@ -233,6 +239,76 @@ def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path) -> No
     assert again.prefill("b", PROMPT, [0, 10, 12, 13, 14]) == 4 * BLOCK
     assert again.worker.counters["l2_loaded_pages"] == 4 and again.waited == ["a"]
     again.close()
+
+
+def restarted(tmp_path: Path, **extra: object) -> Server:
+    """A server over an L3 that holds PROMPT's four pages (another server computed them)."""
+    first = Server(tmp_path / "l3", seed=1, **extra)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    first.close()
+    return Server(tmp_path / "l3", seed=2, **extra)
+
+
+def allocate(server: Server, req_id: str, block_ids: list[int]) -> tuple[SimpleNamespace,
+                                                                      tuple[int, bool]]:
+    """vLLM's first two calls for a new request of PROMPT: match, then allocate."""
+    request = SimpleNamespace(request_id=req_id, all_token_ids=PROMPT,
+                              num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
+    hit = server.scheduler.matched(request, 0)
+    server.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+                               hit[0])
+    return request, hit
+
+
+def test_load_errors_from_the_loader_come_with_the_requests_finish(tmp_path: Path) -> None:
+    again = restarted(tmp_path)
+    store = again.worker_space.store
+    store.get_values = lambda *args, **kwargs: 1 / 0
+    go = hold(store, "get_values")
+    readers = reading_threads(store)
+    assert allocate(again, "a", [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
+    assert again.step([], {}, others=1) == set()
+    deadline = time.monotonic() + 30
+    while not readers:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    go.set()
+    assert again.wait_for_loads("a") == {1, 2, 4, 6}
+    assert readers == ["hicache-l3-loader"]
+    again.close()
+
+
+def test_a_request_whose_l3_load_failed_is_matched_again_from_l2_alone(tmp_path: Path) -> None:
+    """After a load that failed from its first block, vLLM frees the blocks and looks the
+    request up again: L3 is not planned again (its pages may fail the same way forever)."""
+    again = restarted(tmp_path)
+    again.worker_space.store.get_values = lambda *args, **kwargs: 1 / 0
+    request, hit = allocate(again, "a", [1, 2, 4, 6, 8])
+    assert hit == (4 * BLOCK, True)
+    assert again.step([], {}) | again.wait_for_loads("a") == {1, 2, 4, 6}
+    assert again.scheduler.matched(request, 0) == (0, False)
+    again.close()
+
+
+def test_close_returns_while_the_loader_waits_for_buffers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader holds at most STAGING_KEPT_CHUNKS buffers that vLLM's thread has not
+    placed; with no step to place them (vLLM stopping), close() still returns."""
+    monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", PAGE)
+    monkeypatch.setattr(vllm_worker, "STAGING_KEPT_CHUNKS", 1)
+    again = restarted(tmp_path)
+    allocate(again, "a", [1, 2, 4, 6, 8])
+    again.step([], {}, others=1)  # four buffers to read, one may wait
+    deadline = time.monotonic() + 30
+    while len(again.worker._read) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert len(again.worker._read) == 1  # the loader waits for a buffer back
+    closing = threading.Thread(target=again.close)
+    closing.start()
+    closing.join(30)
+    assert not closing.is_alive()
 
 
 def test_staging_buffers_smaller_than_a_step_move_every_page(

@@ -125,9 +125,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMetadata)
-        # a step with no forward (vLLM waits for loads and runs nothing) reads L3 here
-        idle = getattr(forward_context, "attn_metadata", None) is None
-        self._worker.load(meta.plan.loads, meta.plan.async_loads, idle=idle)
+        self._worker.load(meta.plan.loads, meta.plan.async_loads, idle=meta.plan.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has loaded every layer

@@ -41,6 +41,7 @@ class StepPlan:
     """One step's work for the workers (inside vLLM's connector metadata)."""
 
     loads: list[PageLoad] = field(default_factory=list)  # copied before this step's saves
+    idle: bool = False  # the step runs no forward: the workers may read L3 on their thread
     saves: list[PageSave] = field(default_factory=list)
     # L3 pages of requests loaded asynchronously, by request: read beside the steps that follow
     async_loads: dict[str, list[PageLoad]] = field(default_factory=dict)
@@ -54,6 +55,9 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     saved: int = 0  # blocks [0, saved) are in hicache's tiers, queued for them, or vLLM's
+    # an L3 load was planned: a later match (after a load that failed, vLLM asks again)
+    # reads L2 alone, so pages the workers cannot read are not planned over and over
+    l3_planned: bool = False
 
 
 class ConnectorScheduler:
@@ -95,7 +99,7 @@ class ConnectorScheduler:
                 break
             plan.append(PageLoad(-1, hashes[i], slot))
             i += 1
-        store = self.c.open_store(prefault=False)
+        store = None if t.l3_planned else self.c.open_store(prefault=False)
         if i < blocks and store is not None:
             found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
             plan += [PageLoad(-1, h, None) for h in hashes[i:i + found]]
@@ -121,12 +125,14 @@ class ConnectorScheduler:
             else:
                 self.async_loads.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += self.c.block_size
+                t.l3_planned = True
         t.saved = max(t.saved, first + n)
 
     def step(self, so: Any) -> StepPlan:
         """This step's loads (allocated since the last step) and saves (the blocks it
         fills), from vLLM's `SchedulerOutput`."""
-        meta = StepPlan(loads=self.loads, async_loads=self.async_loads)
+        meta = StepPlan(loads=self.loads, async_loads=self.async_loads,
+                        idle=so.total_num_scheduled_tokens == 0)
         self.loads, self.async_loads = [], {}
         keep = {load.slot for load in meta.loads if load.slot is not None}
         for new in so.scheduled_new_reqs:

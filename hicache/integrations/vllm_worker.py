@@ -53,6 +53,7 @@ class _Read:
     ok: list[bool]  # which arrived whole (header and checksum passed)
     total: int  # the request's L3 pages
     last: bool  # its last buffer
+    held: bool = False  # read by the loader: one of the buffers it may hold
 
 
 class ConnectorWorker:
@@ -69,6 +70,7 @@ class ConnectorWorker:
         self._async: queue.Queue[tuple[str, list[PageLoad]] | None] = queue.Queue()
         self._read: list[_Read] = []  # read by the loader, not yet placed in their blocks
         self._read_lock = threading.Lock()
+        self._held = threading.Semaphore(STAGING_KEPT_CHUNKS)  # the loader's buffers waiting
         self._failed: dict[str, list[int]] = {}  # blocks that failed, of requests placing
         self._loader: threading.Thread | None = None
         self.counters = {"l2_loaded_pages": 0, "l3_loaded_pages": 0, "load_errors": 0,
@@ -203,13 +205,16 @@ class ConnectorWorker:
         assert self._staging is not None
         runs = list(self._staging.runs(loads))
         for k, run in enumerate(runs):
-            chunk = self._staging.take()
+            if not place:  # at most STAGING_KEPT_CHUNKS buffers wait for vLLM's thread
+                self._held.acquire()
+            chunk = None
             try:
+                chunk = self._staging.take()
                 ok = self._read_l3(run, chunk)
-            except Exception:  # a fault costs these pages, never the server
+            except Exception:  # a fault (the store, memory) costs these pages, no more
                 logger.exception("hicache connector: an L3 read failed")
                 ok = [False] * len(run)
-            read = _Read(req_id, run, chunk, ok, len(loads), k == len(runs) - 1)
+            read = _Read(req_id, run, chunk, ok, len(loads), k == len(runs) - 1, not place)
             if place:
                 self._place(read)
                 continue
@@ -236,8 +241,7 @@ class ConnectorWorker:
                 self._scatter([r.loads[i].block_id for i in good],
                               r.chunk[:n] if len(good) == n else r.chunk[good])
         finally:
-            if r.chunk is not None:
-                self._staging.give(r.chunk)
+            self._give(r)
         bad = self._failed.setdefault(r.req_id, [])
         bad += [r.loads[i].block_id for i in range(n) if not r.ok[i]]
         self.counters["l3_loaded_pages"] += len(good)
@@ -250,6 +254,13 @@ class ConnectorWorker:
             logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
                            "or failed their checksum): vLLM recomputes them", len(bad), r.total)
         self.finished_loads.add(r.req_id)
+
+    def _give(self, r: _Read) -> None:
+        """`r`'s staging buffer back, and its place among those the loader may hold."""
+        if r.chunk is not None:
+            self._staging.give(r.chunk)
+        if r.held:
+            self._held.release()
 
     def take_load_errors(self) -> set[int]:
         """Blocks that could not be loaded, since the last call."""
@@ -326,10 +337,16 @@ class ConnectorWorker:
                 ring.release(rows)
 
     def close(self) -> None:
-        """Load and write what is queued, then stop the loader and the writer."""
+        """Stop the loader (what it read is dropped: vLLM is stopping), then write what is
+        queued and stop the writer."""
         if self._loader is not None:
             self._async.put(None)
-            self._loader.join()
+            while self._loader.is_alive():  # a loader waiting for buffers gets them back
+                with self._read_lock:
+                    read, self._read = self._read, []
+                for r in read:
+                    self._give(r)
+                self._loader.join(0.05)
             self._loader = None
         if self._writer is not None:
             self._writes.put(None)
