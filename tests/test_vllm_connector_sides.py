@@ -290,6 +290,30 @@ def test_a_request_whose_l3_load_failed_is_matched_again_from_l2_alone(tmp_path:
     again.close()
 
 
+def test_a_hit_from_l2_then_l3_copies_its_l2_pages_in_its_step(tmp_path: Path) -> None:
+    """The first two pages in L2, the last two in L3 only: the request waits for L3, and
+    its L2 pages are copied in the step that allocated its blocks (a later step's save may
+    take their slots)."""
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    first.close()
+    again = Server(tmp_path / "l3", seed=2)
+    hashes = again.scheduler.c.hasher.hash_pages(PROMPT[:4 * BLOCK])
+    for h, page in zip(hashes[:2], computed[:2]):  # what a save of these pages leaves in L2
+        slot = again.scheduler.index.assign(h, set())
+        again.worker.host[slot] = torch.stack([x.reshape(-1) for x in page]).cpu().view(
+            torch.uint8)
+    assert allocate(again, "a", [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
+    assert again.scheduler.counters["l2_hit_tokens"] == 2 * BLOCK
+    again.step([], {}, others=1)
+    assert again.worker.counters["l2_loaded_pages"] == 2  # in this step, beside the forward
+    again.wait_for_loads("a")
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.worker.counters["l3_loaded_pages"] == 2 and again.errors == set()
+    again.close()
+
+
 def test_close_returns_while_the_loader_waits_for_buffers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader holds at most STAGING_KEPT_CHUNKS buffers that vLLM's thread has not
