@@ -147,29 +147,18 @@ class ConnectorWorker:
     def load(self, loads: list[PageLoad], async_loads: dict[str, list[PageLoad]] | None = None,
              idle: bool = False) -> None:
         """The step's loads, on vLLM's thread: L2 pages into their blocks; each request's L3
-        pages in `async_loads` queued for the loader (with no store to read them from, the
-        request fails them all at once); what the loader has read since the last step into
-        its blocks (a request whose pages are all placed is finished). In an `idle` step
-        (no forward: vLLM only waits for loads) this thread reads what is queued itself,
-        placing each buffer as it is read: it stalls nothing, reuses one staging buffer
-        where the loader holds a request's buffers till the next step, and hands the
-        request back a step sooner."""
+        pages in `async_loads` queued for the loader; what the loader has read since the
+        last step into its blocks (a request whose pages are all placed is finished). In an
+        `idle` step (no forward: vLLM only waits for loads) this thread reads what is
+        queued itself, placing each buffer as it is read: it stalls nothing, reuses one
+        staging buffer where the loader holds a request's buffers till the next step, and
+        hands the request back a step sooner."""
         new = list((async_loads or {}).items())
-        if self._loader is None:
-            for req_id, pages in new:
-                self._place(_Read(req_id, pages, None, [False] * len(pages), len(pages), True))
-        elif not idle:
+        if not idle and self._loader is not None:
             for item in new:
                 self._async.put(item)
         else:  # what is queued first, then this step's, each read and placed here
-            while True:
-                try:
-                    item = self._async.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:  # close() is stopping the loader: leave that to it
-                    self._async.put(None)
-                    break
+            for item in iter(self._queued, None):
                 self._read_request(*item, place=True)
             for req_id, pages in new:
                 self._read_request(req_id, pages, place=True)
@@ -187,6 +176,15 @@ class ConnectorWorker:
             read, self._read = self._read, []
         for r in read:
             self._place(r)
+
+    def _queued(self) -> tuple[str, list[PageLoad]] | None:
+        """A request queued for the loader that it has not taken yet, or None. (close(),
+        which queues the loader's stop, runs on vLLM's thread too, and only once the
+        steps are over.)"""
+        try:
+            return self._async.get_nowait()
+        except queue.Empty:
+            return None
 
     def _load_loop(self) -> None:
         """The loader thread: each request's L3 pages read and checked into staging
