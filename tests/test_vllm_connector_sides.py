@@ -77,11 +77,7 @@ class Server:
         """One request as vLLM runs it: its matched tokens (what vLLM would not compute;
         after a failed load, only those before the first block that failed). `others`:
         tokens of other requests (not the connector's) in the step that allocates it."""
-        request = SimpleNamespace(request_id=req_id, all_token_ids=tokens,
-                                  num_prompt_tokens=len(tokens), num_computed_tokens=0)
-        hit, wait = self.scheduler.matched(request, 0)
-        self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
-                                 hit)
+        _, (hit, wait) = self.allocate(req_id, tokens, block_ids)
         if wait:  # a step without the request; its loads finish beside later steps
             errors = self.step([], {}, others)
             self.waited.append(req_id)
@@ -91,6 +87,17 @@ class Server:
         self.step([new], {req_id: len(tokens) - hit})
         self.scheduler.finished(req_id)
         return hit
+
+    def allocate(self, req_id: str, tokens: list[int],
+                 block_ids: list[int]) -> tuple[SimpleNamespace, tuple[int, bool]]:
+        """vLLM's first two calls for a new request: match, then allocate its blocks; the
+        request and the match."""
+        request = SimpleNamespace(request_id=req_id, all_token_ids=tokens,
+                                  num_prompt_tokens=len(tokens), num_computed_tokens=0)
+        hit = self.scheduler.matched(request, 0)
+        self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+                                 hit[0])
+        return request, hit
 
     def step(self, new: list[SimpleNamespace], scheduled: dict[str, int],
              others: int = 0) -> set[int]:
@@ -112,14 +119,16 @@ class Server:
         """Steps (empty ones: vLLM runs them while a request waits for its KV) until the
         worker reports `req_id`'s loads finished, as `get_finished` does after a step; the
         load errors reported meanwhile."""
-        deadline, errors = time.monotonic() + 30, set()
-        while True:
-            errors |= self.step([], {})  # its start_load_kv places what the loader has read
+        errors: set[int] = set()
+
+        def finished() -> bool:
+            errors.update(self.step([], {}))  # its start_load_kv places what was read
             done = self.worker.take_finished_loads()
-            if req_id in done:
-                return errors
-            assert not done and time.monotonic() < deadline
-            time.sleep(0.001)
+            assert done <= {req_id}
+            return req_id in done
+
+        until(finished)
+        return errors
 
     def block(self, block_id: int) -> list[torch.Tensor]:
         return [kv.select(self.block_dim, block_id).clone() for kv in self.kv.values()]
@@ -128,6 +137,24 @@ class Server:
         self.worker.close()
         self.worker_space.close_store()
         self.scheduler.c.close_store()
+
+
+def until(condition) -> None:
+    """Wait (30 s at most) for `condition()` to hold."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def restarted(tmp_path: Path, **extra: object) -> tuple[Server, list[list[torch.Tensor]]]:
+    """A server over an L3 that holds PROMPT's four pages, and those pages' blocks as
+    another server computed them."""
+    first = Server(tmp_path / "l3", seed=1, **extra)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    first.close()
+    return Server(tmp_path / "l3", seed=2, **extra), computed
 
 
 def reading_threads(store: object) -> list[str]:
@@ -194,23 +221,12 @@ def test_l2_serves_a_prefix_without_a_store(tmp_path: Path, layout: str) -> None
 def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     """A hit from L3 holds its request back while the loader reads it; the steps of other
     requests go on meanwhile, and the request is handed back with its blocks in place."""
-    first = Server(tmp_path / "l3", seed=1)
-    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
-    computed = [first.block(b) for b in (3, 5, 7, 9)]
-    first.close()
-    again = Server(tmp_path / "l3", seed=2)
+    again, computed = restarted(tmp_path)
     go = hold(again.worker_space.store, "get_values")
     readers = reading_threads(again.worker_space.store)  # named as they start to read
-    request = SimpleNamespace(request_id="a", all_token_ids=PROMPT,
-                              num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
-    assert again.scheduler.matched(request, 0) == (4 * BLOCK, True)
-    again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 4, 6, 8],)),
-                              4 * BLOCK)
+    assert again.allocate("a", PROMPT, [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
     again.step([], {}, others=1)  # other requests' forward (the connector's saves none)
-    deadline = time.monotonic() + 30
-    while not readers:  # the loader has taken the request (a step with no forward would)
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    until(lambda: readers)  # the loader has taken the request (a step with no forward would)
     other = [7] * (2 * BLOCK + 1)
     assert again.prefill("b", other, [0, 10, 12]) == 0  # steps without "a"
     assert again.worker.take_finished_loads() == set()
@@ -223,10 +239,7 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
 
 
 def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path) -> None:
-    first = Server(tmp_path / "l3", seed=1)
-    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
-    first.close()
-    again = Server(tmp_path / "l3", seed=2)
+    again, _ = restarted(tmp_path)
     before = [again.block(b) for b in (1, 2, 4, 6)]
     store = again.worker_space.store
     read = store.get_values
@@ -241,37 +254,15 @@ def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path) -> No
     again.close()
 
 
-def restarted(tmp_path: Path, **extra: object) -> Server:
-    """A server over an L3 that holds PROMPT's four pages (another server computed them)."""
-    first = Server(tmp_path / "l3", seed=1, **extra)
-    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
-    first.close()
-    return Server(tmp_path / "l3", seed=2, **extra)
-
-
-def allocate(server: Server, req_id: str, block_ids: list[int]) -> tuple[SimpleNamespace,
-                                                                      tuple[int, bool]]:
-    """vLLM's first two calls for a new request of PROMPT: match, then allocate."""
-    request = SimpleNamespace(request_id=req_id, all_token_ids=PROMPT,
-                              num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
-    hit = server.scheduler.matched(request, 0)
-    server.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
-                               hit[0])
-    return request, hit
-
-
 def test_load_errors_from_the_loader_come_with_the_requests_finish(tmp_path: Path) -> None:
-    again = restarted(tmp_path)
+    again, _ = restarted(tmp_path)
     store = again.worker_space.store
     store.get_values = lambda *args, **kwargs: 1 / 0
     go = hold(store, "get_values")
     readers = reading_threads(store)
-    assert allocate(again, "a", [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
+    assert again.allocate("a", PROMPT, [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
     assert again.step([], {}, others=1) == set()
-    deadline = time.monotonic() + 30
-    while not readers:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    until(lambda: readers)
     go.set()
     assert again.wait_for_loads("a") == {1, 2, 4, 6}
     assert readers == ["hicache-l3-loader"]
@@ -281,9 +272,9 @@ def test_load_errors_from_the_loader_come_with_the_requests_finish(tmp_path: Pat
 def test_a_request_whose_l3_load_failed_is_matched_again_from_l2_alone(tmp_path: Path) -> None:
     """After a load that failed from its first block, vLLM frees the blocks and looks the
     request up again: L3 is not planned again (its pages may fail the same way forever)."""
-    again = restarted(tmp_path)
+    again, _ = restarted(tmp_path)
     again.worker_space.store.get_values = lambda *args, **kwargs: 1 / 0
-    request, hit = allocate(again, "a", [1, 2, 4, 6, 8])
+    request, hit = again.allocate("a", PROMPT, [1, 2, 4, 6, 8])
     assert hit == (4 * BLOCK, True)
     assert again.step([], {}) | again.wait_for_loads("a") == {1, 2, 4, 6}
     assert again.scheduler.matched(request, 0) == (0, False)
@@ -294,17 +285,13 @@ def test_a_hit_from_l2_then_l3_copies_its_l2_pages_in_its_step(tmp_path: Path) -
     """The first two pages in L2, the last two in L3 only: the request waits for L3, and
     its L2 pages are copied in the step that allocated its blocks (a later step's save may
     take their slots)."""
-    first = Server(tmp_path / "l3", seed=1)
-    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
-    computed = [first.block(b) for b in (3, 5, 7, 9)]
-    first.close()
-    again = Server(tmp_path / "l3", seed=2)
+    again, computed = restarted(tmp_path)
     hashes = again.scheduler.c.hasher.hash_pages(PROMPT[:4 * BLOCK])
     for h, page in zip(hashes[:2], computed[:2]):  # what a save of these pages leaves in L2
         slot = again.scheduler.index.assign(h, set())
         again.worker.host[slot] = torch.stack([x.reshape(-1) for x in page]).cpu().view(
             torch.uint8)
-    assert allocate(again, "a", [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
+    assert again.allocate("a", PROMPT, [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
     assert again.scheduler.counters["l2_hit_tokens"] == 2 * BLOCK
     again.step([], {}, others=1)
     assert again.worker.counters["l2_loaded_pages"] == 2  # in this step, beside the forward
@@ -320,13 +307,10 @@ def test_close_returns_while_the_loader_waits_for_buffers(
     placed; with no step to place them (vLLM stopping), close() still returns."""
     monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", PAGE)
     monkeypatch.setattr(vllm_worker, "STAGING_KEPT_CHUNKS", 1)
-    again = restarted(tmp_path)
-    allocate(again, "a", [1, 2, 4, 6, 8])
+    again, _ = restarted(tmp_path)
+    again.allocate("a", PROMPT, [1, 2, 4, 6, 8])
     again.step([], {}, others=1)  # four buffers to read, one may wait
-    deadline = time.monotonic() + 30
-    while len(again.worker._read) < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    until(lambda: again.worker._read)
     time.sleep(0.05)
     assert len(again.worker._read) == 1  # the loader waits for a buffer back
     closing = threading.Thread(target=again.close)
