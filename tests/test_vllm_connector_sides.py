@@ -110,6 +110,10 @@ class Server:
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()) + others))
         self.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
+        if not plan.idle:  # the forward: each layer's attention waits for its loads
+            for name in self.kv:
+                self.worker.wait_layer(name)
+        self.worker.finish_loads()  # vLLM's wait_for_save, then its saves
         self.worker.save(plan.saves)  # the forward has written the blocks it computed
         errors = self.worker.take_load_errors()
         self.errors |= errors
@@ -317,6 +321,114 @@ def test_close_returns_while_the_loader_waits_for_buffers(
     closing.start()
     closing.join(30)
     assert not closing.is_alive()
+
+
+def forward_step(server: Server, req_id: str, tokens: list[int], block_ids: list[int],
+                 waits: list[str]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """`req_id` matched, allocated and started in a step whose forward waits on the layers
+    `waits` names, in that order; the request's hit blocks, by layer, right after the
+    step's start and after each wait; then the step finished and saved."""
+    _, (hit, wait) = server.allocate(req_id, tokens, block_ids)
+    assert not wait
+    hit_blocks = block_ids[:hit // BLOCK]
+    new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                             num_computed_tokens=[])
+    plan = server.scheduler.step(SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req_id: len(tokens) - hit},
+        total_num_scheduled_tokens=len(tokens) - hit))
+    server.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
+
+    def by_layer() -> list[list[torch.Tensor]]:
+        return [[kv.select(server.block_dim, b).clone() for b in hit_blocks]
+                for kv in server.kv.values()]
+
+    seen = [by_layer()]
+    for name in waits:
+        server.worker.wait_layer(name)
+        seen.append(by_layer())
+    server.worker.finish_loads()
+    server.worker.save(plan.saves)
+    server.scheduler.finished(req_id)
+    return seen, [by_layer()]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_l2_loads_land_layer_by_layer_once_a_forward_waited_on_every_layer(
+        tmp_path: Path, layout: str) -> None:
+    server = Server(None, seed=1, layout=layout)
+    names = list(server.kv)
+    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    server.step([], {})  # a step with no forward proves nothing
+    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])  # its forward waits on both layers
+    assert server.worker.by_layer is vllm_worker.ByLayer.ON
+    want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
+            for n in names]
+    seen, after = forward_step(server, "b", PROMPT, [0, 1, 2, 4, 6], names)
+    if DEVICE == "cpu":  # a layer's pages are copied when the forward reaches it
+        assert not same(seen[0][0], want[0]) and not same(seen[0][1], want[1])
+        assert same(seen[1][0], want[0]) and not same(seen[1][1], want[1])
+    assert same(seen[2][0], want[0]) and same(seen[2][1], want[1])
+    assert same(after[0][0], want[0]) and same(after[0][1], want[1])
+    assert server.worker.counters["l2_layered_pages"] == 4
+    assert server.worker.counters["l2_loaded_pages"] == 4
+    server.close()
+
+
+def test_the_first_forward_gets_its_l2_loads_before_it_runs(tmp_path: Path) -> None:
+    """Until a forward has waited on every layer, nothing says vLLM will: loads are in
+    place when the step starts."""
+    server = Server(None, seed=1)
+    names = list(server.kv)
+    # the first request is computed in a step whose forward waits on one layer only
+    forward_step(server, "a", PROMPT, [3, 5, 7, 9, 11], names[:1])
+    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
+            for n in names]
+    seen, _ = forward_step(server, "b", PROMPT, [0, 1, 2, 4, 6], [])
+    assert same(seen[0][0], want[0]) and same(seen[0][1], want[1])  # before any wait
+    assert server.worker.counters["l2_loaded_pages"] == 4
+    assert server.worker.counters["l2_layered_pages"] == 0
+    server.close()
+
+
+def test_a_forward_that_skips_a_layer_turns_layer_loads_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = Server(None, seed=1)
+    names = list(server.kv)
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    assert server.worker.by_layer is vllm_worker.ByLayer.ON
+    want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
+            for n in names]
+    longer = PROMPT[:4 * BLOCK] + [7] * (BLOCK + 1)
+    _, after = forward_step(server, "b", longer, [0, 1, 2, 4, 6, 8], names[:1])
+    # every layer is in place by the end of the step, and the skip is said loudly
+    assert same(after[0][0], want[0]) and same(after[0][1], want[1])
+    assert server.worker.by_layer is vllm_worker.ByLayer.OFF
+    assert "did not wait for layers [1]" in caplog.text
+    # from then on loads are placed before the forward, even one that waits on every layer
+    seen, _ = forward_step(server, "c", PROMPT, [10, 12, 13, 14, 15], names)
+    assert same(seen[0][0], want[0]) and same(seen[0][1], want[1])
+    assert server.worker.by_layer is vllm_worker.ByLayer.OFF
+    assert server.worker.counters["l2_layered_pages"] == 4
+    server.close()
+
+
+def test_layer_loads_larger_than_a_staging_buffer_move_every_page(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staging buffer of one page holds one layer of `LAYERS` pages: a layer's loads go
+    through it in several runs."""
+    monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", PAGE)
+    server = Server(None, seed=1, layout="kv_first")
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [server.block(b) for b in (3, 5, 7, 9)]
+    assert server.worker._staging.pages == 1
+    assert server.prefill("b", PROMPT, [0, 1, 2, 4, 6]) == 4 * BLOCK
+    assert all(same(server.block(b), c) for b, c in zip((0, 1, 2, 4), computed))
+    assert server.worker.counters["l2_layered_pages"] == 4
+    server.close()
 
 
 def test_staging_buffers_smaller_than_a_step_move_every_page(

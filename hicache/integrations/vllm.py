@@ -14,29 +14,32 @@ metadata the scheduler sends each step.
 
     scheduler side                              worker side
     get_num_new_matched_tokens: the leading     start_load_kv: L2 slots into the request's
-      blocks in L2 (its own index of the          blocks; L3 pages the loader thread has
-      worker's slots) or in L3 (batch_exists);    read into theirs; a page L3 cannot give
-      asynchronous when L3 has some               (missing, failed checksum, store down) is
-    update_state_after_alloc: the load plan       reported through
-    build_connector_meta: loads; saves of         get_block_ids_with_load_errors: vLLM
-      every block this step fills, each to an     recomputes it (kv_load_failure_policy
-      L2 slot (least recently used evicted)       "recompute"), never serves it
-    request_finished: forget the request        get_finished: requests whose L3 pages are
-      (saves end within their step: no block      all placed
-      is held past it)                          wait_for_save: the step's filled blocks
+      blocks in L2 (its own index of the          blocks, each layer's as the forward
+      worker's slots) or in L3 (batch_exists);    reaches it (wait_for_layer_load); L3
+      asynchronous when L3 has some               pages the loader thread has read into
+    update_state_after_alloc: the load plan       theirs; a page L3 cannot give (missing,
+    build_connector_meta: loads; saves of         failed checksum, store down) is reported
+      every block this step fills, each to an     through get_block_ids_with_load_errors:
+      L2 slot (least recently used evicted)       vLLM recomputes it (kv_load_failure_policy
+    request_finished: forget the request          "recompute"), never serves it
+      (saves end within their step: no block    get_finished: requests whose L3 pages are
+      is held past it)                            all placed
+                                                wait_for_save: the step's filled blocks
                                                   copied into their L2 slots, then queued
                                                   for L3 (a writer thread, from a copy)
 
-A hit from L2 alone loads synchronously: `start_load_kv` copies it in place before the step's
-saves (a memory copy; `wait_for_layer_load` has nothing to wait for). A hit that reaches into
-L3 loads asynchronously: `get_num_new_matched_tokens` says so, vLLM allocates the request's
-blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the worker's loader thread reads and
-checks its L3 pages beside the steps of other requests; a later step's `start_load_kv`
-places them, and `get_finished` hands the request back, its failed blocks reported in the
-same step, for vLLM to compute. Saves are copies into host memory at the end of the step;
-the L3 write runs beside the next steps. The scheduler's index of L2 follows the slots it
-assigns, so both sides agree without talking: a slot is reassigned only by a later step's
-save, after this step's loads have read it.
+A hit from L2 alone loads synchronously, in the request's own step: `start_load_kv` starts
+it, each layer's pages land before `wait_for_layer_load` lets that layer's attention read
+them (on a GPU the copies run on a stream of their own, layer i+1 copied while layer i
+computes), and every layer is in place before the step's saves (`vllm_layers`). A hit that
+reaches into L3 loads asynchronously: `get_num_new_matched_tokens` says so, vLLM allocates
+the request's blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the worker's loader
+thread reads and checks its L3 pages beside the steps of other requests; a later step's
+`start_load_kv` places them, and `get_finished` hands the request back, its failed blocks
+reported in the same step, for vLLM to compute. Saves are copies into host memory at the end
+of the step; the L3 write runs beside the next steps. The scheduler's index of L2 follows
+the slots it assigns, so both sides agree without talking: a slot is reassigned only by a
+later step's save, after this step's loads have read it.
 
 Imports vLLM: load this module only inside vLLM (hicache itself never imports it).
 """
@@ -128,13 +131,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._worker.load(meta.plan.loads, meta.plan.async_loads, idle=meta.plan.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has loaded every layer
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # wait_for_save copies the step's blocks, every layer at once
 
     def wait_for_save(self) -> None:
+        self._worker.finish_loads()  # the step's L2 loads all placed, before its saves
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()

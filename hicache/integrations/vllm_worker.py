@@ -4,7 +4,9 @@ tensors shaped as vLLM's CPU backend lays them out.
 
 A page is one block of every layer, each layer's block copied whole (its bytes in vLLM's own
 order: the layout is the backend's, and the namespace names it). Loads from L2 are copies
-made in the step, before its saves. Loads from L3 are asynchronous: a loader thread reads a
+made in the step, before its saves: layer by layer as the forward reaches each layer
+(`vllm_layers`), once a forward has shown that vLLM waits on every layer, and before the
+forward until then (`ByLayer`). Loads from L3 are asynchronous: a loader thread reads a
 request's pages into staging buffers while vLLM holds the request back, checking each page's
 header and checksum as it copies it; vLLM's thread places what was read into the blocks at
 its next step and then reports the request (`take_finished_loads`). A page that failed is
@@ -27,20 +29,36 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_layers import (
+    WORD_BYTES,
+    LayerLoads,
+    block_shape,
+    layer_loads,
+    scatter_layer,
+    words,
+)
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.storage.page_format import PageCodec
 from hicache.threads import background_priority
 
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
-WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
 STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
+
+
+class ByLayer(Enum):
+    """Whether the step's L2 loads are placed layer by layer (`vllm_layers`)."""
+
+    UNPROVEN = "unproven"  # placed before the forward, until a forward waits on every layer
+    ON = "on"  # a forward waited on every layer: loads started before a forward are deferred
+    OFF = "off"  # a forward skipped a layer it had loads for: before the forward, for good
 
 
 @dataclass
@@ -73,13 +91,22 @@ class ConnectorWorker:
         self._held = threading.Semaphore(STAGING_KEPT_CHUNKS)  # the loader's buffers waiting
         self._failed: dict[str, list[int]] = {}  # blocks that failed, of requests placing
         self._loader: threading.Thread | None = None
-        self.counters = {"l2_loaded_pages": 0, "l3_loaded_pages": 0, "load_errors": 0,
+        self.counters = {"l2_loaded_pages": 0, "l2_layered_pages": 0, "l3_loaded_pages": 0,
+                         "load_errors": 0,
                          "l2_saved_pages": 0, "l3_written_pages": 0, "l3_skipped_pages": 0}
         self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
         self._staging: Staging | None = None
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
         self._writer: threading.Thread | None = None
         self._pin = False
+        # L2 loads layer by layer: the loads, whether vLLM's forward has shown it waits on
+        # every layer, the layers it waited on this step, and whether this step's loads
+        # were deferred to those waits
+        self._by_layer: LayerLoads | None = None
+        self.by_layer = ByLayer.UNPROVEN
+        self._waited: set[int] = set()
+        self._idle = False
+        self._deferred = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order, in either of vLLM's layouts: the block at
@@ -107,6 +134,9 @@ class ConnectorWorker:
         # cache is, and not by the first save into each slot on the forward's thread
         self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
                                 pin_memory=self._pin) if self.c.slots else None
+        self._layer_of = {name: i for i, name in enumerate(names)}
+        if self.host is not None:
+            self._by_layer = layer_loads(layers, self._block_dims, self.host, self._staging)
         if self.c.settings.has_storage:
             self.c.open_store()
             self._ring = WriteRing(self.c.settings.write_ring_pages(page_bytes), len(layers),
@@ -126,7 +156,7 @@ class ConnectorWorker:
         n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
-            dst = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
+            dst = pages[:, layer].view(kv.dtype).view(n, *block_shape(kv, dim))
             if dim == 0 and not kv.is_cuda:
                 torch.index_select(kv, 0, index, out=dst)
             else:
@@ -134,11 +164,9 @@ class ConnectorWorker:
 
     def _scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
-        n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
-            rows = pages[:, layer].view(kv.dtype).view(n, *_block_shape(kv, dim))
-            kv.index_copy_(dim, index, rows.movedim(0, dim).to(kv.device, non_blocking=True))
+            scatter_layer(kv, dim, index, pages[:, layer])
         if self.layers and self.layers[0].is_cuda:  # the staging buffer is reused next
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
@@ -162,20 +190,62 @@ class ConnectorWorker:
                 self._read_request(*item, place=True)
             for req_id, pages in new:
                 self._read_request(req_id, pages, place=True)
+        self._idle = idle
         if loads and self.layers:
             assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
-            assert self._staging is not None
-            for run in self._staging.runs(loads):
-                with self._staging.lent() as chunk:
-                    pages = chunk[:len(run)]
-                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
-                    torch.index_select(_words(self.host), 0, slots, out=_words(pages))
-                    self._scatter([x.block_id for x in run], pages)
-                self.counters["l2_loaded_pages"] += len(run)
+            self._load_l2(loads, idle)
         with self._read_lock:
             read, self._read = self._read, []
         for r in read:
             self._place(r)
+
+    def _load_l2(self, loads: list[PageLoad], idle: bool) -> None:
+        """L2 pages into their blocks: deferred to each layer's wait where the step's forward
+        is still to come and vLLM has shown it waits on every layer; else copied now."""
+        self._deferred = (self.by_layer is ByLayer.ON and not idle and not self._waited
+                          and self._by_layer is not None)
+        if self._deferred:
+            assert self._by_layer is not None
+            self._by_layer.start([x.slot for x in loads], [x.block_id for x in loads])
+            self.counters["l2_loaded_pages"] += len(loads)
+            self.counters["l2_layered_pages"] += len(loads)
+            return
+        assert self._staging is not None
+        for run in self._staging.runs(loads):
+                with self._staging.lent() as chunk:
+                    pages = chunk[:len(run)]
+                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
+                    torch.index_select(words(self.host), 0, slots, out=words(pages))
+                    self._scatter([x.block_id for x in run], pages)
+                self.counters["l2_loaded_pages"] += len(run)
+
+    def wait_layer(self, name: str) -> None:
+        """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`):
+        that layer's deferred L2 pages in place."""
+        layer = self._layer_of.get(name)
+        if layer is None:
+            return  # not one of this worker's layers (a draft model's)
+        self._waited.add(layer)
+        if self._by_layer is not None:
+            self._by_layer.wait(layer)
+
+    def finish_loads(self) -> None:
+        """After the step's forward (vLLM's `wait_for_save`, before its saves): every
+        deferred L2 page placed. A forward that waited on every layer proves the deferral
+        safe; one that skipped a layer it had deferred pages for has read that layer
+        without them: said loudly, and loads are placed before the forward from then on."""
+        missed = self._by_layer.finish() if self._by_layer is not None else []
+        if missed and self._deferred:
+            self.by_layer = ByLayer.OFF
+            logger.error("hicache connector: vLLM's forward did not wait for layers %s of "
+                         "this step's loads (wait_for_layer_load); L2 loads are copied "
+                         "before the forward from now on", missed)
+        elif (self.by_layer is ByLayer.UNPROVEN and not self._idle
+              and len(self._waited) == len(self.layers)):
+            self.by_layer = ByLayer.ON
+            logger.info("hicache connector: vLLM's forward waits on every layer: L2 loads "
+                        "land layer by layer from now on")
+        self._waited, self._deferred = set(), False
 
     def _queued(self) -> tuple[str, list[PageLoad]] | None:
         """A request queued for the loader that it has not taken yet, or None. (close(),
@@ -308,7 +378,7 @@ class ConnectorWorker:
         if in_l2 and self.host is not None:
             slots = torch.tensor([saves[i].slot for i in in_l2], dtype=torch.long)
             src = rows if len(in_l2) == len(saves) else rows[in_l2]
-            _words(self.host).index_copy_(0, slots, _words(src))
+            words(self.host).index_copy_(0, slots, words(src))
             self.counters["l2_saved_pages"] += len(in_l2)
 
     def _write_loop(self) -> None:
@@ -361,10 +431,6 @@ def _take(codec: PageCodec, value: memoryview | bytes, page: torch.Tensor) -> bo
     return True
 
 
-def _words(pages: torch.Tensor) -> torch.Tensor:
-    """A [n, layers, bytes] uint8 buffer as 8-byte words (`register` checks that a layer's
-    block is a whole number of them)."""
-    return pages.view(torch.int64)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -395,8 +461,3 @@ def _block_dim(name: str, kv: torch.Tensor, block_bytes: int) -> int:
                          "cannot copy whole blocks of")
     return fits[0]
 
-
-def _block_shape(kv: torch.Tensor, dim: int) -> tuple[int, ...]:
-    """One block of `kv` as a page stores it: `kv.shape[1:]`, or `(2, *kv.shape[2:])` for a
-    `[2, blocks, ...]` layer (its K block, then its V block)."""
-    return tuple(kv.shape[1:]) if dim == 0 else (2, *kv.shape[2:])

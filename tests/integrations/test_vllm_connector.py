@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_vs_vllm as bv
+from bench_l3_overlap import proxy_process
 from bench_vllm_connector import lmdb_pages
 from redis_fixtures import RedisServer, require_redis_server
 
@@ -43,6 +44,11 @@ ANSWER_TOKENS = 8
 START_TIMEOUT_S = 600.0
 WRITE_TIMEOUT_S = 60.0  # L3 writes run beside serving: wait for them before a restart
 KV_BYTES = 200_000_000
+L2_TEST_KV_BYTES = 20 * 128 * 46_080  # 20 blocks of 128 tokens (46,080 bytes a token)
+L2_TEST_MAX_LEN = 2048  # vLLM refuses to start with less KV than one request this long
+# 11 pages of 5.9 MB through a 20 MB/s link: a load of ~3 s, given up on after 1 s
+SLOW_LINK_BYTES_PER_S = 20e6
+ABORT_AFTER_S = 1.0
 SEED = 0
 
 
@@ -58,12 +64,13 @@ def connector_config(extra: dict[str, Any]) -> str:
                        "kv_connector_extra_config": extra})
 
 
-def server(log_dir: Path, label: str, extra: dict[str, Any] | None) -> bv.VllmServer:
+def server(log_dir: Path, label: str, extra: dict[str, Any] | None,
+           kv_bytes: int = KV_BYTES, max_len: int = 4096) -> bv.VllmServer:
     if not VLLM_PYTHON.exists():
         pytest.skip("vLLM is not installed: `make test-integrations` installs it")
     model = bv.model_folder(MODEL)
     flags = ["--model", str(model), "--served-model-name", "smol", "--dtype", "float32",
-             "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", "4096",
+             "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(max_len),
              "--enable-prompt-tokens-details", "--enforce-eager", "--seed", str(SEED),
              "--uvicorn-log-level", "warning"]
     if extra is not None:
@@ -71,13 +78,13 @@ def server(log_dir: Path, label: str, extra: dict[str, Any] | None) -> bv.VllmSe
     return bv.VllmServer(label, VLLM_PYTHON, flags, log_dir, START_TIMEOUT_S)
 
 
-def complete(base_url: str, prompt: list[int]) -> tuple[list[str], int]:
+def complete(base_url: str, prompt: list[int], timeout_s: float = 300) -> tuple[list[str], int]:
     """(the greedy answer's text pieces, vLLM's cached prompt tokens)."""
     body = {"model": "smol", "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
             "logprobs": 0}
     req = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         out = json.load(resp)
     tokens = out["choices"][0]["logprobs"]["tokens"]
     return tokens, out["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -100,7 +107,7 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(log_dir: Path) -> list[list[str]]:
     """vLLM's answers without the connector."""
     with server(log_dir, "vllm-alone", None) as s:
-        return [complete(s.base_url, p)[0] for p in prompts(2)]
+        return [complete(s.base_url, p)[0] for p in prompts(3)]
 
 
 @pytest.fixture
@@ -161,3 +168,48 @@ def test_two_servers_share_pages_through_one_redis(
             assert complete(b.base_url, prompts(2)[1]) == (reference[1], 0)
             wait_for(lambda: client.dbsize(), 2 * PAGES_PER_PROMPT)
             assert complete(a.base_url, prompts(2)[1]) == (reference[1], HIT_TOKENS)
+
+
+def kv_usage(base_url: str) -> float:
+    """vLLM's `kv_cache_usage_perc`: the share of its blocks that requests hold."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("vllm:kv_cache_usage_perc")))
+
+
+def test_prefixes_vllm_evicted_come_back_from_l2_layer_by_layer(
+        log_dir: Path, reference: list[list[str]]) -> None:
+    """A KV of 20 blocks: each 12-block prompt evicts the one before it from vLLM's own
+    prefix cache, and the first comes back from hicache's host memory."""
+    with server(log_dir, "connector-l2", {"host_size_gb": 0.5, "storage_backend": "none"},
+                kv_bytes=L2_TEST_KV_BYTES, max_len=L2_TEST_MAX_LEN) as s:
+        for p, ref in zip(prompts(3), reference):
+            assert complete(s.base_url, p) == (ref, 0)
+        assert complete(s.base_url, prompts(1)[0]) == (reference[0], HIT_TOKENS)
+        log = s.log_path.read_text(errors="replace")
+    assert "L2 loads land layer by layer" in log
+
+
+def test_a_request_aborted_while_its_l3_load_is_in_flight_costs_nothing(
+        log_dir: Path, reference: list[list[str]], tmp_path: Path) -> None:
+    """Its L3 pages come through a slow link (the load takes seconds); the client gives up
+    during it. vLLM holds the request's blocks until the connector reports the load done,
+    then frees them: the server goes on answering, right, and holds no block after."""
+    require_redis_server()
+    with RedisServer.start(tmp_path) as rs:
+        direct = {"host_size_gb": 0.1, "storage_backend": "redis", "redis": {"url": rs.url}}
+        with server(log_dir, "abort-fill", direct) as s:
+            assert complete(s.base_url, prompts(1)[0]) == (reference[0], 0)
+            wait_for(lambda: redis.Redis.from_url(rs.url).dbsize(), PAGES_PER_PROMPT)
+        port = int(rs.url.rsplit(":", 1)[1].split("/")[0])
+        with proxy_process(port, SLOW_LINK_BYTES_PER_S) as slow_port:
+            slow = {**direct, "redis": {"url": f"redis://127.0.0.1:{slow_port}/0"}}
+            with server(log_dir, "abort-slow", slow) as s:
+                with pytest.raises(TimeoutError):
+                    complete(s.base_url, prompts(1)[0], timeout_s=ABORT_AFTER_S)
+                assert complete(s.base_url, prompts(2)[1]) == (reference[1], 0)
+                assert complete(s.base_url, prompts(1)[0]) == (reference[0], HIT_TOKENS)
+                assert kv_usage(s.base_url) == 0.0
+                log = s.log_path.read_text(errors="replace")
+    assert "Traceback" not in log

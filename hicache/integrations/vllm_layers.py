@@ -1,0 +1,199 @@
+"""A step's loads from L2, placed layer by layer as vLLM's forward reaches each layer, as
+hicache's own load-back is: vLLM calls `wait_for_layer_load(layer)` just before that layer's
+attention reads its cache, and only that layer's pages must have landed by then.
+
+    HostLayerLoads   caches in host memory (vLLM's CPU backend): layer i's pages are copied
+                     from L2 on vLLM's thread when the forward reaches layer i. The copy and
+                     the forward share the cores, so nothing overlaps; the work is the same
+                     as one copy before the forward, and each layer's blocks are written
+                     just before its attention reads them.
+    CudaLayerLoads   caches on a GPU: at `start` every layer's pages are gathered from L2
+                     into pinned staging (layer-major) and their copies queued on a load
+                     stream of their own, an event recorded after each layer; `wait(i)` makes
+                     the forward's stream wait on layer i's event, so copying layer i+1
+                     overlaps computing layer i, and the CPU never blocks.
+
+Both are driven by the worker on vLLM's thread, in its order: `start` (start_load_kv, before
+the forward), `wait(layer)` (each layer's attention), `finish` (wait_for_save, after the
+forward: every layer placed or ordered before the stream's later work, the staging buffers
+back; the layers the forward never waited for are returned, so the worker can tell). What
+must stay true: the L2 slots read here are not reassigned before `finish` (the scheduler's
+`keep`, and the step's saves run after it), and the blocks written are the request's own,
+which no other request of the step reads.
+
+Torch streams and events, not CuPy's: the connector runs inside vLLM's environment, which
+brings torch and not CuPy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from hicache.integrations.vllm_buffers import Staging
+
+WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
+
+
+class LayerLoads(ABC):
+    """One step's L2 loads into vLLM's per-layer caches, placed layer by layer.
+
+    `layers`: vLLM's caches in layer order; `block_dims`: each one's block dim (0, or 1 after
+    K / V); `host`: L2, [slots, layers, layer block bytes] uint8; `staging`: the worker's
+    staging buffers. Called on vLLM's thread only."""
+
+    def __init__(self, layers: list[torch.Tensor], block_dims: list[int], host: torch.Tensor,
+                 staging: Staging) -> None:
+        self.layers, self.block_dims, self.host, self.staging = layers, block_dims, host, staging
+        self._todo: set[int] = set()  # layers started and not yet waited for
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._todo)
+
+    @abstractmethod
+    def start(self, slots: list[int], block_ids: list[int]) -> None:
+        """The step's loads: L2 slot `slots[k]` into block `block_ids[k]` of every layer.
+        Once a step, after the last `finish`."""
+
+    def wait(self, layer: int) -> None:
+        """Layer `layer`'s pages in place for the forward's next read of that layer."""
+        if layer in self._todo:
+            self._todo.discard(layer)
+            self._place(layer)
+
+    @abstractmethod
+    def _place(self, layer: int) -> None:
+        """Layer `layer`'s pages in place (or ordered before the forward's next read)."""
+
+    def finish(self) -> list[int]:
+        """Every layer placed, the step's buffers given back; the layers the forward did not
+        wait for (placed now)."""
+        missed = sorted(self._todo)
+        for layer in missed:
+            self.wait(layer)
+        self._release()
+        return missed
+
+    @abstractmethod
+    def _release(self) -> None:
+        """The step's buffers back, once nothing reads them."""
+
+
+class HostLayerLoads(LayerLoads):
+    """Caches in host memory: each layer copied from L2 when the forward reaches it, through
+    one staging buffer lent for the step (a layer of up to its bytes' worth of pages at a
+    time)."""
+
+    def __init__(self, layers: list[torch.Tensor], block_dims: list[int], host: torch.Tensor,
+                 staging: Staging) -> None:
+        super().__init__(layers, block_dims, host, staging)
+        self._scratch: torch.Tensor | None = None  # lent from `start` to `finish`
+        self._slots = self._index = torch.empty(0, dtype=torch.long)
+
+    def start(self, slots: list[int], block_ids: list[int]) -> None:
+        assert not self._todo, "a step's loads start once, after the last finish"
+        if not slots:
+            return
+        self._scratch = self.staging.take()
+        self._slots = torch.tensor(slots, dtype=torch.long)
+        self._index = torch.tensor(block_ids, dtype=torch.long)
+        self._todo = set(range(len(self.layers)))
+
+    def _place(self, layer: int) -> None:
+        kv, dim = self.layers[layer], self.block_dims[layer]
+        host = words(self.host)[:, layer]  # [slots, layer block words], strided
+        assert self._scratch is not None
+        scratch = words(self._scratch).view(-1)
+        per = scratch.numel() // host.shape[1]  # pages of one layer the buffer holds
+        for start in range(0, len(self._slots), per):
+            slots = self._slots[start:start + per]
+            rows = scratch[:len(slots) * host.shape[1]].view(len(slots), host.shape[1])
+            torch.index_select(host, 0, slots, out=rows)
+            scatter_layer(kv, dim, self._index[start:start + per], rows)
+
+    def _release(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            self.staging.give(scratch)
+
+
+class CudaLayerLoads(LayerLoads):
+    """Caches on a GPU: every layer's copy queued at `start` on a load stream, one event
+    per layer, which `wait` puts before the forward's stream's next work."""
+
+    def __init__(self, layers: list[torch.Tensor], block_dims: list[int], host: torch.Tensor,
+                 staging: Staging) -> None:
+        super().__init__(layers, block_dims, host, staging)
+        self.device = layers[0].device
+        self.stream = torch.cuda.Stream(self.device)
+        self._events: list[torch.cuda.Event] = []
+        self._chunks: list[torch.Tensor] = []  # pinned staging, read by the load stream
+
+    def start(self, slots: list[int], block_ids: list[int]) -> None:
+        assert not self._todo, "a step's loads start once, after the last finish"
+        if not slots:
+            return
+        runs = []
+        host = words(self.host)
+        for first in range(0, len(slots), self.staging.pages):
+            run = torch.tensor(slots[first:first + self.staging.pages], dtype=torch.long)
+            chunk = self.staging.take()
+            self._chunks.append(chunk)
+            # layer-major, so that each layer's rows are one contiguous pinned copy
+            rows = words(chunk).view(-1)[:len(self.layers) * len(run) * host.shape[2]]
+            rows = rows.view(len(self.layers), len(run), host.shape[2])
+            for layer in range(len(self.layers)):
+                torch.index_select(host[:, layer], 0, run, out=rows[layer])
+            index = torch.tensor(block_ids[first:first + len(run)], dtype=torch.long)
+            runs.append((rows, index.pin_memory()))
+        # the blocks' earlier writers (vLLM zeroes new blocks on its stream) come first
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            runs = [(rows, index.to(self.device, non_blocking=True)) for rows, index in runs]
+            for layer, (kv, dim) in enumerate(zip(self.layers, self.block_dims)):
+                for rows, index in runs:
+                    scatter_layer(kv, dim, index, rows[layer])
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self._events.append(event)
+        self._todo = set(range(len(self.layers)))
+
+    def _place(self, layer: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+
+    def _release(self) -> None:
+        if self._events:
+            self._events[-1].synchronize()  # the last copy read the staging buffers
+        for chunk in self._chunks:
+            self.staging.give(chunk)
+        self._events, self._chunks = [], []
+
+
+def layer_loads(layers: list[torch.Tensor], block_dims: list[int], host: torch.Tensor,
+                staging: Staging) -> LayerLoads:
+    """The kind of `LayerLoads` for where vLLM's caches are."""
+    kind = CudaLayerLoads if layers[0].is_cuda else HostLayerLoads
+    return kind(layers, block_dims, host, staging)
+
+
+def scatter_layer(kv: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """`rows` ([n, layer block bytes] of any dtype, CPU or `kv`'s device) into blocks `index`
+    of one layer's cache `kv`, whose blocks are along `dim`; on the current stream."""
+    n = index.numel()
+    rows = rows.view(kv.dtype).view(n, *block_shape(kv, dim))
+    kv.index_copy_(dim, index.to(kv.device, non_blocking=True),
+                   rows.movedim(0, dim).to(kv.device, non_blocking=True))
+
+
+def block_shape(kv: torch.Tensor, dim: int) -> tuple[int, ...]:
+    """One block of `kv` as a page stores it: `kv.shape[1:]`, or `(2, *kv.shape[2:])` for a
+    `[2, blocks, ...]` layer (its K block, then its V block)."""
+    return tuple(kv.shape[1:]) if dim == 0 else (2, *kv.shape[2:])
+
+
+def words(pages: torch.Tensor) -> torch.Tensor:
+    """A uint8 buffer whose last dim is whole 8-byte words, as words (the worker checks at
+    registration that a layer's block is a whole number of them)."""
+    return pages.view(torch.int64)
