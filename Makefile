@@ -121,7 +121,8 @@ $(VLLM_HICACHE): pyproject.toml $(VLLM_STAMP)
 	touch $(VLLM_HICACHE)
 
 # vLLM's CPU build with HiCacheConnector inside (tests/integrations/): restart replay from
-# L3, a corrupted page recomputed, two servers over one Redis (~6 min once installed).
+# L3, a corrupted page recomputed, two servers over one Redis, prefixes vLLM evicted loaded
+# back from L2 layer by layer, a request given up on during its L3 load (~9 min once installed).
 test-integrations: $(STAMP) $(VLLM_HICACHE)
 	$(BIN)/python -m pytest -q -m integrations tests/integrations
 

@@ -20,7 +20,8 @@ import torch
 
 from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
-from hicache.integrations.vllm_buffers import WriteRing
+from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_layers import layer_loads
 from hicache.integrations.vllm_scheduler import ConnectorScheduler
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
@@ -414,6 +415,23 @@ def test_a_forward_that_skips_a_layer_turns_layer_loads_off(
     assert server.worker.by_layer is vllm_worker.ByLayer.OFF
     assert server.worker.counters["l2_layered_pages"] == 4
     server.close()
+
+
+def test_layer_loads_started_again_unfinished_finish_the_earlier_step_first() -> None:
+    """Never in vLLM's order (every step ends in wait_for_save), and still no page lost."""
+    kv = [torch.zeros(LAYOUTS["blocks_first"]).to(DEVICE) for _ in range(LAYERS)]
+    host = torch.randint(0, 256, (4, LAYERS, GEOMETRY.layer_block_bytes), dtype=torch.uint8)
+    staging = Staging(1, LAYERS, GEOMETRY.layer_block_bytes, pin=DEVICE == "cuda", keep=2)
+    loads = layer_loads(kv, [0] * LAYERS, host.pin_memory() if DEVICE == "cuda" else host,
+                        staging)
+    loads.start([0, 1], [5, 6])
+    loads.wait(0)
+    loads.start([2, 3], [7, 8])  # the first step's layer 1 is placed before this starts
+    assert loads.finish() == [0, 1]
+    for layer in range(LAYERS):
+        for slot, block in zip(range(4), (5, 6, 7, 8)):
+            got = kv[layer][block].cpu().contiguous().view(torch.uint8).view(-1)
+            assert torch.equal(got, host[slot, layer])
 
 
 def test_layer_loads_larger_than_a_staging_buffer_move_every_page(

@@ -48,14 +48,18 @@ class LayerLoads(ABC):
         self.layers, self.block_dims, self.host, self.staging = layers, block_dims, host, staging
         self._todo: set[int] = set()  # layers started and not yet waited for
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._todo)
-
-    @abstractmethod
     def start(self, slots: list[int], block_ids: list[int]) -> None:
         """The step's loads: L2 slot `slots[k]` into block `block_ids[k]` of every layer.
-        Once a step, after the last `finish`."""
+        Once a step (an earlier step's loads never finished are finished first)."""
+        if self._todo:
+            self.finish()
+        if slots:
+            self._start(slots, block_ids)
+            self._todo = set(range(len(self.layers)))
+
+    @abstractmethod
+    def _start(self, slots: list[int], block_ids: list[int]) -> None:
+        """The loads under way: copied at `wait` (host), or queued (CUDA)."""
 
     def wait(self, layer: int) -> None:
         """Layer `layer`'s pages in place for the forward's next read of that layer."""
@@ -92,14 +96,10 @@ class HostLayerLoads(LayerLoads):
         self._scratch: torch.Tensor | None = None  # lent from `start` to `finish`
         self._slots = self._index = torch.empty(0, dtype=torch.long)
 
-    def start(self, slots: list[int], block_ids: list[int]) -> None:
-        assert not self._todo, "a step's loads start once, after the last finish"
-        if not slots:
-            return
+    def _start(self, slots: list[int], block_ids: list[int]) -> None:
         self._scratch = self.staging.take()
         self._slots = torch.tensor(slots, dtype=torch.long)
         self._index = torch.tensor(block_ids, dtype=torch.long)
-        self._todo = set(range(len(self.layers)))
 
     def _place(self, layer: int) -> None:
         kv, dim = self.layers[layer], self.block_dims[layer]
@@ -131,10 +131,7 @@ class CudaLayerLoads(LayerLoads):
         self._events: list[torch.cuda.Event] = []
         self._chunks: list[torch.Tensor] = []  # pinned staging, read by the load stream
 
-    def start(self, slots: list[int], block_ids: list[int]) -> None:
-        assert not self._todo, "a step's loads start once, after the last finish"
-        if not slots:
-            return
+    def _start(self, slots: list[int], block_ids: list[int]) -> None:
         runs = []
         host = words(self.host)
         for first in range(0, len(slots), self.staging.pages):
@@ -158,7 +155,6 @@ class CudaLayerLoads(LayerLoads):
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self._events.append(event)
-        self._todo = set(range(len(self.layers)))
 
     def _place(self, layer: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self._events[layer])
