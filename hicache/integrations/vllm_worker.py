@@ -92,8 +92,8 @@ class ConnectorWorker:
         self._failed: dict[str, list[int]] = {}  # blocks that failed, of requests placing
         self._loader: threading.Thread | None = None
         self.counters = {"l2_loaded_pages": 0, "l2_layered_pages": 0, "l3_loaded_pages": 0,
-                         "load_errors": 0,
-                         "l2_saved_pages": 0, "l3_written_pages": 0, "l3_skipped_pages": 0}
+                         "load_errors": 0, "l2_saved_pages": 0, "l3_written_pages": 0,
+                         "l3_skipped_pages": 0}
         self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
         self._staging: Staging | None = None
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
@@ -202,8 +202,8 @@ class ConnectorWorker:
     def _load_l2(self, loads: list[PageLoad], idle: bool) -> None:
         """L2 pages into their blocks: deferred to each layer's wait where the step's forward
         is still to come and vLLM has shown it waits on every layer; else copied now."""
-        self._deferred = (self.by_layer is ByLayer.ON and not idle and not self._waited
-                          and self._by_layer is not None)
+        self._deferred = (self._by_layer is not None and self.by_layer is ByLayer.ON
+                          and not idle and not self._waited)
         if self._deferred:
             assert self._by_layer is not None
             self._by_layer.start([x.slot for x in loads], [x.block_id for x in loads])
@@ -212,12 +212,12 @@ class ConnectorWorker:
             return
         assert self._staging is not None
         for run in self._staging.runs(loads):
-                with self._staging.lent() as chunk:
-                    pages = chunk[:len(run)]
-                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
-                    torch.index_select(words(self.host), 0, slots, out=words(pages))
-                    self._scatter([x.block_id for x in run], pages)
-                self.counters["l2_loaded_pages"] += len(run)
+            with self._staging.lent() as chunk:
+                pages = chunk[:len(run)]
+                slots = torch.tensor([x.slot for x in run], dtype=torch.long)
+                torch.index_select(words(self.host), 0, slots, out=words(pages))
+                self._scatter([x.block_id for x in run], pages)
+            self.counters["l2_loaded_pages"] += len(run)
 
     def wait_layer(self, name: str) -> None:
         """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`):
@@ -429,8 +429,6 @@ def _take(codec: PageCodec, value: memoryview | bytes, page: torch.Tensor) -> bo
         return False
     _bytes(page)[:] = payload
     return True
-
-
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
