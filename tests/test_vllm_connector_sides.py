@@ -21,7 +21,7 @@ import torch
 from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
 from hicache.integrations.vllm_buffers import Staging, WriteRing
-from hicache.integrations.vllm_layers import layer_loads
+from hicache.integrations.vllm_layers import ByLayer, layer_loads
 from hicache.integrations.vllm_scheduler import ConnectorScheduler
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
@@ -360,11 +360,11 @@ def test_l2_loads_land_layer_by_layer_once_a_forward_waited_on_every_layer(
         tmp_path: Path, layout: str) -> None:
     server = Server(None, seed=1, layout=layout)
     names = list(server.kv)
-    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    assert server.worker.gate.state is ByLayer.UNPROVEN
     server.step([], {})  # a step with no forward proves nothing
-    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    assert server.worker.gate.state is ByLayer.UNPROVEN
     server.prefill("a", PROMPT, [3, 5, 7, 9, 11])  # its forward waits on both layers
-    assert server.worker.by_layer is vllm_worker.ByLayer.ON
+    assert server.worker.gate.state is ByLayer.ON
     want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
             for n in names]
     seen, after = forward_step(server, "b", PROMPT, [0, 1, 2, 4, 6], names)
@@ -385,7 +385,7 @@ def test_the_first_forward_gets_its_l2_loads_before_it_runs(tmp_path: Path) -> N
     names = list(server.kv)
     # the first request is computed in a step whose forward waits on one layer only
     forward_step(server, "a", PROMPT, [3, 5, 7, 9, 11], names[:1])
-    assert server.worker.by_layer is vllm_worker.ByLayer.UNPROVEN
+    assert server.worker.gate.state is ByLayer.UNPROVEN
     want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
             for n in names]
     seen, _ = forward_step(server, "b", PROMPT, [0, 1, 2, 4, 6], [])
@@ -400,19 +400,19 @@ def test_a_forward_that_skips_a_layer_turns_layer_loads_off(
     server = Server(None, seed=1)
     names = list(server.kv)
     server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
-    assert server.worker.by_layer is vllm_worker.ByLayer.ON
+    assert server.worker.gate.state is ByLayer.ON
     want = [[server.kv[n].select(server.block_dim, b).clone() for b in (3, 5, 7, 9)]
             for n in names]
     longer = PROMPT[:4 * BLOCK] + [7] * (BLOCK + 1)
     _, after = forward_step(server, "b", longer, [0, 1, 2, 4, 6, 8], names[:1])
     # every layer is in place by the end of the step, and the skip is said loudly
     assert same(after[0][0], want[0]) and same(after[0][1], want[1])
-    assert server.worker.by_layer is vllm_worker.ByLayer.OFF
+    assert server.worker.gate.state is ByLayer.OFF
     assert "did not wait for layers [1]" in caplog.text
     # from then on loads are placed before the forward, even one that waits on every layer
     seen, _ = forward_step(server, "c", PROMPT, [10, 12, 13, 14, 15], names)
     assert same(seen[0][0], want[0]) and same(seen[0][1], want[1])
-    assert server.worker.by_layer is vllm_worker.ByLayer.OFF
+    assert server.worker.gate.state is ByLayer.OFF
     assert server.worker.counters["l2_layered_pages"] == 4
     server.close()
 

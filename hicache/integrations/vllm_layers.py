@@ -13,13 +13,14 @@ attention reads its cache, and only that layer's pages must have landed by then.
                      the forward's stream wait on layer i's event, so copying layer i+1
                      overlaps computing layer i, and the CPU never blocks.
 
-Both are driven by the worker on vLLM's thread, in its order: `start` (start_load_kv, before
-the forward), `wait(layer)` (each layer's attention), `finish` (wait_for_save, after the
-forward: every layer placed or ordered before the stream's later work, the staging buffers
-back; the layers the forward never waited for are returned, so the worker can tell). What
-must stay true: the L2 slots read here are not reassigned before `finish` (the scheduler's
-`keep`, and the step's saves run after it), and the blocks written are the request's own,
-which no other request of the step reads.
+`LayerGate` decides which steps' loads wait for the layers' waits (only once vLLM has shown
+that its forward waits on every layer). The loads are driven on vLLM's thread, in its order:
+`start` (start_load_kv, before the forward), `wait(layer)` (each layer's attention),
+`finish` (wait_for_save, after the forward: every layer placed or ordered before the
+stream's later work, the staging buffers back; the layers the forward never waited for are
+returned, so the worker can tell). What must stay true: the L2 slots read here are not
+reassigned before `finish` (the scheduler's `keep`, and the step's saves run after it), and
+the blocks written are the request's own, which no other request of the step reads.
 
 Torch streams and events, not CuPy's: the connector runs inside vLLM's environment, which
 brings torch and not CuPy.
@@ -27,13 +28,81 @@ brings torch and not CuPy.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from enum import Enum
 
 import torch
 
 from hicache.integrations.vllm_buffers import Staging
 
+logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
 WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
+
+
+class ByLayer(Enum):
+    """Whether a step's L2 loads wait for the forward's per-layer waits (`LayerGate`)."""
+
+    UNPROVEN = "unproven"  # placed before the forward, until a forward waits on every layer
+    ON = "on"  # a forward waited on every layer: loads started before a forward are deferred
+    OFF = "off"  # a forward skipped a layer it had loads for: before the forward, for good
+
+
+class LayerGate:
+    """Which steps' L2 loads are deferred to the forward's per-layer waits, and those waits.
+
+    Deferring is safe only if vLLM waits on every layer: until a forward has (`ByLayer`),
+    and in a step whose loads start after its forward (vLLM's order when no request of
+    the step loads synchronously) or that runs no forward, the caller copies them at once.
+    Per step, on vLLM's thread: `begin` (start_load_kv), `defer` (its L2 loads), `wait`
+    (each layer's attention), `finish` (wait_for_save)."""
+
+    def __init__(self, names: list[str], loads: LayerLoads | None) -> None:
+        self.layer_of = {name: i for i, name in enumerate(names)}
+        self.loads = loads
+        self.state = ByLayer.UNPROVEN
+        self._waited: set[int] = set()  # the layers this step's forward waited on so far
+        self._idle = False  # this step runs no forward
+        self._deferred = False  # this step's loads wait for the forward's waits
+
+    def begin(self, idle: bool) -> None:
+        self._idle = idle
+
+    def defer(self, slots: list[int], block_ids: list[int]) -> bool:
+        """The step's L2 loads started, to land at each layer's wait, where that is safe
+        (the forward is still to come and vLLM has shown it waits); whether they were."""
+        self._deferred = (self.loads is not None and self.state is ByLayer.ON
+                          and not self._idle and not self._waited)
+        if self._deferred:
+            assert self.loads is not None
+            self.loads.start(slots, block_ids)
+        return self._deferred
+
+    def wait(self, name: str) -> None:
+        """Before layer `name`'s attention: its deferred pages in place."""
+        layer = self.layer_of.get(name)
+        if layer is None:
+            return  # not one of this worker's layers (a draft model's)
+        self._waited.add(layer)
+        if self.loads is not None:
+            self.loads.wait(layer)
+
+    def finish(self) -> None:
+        """After the forward: every deferred page placed. A forward that waited on every
+        layer proves deferring safe; one that skipped a layer it had deferred pages for
+        read that layer without them: said loudly, and never deferred again."""
+        missed = self.loads.finish() if self.loads is not None else []
+        if missed and self._deferred:
+            self.state = ByLayer.OFF
+            logger.error("hicache connector: vLLM's forward did not wait for layers %s of "
+                         "this step's loads (wait_for_layer_load); L2 loads are copied "
+                         "before the forward from now on", missed)
+        elif (self.state is ByLayer.UNPROVEN and not self._idle
+              and len(self._waited) == len(self.layer_of)):
+            self.state = ByLayer.ON
+            logger.info("hicache connector: vLLM's forward waits on every layer: L2 loads "
+                        "land layer by layer from now on")
+        self._waited, self._deferred = set(), False
 
 
 class LayerLoads(ABC):

@@ -6,7 +6,7 @@ A page is one block of every layer, each layer's block copied whole (its bytes i
 order: the layout is the backend's, and the namespace names it). Loads from L2 are copies
 made in the step, before its saves: layer by layer as the forward reaches each layer
 (`vllm_layers`), once a forward has shown that vLLM waits on every layer, and before the
-forward until then (`ByLayer`). Loads from L3 are asynchronous: a loader thread reads a
+forward until then (`LayerGate`). Loads from L3 are asynchronous: a loader thread reads a
 request's pages into staging buffers while vLLM holds the request back, checking each page's
 header and checksum as it copies it; vLLM's thread places what was read into the blocks at
 its next step and then reports the request (`take_finished_loads`). A page that failed is
@@ -29,14 +29,13 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from hicache.integrations.vllm_buffers import Staging, WriteRing
 from hicache.integrations.vllm_layers import (
     WORD_BYTES,
-    LayerLoads,
+    LayerGate,
     block_shape,
     layer_loads,
     scatter_layer,
@@ -51,14 +50,6 @@ logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers 
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
 STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
-
-
-class ByLayer(Enum):
-    """Whether the step's L2 loads are placed layer by layer (`vllm_layers`)."""
-
-    UNPROVEN = "unproven"  # placed before the forward, until a forward waits on every layer
-    ON = "on"  # a forward waited on every layer: loads started before a forward are deferred
-    OFF = "off"  # a forward skipped a layer it had loads for: before the forward, for good
 
 
 @dataclass
@@ -99,14 +90,7 @@ class ConnectorWorker:
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
         self._writer: threading.Thread | None = None
         self._pin = False
-        # L2 loads layer by layer: the loads, whether vLLM's forward has shown it waits on
-        # every layer, the layers it waited on this step, and whether this step's loads
-        # were deferred to those waits
-        self._by_layer: LayerLoads | None = None
-        self.by_layer = ByLayer.UNPROVEN
-        self._waited: set[int] = set()
-        self._idle = False
-        self._deferred = False
+        self.gate = LayerGate([], None)  # L2 loads layer by layer (from `register`)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order, in either of vLLM's layouts: the block at
@@ -134,9 +118,8 @@ class ConnectorWorker:
         # cache is, and not by the first save into each slot on the forward's thread
         self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
                                 pin_memory=self._pin) if self.c.slots else None
-        self._layer_of = {name: i for i, name in enumerate(names)}
-        if self.host is not None:
-            self._by_layer = layer_loads(layers, self._block_dims, self.host, self._staging)
+        self.gate = LayerGate(names, None if self.host is None else
+                              layer_loads(layers, self._block_dims, self.host, self._staging))
         if self.c.settings.has_storage:
             self.c.open_store()
             self._ring = WriteRing(self.c.settings.write_ring_pages(page_bytes), len(layers),
@@ -190,23 +173,19 @@ class ConnectorWorker:
                 self._read_request(*item, place=True)
             for req_id, pages in new:
                 self._read_request(req_id, pages, place=True)
-        self._idle = idle
+        self.gate.begin(idle)
         if loads and self.layers:
             assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
-            self._load_l2(loads, idle)
+            self._load_l2(loads)
         with self._read_lock:
             read, self._read = self._read, []
         for r in read:
             self._place(r)
 
-    def _load_l2(self, loads: list[PageLoad], idle: bool) -> None:
-        """L2 pages into their blocks: deferred to each layer's wait where the step's forward
-        is still to come and vLLM has shown it waits on every layer; else copied now."""
-        self._deferred = (self._by_layer is not None and self.by_layer is ByLayer.ON
-                          and not idle and not self._waited)
-        if self._deferred:
-            assert self._by_layer is not None
-            self._by_layer.start([x.slot for x in loads], [x.block_id for x in loads])
+    def _load_l2(self, loads: list[PageLoad]) -> None:
+        """L2 pages into their blocks: each layer's at its wait where `gate` defers them,
+        else all now."""
+        if self.gate.defer([x.slot for x in loads], [x.block_id for x in loads]):
             self.counters["l2_loaded_pages"] += len(loads)
             self.counters["l2_layered_pages"] += len(loads)
             return
@@ -220,32 +199,13 @@ class ConnectorWorker:
             self.counters["l2_loaded_pages"] += len(run)
 
     def wait_layer(self, name: str) -> None:
-        """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`):
-        that layer's deferred L2 pages in place."""
-        layer = self._layer_of.get(name)
-        if layer is None:
-            return  # not one of this worker's layers (a draft model's)
-        self._waited.add(layer)
-        if self._by_layer is not None:
-            self._by_layer.wait(layer)
+        """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`)."""
+        self.gate.wait(name)
 
     def finish_loads(self) -> None:
-        """After the step's forward (vLLM's `wait_for_save`, before its saves): every
-        deferred L2 page placed. A forward that waited on every layer proves the deferral
-        safe; one that skipped a layer it had deferred pages for has read that layer
-        without them: said loudly, and loads are placed before the forward from then on."""
-        missed = self._by_layer.finish() if self._by_layer is not None else []
-        if missed and self._deferred:
-            self.by_layer = ByLayer.OFF
-            logger.error("hicache connector: vLLM's forward did not wait for layers %s of "
-                         "this step's loads (wait_for_layer_load); L2 loads are copied "
-                         "before the forward from now on", missed)
-        elif (self.by_layer is ByLayer.UNPROVEN and not self._idle
-              and len(self._waited) == len(self.layers)):
-            self.by_layer = ByLayer.ON
-            logger.info("hicache connector: vLLM's forward waits on every layer: L2 loads "
-                        "land layer by layer from now on")
-        self._waited, self._deferred = set(), False
+        """After the step's forward (vLLM's `wait_for_save`, before its saves): every L2
+        page in place."""
+        self.gate.finish()
 
     def _queued(self) -> tuple[str, list[PageLoad]] | None:
         """A request queued for the loader that it has not taken yet, or None. (close(),
