@@ -97,7 +97,7 @@ class LayerGate:
             logger.error("hicache connector: vLLM's forward did not wait for layers %s of "
                          "this step's loads (wait_for_layer_load); L2 loads are copied "
                          "before the forward from now on", missed)
-        elif (self.state is ByLayer.UNPROVEN and not self._idle
+        elif (self.loads is not None and self.state is ByLayer.UNPROVEN and not self._idle
               and len(self._waited) == len(self.layer_of)):
             self.state = ByLayer.ON
             logger.info("hicache connector: vLLM's forward waits on every layer: L2 loads "
