@@ -4,9 +4,8 @@ attention reads its cache, and only that layer's pages must have landed by then.
 
     HostLayerLoads   caches in host memory (vLLM's CPU backend): layer i's pages are copied
                      from L2 on vLLM's thread when the forward reaches layer i. The copy and
-                     the forward share the cores, so nothing overlaps; the work is the same
-                     as one copy before the forward, and each layer's blocks are written
-                     just before its attention reads them.
+                     the forward share the cores, so nothing overlaps; a layer's rows are
+                     gathered and scattered while they are still in the CPU's caches.
     CudaLayerLoads   caches on a GPU: at `start` every layer's pages are gathered from L2
                      into pinned staging (layer-major) and their copies queued on a load
                      stream of their own, an event recorded after each layer; `wait(i)` makes
@@ -14,7 +13,8 @@ attention reads its cache, and only that layer's pages must have landed by then.
                      overlaps computing layer i, and the CPU never blocks.
 
 `LayerGate` decides which steps' loads wait for the layers' waits (only once vLLM has shown
-that its forward waits on every layer). The loads are driven on vLLM's thread, in its order:
+that its forward waits on every layer); the others are started and finished at once, the
+same copies before the forward. The loads are driven on vLLM's thread, in its order:
 `start` (start_load_kv, before the forward), `wait(layer)` (each layer's attention),
 `finish` (wait_for_save, after the forward: every layer placed or ordered before the
 stream's later work, the staging buffers back; the layers the forward never waited for are
@@ -54,7 +54,7 @@ class LayerGate:
     Deferring is safe only if vLLM waits on every layer: until a forward has (`ByLayer`),
     and in a step whose loads start after its forward (vLLM's order when no request of
     the step loads synchronously) or that runs no forward, the caller copies them at once.
-    Per step, on vLLM's thread: `begin` (start_load_kv), `defer` (its L2 loads), `wait`
+    Per step, on vLLM's thread: `begin` (start_load_kv), `load` (its L2 loads), `wait`
     (each layer's attention), `finish` (wait_for_save)."""
 
     def __init__(self, names: list[str], loads: LayerLoads | None) -> None:
@@ -68,14 +68,15 @@ class LayerGate:
     def begin(self, idle: bool) -> None:
         self._idle = idle
 
-    def defer(self, slots: list[int], block_ids: list[int]) -> bool:
-        """The step's L2 loads started, to land at each layer's wait, where that is safe
-        (the forward is still to come and vLLM has shown it waits); whether they were."""
-        self._deferred = (self.loads is not None and self.state is ByLayer.ON
-                          and not self._idle and not self._waited)
-        if self._deferred:
-            assert self.loads is not None
-            self.loads.start(slots, block_ids)
+    def load(self, slots: list[int], block_ids: list[int]) -> bool:
+        """The step's L2 loads: left to land at each layer's wait where that is safe (the
+        forward is still to come and vLLM has shown it waits), else placed now; whether
+        they were left to the waits."""
+        assert self.loads is not None, "L2 loads need an L2"
+        self._deferred = self.state is ByLayer.ON and not self._idle and not self._waited
+        self.loads.start(slots, block_ids)
+        if not self._deferred:
+            self.loads.finish()
         return self._deferred
 
     def wait(self, name: str) -> None:

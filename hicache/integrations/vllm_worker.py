@@ -176,27 +176,13 @@ class ConnectorWorker:
         self.gate.begin(idle)
         if loads and self.layers:
             assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
-            self._load_l2(loads)
+            if self.gate.load([x.slot for x in loads], [x.block_id for x in loads]):
+                self.counters["l2_layered_pages"] += len(loads)
+            self.counters["l2_loaded_pages"] += len(loads)
         with self._read_lock:
             read, self._read = self._read, []
         for r in read:
             self._place(r)
-
-    def _load_l2(self, loads: list[PageLoad]) -> None:
-        """L2 pages into their blocks: each layer's at its wait where `gate` defers them,
-        else all now."""
-        if self.gate.defer([x.slot for x in loads], [x.block_id for x in loads]):
-            self.counters["l2_loaded_pages"] += len(loads)
-            self.counters["l2_layered_pages"] += len(loads)
-            return
-        assert self._staging is not None
-        for run in self._staging.runs(loads):
-            with self._staging.lent() as chunk:
-                pages = chunk[:len(run)]
-                slots = torch.tensor([x.slot for x in run], dtype=torch.long)
-                torch.index_select(words(self.host), 0, slots, out=words(pages))
-                self._scatter([x.block_id for x in run], pages)
-            self.counters["l2_loaded_pages"] += len(run)
 
     def wait_layer(self, name: str) -> None:
         """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`)."""
@@ -418,4 +404,3 @@ def _block_dim(name: str, kv: torch.Tensor, block_bytes: int) -> int:
                          "([num_blocks, ...]) and dim 1 ([2, num_blocks, ...]): a layout it "
                          "cannot copy whole blocks of")
     return fits[0]
-
