@@ -22,7 +22,7 @@ from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
 from hicache.integrations.vllm_buffers import Staging, WriteRing
 from hicache.integrations.vllm_layers import ByLayer, layer_loads
-from hicache.integrations.vllm_scheduler import ConnectorScheduler
+from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
     ConnectorSettings,
@@ -104,12 +104,7 @@ class Server:
              others: int = 0) -> set[int]:
         """One step (with no forward when it schedules no token); the blocks the worker
         reported it could not load."""
-        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                 num_computed_tokens=[])
-        plan = self.scheduler.step(SimpleNamespace(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()) + others))
+        plan = self.plan(new, scheduled, others)
         self.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
         if not plan.idle:  # the forward: each layer's attention waits for its loads
             for name in self.kv:
@@ -119,6 +114,16 @@ class Server:
         errors = self.worker.take_load_errors()
         self.errors |= errors
         return errors
+
+    def plan(self, new: list[SimpleNamespace], scheduled: dict[str, int],
+             others: int = 0) -> StepPlan:
+        """The scheduler side's plan for a step of the new requests `new`."""
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[])
+        return self.scheduler.step(SimpleNamespace(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()) + others))
 
     def wait_for_loads(self, req_id: str) -> set[int]:
         """Steps (empty ones: vLLM runs them while a request waits for its KV) until the
@@ -333,12 +338,7 @@ def forward_step(server: Server, req_id: str, tokens: list[int], block_ids: list
     assert not wait
     hit_blocks = block_ids[:hit // BLOCK]
     new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                             num_computed_tokens=[])
-    plan = server.scheduler.step(SimpleNamespace(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-        num_scheduled_tokens={req_id: len(tokens) - hit},
-        total_num_scheduled_tokens=len(tokens) - hit))
+    plan = server.plan([new], {req_id: len(tokens) - hit})
     server.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
 
     def by_layer() -> list[list[torch.Tensor]]:
