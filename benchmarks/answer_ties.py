@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_multiturn as bm
 
 from hicache.memory.device import DeviceKVPool
-from server.models.forward_batch import ForwardBatch
-from server.models.loader import load_model
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.loader import load_model
 
 # A top-two gap within this share of the logits' scale is a tie rounding may break either
 # way: float32's summation order; bfloat16's 8 significant bits (tests/test_real_model.py).

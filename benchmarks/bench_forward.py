@@ -32,9 +32,9 @@ import torch
 
 from hicache.kernels import cpu_attention, cpu_layer, cpu_linear
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
-from server.models.forward_batch import ForwardBatch
-from server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model
+from hicache_server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model
 
 # name -> (prefix, extend) per sequence
 SHAPES = {

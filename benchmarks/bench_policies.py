@@ -43,8 +43,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from server.config import load_config
-from server.engine import Engine
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
 
 RESULTS = REPO / "benchmarks" / "results" / "policies.json"
 ANSWER = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

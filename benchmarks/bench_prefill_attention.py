@@ -37,10 +37,10 @@ from bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
 from hicache.kernels import cpu_attention
-from server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
-from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
-from server.models.forward_batch import ForwardBatch
-from server.models.loader import KERNELS_DIR, hicache_home
+from hicache_server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
+from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.loader import KERNELS_DIR, hicache_home
 
 # name -> (query heads, kv heads, head dim, dtype on CUDA); the CPU runs float32
 GEOMETRIES = {

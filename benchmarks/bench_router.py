@@ -2,7 +2,7 @@
 
     python benchmarks/bench_router.py            # ~8 min on 2 CPU cores; tables + JSON
 
-Every configuration runs two `server.launch` processes with the hierarchical cache of
+Every configuration runs two `hicache_server.launch` processes with the hierarchical cache of
 `run_multiturn.py`'s L1+L2 (the same L1 and L2 sizes, page size 16, the embedded model) and
 one router in front of them, and sends the seeded multi-turn workload of `bench_multiturn.py`
 (streamed `/generate` on token ids, greedy) to the router alone:

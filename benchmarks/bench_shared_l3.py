@@ -2,7 +2,7 @@
 
     python benchmarks/bench_shared_l3.py            # ~2.5 min on 2 CPU cores; tables + JSON
 
-Both configurations run two `server.launch` processes with the hierarchical cache of
+Both configurations run two `hicache_server.launch` processes with the hierarchical cache of
 `run_multiturn.py`'s L1+L2+L3 (the same L1 and L2 sizes, page size 16, prefetch policy
 wait_complete, the embedded model) on the same seeded multi-turn workload, and route round r
 of chat c to server (c + r) % 2: from round 2 on, every request lands on the server that did

@@ -39,10 +39,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.config import load_config
-from server.engine import Engine
-from server.models.loader import EMBEDDED_CONFIG, embedded_weights
-from server.tokenizer import EMBEDDED_MARKER_KEY, byte_tokenizer_json
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.models.loader import EMBEDDED_CONFIG, embedded_weights
+from hicache_server.tokenizer import EMBEDDED_MARKER_KEY, byte_tokenizer_json
 
 PAGE_SIZE = 16
 TIERS = ("recompute", "L1", "L2", "L3")

@@ -66,7 +66,7 @@ import multiturn_report as mr
 import numpy as np
 import run_multiturn as rm
 
-from server.engine import MAX_BATCH_TOKENS, MAX_RUNNING_REQUESTS
+from hicache_server.engine import MAX_BATCH_TOKENS, MAX_RUNNING_REQUESTS
 
 REPO = rm.REPO
 LOG_DIR = REPO / ".benchtmp" / "vs_vllm"
@@ -744,8 +744,8 @@ def model_folder(model: str | None) -> Path:
     """The HF folder both engines serve: the embedded model's (written once under
     $HICACHE_HOME), a local folder, or for a GGUF (a name or a file) the folder of its
     dequantised float32 weights, exported once beside its companion folder."""
-    from server.models.gguf import export_hf_folder
-    from server.models.loader import resolve_model
+    from hicache_server.models.gguf import export_hf_folder
+    from hicache_server.models.loader import resolve_model
 
     source = resolve_model(model or EMBEDDED_MODEL)
     if source.gguf is None:

@@ -28,7 +28,7 @@ tests=(tests/test_transfer_kernels.py tests/test_paged_attention.py tests/test_a
        tests/test_model.py tests/test_cuda_engine.py tests/test_stack.py
        tests/test_server_process.py tests/test_vllm_connector_sides.py)
 [ -n "${GPU_TESTS:-}" ] && read -r -a tests <<< "$GPU_TESTS"
-# The server-process tests start `python -m server.launch` with `model.device: cuda`; the vLLM
+# The server-process tests start `python -m hicache_server.launch` with `model.device: cuda`; the vLLM
 # connector's worker side copies blocks of caches on the GPU through pinned buffers.
 HICACHE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-400}" "$PY" -m pytest -q -rs \
   -p no:cacheprovider "${per_test[@]}" --junitxml="$RESULTS/gpu_tests.xml" "${tests[@]}" \

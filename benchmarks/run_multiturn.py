@@ -3,7 +3,7 @@
     python benchmarks/run_multiturn.py              # ~12 min on 2 CPU cores; tables + JSON + PNG
     python benchmarks/run_multiturn.py --only thrash  # the thrash measurement alone (~2 min)
 
-For each configuration the driver starts `python -m server.launch --port 0` on the embedded
+For each configuration the driver starts `python -m hicache_server.launch --port 0` on the embedded
 model (reading the port from its log), runs `bench_multiturn.run_benchmark` in-process with
 the same seeded workload, and stops the server (always, in a `finally`):
 
@@ -154,11 +154,11 @@ class ManagedProcess(abc.ABC):
 
 
 class Server(ManagedProcess):
-    """One `server.launch` subprocess: started on a free port, stopped in `__exit__`."""
+    """One `hicache_server.launch` subprocess: started on a free port, stopped in `__exit__`."""
 
     def __init__(self, label: str, flags: Sequence[str], home: Path, log_dir: Path) -> None:
         self.label = label
-        self.cmd = [sys.executable, "-m", "server.launch", "--port", "0", *flags]
+        self.cmd = [sys.executable, "-m", "hicache_server.launch", "--port", "0", *flags]
         self.env = {**os.environ, "HICACHE_HOME": str(home)}
         self.log_path = log_dir / f"server-{re.sub(r'[^A-Za-z0-9]+', '_', label)}.log"
         self.port: int | None = None

@@ -1,6 +1,6 @@
 """The cache's configuration: one frozen dataclass per cache-side YAML section (cache, host,
 storage, events), the validation every section shares, and the YAML reading and merging
-the server's whole-file config (`server.config`, which adds model and server) builds on.
+the server's whole-file config (`hicache_server.config`, which adds model and server) builds on.
 
 Precedence: built-in defaults (the dataclass defaults below, which docs/configuration.md lists)
 < the YAML file < overrides (the CLI flags). Every section checks itself in `__post_init__`,
@@ -317,7 +317,7 @@ class EventsConfig(Section):
 
 class TierSections(Protocol):
     """What the cache reads of a configuration: its four cache-side sections (the server's
-    whole-file `server.config.Config` is one)."""
+    whole-file `hicache_server.config.Config` is one)."""
 
     @property
     def cache(self) -> CacheConfig: ...

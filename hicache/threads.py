@@ -6,7 +6,7 @@ spinning between parallel regions (its throttled spin count): every op of a forw
 then waits for its workers to wake. The transfer and storage threads copy pages while the
 forward pass has the cores anyway, so they run their ops on themselves alone and start no
 pool. The engine itself starts up on a passing thread for the same reason
-(`server.engine.in_passing_thread`). Measured on 2 cores, a server with L1+L2 under 8
+(`hicache_server.engine.in_passing_thread`). Measured on 2 cores, a server with L1+L2 under 8
 streams of 400 tokens: 13.7-16.7 s with the transfer thread on one OpenMP thread, 16.1-24.1
 s without (alternating runs).
 """

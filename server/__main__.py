@@ -1,9 +1,9 @@
-"""`python -m server`: the same as `hicache-server` (`server.launch`)."""
+"""`python -m hicache_server`: the same as `hicache-server` (`hicache_server.launch`)."""
 
 from __future__ import annotations
 
 import sys
 
-from server.launch import main
+from hicache_server.launch import main
 
 sys.exit(main())

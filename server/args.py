@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from hicache.config import MEM_LAYOUTS, STORAGE_BACKENDS, TIERED_BACKEND, TIERED_PARTS, ConfigError
 from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
-from server.config import DEVICES, DTYPES, SCHEDULE_POLICIES, Config, load_config
+from hicache_server.config import DEVICES, DTYPES, SCHEDULE_POLICIES, Config, load_config
 
 EXIT_BAD_CONFIG = 2  # argparse's own exit code for bad usage
 

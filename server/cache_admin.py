@@ -14,9 +14,9 @@ from typing import Any
 from hicache.policies import TIERS
 from hicache.stack import CacheStack, PinRefused
 from hicache.stats import CacheStats
-from server.input_checks import InputChecker, pin_ttl
-from server.request import InvalidRequest, check_session_id
-from server.scheduler import Scheduler
+from hicache_server.input_checks import InputChecker, pin_ttl
+from hicache_server.request import InvalidRequest, check_session_id
+from hicache_server.scheduler import Scheduler
 
 # Runs a function on the scheduler thread and returns its result (`Engine._call`).
 Run = Callable[..., Any]

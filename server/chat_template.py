@@ -40,7 +40,7 @@ import jinja2.nodes
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from server.tokenizer import EMBEDDED_MARKER_KEY, SPECIAL_TOKENS
+from hicache_server.tokenizer import EMBEDDED_MARKER_KEY, SPECIAL_TOKENS
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -31,7 +31,7 @@ from hicache.config import (
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
-# The order waiting requests are admitted in (`server.scheduler.policy`), SGLang's
+# The order waiting requests are admitted in (`hicache_server.scheduler.policy`), SGLang's
 # --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
 SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 MAX_PORT = 65535
@@ -61,7 +61,7 @@ class ServerConfig(Section):
     port: int = 30000  # 0 = let the OS pick a free port
     admin_api_key: str | None = None  # None: admin routes answer loopback clients only
     # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
-    # --served-model-name). None: derived from model.path (server.http.discovery).
+    # --served-model-name). None: derived from model.path (hicache_server.http.discovery).
     served_model_name: str | None = None
     schedule_policy: str = "lpm"  # the order waiting requests are admitted in
 

@@ -6,9 +6,9 @@
     engine.flush_cache(["device", "host"]); engine.stats(); engine.shutdown()
 
 The Engine owns the lifecycle (start, the scheduler thread, shutdown) and generation; it
-hands input checks to `server.input_checks`, the admin operations to
-`server.cache_admin.CacheAdmin` and L3 attach / detach to
-`server.storage_attach.StorageAttachment`, each given only what it needs.
+hands input checks to `hicache_server.input_checks`, the admin operations to
+`hicache_server.cache_admin.CacheAdmin` and L3 attach / detach to
+`hicache_server.storage_attach.StorageAttachment`, each given only what it needs.
 
 Threading: any thread may call the public methods; they hand work to the scheduler thread
 (which alone touches the cache) and wait for its answer.
@@ -29,16 +29,16 @@ from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
 from hicache.stack import CacheStack
 from hicache.stats import CacheStats
-from server.cache_admin import CacheAdmin
-from server.config import Config
-from server.inbox import SchedulerStopped
-from server.input_checks import GenerateOptions, InputChecker
-from server.model_runner import ModelRunner
-from server.models.loader import load_model
-from server.request import InvalidRequest, Request
-from server.scheduler import Scheduler
-from server.storage_attach import StorageAttachment
-from server.tokenizer import load_tokenizer
+from hicache_server.cache_admin import CacheAdmin
+from hicache_server.config import Config
+from hicache_server.inbox import SchedulerStopped
+from hicache_server.input_checks import GenerateOptions, InputChecker
+from hicache_server.model_runner import ModelRunner
+from hicache_server.models.loader import load_model
+from hicache_server.request import InvalidRequest, Request
+from hicache_server.scheduler import Scheduler
+from hicache_server.storage_attach import StorageAttachment
+from hicache_server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +140,13 @@ class Engine:
     @classmethod
     def from_cli(cls, argv: list[str]) -> Engine:
         """Build from the same flags as `hicache-server` (a bad one raises SystemExit(2))."""
-        from server.args import parse_config
+        from hicache_server.args import parse_config
 
         config, _ = parse_config(argv)
         return cls(config)
 
     # -------------------------------------------------------------------------- generate
-    # `options` are `server.input_checks.GenerateOptions`' fields by name: return_logprob,
+    # `options` are `hicache_server.input_checks.GenerateOptions`' fields by name: return_logprob,
     # logprob_start_len, top_logprobs_num, return_text_in_logprobs, priority, session_id.
 
     def make_request(self, text: str | None = None, input_ids: list[int] | None = None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.pages import pages_down
-from server.request import (
+from hicache_server.request import (
     MAX_TOP_LOGPROBS,
     InvalidRequest,
     Request,
@@ -23,7 +23,7 @@ from server.request import (
     check_session_id,
     check_unicode,
 )
-from server.tokenizer import Tokenizer
+from hicache_server.tokenizer import Tokenizer
 
 # The longest TTL a pin may ask for: a week. A pin is a lease to renew, not a setting.
 MAX_PIN_TTL_S = 7 * 24 * 3600.0

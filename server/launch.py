@@ -1,10 +1,10 @@
-"""`hicache-server` / `python -m server.launch`: build the engine, serve the HTTP API.
+"""`hicache-server` / `python -m hicache_server.launch`: build the engine, serve the HTTP API.
 
     hicache-server --config configs/default.yaml --port 30000
 
 Exit codes: 0 after a clean shutdown (SIGINT or SIGTERM), 1 when start-up fails (the model
 folder is missing, the storage backend cannot open, not enough memory, the port is taken),
-2 for a bad flag or config value (`server.args`), 70 when the scheduler thread died (a bug,
+2 for a bad flag or config value (`hicache_server.args`), 70 when the scheduler thread died (a bug,
 logged with its traceback; one request's fault fails only that request and never gets
 here), 130 after a second signal cut the drain short.
 
@@ -24,15 +24,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hicache.config import BYTES_PER_GB
-from server.args import parse_config
-from server.config import Config
+from hicache_server.args import parse_config
+from hicache_server.config import Config
 
 # The engine, the HTTP app and torch (seconds to import) load only once the flags are known
 # good, so a bad flag or --help answers at once: hence the imports inside functions below.
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from server.engine import Engine
+    from hicache_server.engine import Engine
 
 logger = logging.getLogger("hicache.server")
 
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_engine(config: Config) -> Engine | None:
     """The engine, or None after logging in one line why it cannot start."""
-    from server.engine import Engine
+    from hicache_server.engine import Engine
 
     try:
         return Engine(config)
@@ -91,7 +91,7 @@ async def serve(engine: Engine, config: Config) -> int:
     first answers (a supervisor's quick restart) drains and exits 0 like any other."""
     from aiohttp import web
 
-    from server.http import add_admin_routes, attach_metrics, create_app
+    from hicache_server.http import add_admin_routes, attach_metrics, create_app
 
     stop = Stop(asyncio.get_running_loop())
     engine.on_fatal = stop.fatal
@@ -132,7 +132,7 @@ async def serve(engine: Engine, config: Config) -> int:
 
 def log_startup(engine: Engine, runner: web.AppRunner) -> None:
     """The listening line (with the real port when 0 was asked for), the model, the tiers."""
-    from server.http.discovery import tier_sizes
+    from hicache_server.http.discovery import tier_sizes
 
     host, port = runner.addresses[0][:2]
     shown = f"[{host}]" if ":" in host else host
@@ -188,7 +188,7 @@ def _force_exit() -> None:
 async def drain(app: web.Application, engine: Engine) -> None:
     """Refuse new work, let running requests finish, then close the engine (backups and
     storage) off the event loop, which keeps streaming the last tokens meanwhile."""
-    from server.http import begin_shutdown
+    from hicache_server.http import begin_shutdown
 
     logger.info("shutting down: refusing new requests, finishing the ones in flight")
     begin_shutdown(app)

@@ -3,7 +3,7 @@
     ForwardBatch  <- the scheduled requests' new tokens and slot tables
     loads         <- every H->D copy queued at admission, launched as one transfer; the
                      model waits for layer i's pages just before layer i's attention
-    logits        -> the last new token's of each request (`server.sampling` turns them into
+    logits        -> the last new token's of each request (`hicache_server.sampling` turns them into
                      tokens and logprobs), and, for a request that wants prompt logprobs,
                      those of every prompt position from its `logprob_start_len`
 
@@ -19,8 +19,8 @@ import torch
 
 from hicache.memory import DeviceKVPool
 from hicache.stack import CacheStack
-from server.models.forward_batch import ForwardBatch
-from server.request import Request
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.request import Request
 
 __all__ = ["ForwardOutput", "LogitRows", "ModelRunner", "build_batch"]
 

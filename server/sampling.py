@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from server.request import Request, SamplingParams
+from hicache_server.request import Request, SamplingParams
 
 if TYPE_CHECKING:
-    from server.model_runner import LogitRows
+    from hicache_server.model_runner import LogitRows
 
 # Rows log-softmaxed at once when reading logprobs: bounds the float32 temporary to
 # rows x vocab (512 x 152k, Qwen2's vocabulary, is 300 MiB) for long prompt-logprob prefills.

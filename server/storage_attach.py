@@ -24,9 +24,9 @@ from hicache.config import (
 )
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
-from server.args import extra_overrides, parse_extra
-from server.config import Config, apply_overrides, config_to_dict
-from server.request import InvalidRequest
+from hicache_server.args import extra_overrides, parse_extra
+from hicache_server.config import Config, apply_overrides, config_to_dict
+from hicache_server.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, settings
 from hicache.build import build_stack
 from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
-from server.config import load_config
-from server.engine import Engine
-from server.http import Handler, add_admin_routes, create_app
-from server.model_runner import ForwardOutput
-from server.request import Request
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http import Handler, add_admin_routes, create_app
+from hicache_server.model_runner import ForwardOutput
+from hicache_server.request import Request
 
 T = TypeVar("T")
 WAIT_S = 60.0  # a bound on waits that never time out in a passing run

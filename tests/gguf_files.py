@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from server.tokenizer import bytes_to_unicode
+from hicache_server.tokenizer import bytes_to_unicode
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 256, 2, 4, 2, 64
 CONTROL = ["<|im_start|>", "<|im_end|>"]

@@ -11,8 +11,8 @@ from aiohttp.test_utils import TestClient
 from conftest import app_client, tiered_engine_in
 from http_helpers import PAGE, backed_up, error_of, tiers
 
-from server.engine import Engine
-from server.http import AdminDenied, add_admin_routes, check_admin_access, is_loopback
+from hicache_server.engine import Engine
+from hicache_server.http import AdminDenied, add_admin_routes, check_admin_access, is_loopback
 
 KEY = "s3cret-admin-key"
 PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages

@@ -8,8 +8,8 @@ import pytest
 from conftest import cache_finished, cpu_stack
 
 from hicache.stack import CacheStack
-from server.request import Request, SamplingParams
-from server.scheduler.admission import (
+from hicache_server.request import Request, SamplingParams
+from hicache_server.scheduler.admission import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO_FACTOR,
     NEW_TOKEN_RATIO_DECAY_STEPS,
@@ -17,7 +17,7 @@ from server.scheduler.admission import (
     Admission,
     NewTokenRatio,
 )
-from server.scheduler.kv import RequestKV
+from hicache_server.scheduler.kv import RequestKV
 
 PS = 4
 L1_TOKENS = 64

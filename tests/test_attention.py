@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.bias import CausalBias
 
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import ReferenceAttention, TorchAttention
-from server.models.forward_batch import ForwardBatch
+from hicache_server.models.attention import ReferenceAttention, TorchAttention
+from hicache_server.models.forward_batch import ForwardBatch
 
 SEED = 11
 PAGE_SIZE = 16
@@ -169,7 +169,7 @@ def test_a_cpu_whose_causal_path_differs_takes_the_masked_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the probe finds SDPA's causal path off the masked call's bits (another torch
     build or CPU), prompts from scratch take the masked call: still the reference's bits."""
-    from server.models import attention
+    from hicache_server.models import attention
     monkeypatch.setattr(attention, "causal_flag_is_exact", lambda *shape: False)
     seqs = ((0, 2), (0, 17), (0, 129), (0, 300))
     pool, batch, q = make_case(seqs, KV_HEADS * 4, torch.float32)
@@ -182,7 +182,7 @@ def test_a_cpu_whose_causal_path_differs_takes_the_masked_call(
 
 def test_the_causal_probe_passes_only_where_the_paths_agree() -> None:
     """A probe that says "exact" means the two calls agree at its lengths (129 among them)."""
-    from server.models.attention import _additive, _causal_mask, _prefill, causal_flag_is_exact
+    from hicache_server.models.attention import _additive, _causal_mask, _prefill, causal_flag_is_exact
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn((129, h, 64), generator=gen) for h in (8, 2, 2))
     same = torch.equal(_prefill(q, k, v, None),

@@ -225,7 +225,7 @@ def test_a_divergence_is_scored_by_the_model_it_came_from(monkeypatch, tmp_path:
                                                           ) -> None:
     """The embedded model scores the shared prefix: the gap is its logit difference
     between the two tokens, and a near tie is one within the dtype's share of the scale."""
-    from server.models.loader import EMBEDDED_TINY_LLAMA
+    from hicache_server.models.loader import EMBEDDED_TINY_LLAMA
 
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path))
     scorer = answer_ties.Scorer(EMBEDDED_TINY_LLAMA, "float32")

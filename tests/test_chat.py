@@ -18,20 +18,20 @@ from conftest import app_client, small_engine
 from tokenizers import Tokenizer as HFTokenizerImpl
 from tokenizers import processors
 
-from server.chat_template import (
+from hicache_server.chat_template import (
     EMBEDDED_CHAT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     NoChatTemplate,
     load_chat_template,
 )
-from server.config import load_config
-from server.engine import Engine
-from server.http import HttpError, create_app
-from server.http.chat import chat_prompt_ids
-from server.http.streaming import REPLACEMENT_CHAR
-from server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
-from server.tokenizer import BOS_ID, EMBEDDED_MARKER_KEY, SPECIAL_TOKENS, byte_tokenizer_json
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http import HttpError, create_app
+from hicache_server.http.chat import chat_prompt_ids
+from hicache_server.http.streaming import REPLACEMENT_CHAR
+from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
+from hicache_server.tokenizer import BOS_ID, EMBEDDED_MARKER_KEY, SPECIAL_TOKENS, byte_tokenizer_json
 
 PAGE = 16  # the default cache.page_size
 ANSWER_TOKENS = 16  # turn 1 of the multi-turn test: its answer spans a page boundary
@@ -249,11 +249,11 @@ async def test_unknown_fields_are_ignored_with_one_warning_each(
     message = {"role": "user", "content": "Hello there!", key: 1, "tool_calls": []}
     body = {"messages": [message], "max_tokens": 2, top: {"a": 1}, **GREEDY,
             "stream_options": {option: True}, "tool_choice": "none", "parallel_tool_calls": True}
-    with caplog.at_level(logging.WARNING, logger="server.http.fields"):
+    with caplog.at_level(logging.WARNING, logger="hicache_server.http.fields"):
         first = await post(client, body)
         again = await post(client, body)
     assert first["choices"] == again["choices"]  # served, the extras changing nothing
-    warned = [r.getMessage() for r in caplog.records if r.name == "server.http.fields"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "hicache_server.http.fields"]
     for name in (top, f"stream_options.{option}", f"messages[].{key}"):
         assert sum(f"`{name}`" in m for m in warned) == 1, (name, warned)
 

@@ -16,7 +16,7 @@ from hicache.config import (
     RedisConfig,
     StorageConfig,
 )
-from server.config import (
+from hicache_server.config import (
     Config,
     ModelConfig,
     ServerConfig,
@@ -267,7 +267,7 @@ def test_server_flag_over_yaml(tmp_path: Path, key: str, flag: str, default: str
     """`--served-model-name` (SGLang's and vLLM's flag) and `--schedule-policy` set their
     server key over the YAML; left out, it keeps its default (a null name is derived from
     the model); a refused value exits as argparse does, with 2."""
-    from server.args import parse_config
+    from hicache_server.args import parse_config
 
     yaml = write(tmp_path, f"server:\n  {key}: {in_yaml}\n")
     assert getattr(load_config().server, key) == default

@@ -18,10 +18,10 @@ from test_attention import make_case, new_kv
 from hicache.kernels import cpu_attention
 from hicache.kernels.cpu_attention import paged_attention_reference
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import CpuKernelAttention, TorchAttention
-from server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
-from server.models.forward_batch import ForwardBatch
-from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+from hicache_server.models.attention import CpuKernelAttention, TorchAttention
+from hicache_server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
 SEED = 5
 KV_HEADS = 2

@@ -11,10 +11,10 @@ import transformers
 
 from hicache.kernels import cpu_attention, cpu_layer
 from hicache.memory.device import DeviceKVPool
-from server.models import EMBEDDED_TINY_LLAMA, ForwardBatch, LoadedModel, load_model
-from server.models.attention import CpuKernelAttention, TorchAttention
-from server.models.cpu_forward import LEAN_MAX_ROWS
-from server.models.loader import KERNELS_DIR, hicache_home, iter_safetensors
+from hicache_server.models import EMBEDDED_TINY_LLAMA, ForwardBatch, LoadedModel, load_model
+from hicache_server.models.attention import CpuKernelAttention, TorchAttention
+from hicache_server.models.cpu_forward import LEAN_MAX_ROWS
+from hicache_server.models.loader import KERNELS_DIR, hicache_home, iter_safetensors
 
 pytestmark = pytest.mark.skipif(not cpu_attention.supported(),
                                 reason="needs AVX-512F and a C compiler")

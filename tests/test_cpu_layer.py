@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from hicache.kernels import cpu_layer
 from hicache.memory.device import DeviceKVPool
-from server.models.config import ModelArchConfig
-from server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
-from server.models.forward_batch import ForwardBatch
-from server.models.llama import RotaryEmbedding
-from server.models.loader import EMBEDDED_TINY_LLAMA, load_model
+from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.llama import RotaryEmbedding
+from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
 SEED = 23
 EPS = 1e-5

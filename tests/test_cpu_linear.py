@@ -19,8 +19,8 @@ import torch
 from conftest import bf16_paths as paths
 
 from hicache.kernels import cpu_linear
-from server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
-from server.models.linear import Linear, onednn_matches_kernel
+from hicache_server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
+from hicache_server.models.linear import Linear, onednn_matches_kernel
 
 SEED = 11
 # (out_features, in_features): the embedded model's q|k|v, gate|up, down and LM head; and

@@ -10,9 +10,9 @@ from conftest import requires_cuda
 from test_engine import GREEDY, conversations, run_workload
 
 from hicache.transfer.engines import CudaTransferEngine
-from server.config import load_config
-from server.engine import Engine
-from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 

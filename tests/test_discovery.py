@@ -20,11 +20,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from conftest import app_client
 
 from hicache.config import REDACTED
-from server.config import load_config
-from server.engine import Engine
-from server.http import create_app
-from server.http.discovery import served_model_name, tier_sizes
-from server.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, NUM_BYTES, PAD_ID, UNK_ID
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http import create_app
+from hicache_server.http.discovery import served_model_name, tier_sizes
+from hicache_server.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, NUM_BYTES, PAD_ID, UNK_ID
 
 ADMIN_KEY = "s3cret-discovery"
 SEED = 15
@@ -243,7 +243,7 @@ async def test_unknown_fields_are_ignored_with_one_warning(
         client: TestClient, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
     """The generation routes' field policy: vLLM's clients send e.g. `add_generation_prompt`."""
     extra = f"x_{uuid.uuid4().hex[:8]}"
-    with caplog.at_level(logging.WARNING, logger="server.http.fields"):
+    with caplog.at_level(logging.WARNING, logger="hicache_server.http.fields"):
         for _ in range(2):
             tokens = await ok(await client.post("/tokenize", json={"prompt": "hi", extra: 1}))
             text = await ok(await client.post("/detokenize", json={"tokens": [104], extra: 1}))

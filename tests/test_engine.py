@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from server.config import load_config
-from server.engine import Engine
-from server.request import InvalidRequest
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.request import InvalidRequest
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -238,7 +238,7 @@ def test_shutdown_finishes_running_requests_and_refuses_new_ones(tmp_path) -> No
     t.join()
     assert results and results[0]["meta_info"]["completion_tokens"] == 32
     assert not e._thread.is_alive()
-    from server.engine import EngineClosed
+    from hicache_server.engine import EngineClosed
     with pytest.raises(EngineClosed):
         e.generate(input_ids=[1, 2], sampling_params=GREEDY)
 
@@ -267,7 +267,7 @@ def test_a_consumer_that_goes_away_does_not_stop_the_scheduler(tmp_path) -> None
 
 
 def test_admin_calls_after_shutdown_raise(tmp_path) -> None:
-    from server.engine import EngineClosed
+    from hicache_server.engine import EngineClosed
 
     e = engine(tmp_path)
     assert e.alive()

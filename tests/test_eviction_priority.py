@@ -23,9 +23,9 @@ from hicache.tree import eviction_order, radix
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.node import UNUSED_PRIORITY
 from hicache.tree.radix import RadixCache
-from server.config import load_config
-from server.engine import Engine
-from server.request import InvalidRequest
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.request import InvalidRequest
 
 Key = tuple[int, ...]
 

@@ -21,14 +21,14 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-import server.scheduler.tokens as scheduler_module
-from server import launch
-from server.config import load_config
-from server.engine import Engine, EngineClosed
-from server.http import create_app
-from server.inbox import SchedulerStopped
-from server.request import SamplingParams
-from server.sampling import sample_row
+import hicache_server.scheduler.tokens as scheduler_module
+from hicache_server import launch
+from hicache_server.config import load_config
+from hicache_server.engine import Engine, EngineClosed
+from hicache_server.http import create_app
+from hicache_server.inbox import SchedulerStopped
+from hicache_server.request import SamplingParams
+from hicache_server.sampling import sample_row
 from tests.conftest import app_client, tiered_engine_in
 
 PROMPT = "The fault of one request is its own. " * 4  # 148 byte tokens

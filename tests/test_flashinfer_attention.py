@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from hicache.memory.device import DeviceKVPool, slots_of
-from server.models import EMBEDDED_TINY_LLAMA, load_model
-from server.models.attention import AttentionBackend, ReferenceAttention, TorchAttention
-from server.models.attention_choice import (
+from hicache_server.models import EMBEDDED_TINY_LLAMA, load_model
+from hicache_server.models.attention import AttentionBackend, ReferenceAttention, TorchAttention
+from hicache_server.models.attention_choice import (
     CUDA_ATTENTION_ENV,
     make_attention_backend,
 )
-from server.models.flashinfer_attention import (
+from hicache_server.models.flashinfer_attention import (
     FlashInferAttention,
     flashinfer_available,
     paged_kv,
     paged_kv_reference,
 )
-from server.models.forward_batch import ForwardBatch
+from hicache_server.models.forward_batch import ForwardBatch
 
 SEED = 5
 PAGE = 16

@@ -17,11 +17,11 @@ from gguf_files import CHATML, CONTROL, write_gguf
 from test_model import assert_rel_close, hf_logits, make_pool, run
 
 from hicache.storage.hashing import model_fingerprint
-from server.chat_template import NoChatTemplate, load_chat_template
-from server.models import named
-from server.models.gguf import GGUFError, export_hf_folder, find_gguf
-from server.models.loader import load_model, resolve_model, resolve_model_path
-from server.tokenizer import load_tokenizer
+from hicache_server.chat_template import NoChatTemplate, load_chat_template
+from hicache_server.models import named
+from hicache_server.models.gguf import GGUFError, export_hf_folder, find_gguf
+from hicache_server.models.loader import load_model, resolve_model, resolve_model_path
+from hicache_server.tokenizer import load_tokenizer
 
 pytest.importorskip("accelerate")  # transformers needs it to read a GGUF (the reference)
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]

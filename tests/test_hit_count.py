@@ -15,8 +15,8 @@ from conftest import WAIT_S, submit_in_one_step
 from test_hiradix_cache import make_pools, make_tree
 
 from hicache.tree.radix import RadixCache
-from server.config import load_config
-from server.engine import Engine
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
 
 PAGE = 16
 

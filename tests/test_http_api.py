@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from server.config import load_config
-from server.engine import Engine
-from server.http import begin_shutdown, create_app
-from server.http.discovery import served_model_name
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http import begin_shutdown, create_app
+from hicache_server.http.discovery import served_model_name
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 LONG_PROMPT = "abc" * 40  # 120 byte tokens: 7 full pages of 16, cacheable

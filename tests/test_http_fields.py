@@ -22,13 +22,13 @@ from conftest import app_client, small_engine
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerImpl
 
-from server.config import load_config
-from server.engine import Engine
-from server.http import create_app
-from server.http.discovery import served_model_name
-from server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
-from server.request import MAX_TOP_LOGPROBS
-from server.tokenizer import EMBEDDED_MARKER_KEY, NUM_BYTES, SPECIAL_TOKENS, bytes_to_unicode
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http import create_app
+from hicache_server.http.discovery import served_model_name
+from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
+from hicache_server.request import MAX_TOP_LOGPROBS
+from hicache_server.tokenizer import EMBEDDED_MARKER_KEY, NUM_BYTES, SPECIAL_TOKENS, bytes_to_unicode
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "The radix tree keeps every prefix once. "
@@ -89,14 +89,14 @@ async def test_unknown_fields_are_ignored_with_one_warning_each(
     # greedy and past EOS: both requests answer 2 tokens whatever the weights' rounding
     body = {"text": PROMPT, top: 1, "sampling_params": {
         "max_new_tokens": 2, "temperature": 0, "ignore_eos": True, nested: True}}
-    with caplog.at_level(logging.WARNING, logger="server.http.fields"):
+    with caplog.at_level(logging.WARNING, logger="hicache_server.http.fields"):
         first = await ok(client, "/generate", body)
         again = await ok(client, "/generate", body)
         await ok(client, "/v1/completions", completion(PROMPT, 2, **{top: 1}, stream_options={
             option: 1}))
         await ok(client, "/v1/completions", completion(PROMPT, 2, stream_options={option: 1}))
     assert len(first["output_ids"]) == len(again["output_ids"]) == 2  # both served
-    warned = [r.getMessage() for r in caplog.records if r.name == "server.http.fields"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "hicache_server.http.fields"]
     for name in (top, f"sampling_params.{nested}", f"stream_options.{option}"):
         assert sum(f"`{name}`" in m for m in warned) == 1, (name, warned)
 

@@ -416,7 +416,7 @@ def hasher_of(e: Any) -> PageHasher:
 
 def test_events_config_errors_name_the_key() -> None:
     from hicache.config import ConfigError
-    from server.config import load_config
+    from hicache_server.config import load_config
     with pytest.raises(ConfigError, match="events.publisher: 'kafka' is not one of null, zmq"):
         load_config(None, {"events.publisher": "kafka"})
     with pytest.raises(ConfigError, match="events.endpoint: 'localhost:5557' must start"):
@@ -428,7 +428,7 @@ def test_events_config_errors_name_the_key() -> None:
 
 
 def test_kv_events_flag_is_vllms_json() -> None:
-    from server.args import parse_config
+    from hicache_server.args import parse_config
     flag = ('{"publisher": "zmq", "endpoint": "tcp://*:6000", '
             '"replay_endpoint": "tcp://*:6001", "topic": "kv"}')
     cfg, _ = parse_config(["--kv-events-config", flag])
@@ -447,7 +447,7 @@ def test_disabled_by_default_costs_no_publisher(tmp_path) -> None:
 
 def test_an_endpoint_in_use_is_an_error_naming_the_keys() -> None:
     from hicache.build import _event_publisher
-    from server.config import load_config
+    from hicache_server.config import load_config
     first = _event_publisher(load_config(None, EVENTS).events)
     try:
         port = first.endpoint.rsplit(":", 1)[1]

@@ -19,8 +19,8 @@ from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, S
 from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
 from hicache.tree import HostCounters
-from server.engine import Engine
-from server.http import attach_metrics, create_app
+from hicache_server.engine import Engine
+from hicache_server.http import attach_metrics, create_app
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16

@@ -17,7 +17,7 @@ import transformers
 
 from hicache.kernels import cpu_linear
 from hicache.memory.device import DeviceKVPool
-from server.models import (
+from hicache_server.models import (
     EMBEDDED_TINY_LLAMA,
     ForwardBatch,
     LoadedModel,
@@ -27,9 +27,9 @@ from server.models import (
     make_attention_backend,
     resolve_model_path,
 )
-from server.models import loader as loader_mod
-from server.models.cpu_kernels import CPU_LINEAR_CHOICES, CPU_LINEAR_ENV
-from server.models.linear import (
+from hicache_server.models import loader as loader_mod
+from hicache_server.models.cpu_kernels import CPU_LINEAR_CHOICES, CPU_LINEAR_ENV
+from hicache_server.models.linear import (
     ONEDNN_MAX_ROWS,
     Linear,
     linear,
@@ -37,8 +37,8 @@ from server.models.linear import (
     onednn_matches_kernel,
     onednn_packing_works,
 )
-from server.models.llama import RMSNorm, rope_inv_freq
-from server.tokenizer import byte_tokenizer_json
+from hicache_server.models.llama import RMSNorm, rope_inv_freq
+from hicache_server.tokenizer import byte_tokenizer_json
 
 SEED = 1234
 REL_TOL = 1e-4  # max |ours - transformers| relative to max |transformers| (float32)

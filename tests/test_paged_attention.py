@@ -24,8 +24,8 @@ from hicache.kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import CudaPagedAttention, TorchAttention
-from server.models.forward_batch import ForwardBatch
+from hicache_server.models.attention import CudaPagedAttention, TorchAttention
+from hicache_server.models.forward_batch import ForwardBatch
 
 SEED = 7
 PAGE_SIZE = 16
@@ -229,7 +229,7 @@ def test_cuda_backend_decode_matches_torch_attention() -> None:
 def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaPagedAttention's batching (slot table, scale, dtype, prefill fallback) checked on
     CPU with the kernel swapped for its reference."""
-    from server.models import attention
+    from hicache_server.models import attention
 
     calls: list[int] = []
 
@@ -254,7 +254,7 @@ def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyP
 
 def test_cuda_backend_falls_back_past_the_kernel_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode batch whose head_dim the kernel cannot hold goes through SDPA, not an error."""
-    from server.models import attention
+    from hicache_server.models import attention
 
     calls: list[int] = []
     monkeypatch.setattr(attention, "paged_decode_attention", lambda *a: calls.append(1))

@@ -21,9 +21,9 @@ from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.pins import PinRefused, PinTable
 from hicache.tree.radix import RadixCache
-from server.config import load_config
-from server.engine import Engine
-from server.request import InvalidRequest
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.request import InvalidRequest
 
 PAGE = 16
 PARAMS = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}

@@ -18,13 +18,13 @@ import pytest
 import torch
 from conftest import app_client, missing_tool, tiered_engine
 
-from server.chat_template import load_chat_template
-from server.engine import Engine
-from server.http.chat import chat_prompt_ids
-from server.models.gguf import iter_gguf_tensors
-from server.models.loader import resolve_model
-from server.models.named import DEFAULT_MODEL, named_model_file
-from server.tokenizer import load_tokenizer
+from hicache_server.chat_template import load_chat_template
+from hicache_server.engine import Engine
+from hicache_server.http.chat import chat_prompt_ids
+from hicache_server.models.gguf import iter_gguf_tensors
+from hicache_server.models.loader import resolve_model
+from hicache_server.models.named import DEFAULT_MODEL, named_model_file
+from hicache_server.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 16

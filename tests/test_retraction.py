@@ -21,9 +21,9 @@ import pytest
 from conftest import hold_scheduler, record_forwards, submit_all, submit_in_one_step
 
 from hicache.metrics import CacheMetrics
-from server.config import load_config
-from server.engine import Engine
-from server.request import Request
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.request import Request
 
 PAGE = 4
 SMALL_L1 = 128       # tokens: three 12-token prompts decoding 40 tokens each do not fit

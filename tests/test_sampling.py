@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-import server.engine as engine_module
-import server.scheduler.tokens as scheduler_module
-from server.config import load_config
-from server.engine import Engine
-from server.request import InvalidRequest, SamplingParams
-from server.sampling import LogitsShaper, sample_row
-from server.tokenizer import EOS_ID
+import hicache_server.engine as engine_module
+import hicache_server.scheduler.tokens as scheduler_module
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.request import InvalidRequest, SamplingParams
+from hicache_server.sampling import LogitsShaper, sample_row
+from hicache_server.tokenizer import EOS_ID
 
 PAGE = 16
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

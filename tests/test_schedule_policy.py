@@ -17,13 +17,13 @@ from conftest import (
 )
 
 from hicache.stack import CacheStack
-from server.config import SCHEDULE_POLICIES, load_config
-from server.engine import Engine
-from server.request import Request, SamplingParams
-from server.scheduler import policy
-from server.scheduler.admission import Admission
-from server.scheduler.kv import RequestKV
-from server.scheduler.policy import (
+from hicache_server.config import SCHEDULE_POLICIES, load_config
+from hicache_server.engine import Engine
+from hicache_server.request import Request, SamplingParams
+from hicache_server.scheduler import policy
+from hicache_server.scheduler.admission import Admission
+from hicache_server.scheduler.kv import RequestKV
+from hicache_server.scheduler.policy import (
     IN_BATCH_SHARE_MIN_TOKENS,
     MAX_IN_BATCH_DELAYS,
     RANDOM_POLICY_SEED,

@@ -45,11 +45,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
 class Server:
-    """A `python -m server.launch` child; stderr is drained by a thread into `lines`."""
+    """A `python -m hicache_server.launch` child; stderr is drained by a thread into `lines`."""
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.launch", *args], cwd=REPO, env=dict(os.environ),
+            [sys.executable, "-m", "hicache_server.launch", *args], cwd=REPO, env=dict(os.environ),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, errors="replace")
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -187,7 +187,7 @@ async def test_serve_drain_on_sigterm_and_reuse_lmdb(config: str) -> None:
 
 
 def run_to_exit(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server.launch", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "hicache_server.launch", *args], cwd=REPO,
                           env=dict(os.environ), capture_output=True, text=True, check=False,
                           timeout=START_TIMEOUT_S)
 

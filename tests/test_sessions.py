@@ -21,11 +21,11 @@ from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
 from hicache.tree.radix import RadixCache
 from hicache.tree.sessions import SessionTable
-from server.args import parse_config
-from server.config import load_config
-from server.engine import Engine
-from server.http.native import parse_generate
-from server.request import InvalidRequest
+from hicache_server.args import parse_config
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.http.native import parse_generate
+from hicache_server.request import InvalidRequest
 
 PAGE = 16
 PARAMS = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}

@@ -13,7 +13,7 @@ from hicache.model_kv import ModelKV
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters, StorageStats
 from hicache.storage.tier_state import StorageCounters
-from server.config import load_config
+from hicache_server.config import load_config
 
 PER_TOKEN = DeviceKVPool.bytes_per_token(2, 2, 32, torch.float32)  # 1 KiB
 GIB = 1 << 30

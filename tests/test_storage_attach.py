@@ -19,9 +19,9 @@ from conftest import app_client, small_engine
 from http_helpers import PAGE, backed_up, error_of, tiers
 
 from hicache.config import REDACTED
-from server.config import load_config
-from server.engine import Engine
-from server.storage_attach import StorageChangeRefused
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.storage_attach import StorageChangeRefused
 
 ROUTE = "/hicache/storage-backend"
 KEY = "attach-admin-key"

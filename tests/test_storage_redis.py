@@ -46,7 +46,7 @@ from hicache.memory.host import HostKVPool
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.redis_store import PASSWORD_ENV, Backoff, RedisStore
 from hicache.storage.page_format import HEADER_BYTES, PageCodec
-from server.config import load_config
+from hicache_server.config import load_config
 
 __all__ = ["redis_cluster", "redis_server"]  # session fixtures, used by name below
 
@@ -369,8 +369,8 @@ def test_registry_and_arguments(redis_server: RedisServer) -> None:
 # imports once). argv: a JSON list of config overrides, the prompt, the sampling params.
 SECOND_ENGINES = """
 import json, sys
-from server.config import load_config
-from server.engine import Engine
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
 configs, prompt, sampling = (json.loads(a) for a in sys.argv[1:4])
 results = []
 for overrides in configs:
@@ -394,7 +394,7 @@ def engine_overrides(target: RedisServer | RedisClusterNodes) -> dict[str, Any]:
 
 def test_a_prefix_computed_by_one_engine_is_a_storage_hit_for_another_process(
         redis_server: RedisServer, redis_cluster: RedisClusterNodes) -> None:
-    from server.engine import Engine  # the server side only for this test
+    from hicache_server.engine import Engine  # the server side only for this test
 
     prompt = [(7 * i + 3) % 256 for i in range(100)]
     configs, computed = [engine_overrides(redis_server), engine_overrides(redis_cluster)], []

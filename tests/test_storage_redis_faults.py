@@ -43,7 +43,7 @@ from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
-from server.config import load_config
+from hicache_server.config import load_config
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 
@@ -264,7 +264,7 @@ def stored_pages(server: RedisServer, prefix: str) -> int:
 
 def test_an_engine_starts_on_a_junk_peer_computes_and_backs_up_once_it_behaves(
         redis_server: RedisServer) -> None:
-    from server.engine import Engine  # the server side only for this test
+    from hicache_server.engine import Engine  # the server side only for this test
 
     def prompt(n: int) -> list[int]:
         return [(7 * i + 3 * n + 1) % 256 for i in range(100)]

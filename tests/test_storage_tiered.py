@@ -35,8 +35,8 @@ from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.tiered_store import TieredStore
 from hicache.storage.page_format import PageCodec
-from server.args import EXIT_BAD_CONFIG, parse_config
-from server.config import load_config
+from hicache_server.args import EXIT_BAD_CONFIG, parse_config
+from hicache_server.config import load_config
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 
@@ -266,7 +266,7 @@ def test_the_extra_config_flag_takes_one_object_per_part(
 
 def test_two_engines_with_private_lmdbs_share_one_redis(tmp_path: Path,
                                                         redis_server: RedisServer) -> None:
-    from server.engine import Engine  # the server side only for this test
+    from hicache_server.engine import Engine  # the server side only for this test
 
     prefix = f"eng-{uuid.uuid4().hex[:8]}:"
 

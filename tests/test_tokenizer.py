@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.models import loader
-from server.models.loader import (
+from hicache_server.models import loader
+from hicache_server.models.loader import (
     EMBEDDED_TINY_LLAMA,
     embedded_tokenizer_files,
     resolve_model_path,
 )
-from server.tokenizer import (
+from hicache_server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EOS_ID,
@@ -245,7 +245,7 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
 def test_special_tokens_are_kept_when_asked() -> None:
     """`skip_special_tokens=False` writes a special id as its token string, in both
     tokenizers; by default it is dropped."""
-    from server.tokenizer import EOS_ID, SPECIAL_TOKENS, ByteTokenizer
+    from hicache_server.tokenizer import EOS_ID, SPECIAL_TOKENS, ByteTokenizer
 
     tok = ByteTokenizer()
     assert tok.decode([72, 105, EOS_ID]) == "Hi"

@@ -29,13 +29,13 @@ def test_no_warm_up_without_a_storage_tier_or_a_budget(tmp_path) -> None:
 def test_a_failing_warm_up_leaves_a_serving_engine(tmp_path, monkeypatch, caplog) -> None:
     """The warm-up is an optimisation: a forward that raises is logged, and the engine
     serves (its cost model learns from the first requests)."""
-    from server.model_runner import ModelRunner
+    from hicache_server.model_runner import ModelRunner
 
     def broken(self, tokens):
         raise RuntimeError("no made-up tokens today")
 
     monkeypatch.setattr(ModelRunner, "timed_prefill", broken)
-    with caplog.at_level("WARNING", logger="server.scheduler.warmup"), \
+    with caplog.at_level("WARNING", logger="hicache_server.scheduler.warmup"), \
             tiered(tmp_path, **{"storage.prefill_warmup_s": 1.0}) as e:
         answer = e.generate(input_ids=list(range(1, 40)), sampling_params=GREEDY)
     assert answer["output_ids"]

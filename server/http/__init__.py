@@ -29,10 +29,10 @@ executor, never onto the loop.
 
 from __future__ import annotations
 
-from server.http.admin import AdminDenied, add_admin_routes, check_admin_access, is_loopback
-from server.http.app import attach_metrics, begin_shutdown, create_app
-from server.http.errors import HttpError, RequestFailed
-from server.http.state import STATE, Handler, ServerState
+from hicache_server.http.admin import AdminDenied, add_admin_routes, check_admin_access, is_loopback
+from hicache_server.http.app import attach_metrics, begin_shutdown, create_app
+from hicache_server.http.errors import HttpError, RequestFailed
+from hicache_server.http.state import STATE, Handler, ServerState
 
 __all__ = ["STATE", "AdminDenied", "Handler", "HttpError", "RequestFailed", "ServerState",
            "add_admin_routes", "attach_metrics", "begin_shutdown", "check_admin_access",

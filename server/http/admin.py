@@ -45,10 +45,10 @@ from aiohttp import web
 from hicache.metrics import tier_summaries
 from hicache.policies import TIERS
 from hicache.stats import StorageStats
-from server.engine import Engine
-from server.http.body import brief, check_fields, check_type, read_object
-from server.http.errors import HttpError, error_response
-from server.http.state import STATE, Handler
+from hicache_server.engine import Engine
+from hicache_server.http.body import brief, check_fields, check_type, read_object
+from hicache_server.http.errors import HttpError, error_response
+from hicache_server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 SGLANG_FLUSH_TIERS = ("device", "host")  # SGLang's /flush_cache empties GPU and host memory
@@ -242,7 +242,7 @@ async def handle_tiers(request: web.Request) -> web.Response:
 
 
 def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:
-    """Add the admin routes to an app from `server.http.app.create_app(engine)`."""
+    """Add the admin routes to an app from `hicache_server.http.app.create_app(engine)`."""
     if STATE not in app or app[STATE].engine is not engine:
         raise ValueError("add_admin_routes needs the app that create_app built for this engine")
     routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),

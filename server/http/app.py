@@ -19,9 +19,9 @@ import time
 from aiohttp import web
 
 from hicache.metrics import CacheMetrics
-from server.engine import Engine, EngineClosed
-from server.http.chat import chat_route
-from server.http.discovery import (
+from hicache_server.engine import Engine, EngineClosed
+from hicache_server.http.chat import chat_route
+from hicache_server.http.discovery import (
     handle_detokenize,
     handle_get_load,
     handle_model,
@@ -30,10 +30,10 @@ from server.http.discovery import (
     handle_server_info,
     handle_tokenize,
 )
-from server.http.errors import HttpError, RequestFailed, error_response
-from server.http.native import handle_close_session, handle_generate
-from server.http.openai import handle_completions
-from server.http.state import (
+from hicache_server.http.errors import HttpError, RequestFailed, error_response
+from hicache_server.http.native import handle_close_session, handle_generate
+from hicache_server.http.openai import handle_completions
+from hicache_server.http.state import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     STATE,
@@ -41,7 +41,7 @@ from server.http.state import (
     ServerState,
     live_engine,
 )
-from server.request import InvalidRequest
+from hicache_server.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
     """The API over `engine`; without `metrics`, one is made and wired to the engine's hooks.
-    Admin routes are added separately (`server.http.admin.add_admin_routes`)."""
+    Admin routes are added separately (`hicache_server.http.admin.add_admin_routes`)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)

@@ -1,7 +1,7 @@
 """Reading a request body as JSON and checking its fields' shapes; errors are 4xx HttpErrors
 whose messages name the field, what was sent (cut short) and what is allowed.
 
-The engine checks the values' ranges (`server.request`); these check only JSON shapes.
+The engine checks the values' ranges (`hicache_server.request`); these check only JSON shapes.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from server.http.errors import HttpError
-from server.http.state import STATE
+from hicache_server.http.errors import HttpError
+from hicache_server.http.state import STATE
 
 
 async def read_json(request: web.Request, *, empty: Any = None) -> Any:

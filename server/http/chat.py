@@ -5,10 +5,10 @@
                                   "top_logprobs", "stream", "stream_options", ...}
 
 docs/http.md has the table of every accepted field. The messages are rendered with the
-model's chat template (`server.chat_template`, read once when the route is built by
+model's chat template (`hicache_server.chat_template`, read once when the route is built by
 `chat_route`) and tokenized without added specials, so BOS comes from the template alone.
 The rest is /v1/completions' machinery, not a copy of it: the same field policy
-(`server.http.fields`: unknown fields, also inside a message, ignored with one warning; the
+(`hicache_server.http.fields`: unknown fields, also inside a message, ignored with one warning; the
 known ones this server cannot honour, `CHAT_UNSUPPORTED`, a 400), the same sampling fields
 (`OPENAI_PARAMS`), `n` choices built by `Engine.make_requests` (one prefill, shared through
 the tree) and started together, and the same `usage` / `sglext` (`usage_fields`).
@@ -29,15 +29,15 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from server.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate, load_chat_template
-from server.engine import Engine
-from server.http.body import brief, json_type, read_object
-from server.http.discovery import served_model_name
-from server.http.errors import HttpError
-from server.http.fields import Only, check_int, known_fields
-from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import session_of
-from server.http.openai import (
+from hicache_server.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate, load_chat_template
+from hicache_server.engine import Engine
+from hicache_server.http.body import brief, json_type, read_object
+from hicache_server.http.discovery import served_model_name
+from hicache_server.http.errors import HttpError
+from hicache_server.http.fields import Only, check_int, known_fields
+from hicache_server.http.generation import LogprobOptions, start_all, submit
+from hicache_server.http.native import session_of
+from hicache_server.http.openai import (
     COMPLETION_UNSUPPORTED,
     OPENAI_PARAMS,
     flag,
@@ -47,13 +47,13 @@ from server.http.openai import (
     request_priority,
     usage_options,
 )
-from server.http.openai_logprobs import Entry, Namer, token_namer
-from server.http.openai_shapes import finished_sglext, usage_fields
-from server.http.prompts import Prompt, Prompts, check_batch_size
-from server.http.state import Handler, live_engine
-from server.http.streaming import TextDeltas, json_events, last_results, merged, send_sse
-from server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest, check_unicode
-from server.tokenizer import Tokenizer
+from hicache_server.http.openai_logprobs import Entry, Namer, token_namer
+from hicache_server.http.openai_shapes import finished_sglext, usage_fields
+from hicache_server.http.prompts import Prompt, Prompts, check_batch_size
+from hicache_server.http.state import Handler, live_engine
+from hicache_server.http.streaming import TextDeltas, json_events, last_results, merged, send_sse
+from hicache_server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest, check_unicode
+from hicache_server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -32,18 +32,18 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from hicache.metrics import tier_summaries
-from server.config import config_to_dict
-from server.engine import Engine
-from server.http.body import brief, check_type, json_type, read_object
-from server.http.errors import HttpError
-from server.http.fields import known_fields
-from server.http.state import STATE
-from server.request import check_unicode
+from hicache_server.config import config_to_dict
+from hicache_server.engine import Engine
+from hicache_server.http.body import brief, check_type, json_type, read_object
+from hicache_server.http.errors import HttpError
+from hicache_server.http.fields import known_fields
+from hicache_server.http.state import STATE
+from hicache_server.request import check_unicode
 
 PACKAGE = "hicache"  # the distribution whose version /get_server_info reports
 UNKNOWN_VERSION = "unknown"  # running from a source tree that was never installed
 OWNED_BY = "hicache"  # OpenAI model cards' `owned_by`
-# The generation routes' field policy (`server.http.fields`): other fields are ignored, with
+# The generation routes' field policy (`hicache_server.http.fields`): other fields are ignored, with
 # one warning per name (vLLM's clients send e.g. `add_generation_prompt`).
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "add_special_tokens",
                              "return_token_strs"})

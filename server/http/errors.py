@@ -3,7 +3,7 @@
     {"error": {"message": ..., "type": ERROR_TYPES[status], "code": status}}
 
 `HttpError` is a client error with its status; `RequestFailed` is the engine failing one
-request (a 500). `server.http.app.error_middleware` turns both, and the engine's own
+request (a 500). `hicache_server.http.app.error_middleware` turns both, and the engine's own
 exceptions, into this shape.
 """
 

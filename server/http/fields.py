@@ -24,8 +24,8 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
-from server.http.body import brief
-from server.http.errors import HttpError
+from hicache_server.http.body import brief
+from hicache_server.http.errors import HttpError
 
 logger = logging.getLogger(__name__)
 

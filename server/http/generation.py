@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from server.engine import Engine
-from server.http.prompts import Prompts, item_message
-from server.http.streaming import start_streams
-from server.request import InvalidRequest, Request
-from server.tokenizer import Tokenizer
+from hicache_server.engine import Engine
+from hicache_server.http.prompts import Prompts, item_message
+from hicache_server.http.streaming import start_streams
+from hicache_server.request import InvalidRequest, Request
+from hicache_server.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -33,20 +33,20 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from server.http.body import brief, check_fields, check_type, read_object
-from server.http.errors import HttpError
-from server.http.fields import Only, known_fields, refuse_unsupported
-from server.http.generation import LogprobOptions, Submitted, start_all, submit
-from server.http.prompts import (
+from hicache_server.http.body import brief, check_fields, check_type, read_object
+from hicache_server.http.errors import HttpError
+from hicache_server.http.fields import Only, known_fields, refuse_unsupported
+from hicache_server.http.generation import LogprobOptions, Submitted, start_all, submit
+from hicache_server.http.prompts import (
     Prompts,
     check_batch_size,
     id_prompts,
     per_prompt,
     text_prompts,
 )
-from server.http.state import live_engine
-from server.http.streaming import json_events, last_results, merged, send_sse
-from server.request import InvalidRequest, SamplingParams, check_session_id
+from hicache_server.http.state import live_engine
+from hicache_server.http.streaming import json_events, last_results, merged, send_sse
+from hicache_server.request import InvalidRequest, SamplingParams, check_session_id
 
 ROUTE = "POST /generate"
 GENERATE_UNSUPPORTED = {

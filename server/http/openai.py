@@ -5,7 +5,7 @@
 
 docs/http.md has the table of every accepted field. The renamed sampling fields map onto
 `sampling_params` (`OPENAI_PARAMS`); the engine's messages about them are answered in the
-OpenAI names (`openai_message`). The field policy (`server.http.fields`) covers the rest:
+OpenAI names (`openai_message`). The field policy (`hicache_server.http.fields`) covers the rest:
 unknown fields are ignored with one warning, the known ones this server cannot honour
 (`COMPLETION_UNSUPPORTED`) are a 400.
 
@@ -14,7 +14,7 @@ A list of prompts answers `n` choices per prompt, indexed prompt-major (choice
 (one prefill, shared through the tree) and keeps the `n` of highest cumulative logprob; it
 cannot be streamed (the best are known only at the end), as in OpenAI. `priority` (vLLM's
 extension: an integer, default 0) is every prompt's request priority.
-The answers' shapes are built in `server.http.openai_shapes`.
+The answers' shapes are built in `hicache_server.http.openai_shapes`.
 """
 
 from __future__ import annotations
@@ -23,22 +23,22 @@ from typing import Any
 
 from aiohttp import web
 
-from server.http.body import check_type, read_object
-from server.http.discovery import served_model_name
-from server.http.errors import HttpError
-from server.http.fields import Only, check_int, known_fields, refuse_unsupported
-from server.http.generation import LogprobOptions, start_all, submit
-from server.http.native import session_of
-from server.http.openai_shapes import (
+from hicache_server.http.body import check_type, read_object
+from hicache_server.http.discovery import served_model_name
+from hicache_server.http.errors import HttpError
+from hicache_server.http.fields import Only, check_int, known_fields, refuse_unsupported
+from hicache_server.http.generation import LogprobOptions, start_all, submit
+from hicache_server.http.native import session_of
+from hicache_server.http.openai_shapes import (
     Completion,
     CompletionShape,
     completion_chunks,
     completion_response,
 )
-from server.http.prompts import any_prompts, check_batch_size
-from server.http.state import live_engine
-from server.http.streaming import json_events, last_results, send_sse
-from server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest
+from hicache_server.http.prompts import any_prompts, check_batch_size
+from hicache_server.http.state import live_engine
+from hicache_server.http.streaming import json_events, last_results, send_sse
+from hicache_server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest
 
 ROUTE = "POST /v1/completions"
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -78,7 +78,7 @@ STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 def openai_body(body: dict[str, Any], allowed: tuple[str, ...], unsupported: dict[str, Only],
                 route: str) -> dict[str, Any]:
-    """What both OpenAI routes check first: the field policy (`server.http.fields`), then
+    """What both OpenAI routes check first: the field policy (`hicache_server.http.fields`), then
     the string fields every OpenAI body may carry (any model name: one model is served)."""
     body = known_fields(body, allowed, route)
     refuse_unsupported(body, unsupported)

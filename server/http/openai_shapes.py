@@ -26,8 +26,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
-from server.http.generation import Submitted
-from server.http.openai_logprobs import (
+from hicache_server.http.generation import Submitted
+from hicache_server.http.openai_logprobs import (
     Namer,
     cumulative_logprob,
     logprobs_object,
@@ -36,9 +36,9 @@ from server.http.openai_logprobs import (
     text_length,
     token_namer,
 )
-from server.http.prompts import Prompts
-from server.http.streaming import TextDeltas, merged
-from server.tokenizer import Tokenizer
+from hicache_server.http.prompts import Prompts
+from hicache_server.http.streaming import TextDeltas, merged
+from hicache_server.tokenizer import Tokenizer
 
 COMPLETION_OBJECT = "text_completion"
 TIERS_ZERO = {"device": 0, "host": 0, "storage": 0}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from server.http.body import json_type
-from server.http.errors import HttpError
+from hicache_server.http.body import json_type
+from hicache_server.http.errors import HttpError
 
 # Most prompts x choices one request may ask for: each is a request in the scheduler, so one
 # HTTP request must not queue an unbounded number (lm-eval batches tens, bench_serving one).

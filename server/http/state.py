@@ -1,7 +1,7 @@
 """What every handler shares: the engine, the metrics, the server's limits, the closing flag.
 
 Threading: a `ServerState`'s fields are read and written on the event loop only; `closing`
-flips once (`server.http.app.begin_shutdown`) and never back.
+flips once (`hicache_server.http.app.begin_shutdown`) and never back.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from hicache.metrics import CacheMetrics
-from server.engine import Engine, EngineClosed
+from hicache_server.engine import Engine, EngineClosed
 
 # Largest request body read (bytes). A context-length prompt of token ids as JSON is well
 # under 1 MB for today's models (128k ids x ~7 bytes); 8 MiB leaves room and stops a client

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from server.engine import Engine
-from server.http.errors import RequestFailed, error_body, request_failure
-from server.request import Request
+from hicache_server.engine import Engine
+from hicache_server.http.errors import RequestFailed, error_body, request_failure
+from hicache_server.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -3,18 +3,18 @@ the ForwardBatch contract with the model runner."""
 
 from __future__ import annotations
 
-from server.models.attention import (
+from hicache_server.models.attention import (
     AttentionBackend,
     CpuKernelAttention,
     CudaPagedAttention,
     ReferenceAttention,
     TorchAttention,
 )
-from server.models.attention_choice import make_attention_backend
-from server.models.config import ModelArchConfig
-from server.models.forward_batch import ForwardBatch
-from server.models.llama import LlamaForCausalLM
-from server.models.loader import (
+from hicache_server.models.attention_choice import make_attention_backend
+from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.llama import LlamaForCausalLM
+from hicache_server.models.loader import (
     EMBEDDED_TINY_LLAMA,
     LoadedModel,
     hicache_home,

@@ -50,7 +50,7 @@ from hicache.kernels import cpu_attention
 from hicache.kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
-from server.models.forward_batch import ForwardBatch
+from hicache_server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

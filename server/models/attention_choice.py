@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from hicache.kernels import cpu_attention
-from server.models.attention import (
+from hicache_server.models.attention import (
     AttentionBackend,
     CpuKernelAttention,
     CudaPagedAttention,
     TorchAttention,
 )
-from server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
+from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 logger = logging.getLogger(__name__)
 

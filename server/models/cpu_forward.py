@@ -34,11 +34,11 @@ from torch import nn
 from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
 from hicache.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import CpuKernelAttention, kernel_indices
-from server.models.config import ModelArchConfig
-from server.models.cpu_kernels import KERNEL_DTYPES
-from server.models.forward_batch import ForwardBatch
-from server.models.linear import Linear
+from hicache_server.models.attention import CpuKernelAttention, kernel_indices
+from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.cpu_kernels import KERNEL_DTYPES
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.linear import Linear
 
 # New tokens up to which a batch takes the lean path: decode batches and short extends,
 # where the Python per call is a visible share of the step (at 300 rows it is under 1%).

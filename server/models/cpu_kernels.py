@@ -1,7 +1,7 @@
 """Which C kernels a model runs on the CPU: the linear kernel (kernels/cpu_linear.c) and the
 layer's other ops (kernels/cpu_layer.c), each for float32 and bfloat16 where it builds, each switched off
 by an environment variable for side-by-side runs (the attention kernel's choice is
-`server.models.attention_choice.make_attention_backend`).
+`hicache_server.models.attention_choice.make_attention_backend`).
 
 Threading: any thread (at model load).
 """

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import AttentionBackend, CudaPagedAttention
-from server.models.forward_batch import ForwardBatch
+from hicache_server.models.attention import AttentionBackend, CudaPagedAttention
+from hicache_server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ import xxhash
 from tqdm import tqdm
 
 from hicache.storage.hashing import GGUF_IDENTITY_KEY
-from server.models.folders import write_folder
-from server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
+from hicache_server.models.folders import write_folder
+from hicache_server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
 
 GGUF_SUFFIX = ".gguf"
 COMPANION_DIR = "gguf"  # under hicache_home()/models

@@ -6,7 +6,7 @@ output, a row's bits independent of its batch, decode batches at memory bandwidt
 oneDNN copy for chunks of ONEDNN_MIN_ROWS rows or more where oneDNN gives the very same bits
 (`onednn_matches_kernel`); for bfloat16, the kernel's VNNI pairs alone (AMX, vdpbf16ps or
 AVX-512F; oneDNN's bfloat16 bits depend on the batch size); otherwise oneDNN's blocked
-layout. `server.models.cpu_kernels` chooses the kernel.
+layout. `hicache_server.models.cpu_kernels` chooses the kernel.
 
 Threading: `forward` runs on the scheduler thread.
 """

@@ -20,12 +20,12 @@ from torch import nn
 from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
 from hicache.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
-from server.models.attention import AttentionBackend
-from server.models.config import ModelArchConfig
-from server.models.cpu_forward import LeanForward
-from server.models.cpu_kernels import KERNEL_DTYPES
-from server.models.forward_batch import ForwardBatch
-from server.models.linear import Linear, linear, make_param, onednn_linear_works
+from hicache_server.models.attention import AttentionBackend
+from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.cpu_forward import LeanForward
+from hicache_server.models.cpu_kernels import KERNEL_DTYPES
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.linear import Linear, linear, make_param, onednn_linear_works
 
 # transformers' separate projections -> (our stacked parameter, shard index within it)
 _STACKED = {

@@ -30,14 +30,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hicache.memory.device import resolve_device
-from server.models.attention_choice import make_attention_backend
-from server.models.config import ModelArchConfig
-from server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
-from server.models.folders import write_folder
-from server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
-from server.models.llama import LlamaForCausalLM
-from server.models.named import named_model_file
-from server.tokenizer import (
+from hicache_server.models.attention_choice import make_attention_backend
+from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
+from hicache_server.models.folders import write_folder
+from hicache_server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
+from hicache_server.models.llama import LlamaForCausalLM
+from hicache_server.models.named import named_model_file
+from hicache_server.tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EMBEDDED_MARKER_KEY,

@@ -8,6 +8,6 @@
     tokens.py     a forward pass's next tokens (shaped, argmax or sampled) and logprobs
 """
 
-from server.scheduler.loop import Scheduler
+from hicache_server.scheduler.loop import Scheduler
 
 __all__ = ["Scheduler"]

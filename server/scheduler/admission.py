@@ -38,9 +38,9 @@ from hicache.handles import Hit
 from hicache.pages import pages_up
 from hicache.stack import CacheStack
 from hicache.storage.tier_state import Resume
-from server.request import Request
-from server.scheduler.kv import RequestKV, cache_key
-from server.scheduler.policy import InBatchSharing, filling, make_policy
+from hicache_server.request import Request
+from hicache_server.scheduler.kv import RequestKV, cache_key
+from hicache_server.scheduler.policy import InBatchSharing, filling, make_policy
 
 # The new-token estimate, SGLang's defaults (global_config / ServerArgs with
 # schedule_conservativeness 1): start at 0.7 of every request's remaining max_new_tokens, fall

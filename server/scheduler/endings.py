@@ -16,12 +16,12 @@ from typing import Any
 
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
-from server.inbox import Inbox, SchedulerStopped
-from server.request import Request
-from server.scheduler.kv import RequestKV
-from server.scheduler.text import OutputText
+from hicache_server.inbox import Inbox, SchedulerStopped
+from hicache_server.request import Request
+from hicache_server.scheduler.kv import RequestKV
+from hicache_server.scheduler.text import OutputText
 
-logger = logging.getLogger("server.scheduler.loop")  # the scheduler's own logger, as before
+logger = logging.getLogger("hicache_server.scheduler.loop")  # the scheduler's own logger, as before
 
 
 class RequestEndings:

@@ -1,6 +1,6 @@
 """A request's device slots: allocated ahead of each step, handed to the tree when its prompt
 is prefilled and when it finishes (or is retracted), released on the way out. The regions and
-who frees each are drawn on `server.request.Request`.
+who frees each are drawn on `hicache_server.request.Request`.
 
     fill      the prompt's rest (after a retraction: prompt and output beyond the tree's hit)
               comes from the request's `reserved` tokens, promised at admission: never fails
@@ -22,7 +22,7 @@ import torch
 
 from hicache.pages import pages_down, pages_up
 from hicache.stack import CacheStack
-from server.request import Request
+from hicache_server.request import Request
 
 
 def cache_key(req: Request) -> list[int]:

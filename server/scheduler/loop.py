@@ -15,7 +15,7 @@ Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`),
                -> lock -> evict -> load-back from L2 -> reserve L1 for the fill)
     run        the model runner starts the loads and runs the batch
     finish     a request whose fill just ended has its tokens inserted into the tree (it
-               keeps the path locked); choose tokens (`server.sampling`: shaped logits for
+               keeps the path locked); choose tokens (`hicache_server.sampling`: shaped logits for
                the requests that ask, one argmax for all greedy rows, `sample_row` for the
                rest) and read the logprobs asked for; finished requests are inserted whole
                (duplicate slots freed, write-through queued) and unlocked
@@ -39,17 +39,17 @@ import torch
 
 from hicache.stack import CacheStack
 from hicache.stats import RequestCounters
-from server.inbox import Inbox, SchedulerStopped
-from server.model_runner import ModelRunner
-from server.request import Request
-from server.scheduler.admission import Admission
-from server.scheduler.endings import RequestEndings
-from server.scheduler.kv import RequestKV
-from server.scheduler.retraction import Retraction, progress
-from server.scheduler.text import OutputText
-from server.scheduler.tokens import TokenChoice
-from server.scheduler.warmup import warm_up_prefill
-from server.tokenizer import Tokenizer
+from hicache_server.inbox import Inbox, SchedulerStopped
+from hicache_server.model_runner import ModelRunner
+from hicache_server.request import Request
+from hicache_server.scheduler.admission import Admission
+from hicache_server.scheduler.endings import RequestEndings
+from hicache_server.scheduler.kv import RequestKV
+from hicache_server.scheduler.retraction import Retraction, progress
+from hicache_server.scheduler.text import OutputText
+from hicache_server.scheduler.tokens import TokenChoice
+from hicache_server.scheduler.warmup import warm_up_prefill
+from hicache_server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Scheduling policies: the order waiting requests are asked in, and the delay that lets a
 request hit the prefix another request's prefill is computing (`server.schedule_policy`,
-`--schedule-policy`; the names are `server.config.SCHEDULE_POLICIES`).
+`--schedule-policy`; the names are `hicache_server.config.SCHEDULE_POLICIES`).
 
     lpm         longest cached prefix first (`peek_prefix`: a peek that touches nothing),
                 first come first served among equals and past MAX_LPM_SCAN waiting
@@ -34,9 +34,9 @@ from typing import ClassVar
 
 from hicache.pages import pages_down
 from hicache.stack import CacheStack
-from server.config import SCHEDULE_POLICIES
-from server.request import Request
-from server.scheduler.kv import cache_key
+from hicache_server.config import SCHEDULE_POLICIES
+from hicache_server.request import Request
+from hicache_server.scheduler.kv import cache_key
 
 # Waiting requests ranked by the cache-aware policies each step; past this many, first come
 # first served (matching every request every step would cost more than it saves; SGLang

@@ -19,8 +19,8 @@ Threading: scheduler thread.
 from __future__ import annotations
 
 from hicache.stats import RequestCounters
-from server.request import Request
-from server.scheduler.kv import RequestKV
+from hicache_server.request import Request
+from hicache_server.scheduler.kv import RequestKV
 
 
 def progress(req: Request) -> tuple[int, int]:

@@ -5,15 +5,15 @@
     stop string   the answer is cut where the first one starts, unless `no_stop_trim`
     length        `max_new_tokens` reached
     min_new_tokens  nothing above stops a request before it has this many tokens (the logits
-                  mask the stop tokens meanwhile, `server.sampling.LogitsShaper`)
+                  mask the stop tokens meanwhile, `hicache_server.sampling.LogitsShaper`)
 
 Threading: scheduler thread.
 """
 
 from __future__ import annotations
 
-from server.request import Request
-from server.tokenizer import Tokenizer
+from hicache_server.request import Request
+from hicache_server.tokenizer import Tokenizer
 
 
 class OutputText:

@@ -15,16 +15,16 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from server.model_runner import ForwardOutput
-from server.request import Request
-from server.sampling import (
+from hicache_server.model_runner import ForwardOutput
+from hicache_server.request import Request
+from hicache_server.sampling import (
     LogitsShaper,
     logprob_reads,
     record_logprob,
     sample_row,
     token_logprobs,
 )
-from server.scheduler.text import OutputText
+from hicache_server.scheduler.text import OutputText
 
 
 class TokenChoice:

@@ -21,7 +21,7 @@ import logging
 import time
 
 from hicache.stack import CacheStack
-from server.model_runner import ModelRunner
+from hicache_server.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

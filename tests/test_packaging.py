@@ -1,0 +1,68 @@
+"""What the wheel installs: `hicache` and `hicache_server` (the `server/` folder under a name of
+its own), never a top-level `server` that would collide with any other in vLLM's or SGLang's
+environment; and the `hicache-server` command still points at the launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDER_OF_PACKAGE = {"hicache": "hicache", "hicache_server": "server"}
+
+
+def declared() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_declared() -> None:
+    """pyproject lists the packages by hand (a mapped folder cannot be found by `find:`), so a
+    new subpackage left out of the list would be missing from the wheel."""
+    found = set()
+    for package, folder in FOLDER_OF_PACKAGE.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *rel)))
+    assert set(declared()["packages"]) == found
+    assert declared()["package-dir"] == {"hicache_server": "server"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out), str(ROOT)], check=True, capture_output=True)
+    (path,) = out.glob("hicache-*.whl")
+    return path
+
+
+def test_the_wheel_holds_no_top_level_server(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"hicache", "hicache_server"}
+    assert "hicache_server/launch.py" in names
+    assert "hicache_server/http/app.py" in names
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "hicache-server = hicache_server.launch:main" in zipfile.ZipFile(wheel).read(
+        entry).decode()
+
+
+def test_import_server_fails_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
+    """Installed into a venv of its own (no dependencies: only what the wheel itself puts
+    there is looked at), `hicache_server` is found and `server` is not."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True)
+    probe = ("import importlib.util as u; "
+             "print(u.find_spec('hicache_server') is not None, "
+             "u.find_spec('hicache_server.launch') is not None, u.find_spec('server') is None)")
+    got = subprocess.run([py, "-I", "-c", probe], cwd=tmp_path, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert got == ["True", "True", "True"]
