@@ -1,5 +1,5 @@
 """KV cache events in vLLM's schema: what each tier of this server holds, for cache-aware
-routers (llm-d, NVIDIA Dynamo, or a small subscriber). See docs/kv_events.md."""
+routers (llm-d, NVIDIA Dynamo, or a small subscriber). See docs/events.md."""
 
 from hicache.events.publisher import (
     EventCounters,
