@@ -217,8 +217,8 @@ def test_only_the_tree_writes_node_fields(path: Path) -> None:
 
 def test_hicache_installs_no_top_level_kernels_package() -> None:
     """`kernels` is the registry name of the package transformers (>= 5.25) imports its hub
-    kernels from; hicache's kernel bindings live in `hicache.kernels` and its C and CUDA
-    sources in kernels/ (no `__init__.py`, so never a package that shadows that one)."""
+    kernels from; hicache's kernel bindings live in `hicache.kernels` (the model's in
+    `hicache_server.models.kernels`), each with its C and CUDA sources in its src/."""
     import importlib.metadata
     import importlib.util
 
