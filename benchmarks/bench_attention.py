@@ -7,7 +7,7 @@ All read K/V through a slot table of scattered pages (as the engine's pool holds
                per-sequence loop (`ReferenceAttention`, what the engine ran before batching)
     batched    `TorchAttention`: one gather and one SDPA for the whole batch, KV heads never
                repeated (the engine's path on the CPU, and on CUDA without CuPy)
-    kernel     kernels/paged_attention.cu, one launch for the batch (CUDA only)
+    kernel     kernels/src/paged_attention.cu, one launch for the batch (CUDA only)
     flashinfer `FlashInferAttention`: FlashInfer's paged decode over the pool's pages, planned
                once per batch (CUDA with flashinfer-python; the engine's CUDA default);
                timed twice: a fresh batch per call (page table and plan included), and
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hicache.kernels.paged_attention import paged_decode_attention
+from hicache_server.models.kernels.paged_attention import paged_decode_attention
 from hicache_server.models.attention import TorchAttention
 from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from hicache_server.models.forward_batch import ForwardBatch

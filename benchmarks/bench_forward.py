@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.kernels import cpu_attention, cpu_layer, cpu_linear
+from hicache_server.models.kernels import cpu_attention, cpu_layer, cpu_linear
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
 from hicache_server.models.forward_batch import ForwardBatch

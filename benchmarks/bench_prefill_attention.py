@@ -10,7 +10,7 @@ as the engine holds them:
     masked       `TorchAttention(lower_right=False)`: a materialised `[new, prefix + new]`
                  mask on every device (CUDA's prefill path before the flash one)
     kernel       on the CPU, float32, where it builds: `CpuKernelAttention`, the engine's
-                 CPU default (kernels/cpu_attention.c: K/V read through the slots, no gather)
+                 CPU default (kernels/src/cpu_attention.c: K/V read through the slots, no gather)
     flashinfer   on CUDA with flashinfer-python: `FlashInferAttention`, FlashInfer's paged
                  prefill over the pool's pages (the engine's CUDA default), planned each
                  call; `flashinfer_layer` the same on a batch already planned
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
-from hicache.kernels import cpu_attention
+from hicache_server.models.kernels import cpu_attention
 from hicache_server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
 from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from hicache_server.models.forward_batch import ForwardBatch

@@ -104,8 +104,9 @@ def missing_tool(message: str) -> NoReturn:
     pytest.skip(message)
 
 
-def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:
-    """`nvcc --cubin` of a kernel source for `arch`; skips only when no nvcc is installed."""
+def compile_cubin(source: Path, arch: str, out_dir) -> bytes:
+    """`nvcc --cubin` of the kernel source `source` for `arch`; skips only when no nvcc is
+    installed."""
     import subprocess
 
     from hicache.kernels import cuda_utils
@@ -113,9 +114,9 @@ def compile_cubin(kernel_file: str, arch: str, out_dir) -> bytes:
     nvcc = cuda_utils.find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
-    cubin = out_dir / f"{kernel_file}_{arch}.cubin"
+    cubin = out_dir / f"{source.name}_{arch}.cubin"
     proc = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin),
-                           str(cuda_utils.KERNEL_DIR / kernel_file)],
+                           str(source)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     return cubin.read_bytes()
@@ -199,7 +200,7 @@ async def app_client(engine: Engine, *, wait_idle: bool = True, admin: bool = Fa
 
 
 def bf16_paths(kernel: Any, wanted: tuple[str, ...]) -> Iterator[Any]:
-    """A CPU kernel (hicache/kernels/cpu_linear.py, cpu_attention.py) on each of `wanted`'s
+    """A CPU kernel (models/kernels/cpu_linear.py, cpu_attention.py) on each of `wanted`'s
     bfloat16 paths this CPU has (AVX-512F always), in turn; its own path again after."""
     default = kernel.bf16_path
     try:

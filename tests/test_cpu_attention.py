@@ -1,4 +1,4 @@
-"""The CPU attention kernel (kernels/cpu_attention.c) against its torch reference, the
+"""The CPU attention kernel (kernels/src/cpu_attention.c) against its torch reference, the
 row-invariance it promises (a token's bits do not depend on how its sequence was split into
 prefix, extend and decode), and the model on it: cached and recomputed K/V bit-identical.
 
@@ -15,8 +15,8 @@ import torch
 from conftest import bf16_paths as paths
 from test_attention import make_case, new_kv
 
-from hicache.kernels import cpu_attention
-from hicache.kernels.cpu_attention import paged_attention_reference
+from hicache_server.models.kernels import cpu_attention
+from hicache_server.models.kernels.cpu_attention import paged_attention_reference
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention
 from hicache_server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend

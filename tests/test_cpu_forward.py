@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from hicache.kernels import cpu_attention, cpu_layer
+from hicache_server.models.kernels import cpu_attention, cpu_layer
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import EMBEDDED_TINY_LLAMA, ForwardBatch, LoadedModel, load_model
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention

@@ -1,4 +1,4 @@
-"""The CPU kernels of a decoder layer's other ops (kernels/cpu_layer.c): RMSNorm with the
+"""The CPU kernels of a decoder layer's other ops (kernels/src/cpu_layer.c): RMSNorm with the
 residual add, RoPE and SiLU * up against torch's ops, each row alone (its bits independent
 of the rows beside it), RoPE bit for bit; and the model on them. The cached-vs-recomputed
 bits test of test_cpu_attention runs on these kernels too.
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hicache.kernels import cpu_layer
+from hicache_server.models.kernels import cpu_layer
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel

@@ -1,4 +1,4 @@
-"""The CPU linear kernel (kernels/cpu_linear.c): F.linear's result, the exact arithmetic it
+"""The CPU linear kernel (kernels/src/cpu_linear.c): F.linear's result, the exact arithmetic it
 promises (float32: one FMA chain per output, in input order; bfloat16: one float32 chain
 over the input pairs, then one rounding), and that a row's bits depend on nothing else in
 the call: not the rows beside it, their number, the row stride nor the thread count; in
@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import bf16_paths as paths
 
-from hicache.kernels import cpu_linear
+from hicache_server.models.kernels import cpu_linear
 from hicache_server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
 from hicache_server.models.linear import Linear, onednn_matches_kernel
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from hicache.kernels import cpu_linear
+from hicache_server.models.kernels import cpu_linear
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import (
     EMBEDDED_TINY_LLAMA,

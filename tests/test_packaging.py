@@ -4,6 +4,7 @@ environment; and the `hicache-server` command still points at the launcher."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -34,9 +35,16 @@ def test_every_package_folder_is_declared() -> None:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of what the wheel is made of: the checkout's build/ keeps every
+    file an earlier build copied there, moved or deleted since, and setuptools ships it."""
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in FOLDER_OF_PACKAGE.values():
+        shutil.copytree(ROOT / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(ROOT)], check=True, capture_output=True)
+                    "-q", "-w", str(out), str(src)], check=True, capture_output=True)
     (path,) = out.glob("hicache-*.whl")
     return path
 
@@ -50,6 +58,18 @@ def test_the_wheel_holds_no_top_level_server(wheel: Path) -> None:
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hicache-server = hicache_server.launch:main" in zipfile.ZipFile(wheel).read(
         entry).decode()
+
+
+def test_each_kernel_package_ships_its_own_sources(wheel: Path) -> None:
+    """The cache's transfer kernel in `hicache.kernels`, the model's kernels (headers
+    included: the C kernels include them) in `hicache_server.models.kernels`, none in both."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package, folder in (("hicache", ROOT / "hicache" / "kernels" / "src"),
+                            ("hicache_server", ROOT / "server" / "models" / "kernels" / "src")):
+        inside = folder.relative_to(ROOT / FOLDER_OF_PACKAGE[package])
+        shipped = {n for n in names if n.startswith(f"{package}/{inside.as_posix()}/")}
+        assert shipped == {f"{package}/{inside.as_posix()}/{f.name}" for f in folder.iterdir()}
+    assert not {n for n in names if n.startswith("hicache/kernels/src/cpu_")}
 
 
 def test_import_server_fails_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""kernels/paged_attention: the torch reference against TorchAttention on CPU, argument
+"""models/kernels/paged_attention: the torch reference against TorchAttention on CPU, argument
 checks, compilation with nvcc/NVRTC, and the CUDA kernel against the reference on a GPU.
 
 Every slot that a sequence does not own, the padding page included, is poisoned with NaN: an
@@ -17,15 +17,16 @@ import pytest
 import torch
 from conftest import compile_cubin, missing_tool
 
-from hicache.kernels import cuda_utils, paged_attention
-from hicache.kernels.paged_attention import (
+from hicache.kernels import cuda_utils
+from hicache.memory.device import DeviceKVPool
+from hicache_server.models.attention import CudaPagedAttention, TorchAttention
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels import paged_attention
+from hicache_server.models.kernels.paged_attention import (
     MAX_HEAD_DIM,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from hicache.memory.device import DeviceKVPool
-from hicache_server.models.attention import CudaPagedAttention, TorchAttention
-from hicache_server.models.forward_batch import ForwardBatch
 
 SEED = 7
 PAGE_SIZE = 16
@@ -164,7 +165,7 @@ def test_kernel_wrapper_rejects_cpu_tensors() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
-    data = compile_cubin("paged_attention.cu", arch, tmp_path)
+    data = compile_cubin(paged_attention.SOURCE, arch, tmp_path)
     for suffix in ("f32", "f16", "bf16"):
         assert f"paged_decode_attention_{suffix}".encode() in data
 
@@ -172,7 +173,7 @@ def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
 def test_nvrtc_compiles_without_headers() -> None:
     if cuda_utils.load_nvrtc() is None:
         missing_tool("no NVRTC library installed (torch's CUDA wheels ship one)")
-    ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source("paged_attention.cu"))
+    ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source(paged_attention.SOURCE))
     for suffix in ("f32", "f16", "bf16"):
         assert f".entry paged_decode_attention_{suffix}(" in ptx
 
@@ -300,7 +301,7 @@ def test_launch_matches_the_kernel_signature(monkeypatch: pytest.MonkeyPatch) ->
         ExternalStream=lambda ptr, index: contextlib.nullcontext()))
     monkeypatch.setattr(paged_attention, "import_cupy", lambda: fake_cupy)
     monkeypatch.setattr(paged_attention, "raw_module",
-                        lambda name: SimpleNamespace(get_function=get_function))
+                        lambda source: SimpleNamespace(get_function=get_function))
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -310,7 +311,7 @@ def test_launch_matches_the_kernel_signature(monkeypatch: pytest.MonkeyPatch) ->
     out = torch.empty_like(q)
     paged_attention._launch(q, k_cache, v_cache, table, lens, out, 0.125)
     name, (grid, block, args) = launches
-    source = cuda_utils.kernel_source("paged_attention.cu")
+    source = cuda_utils.kernel_source(paged_attention.SOURCE)
     assert name == "paged_decode_attention_bf16" and name in source
     assert grid == (8, 2)  # one block per (query head, sequence)
     assert block == (_define(source, "THREADS"),) == (paged_attention._THREADS,)

@@ -397,7 +397,7 @@ def _call(direction: str, a: dict) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
-    data = compile_cubin("transfer_kv.cu", arch, tmp_path)
+    data = compile_cubin(transfer_kv_cuda.SOURCE, arch, tmp_path)
     assert len(data) > 0
     assert b"gather_kv_d2h" in data and b"scatter_kv_h2d" in data  # extern "C": unmangled
 
@@ -405,7 +405,7 @@ def test_nvcc_compiles_cubin(arch: str, tmp_path: Path) -> None:
 def test_nvrtc_compiles_without_headers() -> None:
     if cuda_utils.load_nvrtc() is None:
         missing_tool("no NVRTC library installed (torch's CUDA wheels ship one)")
-    ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source("transfer_kv.cu"))
+    ptx = cuda_utils.nvrtc_compile(cuda_utils.kernel_source(transfer_kv_cuda.SOURCE))
     assert ".entry gather_kv_d2h" in ptx and ".entry scatter_kv_h2d" in ptx
     with pytest.raises(RuntimeError, match="undefined"):
         cuda_utils.nvrtc_compile("__global__ void f() { undefined_function(); }")
@@ -604,7 +604,7 @@ def test_kernel_args_match_the_kernel_signature_and_stay_alive(
     t = transfer_kv._validate(k, v, host, LAYER_FIRST, dev_pages, host_pages, 16, layers,
                               dst_is_host=True)
     args, keep = transfer_kv_cuda._kernel_args(t, torch_stream=None)  # type: ignore[arg-type]
-    source = cuda_utils.kernel_source("transfer_kv.cu")
+    source = cuda_utils.kernel_source(transfer_kv_cuda.SOURCE)
     for kernel in ("gather_kv_d2h", "scatter_kv_h2d"):
         want = [_C_TO_NUMPY[c] for c in cu_signature(source, kernel)]
         assert [type(a).__name__ for a in args] == want

@@ -1,4 +1,5 @@
-"""Loading the `.cu` files of this package: CuPy modules, nvcc and NVRTC discovery.
+"""Loading `.cu` files (this package's src/, and the model's): CuPy modules, nvcc and NVRTC
+discovery.
 
 CuPy is optional (the `cuda` extra): it is imported inside the functions that need it, so
 `kernels` imports, and its pure-torch references run, on a machine without it or without a GPU.
@@ -17,8 +18,6 @@ from typing import Any
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parent / "src"  # the repository's kernels/ folder
-
 # Where a CUDA toolkit lives when its bin/ is not on PATH (the NVIDIA installers' default).
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
@@ -27,9 +26,9 @@ DEFAULT_CUDA_HOME = "/usr/local/cuda"
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 
-def kernel_source(name: str) -> str:
-    """Text of `kernels/<name>` (e.g. "transfer_kv.cu")."""
-    return (KERNEL_DIR / name).read_text(encoding="utf-8")
+def kernel_source(source: Path) -> str:
+    """Text of the `.cu` file `source` (e.g. `transfer_kv_cuda.SOURCE`)."""
+    return source.read_text(encoding="utf-8")
 
 
 def find_nvcc() -> str | None:
@@ -58,13 +57,14 @@ def import_cupy() -> Any:
 
 
 @functools.cache
-def raw_module(name: str, options: tuple[str, ...] = NVRTC_OPTIONS) -> Any:
-    """`cupy.RawModule` of `kernels/<name>`, compiled once per process (CuPy also caches on disk).
+def raw_module(source: Path, options: tuple[str, ...] = NVRTC_OPTIONS) -> Any:
+    """`cupy.RawModule` of the `.cu` file `source`, compiled once per process (CuPy also
+    caches on disk).
 
     The module is compiled for the current device on first use; call it with that device current.
     """
     cupy = import_cupy()
-    return cupy.RawModule(code=kernel_source(name), options=options)
+    return cupy.RawModule(code=kernel_source(source), options=options)
 
 
 def as_torch_stream(stream: Any, device: torch.device) -> torch.cuda.Stream:

@@ -1,4 +1,4 @@
-"""The `cuda` backend of kernels/transfer_kv.py: kernels/transfer_kv.cu launched through CuPy.
+"""The `cuda` backend of transfer_kv.py: src/transfer_kv.cu launched through CuPy.
 
 One launch moves every (page, layer, K|V) chunk of a transfer; the GPU reads and writes the
 pinned host buffer directly through UVA. Arguments arrive validated (`transfer_kv._validate`).
@@ -7,6 +7,7 @@ pinned host buffer directly through UVA. Arguments arrive validated (`transfer_k
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +25,7 @@ _THREADS_PER_BLOCK = 256
 _WARPS_PER_BLOCK = _THREADS_PER_BLOCK // 32
 _BLOCKS_PER_SM = 4
 
-_KERNEL_FILE = "transfer_kv.cu"
+SOURCE = Path(__file__).with_name("src") / "transfer_kv.cu"
 
 def launch(t: Transfer, kernel_name: str, stream: Any) -> None:
     device = t.k_buffers[0].device
@@ -50,7 +51,7 @@ def launch(t: Transfer, kernel_name: str, stream: Any) -> None:
         blocks = max(1, min(-(-num_chunks // _WARPS_PER_BLOCK), sms * _BLOCKS_PER_SM))
         with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(
                 torch_stream.cuda_stream, device.index):
-            kernel = raw_module(_KERNEL_FILE).get_function(kernel_name)
+            kernel = raw_module(SOURCE).get_function(kernel_name)
             kernel((blocks,), (_THREADS_PER_BLOCK,), args)
         del keep
 

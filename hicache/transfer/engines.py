@@ -234,7 +234,7 @@ class CudaHandle(TransferHandle):
 class CudaTransferEngine(TransferEngine):
     """Copies on two non-blocking CuPy streams (one per direction) with per-layer events.
 
-    `io_backend="kernel"` launches `kernels/transfer_kv.cu` through CuPy (one launch for all
+    `io_backend="kernel"` launches `kernels/src/transfer_kv.cu` through CuPy (one launch for all
     layers D->H, one per layer H->D so layers land in order); without CuPy it falls back, with
     a warning, to `"direct"`: torch copies over runs of consecutive pages on the same streams.
     The host pool must be pinned (the kernel reads and writes it through UVA, and a direct

@@ -27,7 +27,7 @@ kept on the ForwardBatch (`ForwardBatch.memo`). `ReferenceAttention` is the plai
 loop, kept as the reference the tests compare against.
 
 On the CPU in float32 the engine's default is `CpuKernelAttention`, one call of the C kernel
-(kernels/cpu_attention.c) per layer for the whole batch, K/V read through the slots; it
+(kernels/src/cpu_attention.c) per layer for the whole batch, K/V read through the slots; it
 computes each row alike however its sequence was split, so prefilled, extended and decoded
 tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel cannot
 (no AVX-512 or C compiler, bfloat16, `HICACHE_CPU_ATTENTION=sdpa`).
@@ -46,8 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from hicache.kernels import cpu_attention
-from hicache.kernels.paged_attention import MAX_HEAD_DIM, MAX_NUM_SEQS, paged_decode_attention
+from hicache_server.models.kernels import cpu_attention
+from hicache_server.models.kernels.paged_attention import (
+    MAX_HEAD_DIM,
+    MAX_NUM_SEQS,
+    paged_decode_attention,
+)
 from hicache.memory import INDEX_DTYPE
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
@@ -309,7 +313,7 @@ class CudaPagedAttention(AttentionBackend):
 class CpuKernelAttention(AttentionBackend):
     """Every float32 or bfloat16 CPU batch (prefill, extend, decode, mixed) in one call of
     the C kernel
-    (kernels/cpu_attention.c), K/V read from the pool through each sequence's slots: no
+    (kernels/src/cpu_attention.c), K/V read from the pool through each sequence's slots: no
     gather, no mask, no per-sequence loop. A row's result depends only on its query and its
     keys, so a token gets the same bits prefilled, extended on a cached prefix, or decoded,
     and recomputed and cached K/V agree bit for bit across every path. Other dtypes (and a

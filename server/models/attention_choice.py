@@ -1,7 +1,7 @@
 """Which attention backend a model runs (`make_attention_backend`), by device and by the
 environment switches kept for side-by-side runs:
 
-    HICACHE_CPU_ATTENTION    kernel (default): the C kernel (kernels/cpu_attention.c) where
+    HICACHE_CPU_ATTENTION    kernel (default): the C kernel (kernels/src/cpu_attention.c) where
                              it builds; sdpa: TorchAttention
     HICACHE_CUDA_ATTENTION   flashinfer (default): FlashInfer where `flashinfer` imports;
                              cupy: the CuPy decode kernel, SDPA for prefill; sdpa:
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.kernels import cpu_attention
+from hicache_server.models.kernels import cpu_attention
 from hicache_server.models.attention import (
     AttentionBackend,
     CpuKernelAttention,

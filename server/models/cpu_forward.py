@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
-from hicache.kernels.cpu_linear import CpuLinearKernel
+from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, kernel_indices
 from hicache_server.models.config import ModelArchConfig

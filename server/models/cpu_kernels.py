@@ -1,7 +1,7 @@
-"""Which C kernels a model runs on the CPU: the linear kernel (kernels/cpu_linear.c) and the
-layer's other ops (kernels/cpu_layer.c), each for float32 and bfloat16 where it builds, each switched off
-by an environment variable for side-by-side runs (the attention kernel's choice is
-`hicache_server.models.attention_choice.make_attention_backend`).
+"""Which C kernels a model runs on the CPU: the linear kernel (kernels/src/cpu_linear.c) and
+the layer's other ops (kernels/src/cpu_layer.c), each for float32 and bfloat16 where it builds,
+each switched off by an environment variable for side-by-side runs (the attention kernel's
+choice is `hicache_server.models.attention_choice.make_attention_backend`).
 
 Threading: any thread (at model load).
 """
@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import torch
 
-from hicache.kernels import cpu_layer, cpu_linear
-from hicache.kernels.cpu_layer import CpuLayerKernel
-from hicache.kernels.cpu_linear import CpuLinearKernel
+from hicache_server.models.kernels import cpu_layer, cpu_linear
+from hicache_server.models.kernels.cpu_layer import CpuLayerKernel
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 
 KernelT = TypeVar("KernelT")
 KERNEL_DTYPES = cpu_linear.DTYPES  # float32 and bfloat16: every CPU kernel takes both

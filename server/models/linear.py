@@ -1,7 +1,7 @@
 """Linear layers (`Linear`: q|k|v, o, gate|up, down, the LM head) and how their matmuls run.
 
 On CUDA, cuBLAS through `F.linear`. On the CPU each Linear keeps its weight packed once
-after loading: for float32, panels for the C kernel (kernels/cpu_linear.c: one FMA chain per
+after loading: for float32, panels for the C kernel (kernels/src/cpu_linear.c: one FMA chain per
 output, a row's bits independent of its batch, decode batches at memory bandwidth), plus a
 oneDNN copy for chunks of ONEDNN_MIN_ROWS rows or more where oneDNN gives the very same bits
 (`onednn_matches_kernel`); for bfloat16, the kernel's VNNI pairs alone (AMX, vdpbf16ps or
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.kernels.cpu_linear import CpuLinearKernel
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 
 
 def make_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -132,14 +132,14 @@ class Linear(nn.Module):
     matmul, and every call runs on it:
 
     - float32 where the C kernel builds (`kernel`, set by `LlamaForCausalLM.use_linear_kernel`;
-      kernels/cpu_linear.c): every output one FMA chain over the inputs in order, whatever
+      kernels/src/cpu_linear.c): every output one FMA chain over the inputs in order, whatever
       the batch size, so a row's bits do not depend on the rows beside it; a decode batch
       streams the weight at memory bandwidth (the embedded model's 97 MB of weights in a
       one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores). Chunks of ONEDNN_MIN_ROWS
       rows or more take a oneDNN copy too, where its bits are the kernel's.
     - bfloat16 on the same kernel: float32 sums over the input pairs, one rounding; on AMX
       0.6-0.9x the speed of oneDNN's bfloat16 matmul at 2,048 rows and 1.5-4x faster for decode
-      batches (hicache/kernels/cpu_linear.py), every call on the kernel.
+      batches (kernels/cpu_linear.py), every call on the kernel.
     - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
       reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
       505 -> 272 us), and a row's result does not depend on how many rows share the call

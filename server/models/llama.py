@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.kernels.cpu_layer import CpuLayerKernel, check_positions
-from hicache.kernels.cpu_linear import CpuLinearKernel
+from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.config import ModelArchConfig

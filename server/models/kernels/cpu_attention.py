@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hicache.kernels import cpu_build
+from hicache_server.models.kernels import cpu_build
 
 _SOURCE = Path(__file__).with_name("src") / "cpu_attention.c"
 _SYMBOLS = {torch.float32: "hicache_paged_attention_f32",

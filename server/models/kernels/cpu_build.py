@@ -1,6 +1,6 @@
 """Compile a C kernel of this folder once with the system compiler and load it (ctypes).
 
-    path = build(Path("kernels/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-<key>.so
+    path = build(Path("src/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-<key>.so
     kernel = load(source, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN")
 
 The .so is keyed by a hash of the source, the folder's headers (`cpu_exp.h`), the flags and

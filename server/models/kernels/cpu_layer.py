@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.kernels import cpu_build
+from hicache_server.models.kernels import cpu_build
 
 _SOURCE = Path(__file__).with_name("src") / "cpu_layer.c"
 

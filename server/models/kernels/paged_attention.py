@@ -1,6 +1,6 @@
 """Paged decode attention: one query token per sequence, K/V read through a slot table.
 
-Layouts (the device KV pool's, hicache/memory_pool.py)::
+Layouts (the device KV pool's, hicache/memory/device.py)::
 
     q, out          [S, H, D]                 S sequences, H query heads, head dim D
     k_cache/v_cache [num_slots, KVH, D]       one layer of the pool, slot-major
@@ -19,12 +19,14 @@ device). Values of `seq_lens` are not checked (that would synchronise): each mus
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from hicache.kernels.cuda_utils import import_cupy, raw_module
 
-_KERNEL_FILE = "paged_attention.cu"
+SOURCE = Path(__file__).with_name("src") / "paged_attention.cu"
 _KERNELS = {
     torch.float32: "paged_decode_attention_f32",
     torch.float16: "paged_decode_attention_f16",
@@ -128,5 +130,5 @@ def _launch(
     )
     with torch.cuda.device(device), cupy.cuda.Device(device.index), \
             cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
-        kernel = raw_module(_KERNEL_FILE).get_function(_KERNELS[q.dtype])
+        kernel = raw_module(SOURCE).get_function(_KERNELS[q.dtype])
         kernel((heads, num_seqs), (_THREADS,), args)
