@@ -1,7 +1,8 @@
 """The opaque handles `hicache.stack.CacheStack` hands the server: a `Hit` (a match), a
 `Lease` (a request's lock on a cached path), what an admission holds (`Admitted`), and the
-`Requester` fields the cache reads off a request. Each keeps its tree node private: no node
-crosses into the server, which passes the handles back to the stack and never looks inside.
+`Requester` fields the cache reads off a request, and the `Resume` of a prefetch to start
+again (`CacheStack.take_restarts`). Each keeps its tree node private: no node crosses into
+the server, which passes the handles back to the stack and never looks inside.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from hicache.storage.tier_state import Resume
 from hicache.tree.node import TreeNode
+
+__all__ = ["Admitted", "Hit", "Lease", "Requester", "Resume"]
 
 
 class Requester(Protocol):

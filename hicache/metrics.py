@@ -64,22 +64,20 @@ class TierSummary(NamedTuple):
     hits: int
 
 
-def tier_summaries(stats: CacheStats, page_size: int,
-                   storage_page_bytes: int | None = None) -> dict[str, TierSummary]:
+def tier_summaries(stats: CacheStats) -> dict[str, TierSummary]:
     """Capacity / used / evictable / protected / hits per tier present in `stats`, in tokens.
 
-    Storage counts pages and bytes: its capacity in tokens is `capacity_bytes` over
-    `storage_page_bytes` (one stored page, header included; an upper bound, since the store
-    has its own overhead), 0 when that is not given. Every stored page is evictable.
+    Storage counts pages and bytes; its record converts them (`StorageStats.capacity_tokens`:
+    what its bytes hold in whole stored pages, an upper bound). Every stored page is
+    evictable.
     """
     out = {"device": _memory_tier(stats.device)}
     if stats.host is not None:
         out["host"] = _memory_tier(stats.host)
     if stats.storage is not None:
         s = stats.storage
-        used = s.stored_pages * page_size
-        pages_fit = s.capacity_bytes // storage_page_bytes if storage_page_bytes else 0
-        out["storage"] = TierSummary(pages_fit * page_size, used, used, 0, s.hit_tokens)
+        out["storage"] = TierSummary(s.capacity_tokens, s.stored_tokens, s.stored_tokens, 0,
+                                     s.hit_tokens)
     return out
 
 
@@ -91,14 +89,12 @@ def _memory_tier(t: DeviceStats | HostStats) -> TierSummary:
 class CacheMetrics:
     """Histograms fed by `observe`, plus a collector that reads `stats_fn()` at scrape time.
 
-    `page_size` converts the storage tier's pages to tokens; `storage_page_bytes` (one stored
-    page, header included) gives its capacity in tokens (no capacity sample without it).
+    `page_size` converts the evicted storage pages to tokens.
     """
 
     content_type = CONTENT_TYPE
 
-    def __init__(self, stats_fn: StatsFn, *, page_size: int,
-                 storage_page_bytes: int | None = None) -> None:
+    def __init__(self, stats_fn: StatsFn, *, page_size: int) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.registry = CollectorRegistry(auto_describe=False)
@@ -106,7 +102,7 @@ class CacheMetrics:
             name: Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
             for name, (doc, buckets) in HISTOGRAMS.items()}
         self._unknown: set[str] = set()
-        self.registry.register(_StatsCollector(stats_fn, page_size, storage_page_bytes))
+        self.registry.register(_StatsCollector(stats_fn, page_size))
 
     def observe(self, name: str, seconds: float) -> None:
         """Record one latency sample. An unknown name is logged once and dropped: this hook
@@ -127,17 +123,14 @@ class CacheMetrics:
 class _StatsCollector:
     """Counters and gauges derived from one stats snapshot per scrape."""
 
-    def __init__(self, stats_fn: StatsFn, page_size: int,
-                 storage_page_bytes: int | None) -> None:
+    def __init__(self, stats_fn: StatsFn, page_size: int) -> None:
         self._stats_fn = stats_fn
         self._page_size = page_size
-        self._storage_page_bytes = storage_page_bytes
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_fn()
         yield from _request_metrics(stats)
-        yield from _tier_gauges(tier_summaries(stats, self._page_size,
-                                               self._storage_page_bytes))
+        yield from _tier_gauges(tier_summaries(stats))
         yield _evicted(stats, self._page_size)
         yield from _transfer_metrics(stats)
         yield from _storage_faults(stats.storage)

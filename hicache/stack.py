@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from hicache.config import TierSections
 from hicache.events import EventPublisher, EventRecorder, NullEventPublisher
 from hicache.events.publisher import EventCounters
@@ -43,6 +45,7 @@ from hicache.stats import (
 )
 from hicache.storage.open import open_storage_tier
 from hicache.storage.page_format import HEADER_BYTES
+from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageTier
 from hicache.storage.tier_state import Resume
 from hicache.transfer.controller import HiCacheController
@@ -87,14 +90,32 @@ class CacheStack(RequestCalls):
         """Whether prefixes are cached at all (False: --disable-radix-cache)."""
         return not self.tree.disable
 
-    def storage_page_bytes(self) -> int | None:
-        """Bytes of one stored L3 page (header + payload), None without L2 (where no L3 can
-        be attached). Known whether or not L3 is attached now: the metrics take it once at
-        start, and L3 may be attached later (`attach_storage`); without L3 the stats have
-        no storage tier to apply it to."""
-        if self.host_pool is None:
-            return None
-        return HEADER_BYTES + self.host_pool.page_bytes
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers this stack has now, L1 first (L3 comes and goes: attach / detach)."""
+        return (("device",) + ("host",) * (self.host_pool is not None)
+                + ("storage",) * (self.storage is not None))
+
+    def device_capacity(self) -> int:
+        """L1 tokens in all (free, the tree's and the requests')."""
+        return self.device_pool.allocator.total_size()
+
+    def device_kv(self) -> DeviceKVPool:
+        """The L1 buffers a forward pass writes and reads by slot: the model runner's data
+        plane. Every slot it touches comes from a lease or `alloc`."""
+        return self.device_pool
+
+    def alloc(self, tokens: int) -> torch.Tensor | None:
+        """`tokens` free L1 slots (whole pages) for a request's new tokens; None when fewer
+        are free (`evict` first)."""
+        return self.device_pool.alloc(tokens)
+
+    def free_slots(self) -> int:
+        """L1 tokens free now (not the tree's, not a request's)."""
+        return self.device_pool.available_size()
+
+    def cost_estimates(self) -> CostEstimates | None:
+        """What the storage tier's cost model estimates now; None without L3."""
+        return None if self.storage is None else self.storage.estimates()
 
     def set_observer(self, observe: Callable[[str, float], None]) -> None:
         """Latency hook for metrics: the tree's load-backs, the storage tier's prefetches."""
@@ -289,9 +310,8 @@ class CacheStack(RequestCalls):
     def _flushes_all(self, tiers: Sequence[str]) -> bool:
         """Whether a flush of `tiers` empties L3 or every tier this stack has: its events
         are then one `AllBlocksCleared` (L3's pages cannot be listed one by one)."""
-        has = (["device"] + ["host"] * (self.host_pool is not None)
-               + ["storage"] * (self.storage is not None))
-        return ("storage" in tiers and self.storage is not None) or all(t in tiers for t in has)
+        has = self.tiers()
+        return ("storage" in tiers and "storage" in has) or all(t in tiers for t in has)
 
     def _restate(self, mark: int = -1) -> None:
         """`AllBlocksCleared` (in place of the events recorded since `mark`, when given),
@@ -307,20 +327,22 @@ class CacheStack(RequestCalls):
         while the scheduler goes on."""
         alloc = self.device_pool.allocator
         device = DeviceStats(alloc.total_size(), alloc.used_size(), self.tree.evictable_size(),
-                             self.tree.protected_size(), requests.cached_device_tokens)
+                             self.tree.protected_size(), requests.cached_device_tokens,
+                             self.device_pool.size_bytes)
         host = storage = None
         if self.host_pool is not None:
             sizes = self.tree.host_sizes()
             host = HostStats(self.host_pool.total_size(),
                              self.host_pool.total_size() - self.host_pool.available_size(),
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
-                             self.tree.host_counters())
+                             self.tree.host_counters(), self.host_pool.size_bytes)
         if self.storage is not None:
             io = self.storage.io
             storage = StorageStats.read(io.backend.stats(), io.errors,
                                         requests.cached_storage_tokens,
                                         replace(self.storage.counters),
-                                        self.storage.estimates())
+                                        self.storage.estimates(), page_tokens=self.page_size,
+                                        page_bytes=HEADER_BYTES + self.host_pool.page_bytes)
         events = self.event_counters() if self.events is not None else None
         pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
                         tuple(p._asdict() for p in self.pins.infos(time.monotonic())))

@@ -71,6 +71,7 @@ class DeviceStats:
     evictable_tokens: int
     protected_tokens: int
     hit_tokens: int
+    capacity_bytes: int = 0  # the pool's KV buffers (0: a record built without a pool)
 
     def as_dict(self) -> dict[str, Any]:
         return _occupancy(self)
@@ -84,6 +85,7 @@ class HostStats:
     protected_tokens: int
     hit_tokens: int
     counters: HostCounters
+    capacity_bytes: int = 0  # the pool's KV buffers (0: a record built without a pool)
 
     def as_dict(self) -> dict[str, Any]:
         return {**_occupancy(self), **asdict(self.counters)}
@@ -105,17 +107,32 @@ class StorageStats:
     counters: StorageCounters
     backend: dict[str, Any] = field(default_factory=dict)  # the backend's own stats, whole
     estimates: CostEstimates | None = None  # the cost model's, None before it was asked
+    page_tokens: int = 0  # tokens of one stored page (0: unknown, no token counts)
+    page_bytes: int = 0   # bytes of one stored page, header included (0: unknown)
 
     @property
     def errors(self) -> int:
         return sum(self.errors_by_op.values())
 
+    @property
+    def stored_tokens(self) -> int:
+        return self.stored_pages * self.page_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        """What `capacity_bytes` holds in whole stored pages, in tokens: an upper bound, the
+        store has its own overhead; 0 when unbounded or the page size is unknown."""
+        if not self.page_bytes:
+            return 0
+        return self.capacity_bytes // self.page_bytes * self.page_tokens
+
     @classmethod
     def read(cls, backend: Mapping[str, Any], io_errors: Mapping[str, int], hit_tokens: int,
-             counters: StorageCounters, estimates: CostEstimates | None = None
-             ) -> StorageStats:
+             counters: StorageCounters, estimates: CostEstimates | None = None, *,
+             page_tokens: int = 0, page_bytes: int = 0) -> StorageStats:
         """From a backend's `stats()` and the I/O threads' fault counts ("exists", "get",
-        "set": exceptions a backend let through), summed per operation."""
+        "set": exceptions a backend let through), summed per operation; `page_tokens` and
+        `page_bytes` (one stored page) turn its pages into tokens."""
         faults = dict(backend.get(backend_stats.STAT_ERRORS_BY_OP, {}))
         for op, n in io_errors.items():
             faults[op] = faults.get(op, 0) + n
@@ -132,7 +149,7 @@ class StorageStats:
                    written_pages=count(backend_stats.STAT_WRITTEN),
                    skipped_pages=count(backend_stats.STAT_SKIPPED),
                    errors_by_op=faults, counters=counters, backend=dict(backend),
-                   estimates=estimates)
+                   estimates=estimates, page_tokens=page_tokens, page_bytes=page_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         """The backend's keys (`pages`, `bytes`, `capacity_bytes`, ... and its own extras),

@@ -124,7 +124,7 @@ class Engine:
                                    schedule_policy=self.config.server.schedule_policy,
                                    prefill_warmup_s=self.config.storage.prefill_warmup_s)
         self.checker = InputChecker(self.tokenizer, self.vocab_size, self.context_len,
-                                    self.cache.device_pool.allocator.total_size(),
+                                    self.cache.device_capacity(),
                                     self.config.cache.page_size)
         self.admin = CacheAdmin(self.cache, self.scheduler, self.checker, self._call,
                                 self._compute_prefix)

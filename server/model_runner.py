@@ -51,9 +51,9 @@ class ForwardOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: CacheStack) -> None:
         self.model = model
-        self.kv_pool: DeviceKVPool = cache.device_pool
+        self.kv_pool: DeviceKVPool = cache.device_kv()
         self.cache = cache  # launches the H->D loads admission queued (none without L2)
-        self.device = cache.device_pool.device
+        self.device = self.kv_pool.device
 
     def forward(self, reqs: list[Request], extend_lens: list[int]) -> ForwardOutput:
         """Compute K/V for `extend_lens[i]` new tokens of each request; the logits of the

@@ -69,12 +69,12 @@ class StorageAttachment:
     def attach(self, backend: str, extra_config: dict | str | None,
                     prefetch_policy: str | None, write_policy: str | None) -> dict:
         config = self._config_with(backend, extra_config, prefetch_policy, write_policy)
-        if self.cache.host_pool is None:
+        if "host" not in self.cache.tiers():
             raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
                                        "started without: restart it with "
                                        "--enable-hierarchical-cache")
         self._require_idle("attach")
-        if self.cache.storage is not None:
+        if "storage" in self.cache.tiers():
             return self._reattach(config, prefetch_policy is not None)
         try:
             self.cache.attach_storage(config, self.model)
@@ -158,7 +158,7 @@ class StorageAttachment:
                 "have finished (drain the traffic first)")
 
     def view(self) -> dict:
-        attached = self.cache.storage is not None
+        attached = "storage" in self.cache.tiers()
         section = self._section(self.config) if attached else None
         s = self.config.storage
         return {"hicache_storage_backend": s.backend if attached else None,
@@ -166,7 +166,7 @@ class StorageAttachment:
                     None if section is None else json.dumps(section),
                 "hicache_storage_prefetch_policy": s.prefetch_policy if attached else None,
                 "hicache_write_policy": self.config.host.write_policy
-                if self.cache.host_pool is not None else None,
+                if "host" in self.cache.tiers() else None,
                 "backend_config": section}
 
     @staticmethod

@@ -52,7 +52,7 @@ def imported(path: Path) -> set[str]:
 
 
 def sources() -> list[Path]:
-    return sorted(p for pkg in ("hicache", "hicache_server") for p in (ROOT / pkg).rglob("*.py"))
+    return sorted(p for folder in ("hicache", "server") for p in (ROOT / folder).rglob("*.py"))
 
 
 def within(name: str, prefix: str) -> bool:
@@ -182,6 +182,79 @@ def test_the_server_never_imports_the_tree() -> None:
     for path in sorted((ROOT / "server").rglob("*.py")):
         bad = sorted(n for n in imported(path) if within(n, "hicache.tree"))
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}; call hicache.stack.CacheStack"
+
+
+# What the server may import of hicache: the door (`stack`, `build`, its `handles`), and the
+# shared vocabulary (config, stats, policies, pages, the model's KV shape, metrics, kernels).
+SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.handles", "hicache.kernels",
+                     "hicache.metrics", "hicache.model_kv", "hicache.pages", "hicache.policies",
+                     "hicache.stack", "hicache.stats")
+# The data plane besides: the model's forward reads and writes the L1 buffers
+# (`CacheStack.device_kv`), and the engine keeps freed memory for them; the GGUF loader
+# names a weight fingerprint's key. Folders end in "/".
+SERVER_DATA_PLANE = {"hicache.memory": ("server/models/", "server/model_runner.py",
+                                        "server/engine.py"),
+                     "hicache.storage.hashing": ("server/models/gguf.py",)}
+# What the door keeps behind it: the server never reads these off a cache (`cache.storage`,
+# `engine.cache.device_pool`); it asks the door (`tiers()`, `stats()`, `cost_estimates()`).
+CACHE_PARTS = {"tree", "device_pool", "host_pool", "storage", "controller", "pins",
+               "sessions", "events", "publisher"}
+
+
+def server_sources() -> list[Path]:
+    return sorted((ROOT / "server").rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _allowed_import(name: str, rel: str) -> bool:
+    if not within(name, "hicache"):
+        return True
+    if any(within(name, door) for door in SERVER_MAY_IMPORT):
+        return True
+    return any(within(name, pkg) and any(rel == w or (w.endswith("/") and rel.startswith(w))
+                                         for w in where)
+               for pkg, where in SERVER_DATA_PLANE.items())
+
+
+@pytest.mark.parametrize("path", server_sources(), ids=_rel)
+def test_the_server_imports_only_the_door(path: Path) -> None:
+    """No `hicache.storage.tier_state.Resume` in admission: what the server passes back to
+    the cache is a handle of the door's (`hicache.handles`)."""
+    bad = sorted(n for n in imported(path) if not _allowed_import(n, _rel(path)))
+    assert not bad, f"{_rel(path)} imports {bad}; ask hicache.stack.CacheStack"
+
+
+def _is_cache(node: ast.expr) -> bool:
+    """`cache`, `self.cache`, `engine.cache`, `stack`: an expression naming the door."""
+    name = (node.id if isinstance(node, ast.Name)
+            else node.attr if isinstance(node, ast.Attribute) else None)
+    return name in ("cache", "stack")
+
+
+@pytest.mark.parametrize("path", server_sources(), ids=_rel)
+def test_the_server_reads_no_part_behind_the_door(path: Path) -> None:
+    """`cache.storage.estimates()` (warm-up), `engine.cache.device_pool.size_bytes`
+    (discovery), `cache.host_pool is None` (L3 attach): each is a question for the door."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in CACHE_PARTS:
+            assert not _is_cache(node.value), (
+                f"{_rel(path)}:{node.lineno} reads {ast.unparse(node)}; ask the door "
+                "(CacheStack.tiers / stats / cost_estimates)")
+
+
+@pytest.mark.parametrize("path", server_sources(), ids=_rel)
+def test_the_server_computes_no_page_bytes(path: Path) -> None:
+    """The bytes of a page are the cache's: `StorageStats` carries them and turns stored
+    pages into tokens (`capacity_tokens`); the HTTP layer computed them in three places."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = (node.attr if isinstance(node, ast.Attribute)
+                else node.arg if isinstance(node, ast.keyword)
+                else node.id if isinstance(node, ast.Name) else "")
+        assert "page_bytes" not in (name or ""), (
+            f"{_rel(path)}:{node.lineno} handles page bytes ({name}); read hicache.stats")
 
 
 def _node_slots() -> set[str]:

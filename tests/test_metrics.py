@@ -14,13 +14,13 @@ from conftest import app_client, tiered_engine, tiered_engine_in
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
 from hicache.stats import CacheStats, DeviceStats, HostStats, RequestCounters, StorageStats
 from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageCounters
 from hicache.tree import HostCounters
 from hicache_server.engine import Engine
 from hicache_server.http import attach_metrics, create_app
+from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16
@@ -108,7 +108,8 @@ THREE_TIERS = CacheStats(
                                                write_dropped_tokens=2)),
     StorageStats.read({"pages": 3, "capacity_bytes": 10_000, "evicted_pages": 2,
                        "corrupt_pages": 1, "errors_by_op": {"get": 4, "set": 0}}, {}, 32,
-                      StorageCounters(prefetched_tokens=32, backed_up_tokens=48)))
+                      StorageCounters(prefetched_tokens=32, backed_up_tokens=48),
+                      page_tokens=PAGE, page_bytes=1000))
 
 
 def render(stats: CacheStats, **kwargs: Any) -> Samples:
@@ -129,7 +130,7 @@ def test_l1_only_yields_device_samples_only() -> None:
 
 
 def test_three_tiers_convert_storage_pages_to_tokens() -> None:
-    samples = render(THREE_TIERS, storage_page_bytes=1000)
+    samples = render(THREE_TIERS)
     assert value(samples, "cache_hit_rate") == (32 + 16 + 32) / 128
     assert value(samples, "tier_used_tokens", tier="storage") == 3 * PAGE
     assert value(samples, "tier_capacity_tokens", tier="storage") == 10 * PAGE
@@ -140,7 +141,8 @@ def test_three_tiers_convert_storage_pages_to_tokens() -> None:
     assert value(samples, "backup_tokens_total", dest="storage") == 48
     assert value(samples, "host_reclaimed_copy_tokens_total") == 4
     assert value(samples, "host_write_dropped_tokens_total") == 2
-    no_size = render(THREE_TIERS)  # without a page size, no storage capacity sample
+    # without a stored page's size, no storage capacity sample
+    no_size = render(replace(THREE_TIERS, storage=replace(THREE_TIERS.storage, page_bytes=0)))
     assert ("hicache:tier_capacity_tokens", (("tier", "storage"),)) not in no_size
 
 
@@ -173,7 +175,7 @@ def test_each_instance_has_its_own_registry() -> None:
 
 
 def test_tier_summaries_and_bad_page_size() -> None:
-    summaries = tier_summaries(THREE_TIERS, PAGE, storage_page_bytes=1000)
+    summaries = tier_summaries(THREE_TIERS)
     assert summaries["device"] == TierSummary(256, 64, 48, 16, 32)
     assert summaries["storage"] == TierSummary(160, 48, 48, 0, 32)
     with pytest.raises(ValueError, match="page_size"):

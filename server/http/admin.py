@@ -42,12 +42,12 @@ from typing import Any
 
 from aiohttp import web
 
-from hicache.metrics import tier_summaries
 from hicache.policies import TIERS
 from hicache.stats import StorageStats
 from hicache_server.engine import Engine
 from hicache_server.http.body import brief, check_fields, check_type, read_object
 from hicache_server.http.errors import HttpError, error_response
+from hicache.metrics import tier_summaries
 from hicache_server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
@@ -224,8 +224,7 @@ def cost_model(storage: StorageStats) -> dict[str, Any]:
 async def handle_tiers(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     stats = await asyncio.get_running_loop().run_in_executor(None, engine.cache_stats)
-    summaries = tier_summaries(stats, engine.config.cache.page_size,
-                               engine.cache.storage_page_bytes())
+    summaries = tier_summaries(stats)
     tiers = {t: s._asdict() for t, s in summaries.items()}
     if stats.storage is not None:  # faults turned into misses / skipped writes, per operation
         tiers["storage"]["errors"] = stats.storage.errors

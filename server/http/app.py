@@ -18,7 +18,6 @@ import time
 
 from aiohttp import web
 
-from hicache.metrics import CacheMetrics
 from hicache_server.engine import Engine, EngineClosed
 from hicache_server.http.chat import chat_route
 from hicache_server.http.discovery import (
@@ -31,6 +30,7 @@ from hicache_server.http.discovery import (
     handle_tokenize,
 )
 from hicache_server.http.errors import HttpError, RequestFailed, error_response
+from hicache.metrics import CacheMetrics
 from hicache_server.http.native import handle_close_session, handle_generate
 from hicache_server.http.openai import handle_completions
 from hicache_server.http.state import (
@@ -92,8 +92,7 @@ def _http_exception_response(request: web.Request, e: web.HTTPException) -> web.
 def attach_metrics(engine: Engine) -> CacheMetrics:
     """A `CacheMetrics` over `engine.cache_stats`, fed by the scheduler's and the tiers'
     latency hooks."""
-    metrics = CacheMetrics(engine.cache_stats, page_size=engine.config.cache.page_size,
-                           storage_page_bytes=engine.cache.storage_page_bytes())
+    metrics = CacheMetrics(engine.cache_stats, page_size=engine.config.cache.page_size)
     engine.set_observer(metrics.observe)
     return metrics
 

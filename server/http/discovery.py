@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from hicache.metrics import tier_summaries
 from hicache_server.config import config_to_dict
 from hicache_server.engine import Engine
 from hicache_server.http.body import brief, check_type, json_type, read_object
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import known_fields
+from hicache.metrics import tier_summaries
 from hicache_server.http.state import STATE
 from hicache_server.request import check_unicode
 
@@ -240,11 +240,5 @@ async def handle_model(request: web.Request) -> web.Response:
 def tier_sizes(engine: Engine) -> dict[str, tuple[int, int]]:
     """Each tier's capacity as (tokens, bytes)."""
     stats = engine.cache_stats()
-    summaries = tier_summaries(stats, engine.config.cache.page_size,
-                               engine.cache.storage_page_bytes())
-    size_bytes = {"device": engine.cache.device_pool.size_bytes}
-    if engine.cache.host_pool is not None:
-        size_bytes["host"] = engine.cache.host_pool.size_bytes
-    if stats.storage is not None:
-        size_bytes["storage"] = stats.storage.capacity_bytes
-    return {tier: (s.capacity, size_bytes.get(tier, 0)) for tier, s in summaries.items()}
+    summaries, tiers = tier_summaries(stats), stats.tiers()
+    return {name: (s.capacity, tiers[name].capacity_bytes) for name, s in summaries.items()}

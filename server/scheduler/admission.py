@@ -34,10 +34,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from hicache.handles import Hit
+from hicache.handles import Hit, Resume
 from hicache.pages import pages_up
 from hicache.stack import CacheStack
-from hicache.storage.tier_state import Resume
 from hicache_server.request import Request
 from hicache_server.scheduler.kv import RequestKV, cache_key
 from hicache_server.scheduler.policy import InBatchSharing, filling, make_policy

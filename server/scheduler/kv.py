@@ -37,13 +37,12 @@ def cache_key(req: Request) -> list[int]:
 class RequestKV:
     def __init__(self, cache: CacheStack, running: list[Request]) -> None:
         self.cache = cache
-        self.pool = cache.device_pool
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
-        return self.pool.available_size() - sum(r.reserved for r in self.running)
+        return self.cache.free_slots() - sum(r.reserved for r in self.running)
 
     def ensure_slots(self, req: Request, upto: int) -> bool:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
@@ -58,8 +57,8 @@ class RequestKV:
             self.cache.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
                 return False
-        slots = self.pool.alloc(missing)  # reserved or free and unpromised: cannot fail
-        assert slots is not None, f"L1 has {self.pool.available_size()} free, {missing} asked"
+        slots = self.cache.alloc(missing)  # reserved or free and unpromised: cannot fail
+        assert slots is not None, f"L1 has {self.cache.free_slots()} free, {missing} asked"
         req.reserved -= missing - extra
         req.kv_slots = torch.cat([req.kv_slots, slots])
         return True

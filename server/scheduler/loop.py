@@ -150,7 +150,7 @@ class Scheduler(RequestEndings):
     def run(self, stop: threading.Event) -> None:
         try:
             warm_up_prefill(self.runner, self.cache, self.prefill_warmup_s,
-                            min(self.max_batch_tokens, self.kv.pool.available_size()))
+                            min(self.max_batch_tokens, self.cache.free_slots()))
         finally:
             self.warmed_up.set()
         while not stop.is_set():

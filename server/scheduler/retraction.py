@@ -55,10 +55,10 @@ class Retraction:
         """Why `req` fails: L1 has no room for its `tokens` and no request can be retracted."""
         alone = ("with no other request running" if len(self.running) < 2
                  else "and no running request can be retracted")
-        pool, cache = self.kv.pool, self.kv.cache
+        cache = self.kv.cache
         return RuntimeError(
             f"L1 has no room for {tokens} more token(s) of request {req.rid} {alone}: it "
             f"holds {len(req.kv_slots)} slots at position {req.num_computed}, "
-            f"{pool.available_size()} of {pool.allocator.total_size()} are free and "
+            f"{cache.free_slots()} of {cache.device_capacity()} are free and "
             f"{cache.evictable_size()} evictable (the rest is locked); lower max_new_tokens "
             "or raise --max-total-tokens")
