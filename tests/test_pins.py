@@ -15,7 +15,6 @@ from conftest import app_client
 from test_eviction_priority import RecordingAllocator
 from test_hiradix_cache import make_pools
 
-from hicache.metrics import CacheMetrics
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
@@ -23,6 +22,7 @@ from hicache.tree.pins import PinRefused, PinTable
 from hicache.tree.radix import RadixCache
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
+from hicache_server.http.metrics import CacheMetrics
 from hicache_server.request import InvalidRequest
 
 PAGE = 16

@@ -20,9 +20,9 @@ from concurrent.futures import Future
 import pytest
 from conftest import hold_scheduler, record_forwards, submit_all, submit_in_one_step
 
-from hicache.metrics import CacheMetrics
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
+from hicache_server.http.metrics import CacheMetrics
 from hicache_server.request import Request
 
 PAGE = 4

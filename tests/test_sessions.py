@@ -286,7 +286,7 @@ async def test_bad_session_fields_are_400(engine, route, body, message) -> None:
 
 
 def test_metrics_show_live_sessions() -> None:
-    from hicache.metrics import CacheMetrics
+    from hicache_server.http.metrics import CacheMetrics
 
     with session_engine() as e:
         e.generate(input_ids=prompt(11, 2 * PAGE + 1), sampling_params=PARAMS, session_id="m")

@@ -1,7 +1,7 @@
 """The aiohttp app: `create_app` wires the routes, the error middleware, health and metrics.
 
     GET  /health            200 {"status": "ok"}; 503 once shutdown has begun
-    GET  /metrics           Prometheus text (`hicache.metrics.CacheMetrics`)
+    GET  /metrics           Prometheus text (`metrics.CacheMetrics`)
 
 Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx status
 (`error_middleware`); a 500 is a bug and is logged with its traceback.
@@ -30,7 +30,7 @@ from hicache_server.http.discovery import (
     handle_tokenize,
 )
 from hicache_server.http.errors import HttpError, RequestFailed, error_response
-from hicache.metrics import CacheMetrics
+from hicache_server.http.metrics import CacheMetrics
 from hicache_server.http.native import handle_close_session, handle_generate
 from hicache_server.http.openai import handle_completions
 from hicache_server.http.state import (

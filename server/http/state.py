@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from hicache.metrics import CacheMetrics
 from hicache_server.engine import Engine, EngineClosed
+from hicache_server.http.metrics import CacheMetrics
 
 # Largest request body read (bytes). A context-length prompt of token ids as JSON is well
 # under 1 MB for today's models (128k ids x ~7 bytes); 8 MiB leaves room and stops a client
