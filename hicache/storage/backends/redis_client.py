@@ -1,12 +1,12 @@
 """The client side of `RedisStore`: one redis-py client, connected lazily, and the calls into
 it, whose faults become fallbacks behind a back-off.
 
-    _call(op, side, fallback, body)   `body(client)`, or `fallback` when closed, backing off
+    call(op, side, fallback, body)    `body(client)`, or `fallback` when closed, backing off
                                       or when Redis fails (counted, logged, backed off)
     Backoff                           the pause after a fault, one per side (reads, writes)
 
-`RedisClient` is the base of `RedisStore` (`redis_store`: the `StorageBackend` operations,
-each a body run by `_call`).
+`RedisClient` is a part of `RedisStore` (`redis_store`: the `StorageBackend` operations,
+each a body run by `call`).
 
 Faults: a Redis that is down, slow (socket timeouts) or full is a miss or a skipped write,
 counted in `errors` and logged at most once a minute per operation. After a fault the
@@ -86,7 +86,7 @@ _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClus
 _FAULTS = (RedisError, RedisClusterException, OSError)
 # Faults after which a connection's replies may be out of step with its commands.
 _OUT_OF_STEP = (BadReply, InvalidResponse)
-READ, WRITE = "read", "write"  # the sides of `_call`, each backed off on its own
+READ, WRITE = "read", "write"  # the sides of `call`, each backed off on its own
 
 
 class Backoff:
@@ -122,7 +122,7 @@ class RedisClient:
     """The client of one `RedisStore` and the calls into it (see the module docstring).
 
     `url` unredacted (it may hold the password; `self.url` is the redacted one); `counts`
-    and `faults`: the store's, which `_call` adds its faults and back-off answers to.
+    and `faults`: the store's, which `call` adds its faults and back-off answers to.
     """
 
     def __init__(self, url: str, *, cluster: bool, socket_timeout_s: float,
@@ -160,7 +160,7 @@ class RedisClient:
 
     # ------------------------------------------------------------------ calls
 
-    def _call(self, op: str, side: str, fallback: T, body: Callable[[Client], T]) -> T:
+    def call(self, op: str, side: str, fallback: T, body: Callable[[Client], T]) -> T:
         """`body(client)`, or `fallback` when closed, backing off, or Redis fails."""
         if not self._gates[side].ready():
             self._counts.add(STAT_BACKOFF, 1)

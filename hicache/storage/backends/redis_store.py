@@ -16,7 +16,7 @@ Capacity is Redis' own: run it with `maxmemory` and `maxmemory-policy allkeys-lr
 `ttl_seconds`, measured from the first write); with `noeviction`, a full Redis refuses SETs
 (OOM), and those backups are skipped and counted.
 
-Faults and junk are the client's (`redis_client`, `RedisClient`: the base of `RedisStore`): a
+Faults and junk are the client's (`redis_client`, `RedisClient`: a part `RedisStore` holds): a
 Redis that is down, slow or full, or a peer that is not Redis, is a miss or a skipped write,
 counted in `errors`, logged at most once a minute per operation, and backed off. This
 module's part: every reply is checked where it is consumed (`redis_replies`), and what
@@ -24,7 +24,7 @@ redis-py raises while parsing junk inside its calls counts the same (`asking`; t
 own code is never wrapped, so its bugs still raise).
 
 Threads: any mix of the `StorageBackend` callers. Each operation is a body that
-`RedisClient._call` runs with the one client; the store's own state is its counters (one
+`RedisClient.call` runs with the one client; the store's own state is its counters (one
 lock) and settings fixed at construction.
 """
 
@@ -86,7 +86,7 @@ HASH_HEX_DIGITS = 2 * DIGEST_BYTES  # a page hash in hex
 _SERVER_STATS = (STAT_PAGES, STAT_BYTES, STAT_CAPACITY, STAT_EVICTED)
 
 
-class RedisStore(RedisClient, ValueStore):
+class RedisStore(ValueStore):
     """`ValueStore` over Redis or a Redis Cluster (see the module docstring).
 
     `url`: redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path (not for a
@@ -104,10 +104,16 @@ class RedisStore(RedisClient, ValueStore):
                               ttl_seconds=ttl_seconds)  # validates; ConfigError is a ValueError
         counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_ERRORS, STAT_WRITTEN,
                            STAT_SKIPPED, STAT_BACKOFF))
-        super().__init__(section.url, cluster=cluster, socket_timeout_s=socket_timeout_s,
-                         connect_timeout_s=connect_timeout_s,
-                         backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
-                         counts=counts, faults=FaultLog(logger, counts))
+        self._counts, self._faults = counts, FaultLog(logger, counts)
+        # The connection, its back-off and its fault accounting: a part of its own, which
+        # adds its faults to this store's counters.
+        self._redis = RedisClient(section.url, cluster=cluster,
+                                  socket_timeout_s=socket_timeout_s,
+                                  connect_timeout_s=connect_timeout_s,
+                                  backoff_initial_s=backoff_initial_s,
+                                  backoff_max_s=backoff_max_s, counts=counts,
+                                  faults=self._faults)
+        self.url, self.cluster = self._redis.url, cluster  # the url redacted
         self.codec = codec
         self.key_prefix, self.ttl_seconds = key_prefix, ttl_seconds
         self._round_pages = max(1, PIPELINE_MAX_BYTES // codec.value_bytes)
@@ -122,7 +128,7 @@ class RedisStore(RedisClient, ValueStore):
                                                                    self._names(keys)])
             return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
-        return self._call("batch_exists", READ, 0, body) if keys else 0
+        return self._redis.call("batch_exists", READ, 0, body) if keys else 0
 
     def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
         served = [False] * len(keys)
@@ -141,13 +147,13 @@ class RedisStore(RedisClient, ValueStore):
                         corrupt.append(name)
 
         if keys:
-            self._call("batch_get", READ, None, body)
+            self._redis.call("batch_get", READ, None, body)
         hits = sum(served)
         self._counts.add(STAT_HITS, hits)
         self._counts.add(STAT_MISSES, len(keys) - hits)
         if corrupt:
             self._counts.add(STAT_CORRUPT, len(corrupt))
-            self._call("delete_corrupt", READ, 0, lambda client: self._unlink(client, corrupt))
+            self._redis.call("delete_corrupt", READ, 0, lambda client: self._unlink(client, corrupt))
         return served
 
     def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
@@ -173,12 +179,12 @@ class RedisStore(RedisClient, ValueStore):
                     raise refused
 
         if keys:
-            self._call("batch_set", WRITE, None, body)
+            self._redis.call("batch_set", WRITE, None, body)
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> int:
         names = self._names(keys)
-        return self._call("delete", READ, 0, lambda client: self._unlink(client, names))
+        return self._redis.call("delete", READ, 0, lambda client: self._unlink(client, names))
 
     def clear(self) -> int:
         """Remove every key of this store's form (`key_prefix` + 32 hex digits) on every
@@ -198,7 +204,7 @@ class RedisStore(RedisClient, ValueStore):
                 removed += self._unlink(node, batch)
             return removed
 
-        return self._call("clear", READ, 0, body)
+        return self._redis.call("clear", READ, 0, body)
 
     def stats(self) -> dict[str, Any]:
         """Server figures, summed over the primaries: `pages` is DBSIZE, every key of the
@@ -220,7 +226,7 @@ class RedisStore(RedisClient, ValueStore):
                 summed[STAT_EVICTED] += info.get("evicted_keys", 0)
             return summed
 
-        server = self._call("stats", READ, dict.fromkeys(_SERVER_STATS, 0), body)
+        server = self._redis.call("stats", READ, dict.fromkeys(_SERVER_STATS, 0), body)
         out = self._counts.snapshot()
         out[STAT_ERRORS_BY_OP] = self._faults.by_op()
         out.update(server)
@@ -239,7 +245,7 @@ class RedisStore(RedisClient, ValueStore):
             prefix = len(self.key_prefix.encode())
             return [bytes.fromhex(bytes(n)[prefix:].decode()) for n in names[:count]]
 
-        return self._call("sample", READ, [], body)
+        return self._redis.call("sample", READ, [], body)
 
     def sample_read(self, keys: Sequence[bytes]) -> int:
         names = self._names(keys)
@@ -248,9 +254,11 @@ class RedisStore(RedisClient, ValueStore):
             values = self._pipeline(client, "GET", lambda pipe: [pipe.get(n) for n in names])
             return sum(len(v) for v in values if v is not None)
 
-        return self._call("sample", READ, 0, body)
+        return self._redis.call("sample", READ, 0, body)
 
-    # close: `RedisClient.close`
+    def close(self) -> None:
+        """`StorageBackend.close`: idempotent; later calls are quiet fallbacks."""
+        self._redis.close()
 
     # ------------------------------------------------------------------ pipelines
 
