@@ -21,19 +21,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from hicache.config import TierSections
 from hicache.events import EventPublisher, EventRecorder, NullEventPublisher
 from hicache.events.publisher import EventCounters
-from hicache.handles import Lease
+from hicache.handles import Admitted, Hit, Lease, Requester, Resume
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV
-from hicache.policies import PREFETCH_POLICIES, check_choice
 from hicache.stack_requests import RequestCalls
+from hicache.stack_storage import StorageCalls
 from hicache.stats import (
     CacheStats,
     DeviceStats,
@@ -41,13 +41,10 @@ from hicache.stats import (
     PinStats,
     RequestCounters,
     SessionStats,
-    StorageStats,
 )
 from hicache.storage.open import open_storage_tier
-from hicache.storage.page_format import HEADER_BYTES
 from hicache.storage.planner import CostEstimates
 from hicache.storage.tier import StorageTier
-from hicache.storage.tier_state import Resume
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
 from hicache.tree.base import PrefixCache
@@ -59,27 +56,35 @@ __all__ = ["CacheStack", "PinRefused"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class CacheStack(RequestCalls):
+class CacheStack:
     """The tree, the pools, the L1<->L2 controller, the storage tier, the pins and the
     sessions, run as one. `host_pool` and `controller` are None without L2, `storage` None
     without L3, `sessions` None without `cache.session_retention`; `pins` holds nothing
-    unless given a cap (`build_stack` gives cache.max_pinned_tokens)."""
+    unless given a cap (`build_stack` gives cache.max_pinned_tokens). Its parts: `requests`
+    (the calls of a request's life) and `l3` (the storage tier, or its harmless answers)."""
 
-    device_pool: DeviceKVPool
-    tree: PrefixCache
-    host_pool: HostKVPool | None = None
-    controller: HiCacheController | None = None
-    storage: StorageTier | None = None
-    # KV events: the tree records into `events` (None: off), `publish_events` sends them
-    events: EventRecorder | None = None
-    publisher: EventPublisher = field(default_factory=NullEventPublisher)
-    pins: PinTable | None = None
-    sessions: SessionTable | None = None
+    def __init__(self, device_pool: DeviceKVPool, tree: PrefixCache,
+                 host_pool: HostKVPool | None = None,
+                 controller: HiCacheController | None = None,
+                 storage: StorageTier | None = None, events: EventRecorder | None = None,
+                 publisher: EventPublisher | None = None, pins: PinTable | None = None,
+                 sessions: SessionTable | None = None) -> None:
+        self.device_pool = device_pool
+        self.tree = tree
+        self.host_pool = host_pool
+        self.controller = controller
+        # KV events: the tree records into `events` (None: off), `publish_events` sends them
+        self.events = events
+        self.publisher = publisher if publisher is not None else NullEventPublisher()
+        self.pins = pins if pins is not None else PinTable(tree, 0)
+        self.sessions = sessions
+        self.requests = RequestCalls(tree, device_pool, sessions)
+        self.l3 = StorageCalls(tree, storage)
 
-    def __post_init__(self) -> None:
-        if self.pins is None:
-            self.pins = PinTable(self.tree, 0)
+    @property
+    def storage(self) -> StorageTier | None:
+        """The attached storage tier (None without L3)."""
+        return self.l3.tier
 
     @property
     def page_size(self) -> int:
@@ -113,13 +118,40 @@ class CacheStack(RequestCalls):
         """L1 tokens free now (not the tree's, not a request's)."""
         return self.device_pool.available_size()
 
-    def cost_estimates(self) -> CostEstimates | None:
-        """What the storage tier's cost model estimates now; None without L3."""
-        return None if self.storage is None else self.storage.estimates()
+    # ------------------------------------------------------- a request (`stack_requests`)
+
+    def peek(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Tokens of `key` cached in any tier, touching nothing (for ranking)."""
+        return self.requests.peek(key, extra_key)
+
+    def match(self, key: Sequence[int], who: Requester) -> Hit:
+        return self.requests.match(key, who)
+
+    def room_beyond(self, hit: Hit) -> int:
+        return self.requests.room_beyond(hit)
+
+    def admit(self, hit: Hit, evict_tokens: int = 0) -> Admitted:
+        return self.requests.admit(hit, evict_tokens)
+
+    def cache_prefix(self, lease: Lease, tokens: Sequence[int], slots: torch.Tensor,
+                     who: Requester, shared: int) -> tuple[Lease, torch.Tensor]:
+        return self.requests.cache_prefix(lease, tokens, slots, who, shared)
+
+    def release(self, lease: Lease, tokens: Sequence[int], slots: torch.Tensor,
+                who: Requester, shared: int, admitted: int, *, count_use: bool = True) -> None:
+        self.requests.release(lease, tokens, slots, who, shared, admitted,
+                              count_use=count_use)
+
+    def evict(self, tokens: int) -> int:
+        """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed."""
+        return self.tree.evict(tokens)
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
 
     def set_observer(self, observe: Callable[[str, float], None]) -> None:
         """Latency hook for metrics: the tree's load-backs, the storage tier's prefetches."""
-        self.tree.observer = observe
+        self.tree.observer = self.l3.observer = observe
         if self.storage is not None:
             self.storage.observer = observe
 
@@ -127,15 +159,9 @@ class CacheStack(RequestCalls):
 
     def poll(self) -> None:
         """Apply the acks in their fixed order: writes -> backups -> loads -> prefetches."""
-        self._backup(self.tree.writing_check())
+        self.l3.backup(self.tree.writing_check())
         self.tree.loading_check()
-        if self.storage is not None:
-            self.storage.check()
-
-    def _backup(self, written: Sequence) -> None:
-        if self.storage is not None:
-            for node in written:
-                self.storage.backup(node)
+        self.l3.check()
 
     def publish_events(self) -> None:
         """End of a scheduler step: send the step's KV events as one batch (if any). Never
@@ -151,7 +177,7 @@ class CacheStack(RequestCalls):
 
     def busy(self) -> bool:
         """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
-        return self.tree.copies_pending() or (self.storage is not None and self.storage.busy())
+        return self.tree.copies_pending() or self.l3.busy()
 
     def copies_pending(self) -> bool:
         """Whether a D->H or H->D copy is queued or in flight."""
@@ -219,65 +245,41 @@ class CacheStack(RequestCalls):
         """Release every pin; how many there were."""
         return self.pins.clear()
 
-    # ---------------------------------------------------------------------- L3 prefetch
+    # ------------------------------------------------------------ L3 (`stack_storage`)
 
     def prefetch(self, req_id: str, key: Sequence[int], extra_key: str | None,
                  resume: Resume | None = None) -> bool:
-        """Match `key` and start fetching from L3 what it has beyond its L1+L2 hit; False
-        when there is no L3 (then nothing is matched: the match would count a use) or
-        nothing worth fetching."""
-        if self.storage is None:
-            return False
-        m = self.tree.match_prefix(key, extra_key, count_hit=False)  # counted at its end
-        hit = m.device_indices.numel() + m.host_hit_length
-        return self.storage.prefetch(req_id, m.last_host_node, key[hit:], extra_key, resume,
-                                     prefix_tokens=hit)
+        return self.l3.prefetch(req_id, key, extra_key, resume)
+
+    def prefetch_ready(self, req_id: str) -> bool:
+        return self.l3.ready(req_id)
 
     def head_stop(self, req_id: str) -> int:
-        """Where the request stops computing next (tokens from its start) so that the tail
-        of its L3 hit, fetched meanwhile, joins it after; 0: no such stop."""
-        return 0 if self.storage is None else self.storage.head_stop(req_id)
+        return self.l3.head_stop(req_id)
 
     def continue_head(self, req_id: str, computed: int) -> int:
-        """The request reached its head stop, `computed` tokens: its next stop (> computed),
-        `computed` (its head is final: it waits for its tail), or 0 (no more stops: its
-        prefetch has ended, the prompt is computed on). See `hicache.storage.race`."""
-        return 0 if self.storage is None else self.storage.continue_head(req_id, computed)
+        return self.l3.continue_head(req_id, computed)
 
     def head_computed(self, req_id: str, lease: Lease) -> None:
-        """The request computed its head, whose last page ends its `lease`'s path."""
-        if self.storage is not None:
-            self.storage.head_computed(req_id, lease._end)
+        self.l3.head_computed(req_id, lease)
+
+    def end_prefetch(self, req_id: str) -> int:
+        return self.l3.end(req_id)
+
+    def take_restarts(self) -> list[tuple[str, Resume]]:
+        return self.l3.take_restarts()
 
     def observe_forward(self, rows: list[tuple[int, int]], seconds: float) -> None:
         """A forward pass of `rows` (prefix tokens, tokens computed) took `seconds`: what the
         storage tier's cost model learns this engine's prefill rate from."""
-        if self.storage is not None:
-            self.storage.observe_forward(rows, seconds)
+        self.l3.observe_forward(rows, seconds)
+
+    def cost_estimates(self) -> CostEstimates | None:
+        """What the storage tier's cost model estimates now; None without L3."""
+        return self.l3.estimates()
 
     def settle(self, timeout_s: float) -> None:
-        """Give fresh L3 queries up to `timeout_s` to answer (see `StorageTier.settle`)."""
-        if self.storage is not None:
-            self.storage.settle(timeout_s)
-
-    def prefetch_ready(self, req_id: str) -> bool:
-        """Whether the prefetch policy lets the request be admitted now."""
-        return self.storage is None or self.storage.ready(req_id)
-
-    def end_prefetch(self, req_id: str) -> int:
-        """End the request's prefetch (idempotent); the tokens it brought into L2."""
-        return 0 if self.storage is None else self.storage.terminate(req_id)
-
-    def take_restarts(self) -> list[tuple[str, Resume]]:
-        """Prefetches to start again after a fresh match, with the clock each keeps."""
-        if self.storage is None:
-            return []
-        out = []
-        for rid in self.storage.take_restarts():
-            resume = self.storage.restart(rid)
-            if resume is not None:
-                out.append((rid, resume))
-        return out
+        self.l3.settle(timeout_s)
 
     # --------------------------------------------------------------------------- admin
 
@@ -285,10 +287,9 @@ class CacheStack(RequestCalls):
         """Wait for every copy and backup in flight and apply their acks (flush, shutdown).
         Copies first: their acks queue backups, which protect host pages."""
         self.tree.wait_copies()
-        self._backup(self.tree.writing_check())
+        self.l3.backup(self.tree.writing_check())
         self.tree.loading_check()
-        if self.storage is not None:
-            self.storage.wait_idle()
+        self.l3.wait_idle()
 
     def flush(self, tiers: Sequence[str]) -> dict[str, int]:
         """Empty the named tiers (names from `TIERS`, no request running); tokens freed per
@@ -301,8 +302,8 @@ class CacheStack(RequestCalls):
                 out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers:
             out["host"] = self.tree.flush_host()
-        if "storage" in tiers and self.storage is not None:
-            out["storage"] = self.storage.clear() * self.page_size
+        if "storage" in tiers:
+            out["storage"] = self.l3.clear() * self.page_size
         if self.events is not None and self._flushes_all(tiers):
             self._restate(mark)
         return out
@@ -336,13 +337,7 @@ class CacheStack(RequestCalls):
                              self.host_pool.total_size() - self.host_pool.available_size(),
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
                              self.tree.host_counters(), self.host_pool.size_bytes)
-        if self.storage is not None:
-            io = self.storage.io
-            storage = StorageStats.read(io.backend.stats(), io.errors,
-                                        requests.cached_storage_tokens,
-                                        replace(self.storage.counters),
-                                        self.storage.estimates(), page_tokens=self.page_size,
-                                        page_bytes=HEADER_BYTES + self.host_pool.page_bytes)
+        storage = self.l3.stats(requests.cached_storage_tokens)
         events = self.event_counters() if self.events is not None else None
         pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
                         tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
@@ -352,8 +347,7 @@ class CacheStack(RequestCalls):
 
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold."""
-        held = self.storage.held_host_tokens() if self.storage is not None else 0
-        self.tree.check_integrity(held_host_tokens=held)
+        self.tree.check_integrity(held_host_tokens=self.l3.held_host_tokens())
 
     # ------------------------------------------------------------- L3 attach / detach
     # Both run on the scheduler thread with no request running or waiting (the engine
@@ -371,12 +365,8 @@ class CacheStack(RequestCalls):
         if self.storage is not None:
             raise ValueError("L3 is attached already; detach it first")
         tier = open_storage_tier(config, model, self.tree, self.host_pool, must_answer=True)
-        tier.observer = self.tree.observer  # the metrics hook `set_observer` gave the tree
         self.quiesce()  # a node's host pages hold its KV only once its D->H copy is acked
-        self.storage = tier
-        for node in self.tree.iter_nodes():  # parents first; a backed-up chain is skipped
-            if node.host_value is not None:
-                tier.backup(node)
+        self.l3.attach(tier)
 
     def detach_storage(self) -> bool:
         """Let in-flight copies and their backups land, close L3 (its prefetches and backups
@@ -384,30 +374,21 @@ class CacheStack(RequestCalls):
         if self.storage is None:
             return False
         self.quiesce()
-        storage, self.storage = self.storage, None
-        try:
-            storage.close()
-        except Exception:  # the tier is gone either way: the detach stands
-            logger.exception("closing L3 at its detach failed; the server goes on without it")
-        finally:
-            self.tree.forget_stored()
-            if self.events is not None:  # routers forget this server's L3 pages
-                self._restate()
+        self.l3.detach()
+        if self.events is not None:  # routers forget this server's L3 pages
+            self._restate()
         return True
 
     def set_prefetch_policy(self, policy: str) -> None:
         """The attached L3's prefetch policy from now on (SGLang's re-attach of the same
         backend updates it); admissions read it at each check."""
-        check_choice("storage.prefetch_policy", policy, PREFETCH_POLICIES)
-        if self.storage is not None:
-            self.storage.set_policy(policy)
+        self.l3.set_policy(policy)
 
     def close(self) -> None:
         """Let every prefetch and backup finish, stop the I/O and copy threads; send the
         last KV events and stop the publisher (its thread joined, its sockets closed)."""
         try:
-            if self.storage is not None:
-                self.storage.close()
+            self.l3.close()
             if self.controller is not None:
                 self.controller.close()
             self.publish_events()

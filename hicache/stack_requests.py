@@ -1,5 +1,5 @@
-"""The request half of the one door (`hicache.stack.CacheStack` is made of it): one call
-per event of a request's life, each taking and giving opaque handles (`hicache.handles`).
+"""The request part of the one door (`hicache.stack.CacheStack` holds one): one call per
+event of a request's life, each taking and giving opaque handles (`hicache.handles`).
 
     arrival, ranking   peek(key)                     tokens cached, touching nothing
     admission          match(key) -> Hit;  room_beyond(hit);  admit(hit) -> Admitted
@@ -27,11 +27,14 @@ from hicache.tree.sessions import SessionTable
 
 
 class RequestCalls:
-    """What `CacheStack` does for requests over its `tree`, `device_pool` and `sessions`."""
+    """What the stack does for requests, over its tree, its L1 pool (where the slots the
+    tree does not keep go back) and its sessions (None: session retention is off)."""
 
-    tree: PrefixCache
-    device_pool: DeviceKVPool
-    sessions: SessionTable | None
+    def __init__(self, tree: PrefixCache, device_pool: DeviceKVPool,
+                 sessions: SessionTable | None) -> None:
+        self.tree = tree
+        self.device_pool = device_pool
+        self.sessions = sessions
 
     def peek(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Tokens of `key` cached in any tier, touching nothing (for ranking)."""
