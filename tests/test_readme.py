@@ -17,6 +17,8 @@ README_LMDB = Path("/tmp/readme-lmdb")  # the path serving.md's Engine example u
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 MAX_README_LINES = 250  # a front door; the manual lives in docs/
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# a ratio, a share, a time, a size, a date or a decimal: what belongs in a benchmark table
+MEASURE = re.compile(r"\d\s*(x|%|ms|s|GB|MB)\b|\d{4}-\d{2}-\d{2}|\d\.\d")
 
 
 def python_blocks(text: str) -> str:
@@ -73,8 +75,50 @@ def test_the_readme_is_a_front_door() -> None:
     assert "make test" in text and "make serve" in text  # CI runs the README's test command
     linked = {m.group(1).split("#")[0] for m in LINK.finditer(text)}
     for page in ("serving", "configuration", "tiers", "policies", "events", "integrations",
-                 "benchmarks", "architecture", "development"):
+                 "benchmarks", "architecture", "development", "kernels"):
         assert f"docs/{page}.md" in linked, f"the README does not link docs/{page}.md"
+    first_link = LINK.search(text.split("## ", 1)[0])  # before the first section
+    assert first_link and first_link.group(1) == "docs/architecture.md", "architecture first"
+
+
+def section(text: str, title: str) -> list[str]:
+    """The lines of a page's `## title` section."""
+    body = text.split(f"\n## {title}\n", 1)[1]
+    return body.split("\n## ", 1)[0].splitlines()
+
+
+def test_the_status_table_is_part_state_link() -> None:
+    """Three columns: the part, its state in one word, and where its doc lives; nothing else
+    (dates, numbers and caveats go to the benchmark tables and the caveat list)."""
+    rows = [line for line in section(README.read_text(), "Status") if line.startswith("| ")]
+    assert rows[0] == "| part | state | doc |"
+    states = set()
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 3, row
+        part, state, doc = cells
+        states.add(state)
+        assert state in ("done", "partial", "untested"), row
+        assert LINK.search(doc) and not LINK.sub("", doc).strip(" ,"), row  # links only
+        assert not MEASURE.search(part), f"a measurement in the status table: {row}"
+    assert {"done", "partial", "untested"} <= states
+
+
+def test_the_caveats_are_words() -> None:
+    """Each caveat says what was not run or not met in its own words; its numbers are in the
+    benchmark tables."""
+    caveats = [line for line in section(README.read_text(), "Caveats") if line.strip()]
+    assert sum(line.startswith("- ") for line in caveats) >= 10
+    for line in caveats:
+        assert not MEASURE.search(line), f"a measurement among the caveats: {line}"
+    for admitted in ("side by side with vLLM on a GPU", "vLLM's CUDA build", "SGLang server"):
+        assert admitted in " ".join(caveats), admitted
+
+
+def test_one_page_per_subject() -> None:
+    """The benchmark and event pages were merged: no second page beside either."""
+    docs = ROOT / "docs"
+    assert not (docs / "bench.md").exists() and not (docs / "kv_events.md").exists()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
