@@ -20,7 +20,7 @@ from hicache.storage.tier import StorageCounters
 from hicache.tree import HostCounters
 from hicache_server.engine import Engine
 from hicache_server.http import attach_metrics, create_app
-from hicache.metrics import CacheMetrics, TierSummary, tier_summaries
+from hicache_server.http.metrics import CacheMetrics, TierSummary, tier_summaries
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PAGE = 16

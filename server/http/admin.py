@@ -47,7 +47,7 @@ from hicache.stats import StorageStats
 from hicache_server.engine import Engine
 from hicache_server.http.body import brief, check_fields, check_type, read_object
 from hicache_server.http.errors import HttpError, error_response
-from hicache.metrics import tier_summaries
+from hicache_server.http.metrics import tier_summaries
 from hicache_server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)

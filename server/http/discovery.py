@@ -36,7 +36,7 @@ from hicache_server.engine import Engine
 from hicache_server.http.body import brief, check_type, json_type, read_object
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import known_fields
-from hicache.metrics import tier_summaries
+from hicache_server.http.metrics import tier_summaries
 from hicache_server.http.state import STATE
 from hicache_server.request import check_unicode
 
