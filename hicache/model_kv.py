@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 
 class ModelKV(NamedTuple):
-    """What the tiers need to know of the model: its KV geometry and where its weights are
-    (the page hashes' model fingerprint)."""
+    """What the tiers need to know of the model: its KV geometry and its weights' identity
+    (`fingerprint`, any string that differs between models: the page hashes' root)."""
 
     num_layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    path: Path
+    fingerprint: str
 
     @property
     def geometry(self) -> tuple[int, int, int]:

@@ -349,7 +349,7 @@ class Engine:
     def _model_kv(self) -> ModelKV:
         mc = self.loaded.config
         return ModelKV(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                       self.loaded.dtype, self.loaded.device, self.loaded.path)
+                       self.loaded.dtype, self.loaded.device, self.loaded.fingerprint)
 
     def _call(self, fn, when_idle: bool = False):
         """Run `fn` on the scheduler thread and wait for its result (EngineClosed once the

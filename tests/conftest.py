@@ -30,7 +30,7 @@ T = TypeVar("T")
 WAIT_S = 60.0  # a bound on waits that never time out in a passing run
 # A model's KV geometry without a model (2 layers, 2 KV heads of 8 dims, float32 on the CPU),
 # for stacks built with no engine; the path only names it in the page hashes.
-TINY_KV = ModelKV(2, 2, 8, torch.float32, torch.device("cpu"), Path("unused"))
+TINY_KV = ModelKV(2, 2, 8, torch.float32, torch.device("cpu"), "test-model")
 
 # CI runs derandomized so a run is repeatable; `dev` explores more examples locally.
 settings.register_profile(

@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import CHATML, CONTROL, write_gguf
 from test_model import assert_rel_close, hf_logits, make_pool, run
 
-from hicache.storage.hashing import model_fingerprint
 from hicache_server.chat_template import NoChatTemplate, load_chat_template
 from hicache_server.models import named
+from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.gguf import GGUFError, export_hf_folder, find_gguf
 from hicache_server.models.loader import load_model, resolve_model, resolve_model_path
 from hicache_server.tokenizer import load_tokenizer

@@ -1,10 +1,9 @@
-"""Page hash chain, namespaces and model fingerprints: deterministic across processes."""
+"""Page hash chain and namespaces: deterministic across processes (the model fingerprint
+they are rooted in: test_fingerprint.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -13,13 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from safetensors.torch import save_file
 
 from hicache.storage.hashing import (
     DIGEST_BYTES,
     MAX_TOKEN_ID,
     PageHasher,
-    model_fingerprint,
     namespace,
 )
 
@@ -129,63 +126,3 @@ def test_bad_arguments_raise() -> None:
         make_hasher(tp_rank=1, tp_size=1)
     with pytest.raises(ValueError, match="16-byte"):
         make_hasher().hash_pages([1, 2], prev=b"short")
-
-
-# ----------------------------------------------------------------------- model fingerprint
-
-
-def write_model(folder: Path, config: dict[str, object], weights: dict[str, torch.Tensor]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(weights, str(folder / "model.safetensors"))
-    return folder
-
-
-CONFIG = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}
-
-
-def weights(rows: int = 4) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(rows, 8, generator=gen),
-            "norm.weight": torch.ones(8)}
-
-
-def test_model_fingerprint_is_stable_and_path_free(tmp_path: Path) -> None:
-    model = write_model(tmp_path / "a", CONFIG, weights())
-    first = model_fingerprint(model)
-    assert first == model_fingerprint(str(model))
-    assert len(first) == 32 and int(first, 16) >= 0
-    copy = shutil.copytree(model, tmp_path / "elsewhere" / "b")
-    assert model_fingerprint(copy) == first
-    # Key order and whitespace of config.json do not matter: it is hashed canonically.
-    (copy / "config.json").write_text(json.dumps(dict(reversed(CONFIG.items()))))
-    assert model_fingerprint(copy) == first
-
-
-@pytest.mark.parametrize("variant", ["shape", "config", "dtype", "values", "extra_file"])
-def test_model_fingerprint_changes_with_the_model(tmp_path: Path, variant: str) -> None:
-    base = model_fingerprint(write_model(tmp_path / "base", CONFIG, weights()))
-    config, tensors = dict(CONFIG), weights()
-    if variant == "shape":
-        tensors = weights(rows=5)
-    elif variant == "config":
-        config["num_hidden_layers"] = 3
-    elif variant == "dtype":
-        tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
-    elif variant == "values":  # a fine-tune: same config, shapes and dtypes (same header)
-        tensors = {k: v + 0.01 for k, v in tensors.items()}
-    other = write_model(tmp_path / "other", config, tensors)
-    if variant == "extra_file":
-        save_file({"lm_head.weight": torch.zeros(2, 8)}, str(other / "z-extra.safetensors"))
-    assert model_fingerprint(other) != base
-
-
-def test_model_fingerprint_rejects_incomplete_folders(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="config.json"):
-        model_fingerprint(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="safetensors"):
-        model_fingerprint(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 12)
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        model_fingerprint(tmp_path)

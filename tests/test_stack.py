@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ GIB = 1 << 30
 
 
 def loaded_on_cpu() -> ModelKV:
-    return ModelKV(2, 2, 32, torch.float32, torch.device("cpu"), Path("unused"))
+    return ModelKV(2, 2, 32, torch.float32, torch.device("cpu"), "test-model")
 
 
 @pytest.fixture

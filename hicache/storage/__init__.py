@@ -3,9 +3,8 @@ I/O threads (`StorageController`), page hashing and the stored page format; the 
 themselves (LMDB, Redis, LMDB in front of Redis) and their registry are in `backends/`."""
 
 from hicache.storage.page_format import PageCodec, PageGeometry  # noqa: I001 - before backends
-from hicache.storage.hashing import PageHasher, model_fingerprint
+from hicache.storage.hashing import PageHasher
 from hicache.storage.io import StorageController
 from hicache.storage.tier import StorageTier
 
-__all__ = ["PageCodec", "PageGeometry", "PageHasher", "StorageController", "StorageTier",
-           "model_fingerprint"]
+__all__ = ["PageCodec", "PageGeometry", "PageHasher", "StorageController", "StorageTier"]

@@ -19,7 +19,7 @@ from hicache.storage.backends.base import (
     StorageUnavailable,
 )
 from hicache.storage.backends.throttled import ThrottledBackend
-from hicache.storage.hashing import PageHasher, model_fingerprint
+from hicache.storage.hashing import PageHasher
 from hicache.storage.io import StorageController
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.tier import StorageTier
@@ -34,7 +34,7 @@ MS_PER_S = 1000.0
 def page_hasher(config: TierSections, model: ModelKV) -> PageHasher:
     """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
     dtype_name = str(model.dtype).removeprefix("torch.")
-    return PageHasher(config.cache.page_size, model_fingerprint(model.path), dtype_name,
+    return PageHasher(config.cache.page_size, model.fingerprint, dtype_name,
                       *model.geometry)
 
 

@@ -34,7 +34,7 @@ import torch
 import xxhash
 from tqdm import tqdm
 
-from hicache.storage.hashing import GGUF_IDENTITY_KEY
+from hicache_server.models.fingerprint import GGUF_IDENTITY_KEY
 from hicache_server.models.folders import write_folder
 from hicache_server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
 

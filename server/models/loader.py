@@ -33,6 +33,7 @@ from hicache.memory.device import resolve_device
 from hicache_server.models.attention_choice import make_attention_backend
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
+from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.folders import write_folder
 from hicache_server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
 from hicache_server.models.llama import LlamaForCausalLM
@@ -106,6 +107,7 @@ class LoadedModel(NamedTuple):
     path: Path  # the resolved folder
     dtype: torch.dtype
     device: torch.device
+    fingerprint: str  # the weights' identity (`model_fingerprint`): the L3 page keys' root
 
 
 def hicache_home() -> Path:
@@ -266,7 +268,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
                                              config.num_key_value_heads))
     else:
         model.load_weights(iter_safetensors(folder))
-    return LoadedModel(model.eval(), config, folder, torch_dtype, dev)
+    return LoadedModel(model.eval(), config, folder, torch_dtype, dev, model_fingerprint(folder))
 
 
 def resolve_dtype(dtype: str, config: ModelArchConfig, device: torch.device) -> torch.dtype:
