@@ -14,14 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # folder -> the package name it installs as (pyproject's package-dir)
 PACKAGE_OF_FOLDER = {"server": "hicache_server"}
 
+# The cache holds no model and no HTTP: the model's layers, its weight files and tokenizer,
+# the HTTP server and its Prometheus families live in hicache_server.
+MODEL_AND_HTTP = ("torch.nn", "safetensors", "gguf", "transformers", "tokenizers", "jinja2",
+                  "aiohttp", "prometheus_client")
+
 # package prefix -> prefixes it must never import (directly, at any depth of the module)
 FORBIDDEN = {
     "hicache.kernels": ("hicache", "hicache_server"),
-    "hicache": ("hicache_server",),
-    "hicache.tree": ("hicache.storage", "hicache.stack", "hicache.stats", "hicache.metrics"),
+    "hicache": ("hicache_server", *MODEL_AND_HTTP),
+    "hicache.tree": ("hicache.storage", "hicache.stack", "hicache.stats"),
     "hicache.memory": ("hicache.tree", "hicache.transfer", "hicache.storage", "hicache.stack"),
     "hicache.transfer": ("hicache.tree", "hicache.storage", "hicache.stack"),
-    "hicache.storage": ("hicache.stack", "hicache.stats", "hicache.metrics"),
+    "hicache.storage": ("hicache.stack", "hicache.stats"),
     "hicache.policies": ("hicache", "hicache_server"),
     "hicache.pages": ("hicache", "hicache_server"),
     "hicache.events": ("hicache.storage", "hicache.tree", "hicache.memory", "hicache.transfer",
@@ -185,16 +190,14 @@ def test_the_server_never_imports_the_tree() -> None:
 
 
 # What the server may import of hicache: the door (`stack`, `build`, its `handles`), and the
-# shared vocabulary (config, stats, policies, pages, the model's KV shape, metrics, kernels).
+# shared vocabulary (config, stats, policies, pages, the model's KV shape, kernels).
 SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.handles", "hicache.kernels",
-                     "hicache.metrics", "hicache.model_kv", "hicache.pages", "hicache.policies",
-                     "hicache.stack", "hicache.stats")
+                     "hicache.model_kv", "hicache.pages", "hicache.policies", "hicache.stack",
+                     "hicache.stats")
 # The data plane besides: the model's forward reads and writes the L1 buffers
-# (`CacheStack.device_kv`), and the engine keeps freed memory for them; the GGUF loader
-# names a weight fingerprint's key. Folders end in "/".
+# (`CacheStack.device_kv`), and the engine keeps freed memory for them. Folders end in "/".
 SERVER_DATA_PLANE = {"hicache.memory": ("server/models/", "server/model_runner.py",
-                                        "server/engine.py"),
-                     "hicache.storage.hashing": ("server/models/gguf.py",)}
+                                        "server/engine.py")}
 # What the door keeps behind it: the server never reads these off a cache (`cache.storage`,
 # `engine.cache.device_pool`); it asks the door (`tiers()`, `stats()`, `cost_estimates()`).
 CACHE_PARTS = {"tree", "device_pool", "host_pool", "storage", "controller", "pins",
