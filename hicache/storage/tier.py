@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any
 from hicache.events.schema import MEDIUM_DISK
 from hicache.pages import page_count
 from hicache.policies import PREFETCH_POLICIES, check_choice
-from hicache.storage.fetch_queue import FETCH_BATCH_PAGES, PrefetchOp, PrefetchState
+from hicache.storage.fetch_queue import PrefetchOp, PrefetchState
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import StorageController
 from hicache.storage.planner import CostEstimates, FetchPlanner
-from hicache.storage.race import Race, first_target, race_batch_pages
+from hicache.storage.race import first_target
+from hicache.storage.tier_backup import Backups
 from hicache.storage.tier_race import HeadRace
 from hicache.storage.tier_state import KnownStored, Resume, StorageCounters
 from hicache.tree.node import node_hashes
@@ -55,9 +56,9 @@ if TYPE_CHECKING:
 MAX_PREFETCH_HOST_FRACTION = 0.5
 
 
-class StorageTier(HeadRace):
+class StorageTier:
     """The tree's side of L3 (see the module docstring); its races between a computed head
-    and a fetched tail are `HeadRace`'s."""
+    and a fetched tail are its `race` part's (`HeadRace`)."""
 
     def __init__(self, tree: HiRadixCache, io: StorageController, hasher: PageHasher,
                  prefetch_policy: str = "timeout", prefetch_threshold: int = 256,
@@ -75,13 +76,14 @@ class StorageTier(HeadRace):
         self.host_pool = io.host_pool
         self.ops: dict[str, PrefetchOp] = {}   # by request: every prefetch not yet ended
         self._draining: list[PrefetchOp] = []  # ended while FETCHING: pages freed once DONE
-        self._backups: dict[int, HiTreeNode] = {}  # node id -> node, backup in flight
         self._fresh: list[PrefetchOp] = []  # submitted since the last `settle`
         self._step = 0  # `check` calls, to tell a fetch that just finished from a stale one
         self.counters = StorageCounters()
         self._stored = KnownStored()  # pages L3 holds that a request recomputes instead
         self.planner = FetchPlanner(self.page_size, self.host_pool.page_bytes, cost_model,
                                     overlap)
+        self.race = HeadRace(io, self.planner, tree, self.counters, self._stored)
+        self.backups = Backups(io, tree, hasher, self.counters, self._stored)
         # observer(name, seconds): latency hook for metrics ("prefetch_seconds")
         self.observer: Callable[[str, float], None] | None = None
 
@@ -97,42 +99,8 @@ class StorageTier(HeadRace):
     # ---------------------------------------------------------------------------- backup
 
     def backup(self, node: HiTreeNode) -> None:
-        """Write a node that just reached L2 to storage, with any ancestor not there yet,
-        parents first (a match may have split the node while its D->H copy ran: the upper
-        half is acknowledged by the same copy). Host pages stay until each ack."""
-        chain = []
-        while node is not self.tree.root:
-            if (node.host_value is not None and not node.storage_backed
-                    and node.id not in self._backups):
-                chain.append(node)
-            node = node.parent
-        for n in reversed(chain):
-            hashes, host = self.node_hashes(n), n.host_value
-            # Pages L3 said it holds (a recomputed hit, a raced head; events said so) are
-            # not sent again: a store that skips a page it has still moves it over the link
-            # (Redis SET NX carries the value), beside the fetches a race is waiting for.
-            known = self._stored.pop_known(hashes)
-            if all(known):
-                self.tree.mark_stored(n)
-                continue
-            if any(known):
-                keep = [i for i, k in enumerate(known) if not k]
-                hashes = [hashes[i] for i in keep]
-                host = host.view(-1, self.page_size)[keep].reshape(-1)
-            self.tree.protect_host(n)
-            self._backups[n.id] = n
-            self.io.backup(n.id, hashes, host)
-
-    def _backup_check(self) -> None:
-        for ack in self.io.poll_backups():
-            node = self._backups.pop(ack.node_id)
-            self.tree.release_host(node)
-            if ack.ok:
-                self.tree.mark_stored(node)
-                self.counters.backed_up_tokens += len(node.key)
-                self.tree.record_stored(node, MEDIUM_DISK)
-            else:
-                self.counters.backup_failures += 1
+        """Write a node that just reached L2 to L3, with its ancestors not there yet."""
+        self.backups.backup(node)
 
     # -------------------------------------------------------------------------- prefetch
 
@@ -197,7 +165,7 @@ class StorageTier(HeadRace):
             if op.state is PrefetchState.QUERYING and op.queried.is_set():
                 self._decide(op)
         self._draining = [op for op in self._draining if not self._free_if_finished(op)]
-        self._backup_check()
+        self.backups.check()
 
     def _observe_progress(self, op: PrefetchOp) -> None:
         """Before the fetch model has its estimate, each batch that arrives in a fetch is an
@@ -225,7 +193,7 @@ class StorageTier(HeadRace):
             return self._done(op)
         head = self._head_pages(op, hit)
         if head is None or head >= hit:  # all of it recomputed
-            self._recomputed(op, hit)
+            self.race.recomputed(op, hit)
             return self._done(op)
         if not op.is_restart and self._covered_in_l2(op) >= max(self.threshold, self.page_size):
             op.state = PrefetchState.RESTART  # inserted since the match: match again
@@ -239,7 +207,7 @@ class StorageTier(HeadRace):
         if head:  # a race: the fetch takes the last pages the host budget holds
             head = max(head, hit - pages)
             if head >= hit:
-                self._recomputed(op, hit)
+                self.race.recomputed(op, hit)
                 return self._done(op)
         elif pages * self.page_size < max(1, self.threshold):
             return self._done(op)
@@ -247,19 +215,11 @@ class StorageTier(HeadRace):
         if host is None:
             return self._done(op)
         op.host_indices, op.state = host, PrefetchState.FETCHING
-        batch = None
         if head:
-            op.fetch_base, op.reverse = hit - pages, True
-            op.race = Race(hit, head, planned_s=op.planned_race_s, started_s=time.monotonic())
-            batch = race_batch_pages(hit - head, FETCH_BATCH_PAGES)
-        self.io.fetch(op, floor=head, batch_pages=batch)
+            self.race.start(op, hit, head, pages)
+        else:
+            self.io.fetch(op)
         return None
-
-    def _recomputed(self, op: PrefetchOp, hit: int) -> None:
-        """The hit's `hit` pages are recomputed rather than fetched."""
-        self._stored.add(op.hashes[:hit])
-        self.counters.recomputed_hits += 1
-        self.counters.recomputed_hit_tokens += hit * self.page_size
 
     def _record_found(self, op: PrefetchOp, hit: int) -> None:
         """KV events: the `hit` pages the query found are on DISK (whether or not fetched)."""
@@ -337,6 +297,25 @@ class StorageTier(HeadRace):
             self.held_host_tokens()
         return max(0, cap) // self.page_size
 
+    # ------------------------------------------------------------------ the race (`race`)
+
+    def head_stop(self, req_id: str) -> int:
+        op = self.ops.get(req_id)
+        return 0 if op is None else self.race.head_stop(op)
+
+    def continue_head(self, req_id: str, computed: int) -> int:
+        """See `HeadRace.continue_head`; a lost race ends the prefetch here (0)."""
+        op = self.ops.get(req_id)
+        stop = 0 if op is None else self.race.continue_head(op, computed)
+        if stop is None:
+            self.terminate(req_id)
+        return stop or 0
+
+    def head_computed(self, req_id: str, node: HiTreeNode) -> None:
+        op = self.ops.get(req_id)
+        if op is not None:
+            self.race.head_computed(op, node)
+
     def ready(self, req_id: str) -> bool:
         """Whether the request may be admitted now under the prefetch policy."""
         op = self.ops.get(req_id)
@@ -344,7 +323,7 @@ class StorageTier(HeadRace):
             return True
         if op.race is not None and not op.race.final:  # it computes its head meanwhile
             return True
-        if op.finished.is_set() or self._tail_arrived(op):  # fetched, failed, or nothing
+        if op.finished.is_set() or self.race.tail_arrived(op):  # fetched, failed, or nothing
             return True                                      # worth fetching
         base, per_ki, cap = self.timeout
         limit = cap if self.policy == "wait_complete" else min(
@@ -358,7 +337,7 @@ class StorageTier(HeadRace):
         if op is None:
             return 0
         done = self.io.cancel(op)
-        inserted = self._insert_tail(op, done) if op.race is not None else 0
+        inserted = self.race.insert_tail(op, done) if op.race is not None else 0
         if op.race is None and op.host_indices is not None and done:
             n = done * self.page_size
             inserted = self.tree.insert_host_pages(op.anchor, op.tokens[:n],
@@ -409,7 +388,7 @@ class StorageTier(HeadRace):
 
     def busy(self) -> bool:
         """Whether a prefetch or a backup is in flight."""
-        return bool(self.ops or self._backups)
+        return bool(self.ops) or self.backups.busy()
 
     def held_host_tokens(self) -> int:
         """Host slots held by prefetches (not yet in the tree)."""
@@ -428,7 +407,7 @@ class StorageTier(HeadRace):
     def clear(self) -> int:
         """Empty L3 (after in-flight backups land); returns the pages removed."""
         self.wait_idle()
-        self._stored = KnownStored()
+        self._stored.clear()
         removed = self.io.backend.clear()
         self.tree.forget_stored()
         return removed

@@ -2,8 +2,8 @@
 toward its head stop (`head_stop`, read at admission); there the scheduler asks
 `continue_head` for the next stop; once the head is final the request goes back to the
 queue with it in the tree (`head_computed`) and is admitted again when the tail has arrived
-(`ready`), which `terminate` hangs below the head (`_insert_tail`). `StorageTier` is made
-of this.
+(`ready`), which `terminate` hangs below the head (`insert_tail`). `StorageTier` holds one
+`HeadRace` and looks up the request's op for it.
 
 Threading: scheduler thread only, like the storage tier.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from hicache.storage.fetch_queue import PrefetchOp
+from hicache.storage.fetch_queue import FETCH_BATCH_PAGES, PrefetchOp
 from hicache.storage.io import StorageController
 from hicache.storage.planner import FetchPlanner
-from hicache.storage.race import fetch_rate, next_target
+from hicache.storage.race import Race, fetch_rate, next_target, race_batch_pages
 from hicache.storage.tier_state import KnownStored, StorageCounters
 
 if TYPE_CHECKING:
@@ -24,35 +24,48 @@ if TYPE_CHECKING:
 
 
 class HeadRace:
-    """The race half of `StorageTier`, which gives `ops`, `io`, `planner`, `tree`,
-    `page_size`, `counters`, `_stored`, `_recomputed` and `terminate`."""
+    """The races of one storage tier, over its I/O, cost model, tree, counters and the pages
+    L3 is known to hold; each op's own race state is its `op.race` (`race.Race`)."""
 
-    ops: dict[str, PrefetchOp]
-    io: StorageController
-    planner: FetchPlanner
-    tree: HiRadixCache
-    page_size: int
-    counters: StorageCounters
-    _stored: KnownStored
+    def __init__(self, io: StorageController, planner: FetchPlanner, tree: HiRadixCache,
+                 counters: StorageCounters, stored: KnownStored) -> None:
+        self.io = io
+        self.planner = planner
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.counters = counters
+        self.stored = stored
 
-    def head_stop(self, req_id: str) -> int:
+    def start(self, op: PrefetchOp, hit: int, head: int, pages: int) -> None:
+        """Race `op`'s hit of `hit` pages: compute the first `head`, fetch the last `pages`
+        (which the host budget holds) from the back."""
+        op.fetch_base, op.reverse = hit - pages, True
+        op.race = Race(hit, head, planned_s=op.planned_race_s, started_s=time.monotonic())
+        self.io.fetch(op, floor=head, batch_pages=race_batch_pages(hit - head,
+                                                                   FETCH_BATCH_PAGES))
+
+    def recomputed(self, op: PrefetchOp, hit: int) -> None:
+        """The hit's `hit` pages are recomputed rather than fetched."""
+        self.stored.add(op.hashes[:hit])
+        self.counters.recomputed_hits += 1
+        self.counters.recomputed_hit_tokens += hit * self.page_size
+
+    def head_stop(self, op: PrefetchOp) -> int:
         """Where the request's raced head stops next (tokens from the start of its key), or
         0: no race, or its head is final. Its first call starts the compute side's clock."""
-        op = self.ops.get(req_id)
-        race = None if op is None else op.race
+        race = op.race
         if race is None or race.final:
             return 0
         if race.chunk_from is None:
             race.start_chunk(time.monotonic())
         return op.prefix_tokens + race.target * self.page_size
 
-    def continue_head(self, req_id: str, computed: int) -> int:
+    def continue_head(self, op: PrefetchOp, computed: int) -> int | None:
         """The raced request has computed `computed` tokens (its head stop): where it stops
-        next (> computed); `computed`, its head is final (it waits for the tail); or 0, the
-        race is over and nothing fetched is used (its prefetch ended: it goes on as any
-        prompt)."""
-        op = self.ops.get(req_id)
-        race = None if op is None else op.race
+        next (> computed); `computed`, its head is final (it waits for the tail); 0, no
+        race; None, the race is lost: nothing came, the whole hit is computed and nothing
+        fetched is used (the caller ends the prefetch: it goes on as any prompt)."""
+        race = op.race
         if race is None or race.final:
             return 0
         now = time.monotonic()
@@ -64,9 +77,8 @@ class HeadRace:
         target = next_target(race, front, status.can_grow, rate)
         if target >= race.hit_pages:  # nothing came: compute it all
             self._race_took(op, now)
-            self._recomputed(op, race.hit_pages)
-            self.terminate(req_id)
-            return 0
+            self.recomputed(op, race.hit_pages)
+            return None
         race.target = target
         self.io.limit(op, target)
         if target == race.computed:
@@ -75,21 +87,20 @@ class HeadRace:
         race.start_chunk(now)
         return op.prefix_tokens + target * self.page_size
 
-    def _tail_arrived(self, op: PrefetchOp) -> bool:
+    def tail_arrived(self, op: PrefetchOp) -> bool:
         """A raced op whose head is final has its tail: the fetched suffix reaches the head."""
         race = op.race
         return (race is not None and race.final
                 and race.hit_pages - op.completed_pages <= race.target)
 
-    def head_computed(self, req_id: str, node: HiTreeNode) -> None:
+    def head_computed(self, op: PrefetchOp, node: HiTreeNode) -> None:
         """The request's head is final and in the tree, its last page at the end of `node`:
         keep it in L2 (copying it there if the write policy has not), so that the tail can
         hang below it when the request is admitted again."""
-        op = self.ops.get(req_id)
-        if op is None or op.race is None or not op.race.final or op.head_node is not None:
+        if op.race is None or not op.race.final or op.head_node is not None:
             return
         head = op.race.target
-        self._stored.add(op.hashes[:head])
+        self.stored.add(op.hashes[:head])
         self.counters.split_prefetches += 1
         self.counters.head_tokens += head * self.page_size
         if not node.backuped and not self.tree.back_up_path(node):
@@ -97,7 +108,7 @@ class HeadRace:
         self.tree.protect_host(node)
         op.head_node = node
 
-    def _insert_tail(self, op: PrefetchOp, done: int) -> int:
+    def insert_tail(self, op: PrefetchOp, done: int) -> int:
         """A raced op ends with `done` trailing pages fetched: the pages from its head on join
         the tree below the head, if its head is final and the fetched suffix reaches it; the
         host pages before the head stay with `op` to be freed. Returns the tokens inserted."""

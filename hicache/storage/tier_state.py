@@ -43,6 +43,10 @@ class KnownStored:
         while len(self._hashes) > self.capacity:
             del self._hashes[next(iter(self._hashes))]
 
+    def clear(self) -> None:
+        """L3 was emptied: nothing is known stored any more."""
+        self._hashes.clear()
+
     def pop_known(self, hashes: list[bytes]) -> list[bool]:
         """Per hash, whether it is known stored; the known ones are forgotten."""
         known = [h in self._hashes for h in hashes]

@@ -1,0 +1,77 @@
+"""A storage tier's backups (`StorageTier` holds one `Backups`): a node that reached L2 is
+written to L3 with its ancestors not there yet, parents first; its host pages are protected
+until the ack, which marks it stored. Pages L3 is known to hold (`KnownStored`: a hit
+recomputed, a raced head) are not sent again.
+
+Threading: scheduler thread only, like the storage tier; the writes run on the
+`StorageController`'s threads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.events.schema import MEDIUM_DISK
+from hicache.storage.hashing import PageHasher
+from hicache.storage.io import StorageController
+from hicache.storage.tier_state import KnownStored, StorageCounters
+from hicache.tree.node import node_hashes
+
+if TYPE_CHECKING:
+    from hicache.tree.hiradix import HiRadixCache, HiTreeNode
+
+
+class Backups:
+    """The backups in flight (node id -> node) over one tier's I/O, tree and counters."""
+
+    def __init__(self, io: StorageController, tree: HiRadixCache, hasher: PageHasher,
+                 counters: StorageCounters, stored: KnownStored) -> None:
+        self.io = io
+        self.tree = tree
+        self.hasher = hasher
+        self.page_size = tree.page_size
+        self.counters = counters
+        self.stored = stored
+        self._in_flight: dict[int, HiTreeNode] = {}
+
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def backup(self, node: HiTreeNode) -> None:
+        """Write a node that just reached L2 to storage, with any ancestor not there yet,
+        parents first (a match may have split the node while its D->H copy ran: the upper
+        half is acknowledged by the same copy). Host pages stay until each ack."""
+        chain = []
+        while node is not self.tree.root:
+            if (node.host_value is not None and not node.storage_backed
+                    and node.id not in self._in_flight):
+                chain.append(node)
+            node = node.parent
+        for n in reversed(chain):
+            hashes, host = node_hashes(n, self.tree.root, self.hasher), n.host_value
+            # Pages L3 said it holds (a recomputed hit, a raced head; events said so) are
+            # not sent again: a store that skips a page it has still moves it over the link
+            # (Redis SET NX carries the value), beside the fetches a race is waiting for.
+            known = self.stored.pop_known(hashes)
+            if all(known):
+                self.tree.mark_stored(n)
+                continue
+            if any(known):
+                keep = [i for i, k in enumerate(known) if not k]
+                hashes = [hashes[i] for i in keep]
+                host = host.view(-1, self.page_size)[keep].reshape(-1)
+            self.tree.protect_host(n)
+            self._in_flight[n.id] = n
+            self.io.backup(n.id, hashes, host)
+
+    def check(self) -> None:
+        """Apply the backup acks: release the host pages, mark the nodes stored."""
+        for ack in self.io.poll_backups():
+            node = self._in_flight.pop(ack.node_id)
+            self.tree.release_host(node)
+            if ack.ok:
+                self.tree.mark_stored(node)
+                self.counters.backed_up_tokens += len(node.key)
+                self.tree.record_stored(node, MEDIUM_DISK)
+            else:
+                self.counters.backup_failures += 1
