@@ -159,7 +159,7 @@ $(SGLANG_STAMP): Makefile | $(BIN)/python
 sglang-api: $(SGLANG_STAMP)
 
 # Two servers behind a router: sglang-router's round_robin and cache_aware and the
-# KV-event-driven benchmarks/event_router.py, each with private L1+L2 and with a shared Redis
+# KV-event-driven hicache_server.router, each with private L1+L2 and with a shared Redis
 # (~10 min on 2 CPU cores); table and benchmarks/results/router.json.
 bench-router: $(STAMP) $(ROUTER_STAMP)
 	$(BIN)/python benchmarks/bench_router.py $(ARGS)

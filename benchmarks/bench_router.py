@@ -13,7 +13,7 @@ one router in front of them, and sends the seeded multi-turn workload of `bench_
                          than 30%, to the least loaded), unless the loads are too uneven
     cache_aware+balance  the same with --balance-abs-threshold 4 (default 64, which 8 chats
                          never reach): it spills to the other worker when one runs 4 more
-    event                benchmarks/event_router.py: the servers publish KV events (which
+    event                hicache_server.router: the servers publish KV events (which
                          pages each tier holds) and the proxy routes to the longest match;
                          run only when the servers accept `--kv-events-config`
 
@@ -49,7 +49,7 @@ import run_multiturn as rm
 
 ROUTER_VENV = rm.REPO / ".venv-router"
 ROUTER_PYTHON = ROUTER_VENV / "bin" / "python"
-EVENT_ROUTER = rm.REPO / "benchmarks" / "event_router.py"
+EVENT_ROUTER = "hicache_server.router"  # run as `python -m`
 NUM_SERVERS = 2
 ROUND_ROBIN = "round_robin"
 CACHE_AWARE = "cache_aware"
@@ -107,7 +107,7 @@ def http_json(url: str, timeout: float = HTTP_TIMEOUT_S) -> Any:
 class Router(rm.ManagedProcess):
     """One router subprocess on 127.0.0.1 (a free port) in front of `worker_urls`, stopped
     in `__exit__`: sglang-router (`policy` one of its policies) or, for `policy="event"`,
-    `event_router.py` (then `event_endpoints` lists each worker's KV events endpoint)."""
+    `hicache_server.router` (then `event_endpoints` lists each worker's KV events endpoint)."""
 
     def __init__(self, worker_urls: Sequence[str], policy: str, log_dir: Path,
                  event_endpoints: Sequence[str] = ()) -> None:
@@ -116,7 +116,7 @@ class Router(rm.ManagedProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"router-{policy}-{self.port}.log"
         if policy == EVENT:
-            self.cmd = [sys.executable, str(EVENT_ROUTER), "--port", str(self.port),
+            self.cmd = [sys.executable, "-m", EVENT_ROUTER, "--port", str(self.port),
                         "--workers", *self.worker_urls, "--events", *event_endpoints]
         else:
             self.cmd = [str(ROUTER_PYTHON), "-m", "sglang_router.launch_router",

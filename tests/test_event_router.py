@@ -1,21 +1,29 @@
-"""benchmarks/event_router.py's bookkeeping on events built here (msgspec structs of
-`hicache.events.schema`, encoded and decoded as the wire carries them), its choice of
-server, and its subscriber against a real ZMQ PUB / ROUTER pair on loopback."""
+"""The event router's bookkeeping (`hicache.events.page_index`) on events built here
+(msgspec structs of `hicache.events.schema`, encoded and decoded as the wire carries them),
+its choice of server, its subscriber against a real ZMQ PUB / ROUTER pair on loopback, and
+the proxy's arguments (`hicache_server.router`)."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import event_router as er
+from hicache.events.page_index import DECODER, PageIndex, Subscription, subscribe
+from hicache.events.publisher import END_SEQ, SEQ_BYTES
+from hicache.events.schema import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from hicache_server.router import parse_events
 
 PAGE = 4
 A, B = "http://127.0.0.1:1111", "http://127.0.0.1:2222"
@@ -28,24 +36,24 @@ def h(i: int) -> bytes:
 
 
 def stored(tokens: list[int], first: int, parent: bytes | None = None,
-           medium: str = er.MEDIUM_GPU) -> er.BlockStored:
+           medium: str = MEDIUM_GPU) -> BlockStored:
     """The pages of `tokens` (full pages only), hashed h(first), h(first + 1), ..."""
     n = len(tokens) // PAGE
-    return er.BlockStored(block_hashes=[h(first + i) for i in range(n)],
+    return BlockStored(block_hashes=[h(first + i) for i in range(n)],
                           parent_block_hash=parent, token_ids=tokens[:n * PAGE],
                           block_size=PAGE, lora_id=None, medium=medium, lora_name=None)
 
 
-def wire(*events: object) -> er.KVEventBatch:
+def wire(*events: object) -> KVEventBatch:
     """A batch as the subscriber sees it: encoded by the publisher's encoder, decoded."""
-    return er.DECODER.decode(ENCODER.encode(er.KVEventBatch(ts=1.0, events=list(events))))
+    return DECODER.decode(ENCODER.encode(KVEventBatch(ts=1.0, events=list(events))))
 
 
 TOKENS = list(range(100, 116))  # 4 pages
 
 
 def test_match_walks_the_chain_of_pages_and_stops_at_the_first_miss() -> None:
-    index = er.PageIndex([A, B])
+    index = PageIndex([A, B])
     index.apply(A, wire(stored(TOKENS[:8], 0), stored(TOKENS[8:12], 2, parent=h(1))))
     assert index.scores(TOKENS)[A] == (3 * 3, 3)  # three pages in L1
     assert index.scores(TOKENS)[B] == (0, 0)
@@ -55,49 +63,49 @@ def test_match_walks_the_chain_of_pages_and_stops_at_the_first_miss() -> None:
 
 
 def test_the_same_page_under_another_parent_is_not_matched() -> None:
-    index = er.PageIndex([A])
+    index = PageIndex([A])
     index.apply(A, wire(stored(TOKENS[4:8], 7, parent=h(99))))  # page 2's tokens, other parent
     index.apply(A, wire(stored(TOKENS[:4], 0)))
     assert index.scores(TOKENS)[A] == (3, 1)
 
 
 def test_tiers_weigh_gpu_over_cpu_over_disk_and_a_page_counts_its_best_tier() -> None:
-    index = er.PageIndex([A, B])
-    index.apply(A, wire(stored(TOKENS, 0, medium=er.MEDIUM_CPU)))
-    index.apply(B, wire(stored(TOKENS, 0, medium=er.MEDIUM_DISK)))
+    index = PageIndex([A, B])
+    index.apply(A, wire(stored(TOKENS, 0, medium=MEDIUM_CPU)))
+    index.apply(B, wire(stored(TOKENS, 0, medium=MEDIUM_DISK)))
     assert index.scores(TOKENS) == {A: (4 * 2, 4), B: (4 * 1, 4)}
     assert index.best(TOKENS, {}) == A
-    index.apply(B, wire(stored(TOKENS[:4], 0, medium=er.MEDIUM_GPU)))
+    index.apply(B, wire(stored(TOKENS[:4], 0, medium=MEDIUM_GPU)))
     assert index.scores(TOKENS)[B] == (3 + 3 * 1, 4)
 
 
 def test_removal_per_tier_and_a_page_no_tier_holds_leaves_the_trie() -> None:
-    index = er.PageIndex([A])
-    index.apply(A, wire(stored(TOKENS, 0), stored(TOKENS, 0, medium=er.MEDIUM_CPU)))
+    index = PageIndex([A])
+    index.apply(A, wire(stored(TOKENS, 0), stored(TOKENS, 0, medium=MEDIUM_CPU)))
     # L1 drops pages 2 and 3 (demoted): L2 still holds them
-    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(2), h(3)], medium=er.MEDIUM_GPU,
+    index.apply(A, wire(BlockRemoved(block_hashes=[h(2), h(3)], medium=MEDIUM_GPU,
                                         reason="demoted")))
     assert index.scores(TOKENS)[A] == (3 + 3 + 2 + 2, 4)
     # L2 drops page 2 too: the chain ends before it, page 3 is unreachable
-    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(2)], medium=er.MEDIUM_CPU)))
+    index.apply(A, wire(BlockRemoved(block_hashes=[h(2)], medium=MEDIUM_CPU)))
     assert index.scores(TOKENS)[A] == (6, 2)
     assert h(2) not in index.pages[A].tiers and h(3) in index.pages[A].tiers
     # a removal of a page never stored is ignored
-    index.apply(A, wire(er.BlockRemoved(block_hashes=[h(42)], medium=er.MEDIUM_GPU)))
+    index.apply(A, wire(BlockRemoved(block_hashes=[h(42)], medium=MEDIUM_GPU)))
     assert index.scores(TOKENS)[A] == (6, 2)
 
 
 def test_all_blocks_cleared_forgets_only_that_server() -> None:
-    index = er.PageIndex([A, B])
+    index = PageIndex([A, B])
     index.apply(A, wire(stored(TOKENS, 0)))
     index.apply(B, wire(stored(TOKENS, 0)))
-    index.apply(A, wire(er.AllBlocksCleared()))
+    index.apply(A, wire(AllBlocksCleared()))
     assert index.scores(TOKENS) == {A: (0, 0), B: (12, 4)}
     assert index.events == {A: 2, B: 1}
 
 
 def test_best_prefers_the_longest_match_then_the_least_loaded_then_the_first() -> None:
-    index = er.PageIndex([A, B])
+    index = PageIndex([A, B])
     assert index.best(TOKENS, {}) == A  # nothing known: the first
     assert index.best(TOKENS, {A: 2, B: 1}) == B  # nothing known: the least loaded
     assert index.best(None, {A: 0, B: 3}) == A  # no tokens (chat): load alone
@@ -108,18 +116,18 @@ def test_best_prefers_the_longest_match_then_the_least_loaded_then_the_first() -
 
 
 def test_events_arguments_pair_each_worker_with_its_endpoints() -> None:
-    subs = er.parse_events([A + "/", B], ["tcp://x:1,tcp://x:2", "tcp://y:1"])
+    subs = parse_events([A + "/", B], ["tcp://x:1,tcp://x:2", "tcp://y:1"])
     assert [(s.server, s.endpoint, s.replay_endpoint) for s in subs] == [
         (A, "tcp://x:1", "tcp://x:2"), (B, "tcp://y:1", None)]
     with pytest.raises(SystemExit, match="one endpoint per worker"):
-        er.parse_events([A, B], ["tcp://x:1"])
+        parse_events([A, B], ["tcp://x:1"])
 
 
 # ------------------------------------------------------------ the subscriber over real ZMQ
 
 
 def _seq(n: int) -> bytes:
-    return n.to_bytes(er.SEQ_BYTES, "big", signed=True)
+    return n.to_bytes(SEQ_BYTES, "big", signed=True)
 
 
 async def _serve_replay(sock: zmq.asyncio.Socket, batches: dict[int, bytes]) -> None:
@@ -129,7 +137,7 @@ async def _serve_replay(sock: zmq.asyncio.Socket, batches: dict[int, bytes]) -> 
         first = int.from_bytes(start, "big", signed=True)
         for seq in sorted(s for s in batches if s >= first):
             await sock.send_multipart([ident, b"", b"", _seq(seq), batches[seq]])
-        await sock.send_multipart([ident, b"", b"", _seq(er.END_SEQ), b""])
+        await sock.send_multipart([ident, b"", b"", END_SEQ, b""])
 
 
 async def _until(cond, timeout_s: float = 5.0) -> None:
@@ -144,17 +152,17 @@ async def _subscriber_run() -> None:
     pub, rep = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
     rep_port = rep.bind_to_random_port("tcp://127.0.0.1")
-    batches = {0: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[stored(TOKENS[:4], 0)])),
-               1: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
+    batches = {0: ENCODER.encode(KVEventBatch(ts=1.0, events=[stored(TOKENS[:4], 0)])),
+               1: ENCODER.encode(KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[4:8], 1, parent=h(0))])),
-               2: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
+               2: ENCODER.encode(KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[8:12], 2, parent=h(1))])),
-               3: ENCODER.encode(er.KVEventBatch(ts=1.0, events=[
+               3: ENCODER.encode(KVEventBatch(ts=1.0, events=[
                    stored(TOKENS[12:], 3, parent=h(2))]))}
     replayer = asyncio.create_task(_serve_replay(rep, {0: batches[0]}))
-    index = er.PageIndex([A])
-    sub = er.Subscription(A, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}")
-    task = asyncio.create_task(er.subscribe(ctx, sub, index))
+    index = PageIndex([A])
+    sub = Subscription(A, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}")
+    task = asyncio.create_task(subscribe(ctx, sub, index))
     try:
         await asyncio.wait_for(sub.ready.wait(), 5)
         assert sub.last_seq == 0 and index.scores(TOKENS)[A][1] == 1  # replayed at start

@@ -195,9 +195,11 @@ SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.handles", "hica
                      "hicache.model_kv", "hicache.pages", "hicache.policies", "hicache.stack",
                      "hicache.stats")
 # The data plane besides: the model's forward reads and writes the L1 buffers
-# (`CacheStack.device_kv`), and the engine keeps freed memory for them. Folders end in "/".
+# (`CacheStack.device_kv`), and the engine keeps freed memory for them; the router (a
+# process of its own, no cache) indexes the servers' KV events. Folders end in "/".
 SERVER_DATA_PLANE = {"hicache.memory": ("server/models/", "server/model_runner.py",
-                                        "server/engine.py")}
+                                        "server/engine.py"),
+                     "hicache.events": ("server/router.py",)}
 # What the door keeps behind it: the server never reads these off a cache (`cache.storage`,
 # `engine.cache.device_pool`); it asks the door (`tiers()`, `stats()`, `cost_estimates()`).
 CACHE_PARTS = {"tree", "device_pool", "host_pool", "storage", "controller", "pins",
