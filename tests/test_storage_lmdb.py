@@ -513,14 +513,14 @@ def test_faults_become_counted_misses_never_exceptions(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     store, pool = open_store(tmp_path / "l3"), filled_pool()
     write_range(store, pool, 0, 4)
-    monkeypatch.setattr(store, "_env", _FaultyEnv(store._env, gets=2))
+    monkeypatch.setattr(store.env, "_env", _FaultyEnv(store.env._env, gets=2))
     caplog.set_level(logging.WARNING, logger="hicache.storage.backends.lmdb_store")
     assert store.batch_exists(keys_of(0, 4)) == 2  # hits before the fault count
     assert store.batch_get(keys_of(0, 4), filled_pool(1), slots([0, 1, 2, 3]))[2:] == [False] * 2
     assert store.batch_get(keys_of(0, 4), filled_pool(1), slots([0, 1, 2, 3]))[2:] == [False] * 2
     assert store.batch_set(keys_of(10, 4), pool, slots([0, 1, 2, 3])) == [False] * 4
     assert store.delete(keys_of(0, 4)) == 0
-    monkeypatch.setattr(store, "_env", _FaultyEnv(store._env._env, gets=0))
+    monkeypatch.setattr(store.env, "_env", _FaultyEnv(store.env._env._env, gets=0))
     assert store.clear() == 0
     assert store.stats()["errors"] == 6
     assert sum("batch_get" in r.getMessage() for r in caplog.records) == 1  # rate-limited

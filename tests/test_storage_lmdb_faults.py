@@ -191,7 +191,7 @@ def test_a_panicked_environment_is_reopened(tmp_path: Path,
         def begin(self, **kwargs: Any) -> Any:
             raise lmdb.PanicError("mdb_txn_begin: MDB_PANIC: Update of meta page failed")
 
-    monkeypatch.setattr(store, "_env", Panicked(store._env, gets=0))
+    monkeypatch.setattr(store.env, "_env", Panicked(store.env._env, gets=0))
     assert store.batch_get(keys_of(0, 8), filled_pool(1), slots(list(range(8)))) == [False] * 8
     assert all(read_matches(store, pool, 0, 8))  # the same file, reopened: nothing lost
     assert store.stats()["errors_by_op"] == {"batch_get": 1}
@@ -306,7 +306,7 @@ def test_other_write_errors_are_not_taken_for_a_full_disk(
                 raise err
             return self._env.begin(**kwargs)
 
-    monkeypatch.setattr(store, "_env", FailingDisk(store._env, gets=0))
+    monkeypatch.setattr(store.env, "_env", FailingDisk(store.env._env, gets=0))
     assert store.batch_set(keys_of(100, 4), pool, slots([0, 1, 2, 3])) == [False] * 4
     stats = store.stats()
     assert stats["evicted_pages"] == 0 and stats["errors_by_op"] == {"batch_set": 1}

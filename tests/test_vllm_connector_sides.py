@@ -502,7 +502,7 @@ def test_the_l3_writer_commits_a_page_per_transaction(tmp_path: Path) -> None:
     """LMDB mallocs a transaction's new pages and frees them at commit: a page at a time
     its memory is reused, a batch's goes back to the kernel (vllm_worker._write_loop)."""
     server = Server(tmp_path / "l3", seed=1)
-    env = server.worker_space.store._env
+    env = server.worker_space.store.env._env
     before = env.info()["last_txnid"]
     server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
     server.worker.close()  # the writer has written what was queued

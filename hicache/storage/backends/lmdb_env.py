@@ -4,11 +4,11 @@
 `lmdb_store`, whose `LmdbStore` adds the `StorageBackend` operations on top). Each operation
 is a body run in one transaction::
 
-    _txn(write, body)            run `body` in one transaction, committed when it returns;
-                                 retried after a map resize, a full map or a full disk
-    _guard(op, fallback, call)   `call()`, or `fallback` when closed or LMDB fails (counted)
-    _evict(count)                delete the `count` pages read or written longest ago
-    _sizes(txn, out)             the pages / bytes / map figures of `stats()`
+    txn(write, body)            run `body` in one transaction, committed when it returns;
+                                retried after a map resize, a full map or a full disk
+    guard(op, fallback, call)   `call()`, or `fallback` when closed or LMDB fails (counted)
+    _evict(count)               delete the `count` pages read or written longest ago
+    sizes(txn, out)             the pages / bytes / map figures of `stats()`
 
 Map size: the map starts at `initial_map_bytes` and doubles on `MapFullError` up to
 `max_size_bytes`; past that, the least recently used ~10% of the capacity is evicted and the
@@ -16,26 +16,14 @@ write retried. The data file grows as pages are written and never past the map, 
 exceeds the bound. When another process grew the map, a transaction fails with
 `MapResizedError`: this process adopts the new size and retries.
 
-Full disk: a disk (or RLIMIT_FSIZE) that runs out before the map does fails the commit with
-a plain `lmdb.Error`, not `MapFullError`: LMDB turns the short pwrite into EIO (also seen for
-EFBIG). A write that failed with ENOSPC, EDQUOT or EFBIG, or with EIO while `room_bytes` of
-the path is below what the write needs plus `lmdb_file.SPACE_MARGIN_BYTES`, is counted (op
-"disk_full"), evicts the least recently used pages, as many as the write needs or a tenth of
-those stored (not of `max_size_bytes`, which may be far above the disk), and is retried. The
-environment stays usable after such a failure (LMDB aborts the transaction); one LMDB does
-flag as fatal (`PanicError`) is closed and reopened.
-
-Damaged file: LMDB reads pages through the map, so a page past the end of a short data.mdb
-(a truncated copy, a half-written restore) is a SIGBUS, not an error. At open, before
-`lmdb.open`, the file is checked against its meta pages (`lmdb_file.damage`); a short or
-unreadable one is renamed aside with its lock.mdb (`*.corrupt-<UTC stamp>`, logged) and a
-fresh environment is created, or `StorageUnavailable` raised when that fails too (the server
-then runs without L3). Before each transaction the file must still hold the map's pages
-(`(last_pgno + 1) * psize`, one fstat and one `env.info()`, ~3 us); one that shrank is a
-counted fault and the call a miss, and the environment is closed, its file moved aside and a
-fresh one opened, under the exclusive side of the gate. What remains: a truncation between
-that check and the transaction's reads is still a SIGBUS; no cheap check closes it (only
-copying every page out of the map, or a SIGBUS handler, which Python cannot return from).
+Full disk (ENOSPC, EDQUOT, EFBIG, or EIO while `room_bytes` is below the write plus
+`lmdb_file.SPACE_MARGIN_BYTES`): counted (op "disk_full"), the least recently used pages
+evicted (as many as the write needs or a tenth of those stored) and the write retried; a
+`PanicError` closes and reopens the environment. Damaged file: checked against its meta pages
+at open (`lmdb_file.damage`; a short one is moved aside as `*.corrupt-<UTC stamp>`) and before
+each transaction (one that shrank is a counted fault, a miss, and a fresh environment);
+a truncation between that check and the reads is still a SIGBUS. Why, and what each costs:
+docs/tiers.md ("When the LMDB store is damaged or its disk is full").
 
 Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
 of `SharedExclusiveLock`; changing the map size (which LMDB allows only with no transaction
@@ -45,11 +33,7 @@ writer lock.
 Buffers: transactions are begun with `buffers=True`: a value a body reads is a view of the
 mapped file, valid only until its transaction ends; a body copies what it keeps.
 
-Prefault (`prefault_bytes`, the section's `prefault_gb`; 0 by default; why and what it
-costs: docs/tiers.md): at open, data.mdb is extended that far past its last page (a hole,
-extended inside a write transaction so no writer of any process grows it meanwhile; never
-shrunk) and the tail put in the page cache (`lmdb_file.read_range`), capped by the map's
-bound, the disk's room and half the free memory.
+Prefault (`prefault_bytes`, 0 by default): `lmdb_prefault`.
 
 Durability: `sync=True` (default) flushes the data of each committed transaction (one
 msync per `batch_set`; metasync off: a crash may lose the last commit but never corrupts the
@@ -61,8 +45,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,6 +69,8 @@ from hicache.storage.backends.base import (
     StorageUnavailable,
     StoreClosed,
 )
+from hicache.storage.backends.lmdb_file import Replaced
+from hicache.storage.backends.lmdb_prefault import prefault
 from hicache.storage.backends.lmdb_stamps import STAMP, PendingStamps
 from hicache.storage.page_format import PageCodec
 
@@ -107,19 +91,13 @@ OP_DISK_FULL = "disk_full"  # `errors_by_op` key of writes retried after evictin
 # at least, so a write that still fails after this many is failing for another reason (an EIO
 # taken for a full disk must not empty the store 10% at a time).
 MAX_SPACE_EVICTIONS = 3
-PREFAULT_FREE_SHARE = 0.5  # of the memory free at open, the most a prefault takes
-
-
-class _Replaced(Exception):
-    """The environment was unusable (its file shrank, LMDB gave up on it) and was replaced:
-    the call that found it so is a counted miss / skipped write."""
 
 
 class LmdbEnvironment:
-    """One LMDB environment and its transactions (see the module docstring): the base of
-    `LmdbStore`, whose constructor this is. It holds all of the store's state: the gate, the
-    environment and its data file, the counters and fault log of `stats()`, and the pending
-    access stamps."""
+    """One LMDB environment and its transactions (see the module docstring), held by one
+    `LmdbStore`: the gate, the environment and its data file, the counters and fault log of
+    the store's `stats()`, and the pending access stamps. The store's operations are bodies
+    run by `txn` under `guard`."""
 
     def __init__(self, path: str | Path, max_size_bytes: int, codec: PageCodec, *,
                  sync: bool = True, initial_map_bytes: int = INITIAL_MAP_BYTES,
@@ -131,16 +109,16 @@ class LmdbEnvironment:
         self.codec = codec
         self.max_size_bytes = max_size_bytes - max_size_bytes % MIN_MAP_BYTES
         self._gate = SharedExclusiveLock()
-        self._counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED,
+        self.counts = Counters((STAT_HITS, STAT_MISSES, STAT_CORRUPT, STAT_EVICTED,
                                  STAT_ERRORS, STAT_WRITTEN, STAT_SKIPPED))
-        self._faults = FaultLog(logger, self._counts)
-        self._stamps = PendingStamps()  # of pages read, written in batches (lmdb_stamps)
+        self.faults = FaultLog(logger, self.counts)
+        self.stamps = PendingStamps()  # of pages read, written in batches (lmdb_stamps)
         self._sync = sync
         self._first_map_bytes = min(initial_map_bytes, self.max_size_bytes)
         self._env: lmdb.Environment | None = None
         self._file: lmdb_file.FileSize | None = None  # data.mdb of self._env, for its size
         self._open()
-        self.prefaulted_bytes = self.prefault(prefault_bytes) if prefault_bytes > 0 else 0
+        self.prefaulted_bytes = prefault(self, prefault_bytes) if prefault_bytes > 0 else 0
 
     def _open(self) -> None:
         """Open the environment at `path`, after moving a damaged data file aside.
@@ -159,47 +137,13 @@ class LmdbEnvironment:
                                      f"moved to {moved.name}, but no fresh store can be "
                                      f"created: {err}") from err
         self._env = env
-        self._psize = env.stat()["psize"]
+        self.psize = env.stat()["psize"]
         self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER)
-                                   // self._psize) * self._psize
+                                   // self.psize) * self.psize
         if env.info()["map_size"] > self.max_size_bytes:
             logger.warning("LMDB store %s already maps %d bytes, over max_size_bytes=%d; it "
                            "stays that size (LMDB files never shrink)", self.path,
                            env.info()["map_size"], self.max_size_bytes)
-
-    def prefault(self, want_bytes: int) -> int:
-        """Put the `want_bytes` of data.mdb past its last page in the page cache (see the
-        module docstring); the bytes read, 0 when the file could not be extended (logged)."""
-        def extend(txn: lmdb.Transaction) -> tuple[int, int]:
-            head = (self._require_env().info()["last_pgno"] + 1) * self._psize
-            size = os.fstat(fd).st_size
-            end = min(head + want_bytes, self.max_size_bytes,
-                      size + lmdb_file.room_bytes(self.path))
-            if end > size:
-                os.ftruncate(fd, end)
-            return head, end
-
-        free = lmdb_file.free_memory_bytes()
-        if free is not None:
-            want_bytes = min(want_bytes, int(free * PREFAULT_FREE_SHARE))
-        started = time.perf_counter()
-        try:
-            fd = os.open(self.path / lmdb_file.DATA_FILE, os.O_RDWR)
-        except OSError as err:
-            logger.warning("LMDB store %s: no prefault, data.mdb cannot be opened for "
-                           "writing: %s", self.path, err)
-            return 0
-        try:
-            head, end = self._txn(True, extend, make_room=False)
-            done = lmdb_file.read_range(fd, head, end)
-        except (OSError, lmdb.Error, _Replaced, StoreClosed) as err:
-            logger.warning("LMDB store %s: no prefault: %s", self.path, err)
-            return 0
-        finally:
-            os.close(fd)
-        logger.info("LMDB store %s: %.0f MB past its last page put in the page cache in "
-                    "%.2f s (prefault)", self.path, done / 1e6, time.perf_counter() - started)
-        return done
 
     def _move_aside_if_damaged(self) -> Path | None:
         """Rename a data file LMDB must not map (see `lmdb_file.damage`); its new path."""
@@ -223,8 +167,8 @@ class LmdbEnvironment:
                             writemap=False)
             for _ in range(MAX_TXN_ATTEMPTS):
                 try:
-                    self._pages = env.open_db(_DB_PAGES)
-                    self._atime = env.open_db(_DB_ATIME)
+                    self.pages = env.open_db(_DB_PAGES)
+                    self.atime = env.open_db(_DB_ATIME)
                     break
                 except lmdb.MapResizedError:  # another process grew the map meanwhile
                     env.set_mapsize(0)
@@ -246,18 +190,22 @@ class LmdbEnvironment:
 
     # ------------------------------------------------------------------ transactions
 
+    def used_bytes(self) -> int:
+        """Where the map's last page ends in data.mdb (inside a transaction: what it sees)."""
+        return (self._require_env().info()["last_pgno"] + 1) * self.psize
+
     def _require_env(self) -> lmdb.Environment:
         if self._env is None:
             raise StoreClosed
         return self._env
 
-    def _txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
+    def txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
              make_room: bool = True, room_pages: int = 1) -> T:
         """Run `body` in one transaction, committed when it returns; return its result.
 
         Retries after another process grew the map and, for writes with `make_room`, after
         the map filled (grow it, or evict at the bound) or the disk did (evict for
-        `room_pages` values). Raises `_Replaced` when the environment had to be replaced
+        `room_pages` values). Raises `Replaced` when the environment had to be replaced
         (`_attempt`); other lmdb.Error propagate.
         """
         space_evictions = 0
@@ -277,7 +225,7 @@ class LmdbEnvironment:
                 space_evictions += 1
                 if space_evictions > MAX_SPACE_EVICTIONS:  # eviction does not help: a real
                     raise                                   # I/O error, not a full disk
-                self._faults.record(OP_DISK_FULL, f"LMDB store {self.path}: a commit found "
+                self.faults.record(OP_DISK_FULL, f"LMDB store {self.path}: a commit found "
                                     f"the disk full ({err}); evicting old pages, retrying")
                 if not self._evict_for_space(room_pages):
                     raise
@@ -285,10 +233,10 @@ class LmdbEnvironment:
                                 f"(capacity {self.max_size_bytes} bytes)")
 
     def _attempt(self, write: bool, body: Callable[[lmdb.Transaction], T]) -> T:
-        """One transaction of `_txn`, once the data file still holds what the map uses.
+        """One transaction of `txn`, once the data file still holds what the map uses.
 
         A file that shrank (a read past its end would be a SIGBUS) or an environment LMDB
-        flagged as fatal is replaced, outside the shared side of the gate, and `_Replaced`
+        flagged as fatal is replaced, outside the shared side of the gate, and `Replaced`
         raised.
         """
         with self._gate.shared():
@@ -301,17 +249,17 @@ class LmdbEnvironment:
                 except lmdb.PanicError as err:
                     problem = f"LMDB flagged the environment as unusable ({err})"
         self._replace_env(env, problem)
-        raise _Replaced(f"{problem}; the environment was closed and reopened")
+        raise Replaced(f"{problem}; the environment was closed and reopened")
 
     def _shrunk(self, env: lmdb.Environment) -> str | None:
         """Why the data file no longer holds the pages the map uses, or None."""
         if self._file is None:
             raise StoreClosed
         # env.info() reads the meta pages through the map: they must be there first.
-        need = lmdb_file.NUM_METAS * self._psize
+        need = lmdb_file.NUM_METAS * self.psize
         size = self._file.bytes()
         if size >= need:
-            need = (env.info()["last_pgno"] + 1) * self._psize
+            need = (env.info()["last_pgno"] + 1) * self.psize
             # Sized again after the meta was read: a commit (of another thread or process)
             # writes its pages before its meta page, so a file sized first could look short
             # of the meta that a commit in between made current.
@@ -333,14 +281,14 @@ class LmdbEnvironment:
                 logger.error("LMDB store %s: %s, and it cannot be reopened (%s); the store "
                              "stays closed until a restart", self.path, problem, err)
 
-    def _guard(self, op: str, fallback: T, call: Callable[[], T]) -> T:
+    def guard(self, op: str, fallback: T, call: Callable[[], T]) -> T:
         """`call()`, or `fallback` when the store is closed or LMDB fails (counted, logged)."""
         try:
             return call()
         except StoreClosed:
             return fallback
-        except (lmdb.Error, _Replaced) as err:
-            self._faults.record(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
+        except (lmdb.Error, Replaced) as err:
+            self.faults.record(op, f"LMDB store {self.path}: {type(err).__name__}: {err}; "
                                   "treated as a miss / skipped write")
             return fallback
 
@@ -362,23 +310,23 @@ class LmdbEnvironment:
         """Evict for a write of `pages` that found the disk full: that many LRU pages, or a
         tenth of those stored if more (the disk, not `max_size_bytes`, bounds the store
         here); the number evicted."""
-        stored = self._txn(False, lambda txn: txn.stat(self._pages)["entries"])
+        stored = self.txn(False, lambda txn: txn.stat(self.pages)["entries"])
         return self._evict(max(pages, int(EVICT_FRACTION * stored), 1))
 
     def _evict(self, count: int) -> int:
         """Delete the `count` pages read or written longest ago; the number deleted."""
-        recent = self._stamps.recent()  # read recently, stamp not yet written: not a victim
+        recent = self.stamps.recent()  # read recently, stamp not yet written: not a victim
 
         def oldest(txn: lmdb.Transaction) -> list[bytes]:
-            stamps = ((STAMP.unpack(v)[0], bytes(k)) for k, v in txn.cursor(self._atime)
+            stamps = ((STAMP.unpack(v)[0], bytes(k)) for k, v in txn.cursor(self.atime)
                       if bytes(k) not in recent)
             victims = [key for _, key in heapq.nsmallest(count, stamps)]
             if not victims:  # pages without a stamp (never the case for this writer)
-                victims = [bytes(k) for k, _ in zip(txn.cursor(self._pages).iternext(
+                victims = [bytes(k) for k, _ in zip(txn.cursor(self.pages).iternext(
                     values=False), range(count))]
             return victims
 
-        return self._delete_victims(self._txn(False, oldest))
+        return self._delete_victims(self.txn(False, oldest))
 
     def _delete_victims(self, victims: list[bytes]) -> int:
         """Delete `victims` in commits of EVICT_FIRST_COMMIT keys, doubling; the number deleted.
@@ -392,33 +340,33 @@ class LmdbEnvironment:
         while start < len(victims):
             chunk = victims[start:start + size]
             try:
-                removed += self._txn(True, lambda txn, keys=chunk: self._delete_in(txn, keys),
+                removed += self.txn(True, lambda txn, keys=chunk: self.delete_in(txn, keys),
                                      make_room=False)
             except lmdb.Error:
                 if not removed:
                     raise
                 break
             start, size = start + len(chunk), 2 * size
-        self._counts.add(STAT_EVICTED, removed)
+        self.counts.add(STAT_EVICTED, removed)
         return removed
 
-    def _delete(self, keys: Sequence[bytes]) -> int:
-        return self._txn(True, lambda txn: self._delete_in(txn, keys))
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.txn(True, lambda txn: self.delete_in(txn, keys))
 
-    def _delete_in(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
+    def delete_in(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
         removed = 0
         for key in keys:
-            removed += txn.delete(key, db=self._pages)
-            txn.delete(key, db=self._atime)
+            removed += txn.delete(key, db=self.pages)
+            txn.delete(key, db=self.atime)
         return removed
 
-    def _sizes(self, txn: lmdb.Transaction, out: dict[str, Any]) -> None:
+    def sizes(self, txn: lmdb.Transaction, out: dict[str, Any]) -> None:
         env = self._require_env()
         info, psize = env.info(), env.stat()["psize"]
         used_pages = 0
-        for stat in (env.stat(), txn.stat(self._pages), txn.stat(self._atime)):
+        for stat in (env.stat(), txn.stat(self.pages), txn.stat(self.atime)):
             used_pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        out[STAT_PAGES] = txn.stat(self._pages)["entries"]
+        out[STAT_PAGES] = txn.stat(self.pages)["entries"]
         out[STAT_BYTES] = used_pages * psize  # live B-tree and value pages, not the free list
         out["map_bytes"] = info["map_size"]
         out["high_water_bytes"] = (info["last_pgno"] + 1) * psize  # ever used in the map
@@ -437,14 +385,28 @@ class LmdbEnvironment:
             return self.max_size_bytes
         return min(self.max_size_bytes, size + room)
 
+    def close(self) -> None:
+        """Write the pending access stamps, then close (idempotent; later calls are misses)."""
+        self.guard("close", None, self.flush_stamps)
+        with self._gate.exclusive():
+            self._close_env()
+
+    def sync_to_disk(self) -> None:
+        """Flush every committed page to disk now (fdatasync); for `sync=False` stores."""
+        def flush() -> None:
+            with self._gate.shared():
+                self._require_env().sync(True)
+
+        self.guard("sync", None, flush)
+
     # ------------------------------------------------------------------ access times
 
-    def _flush_stamps(self) -> None:
-        stamps = self._stamps.take()
+    def flush_stamps(self) -> None:
+        stamps = self.stamps.take()
         if stamps:
-            self._txn(True, lambda txn: self._put_stamps(txn, stamps.items()))
+            self.txn(True, lambda txn: self.put_stamps(txn, stamps.items()))
 
-    def _put_stamps(self, txn: lmdb.Transaction, stamps: Iterable[tuple[bytes, int]]) -> None:
+    def put_stamps(self, txn: lmdb.Transaction, stamps: Iterable[tuple[bytes, int]]) -> None:
         for key, stamp in stamps:
-            if txn.get(key, db=self._pages) is not None:  # not for pages deleted since
-                txn.put(key, STAMP.pack(stamp), db=self._atime)
+            if txn.get(key, db=self.pages) is not None:  # not for pages deleted since
+                txn.put(key, STAMP.pack(stamp), db=self.atime)

@@ -59,6 +59,11 @@ SETTLE_CHECKS = 4
 SETTLE_S = 0.05
 
 
+class Replaced(Exception):
+    """The environment was unusable (its file shrank, LMDB gave up on it) and was replaced:
+    the call that found it so is a counted miss / skipped write."""
+
+
 class Meta(NamedTuple):
     """The fields of an MDB_meta this module needs."""
 

@@ -13,8 +13,7 @@ store into a sparse file on a full disk would be SIGBUS instead of an error.
 
 This module holds the `ValueStore` operations (`batch_get` and `batch_set` are its
 `get_values` and `put_values` over a host pool), each a body run in one transaction. The
-environment under them is `LmdbEnvironment` (`lmdb_env`), which `LmdbStore` extends and whose
-constructor it takes: opening the environment and moving a damaged file aside, transactions
+environment under them is `LmdbEnvironment` (`lmdb_env`), a part `LmdbStore` holds: opening the environment and moving a damaged file aside, transactions
 retried for the map size and a full disk, size accounting, LRU eviction, the durability of
 `sync`. The access stamps of pages read are kept in memory and written in batches
 (`lmdb_stamps`).
@@ -35,6 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -53,21 +53,31 @@ from hicache.storage.backends.base import (
     ValueStore,
     ValueTaker,
 )
-from hicache.storage.backends.lmdb_env import MIN_MAP_BYTES, LmdbEnvironment
+from hicache.storage.backends.lmdb_env import INITIAL_MAP_BYTES, MIN_MAP_BYTES, LmdbEnvironment
 from hicache.storage.backends.lmdb_stamps import STAMP
+from hicache.storage.page_format import PageCodec
 
 __all__ = ["MIN_MAP_BYTES", "LmdbStore"]
 
 
-class LmdbStore(LmdbEnvironment, ValueStore):
+class LmdbStore(ValueStore):
     """`ValueStore` over one LMDB environment (see the module docstring).
 
     `LmdbStore(path, max_size_bytes, codec, *, sync=True, initial_map_bytes=...)`: the
-    arguments are `LmdbEnvironment`'s.
+    arguments are its `LmdbEnvironment`'s.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, path: str | Path, max_size_bytes: int, codec: PageCodec, *,
+                 sync: bool = True, initial_map_bytes: int = INITIAL_MAP_BYTES,
+                 prefault_bytes: int = 0) -> None:
+        # The environment, its transactions, size accounting, eviction and the counters and
+        # access stamps they share: a part of its own (`lmdb_env`).
+        self.env = LmdbEnvironment(path, max_size_bytes, codec, sync=sync,
+                                   initial_map_bytes=initial_map_bytes,
+                                   prefault_bytes=prefault_bytes)
+        self.path, self.codec = self.env.path, codec
+        self.max_size_bytes, self.prefaulted_bytes = (self.env.max_size_bytes,
+                                                      self.env.prefaulted_bytes)
         self._scratch_local = threading.local()  # each writing thread's value buffer
 
     # ------------------------------------------------------------------ ValueStore
@@ -78,11 +88,11 @@ class LmdbStore(LmdbEnvironment, ValueStore):
         def body(txn: lmdb.Transaction) -> None:
             found[0] = 0
             for key in keys:
-                if txn.get(key, db=self._pages) is None:
+                if txn.get(key, db=self.env.pages) is None:
                     return
                 found[0] += 1
 
-        self._guard("batch_exists", None, lambda: self._txn(False, body))
+        self.env.guard("batch_exists", None, lambda: self.env.txn(False, body))
         return found[0]
 
     def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
@@ -91,7 +101,7 @@ class LmdbStore(LmdbEnvironment, ValueStore):
 
         def body(txn: lmdb.Transaction) -> None:
             for i, key in enumerate(keys):
-                value = txn.get(key, db=self._pages)
+                value = txn.get(key, db=self.env.pages)
                 if value is None:
                     continue
                 if take(i, value):
@@ -99,44 +109,44 @@ class LmdbStore(LmdbEnvironment, ValueStore):
                 else:
                     corrupt.append(bytes(key))
 
-        self._guard("batch_get", None, lambda: self._txn(False, body))
+        self.env.guard("batch_get", None, lambda: self.env.txn(False, body))
         hits = sum(served)
-        self._counts.add(STAT_HITS, hits)
-        self._counts.add(STAT_MISSES, len(keys) - hits)
+        self.env.counts.add(STAT_HITS, hits)
+        self.env.counts.add(STAT_MISSES, len(keys) - hits)
         if corrupt:
-            self._counts.add(STAT_CORRUPT, len(corrupt))
-            self._guard("delete_corrupt", 0, lambda: self._delete(corrupt))
+            self.env.counts.add(STAT_CORRUPT, len(corrupt))
+            self.env.guard("delete_corrupt", 0, lambda: self.env.delete(corrupt))
         read = [key for key, ok in zip(keys, served) if ok]
-        if read and self._stamps.touch(read):
-            self._guard("touch", None, self._flush_stamps)
+        if read and self.env.stamps.touch(read):
+            self.env.guard("touch", None, self.env.flush_stamps)
         return served
 
     def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
-        stamps = self._stamps.take()
+        stamps = self.env.stamps.take()
         # One value at a time is encoded here and copied by `put` into LMDB's own pages, so
         # one buffer serves the whole batch, and each writing thread keeps its own across
         # batches: no allocation (and page faults) per page or per batch.
         scratch = self._scratch()
 
         def body(txn: lmdb.Transaction) -> int:
-            self._put_stamps(txn, stamps.items())
+            self.env.put_stamps(txn, stamps.items())
             stamp = STAMP.pack(time.time_ns())
             written = 0
             for i, key in enumerate(keys):
                 # Looked up before encoding: a page stored already costs one B-tree lookup,
                 # not a checksum and a copy of the page that `put(overwrite=False)` drops.
-                if txn.get(key, db=self._pages) is None:
-                    txn.put(key, self.codec.encode_into(payload_of(i), scratch), db=self._pages)
+                if txn.get(key, db=self.env.pages) is None:
+                    txn.put(key, self.codec.encode_into(payload_of(i), scratch), db=self.env.pages)
                     written += 1
-                txn.put(key, stamp, db=self._atime)
+                txn.put(key, stamp, db=self.env.atime)
             return written
 
-        written = self._guard("batch_set", None,
-                              lambda: self._txn(True, body, room_pages=len(keys)))
+        written = self.env.guard("batch_set", None,
+                              lambda: self.env.txn(True, body, room_pages=len(keys)))
         if written is None:
             return [False] * len(keys)
-        self._counts.add(STAT_WRITTEN, written)
-        self._counts.add(STAT_SKIPPED, len(keys) - written)
+        self.env.counts.add(STAT_WRITTEN, written)
+        self.env.counts.add(STAT_SKIPPED, len(keys) - written)
         return [True] * len(keys)
 
     def _scratch(self) -> bytearray:
@@ -148,51 +158,45 @@ class LmdbStore(LmdbEnvironment, ValueStore):
 
     def sample_keys(self, count: int) -> list[bytes]:
         def body(txn: lmdb.Transaction) -> list[bytes]:
-            with txn.cursor(db=self._pages) as cursor:
+            with txn.cursor(db=self.env.pages) as cursor:
                 return [bytes(k) for k, _ in zip(cursor.iternext(values=False), range(count))]
 
-        return self._guard("sample", [], lambda: self._txn(False, body))
+        return self.env.guard("sample", [], lambda: self.env.txn(False, body))
 
     def sample_read(self, keys: Sequence[bytes]) -> int:
         def body(txn: lmdb.Transaction) -> int:
             return sum(len(value) for key in keys
-                       if (value := txn.get(key, db=self._pages)) is not None)
+                       if (value := txn.get(key, db=self.env.pages)) is not None)
 
-        return self._guard("sample", 0, lambda: self._txn(False, body))
+        return self.env.guard("sample", 0, lambda: self.env.txn(False, body))
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        self._stamps.discard(keys)
-        return self._guard("delete", 0, lambda: self._delete(keys))
+        self.env.stamps.discard(keys)
+        return self.env.guard("delete", 0, lambda: self.env.delete(keys))
 
     def clear(self) -> int:
-        self._stamps.clear()
+        self.env.stamps.clear()
 
         def body(txn: lmdb.Transaction) -> int:
-            removed = txn.stat(self._pages)["entries"]
-            txn.drop(self._pages, delete=False)
-            txn.drop(self._atime, delete=False)
+            removed = txn.stat(self.env.pages)["entries"]
+            txn.drop(self.env.pages, delete=False)
+            txn.drop(self.env.atime, delete=False)
             return removed
 
-        return self._guard("clear", 0, lambda: self._txn(True, body))
+        return self.env.guard("clear", 0, lambda: self.env.txn(True, body))
 
     def stats(self) -> dict[str, Any]:
-        out = self._counts.snapshot()
-        out[STAT_ERRORS_BY_OP] = self._faults.by_op()
+        out = self.env.counts.snapshot()
+        out[STAT_ERRORS_BY_OP] = self.env.faults.by_op()
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
                     "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path),
                     "prefaulted_bytes": self.prefaulted_bytes})
-        self._guard("stats", None, lambda: self._txn(False, lambda txn: self._sizes(txn, out)))
+        self.env.guard("stats", None, lambda: self.env.txn(False, lambda txn: self.env.sizes(txn, out)))
         return out
 
     def close(self) -> None:
-        self._guard("close", None, self._flush_stamps)
-        with self._gate.exclusive():
-            self._close_env()
+        self.env.close()
 
     def sync_to_disk(self) -> None:
         """Flush every committed page to disk now (fdatasync); for `sync=False` stores."""
-        def flush() -> None:
-            with self._gate.shared():
-                self._require_env().sync(True)
-
-        self._guard("sync", None, flush)
+        self.env.sync_to_disk()
