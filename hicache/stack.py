@@ -159,8 +159,8 @@ class CacheStack:
 
     def poll(self) -> None:
         """Apply the acks in their fixed order: writes -> backups -> loads -> prefetches."""
-        self.l3.backup(self.tree.writing_check())
-        self.tree.loading_check()
+        self.l3.backup(self.tree.host.writing_check())
+        self.tree.host.loading_check()
         self.l3.check()
 
     def publish_events(self) -> None:
@@ -177,25 +177,25 @@ class CacheStack:
 
     def busy(self) -> bool:
         """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
-        return self.tree.copies_pending() or self.l3.busy()
+        return self.tree.host.copies_pending() or self.l3.busy()
 
     def copies_pending(self) -> bool:
         """Whether a D->H or H->D copy is queued or in flight."""
-        return self.tree.copies_pending()
+        return self.tree.host.copies_pending()
 
     def wait_copies(self) -> None:
         """Block until every copy queued so far has finished."""
-        self.tree.wait_copies()
+        self.tree.host.wait_copies()
 
     def launch_loads(self) -> TransferHandle | None:
         """Launch the H->D loads admission queued, as one transfer (the model runner, before
         a forward pass: its layers wait on the handle); None when none are queued."""
-        return self.tree.start_loading()
+        return self.tree.host.start_loading()
 
     def start_loading(self) -> None:
         """Launch queued H->D loads when no forward pass will (they never wait for one)."""
-        if self.tree.copies_pending():
-            self.tree.start_loading()
+        if self.tree.host.copies_pending():
+            self.tree.host.start_loading()
 
     def expire(self, now: float) -> None:
         """End the sessions idle for their timeout and the pins past their TTL (once per
@@ -234,7 +234,7 @@ class CacheStack:
         key = (tuple(ids), extra_key)
         self.pins.check(key, end)
         self.pins.pin(key, end, ttl_s, now)
-        self.tree.back_up_path(end)  # a pinned page must reach L2 to leave L1 (best effort)
+        self.tree.host.back_up_path(end)  # a pinned page must reach L2 to leave L1 (best effort)
         return True
 
     def unpin(self, ids: Sequence[int], extra_key: str | None) -> bool:
@@ -286,9 +286,9 @@ class CacheStack:
     def quiesce(self) -> None:
         """Wait for every copy and backup in flight and apply their acks (flush, shutdown).
         Copies first: their acks queue backups, which protect host pages."""
-        self.tree.wait_copies()
-        self.l3.backup(self.tree.writing_check())
-        self.tree.loading_check()
+        self.tree.host.wait_copies()
+        self.l3.backup(self.tree.host.writing_check())
+        self.tree.host.loading_check()
         self.l3.wait_idle()
 
     def flush(self, tiers: Sequence[str]) -> dict[str, int]:
@@ -301,7 +301,7 @@ class CacheStack:
             with self.tree.flushing():
                 out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers:
-            out["host"] = self.tree.flush_host()
+            out["host"] = self.tree.host.flush_host()
         if "storage" in tiers:
             out["storage"] = self.l3.clear() * self.page_size
         if self.events is not None and self._flushes_all(tiers):
@@ -332,11 +332,11 @@ class CacheStack:
                              self.device_pool.size_bytes)
         host = storage = None
         if self.host_pool is not None:
-            sizes = self.tree.host_sizes()
+            sizes = self.tree.host.host_sizes()
             host = HostStats(self.host_pool.total_size(),
                              self.host_pool.total_size() - self.host_pool.available_size(),
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
-                             self.tree.host_counters(), self.host_pool.size_bytes)
+                             self.tree.host.host_counters(), self.host_pool.size_bytes)
         storage = self.l3.stats(requests.cached_storage_tokens)
         events = self.event_counters() if self.events is not None else None
         pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,

@@ -51,7 +51,7 @@ class RequestCalls:
         path, less the pinned ones that cannot leave L1."""
         end = hit._device_end
         return (self.tree.evictable_size() - self.tree.unlocked_on_path(end)
-                - self.tree.stuck_pinned_size(end))
+                - self.tree.retention.stuck_pinned_size(end))
 
     def evict(self, tokens: int) -> int:
         """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed."""
@@ -70,7 +70,7 @@ class RequestCalls:
                 self._evict_keeping(hit, evict_tokens)
             slots, loaded = hit.device_slots, 0
             if hit.host_tokens:
-                lb = self.tree.init_load_back(hit._host_end)
+                lb = self.tree.host.init_load_back(hit._host_end)
                 if lb.device_indices.numel():
                     slots = torch.cat([slots, lb.device_indices])
                     loaded = lb.device_indices.numel()
@@ -88,11 +88,11 @@ class RequestCalls:
         if not hit.host_tokens:
             self.tree.evict(tokens)
             return
-        self.tree.protect_host(hit._host_end)
+        self.tree.host.protect_host(hit._host_end)
         try:
             self.tree.evict(tokens)
         finally:
-            self.tree.release_host(hit._host_end)
+            self.tree.host.release_host(hit._host_end)
 
     def cache_prefix(self, lease: Lease, tokens: Sequence[int], slots: torch.Tensor,
                      who: Requester, shared: int) -> tuple[Lease, torch.Tensor]:
@@ -142,4 +142,4 @@ class RequestCalls:
         """`who`'s live session owns the path ending at `end`. A session closed meanwhile
         stays closed: its late requests own nothing."""
         if self.sessions is not None and who.session_id in self.sessions:
-            self.tree.own(end, who.session_id)
+            self.tree.retention.own(end, who.session_id)

@@ -162,7 +162,7 @@ class StorageCalls:
         except Exception:  # the tier is gone either way: the detach stands
             logger.exception("closing L3 at its detach failed; the server goes on without it")
         finally:
-            self.tree.forget_stored()
+            self.tree.host.forget_stored()
         return True
 
     def close(self) -> None:

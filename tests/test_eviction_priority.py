@@ -172,12 +172,12 @@ def run_ops(policy: str, operations: list[tuple]) -> None:
                 n = model.hit(op[1])
                 model.use(op[1][:n], None, clock.now, False, create=False)
                 if n:
-                    tree.pin(m.last_device_node)
+                    tree.retention.pin(m.last_device_node)
                     pins.append((m.last_device_node, op[1][:n]))
                     model.locked.append(op[1][:n])
             elif op[0] == "unpin" and pins:
                 node, key = pins.pop(op[1] % len(pins))
-                tree.unpin(node)
+                tree.retention.unpin(node)
                 model.locked.remove(key)
             elif op[0] == "evict":
                 for _ in range(op[1]):

@@ -42,17 +42,17 @@ def test_l1_only_a_pinned_path_is_never_evicted_until_unpinned() -> None:
     tree.insert(leaf_key(0))
     tree.insert(leaf_key(1))
     node = tree.peek_path(leaf_key(0))[-1]
-    tree.pin(node)
+    tree.retention.pin(node)
     tree.check_integrity()
     assert tree.evict(100) == 3  # the unpinned leaf only
     assert tree.peek_prefix(leaf_key(0)) == 3
     tree.insert(leaf_key(0) + (7, 8))  # a child below the pin is evictable
     assert tree.evict(100) == 2 and tree.peek_prefix(leaf_key(0)) == 3
-    tree.unpin(node)
+    tree.retention.unpin(node)
     tree.check_integrity()
     assert tree.evict(100) == 3 and tree.peek_prefix(leaf_key(0)) == 0
     with pytest.raises(AssertionError, match="unpin"):
-        tree.unpin(node)
+        tree.retention.unpin(node)
 
 
 def hi_tree(dev_pages: int = 16, host_pages: int = 16) -> HiRadixCache:
@@ -70,7 +70,7 @@ def test_l2_a_pinned_path_is_demoted_last_and_never_evicted_from_l2() -> None:
     insert(tree, leaf_key(0))  # the oldest: LRU would take it first
     insert(tree, leaf_key(1))
     pinned = tree.peek_path(leaf_key(0))[-1]
-    tree.pin(pinned)
+    tree.retention.pin(pinned)
     assert tree.evict(3) == 3  # the unpinned leaf is demoted first
     assert not pinned.evicted and tree.peek_path(leaf_key(1))[-1].evicted
     assert tree.evict(3) == 3 and pinned.evicted  # then the pinned one: demoted, kept
@@ -78,7 +78,7 @@ def test_l2_a_pinned_path_is_demoted_last_and_never_evicted_from_l2() -> None:
     assert tree.peek_prefix(leaf_key(0)) == 3 and tree.peek_prefix(leaf_key(1)) == 0
     assert tree.flush_host() == 0 and pinned.backuped
     tree.check_integrity()
-    tree.unpin(pinned)
+    tree.retention.unpin(pinned)
     assert tree.flush_host() == 3 and tree.peek_prefix(leaf_key(0)) == 0
     tree.check_integrity()
 
@@ -88,7 +88,7 @@ def test_a_pinned_node_not_in_l2_stays_on_l1() -> None:
     tree.write_policy = "write_back"  # nothing is copied to L2 before eviction
     tree.insert(leaf_key(0), tree.controller.device_pool.alloc(3))
     node = tree.peek_path(leaf_key(0))[-1]
-    tree.pin(node)
+    tree.retention.pin(node)
     assert not node.backuped and tree.evict(3) == 0 and not node.evicted
 
 
@@ -286,16 +286,16 @@ def test_pinned_pages_that_cannot_leave_l1_are_not_counted_as_freeable() -> None
     tree.insert(list(range(8)))
     tree.insert([100, 101, 102])
     pinned = tree.peek_path(list(range(8)))[-1]
-    tree.pin(pinned)
-    assert tree.evictable_size() == 11 and tree.stuck_pinned_size() == 8
-    assert tree.stuck_pinned_size(pinned) == 0  # a request on that path counts it already
-    freeable = tree.evictable_size() - tree.stuck_pinned_size()
+    tree.retention.pin(pinned)
+    assert tree.evictable_size() == 11 and tree.retention.stuck_pinned_size() == 8
+    assert tree.retention.stuck_pinned_size(pinned) == 0  # a request on that path counts it already
+    freeable = tree.evictable_size() - tree.retention.stuck_pinned_size()
     assert tree.evict(tree.total_size()) == freeable == 3
     tree.inc_lock_ref(pinned)  # locked: out of evictable_size(), so not stuck either
-    assert tree.stuck_pinned_size() == 0
+    assert tree.retention.stuck_pinned_size() == 0
     tree.dec_lock_ref(pinned)
-    tree.unpin(pinned)
-    assert tree.stuck_pinned_size() == 0 and tree.evict(8) == 8
+    tree.retention.unpin(pinned)
+    assert tree.retention.stuck_pinned_size() == 0 and tree.evict(8) == 8
 
 
 def test_a_pinned_node_backed_up_in_l2_can_still_leave_l1() -> None:
@@ -305,12 +305,12 @@ def test_a_pinned_node_backed_up_in_l2_can_still_leave_l1() -> None:
     slots = dev.alloc(8)
     tree.insert(list(range(8)), slots)
     node = tree.peek_path(list(range(8)))[-1]
-    tree.pin(node)
-    assert tree.stuck_pinned_size() == 8  # write_back: no copy in L2 yet
+    tree.retention.pin(node)
+    assert tree.retention.stuck_pinned_size() == 8  # write_back: no copy in L2 yet
     tree.back_up_path(node)
     tree.writing_check(wait=True)
-    assert tree.stuck_pinned_size() == 0  # demotable: it may leave L1 for L2
-    tree.unpin(node)
+    assert tree.retention.stuck_pinned_size() == 0  # demotable: it may leave L1 for L2
+    tree.retention.unpin(node)
 
 
 def test_requests_wait_rather_than_fail_when_pins_hold_l1(tmp_path) -> None:

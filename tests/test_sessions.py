@@ -58,7 +58,7 @@ def test_owned_leaves_are_evicted_last_in_policy_order(n, owned, policy, data) -
                 tree.match_prefix(leaf_key(i))
         tick = {i: tree.peek_path(leaf_key(i))[-1].last_access_time for i in range(n)}
         for i in owned:
-            tree.own(tree.peek_path(leaf_key(i))[-1], "s")
+            tree.retention.own(tree.peek_path(leaf_key(i))[-1], "s")
         tree.check_integrity()
         order = []
         while len(order) < n:
@@ -72,18 +72,18 @@ def test_owned_leaves_are_evicted_last_in_policy_order(n, owned, policy, data) -
 def test_split_copies_ownership_and_delete_drops_it() -> None:
     tree = RadixCache(RecordingAllocator(), page_size=2)
     tree.insert((1, 2, 3, 4, 5, 6))
-    tree.own(tree.peek_path((1, 2, 3, 4, 5, 6))[-1], "a")
+    tree.retention.own(tree.peek_path((1, 2, 3, 4, 5, 6))[-1], "a")
     tree.insert((1, 2, 9, 9))  # splits the owned edge after (1, 2)
     tree.check_integrity()
     upper = tree.peek_path((1, 2))[-1]
     assert upper.owners == {"a"} and len(upper.key) == 2
     assert tree.peek_path((1, 2, 9, 9))[-1].owners == frozenset()  # a new, unowned leaf
-    assert tree.owned_tokens().device == 6
+    assert tree.retention.owned_tokens().device == 6
     assert tree.evict(2) == 2  # the unowned (9, 9) leaf goes first
     assert tree.peek_prefix((1, 2, 3, 4, 5, 6)) == 6
     assert tree.evict(6) == 6  # then the owned ones: deleted, they leave the session
     tree.check_integrity()
-    assert tree.owned_tokens().device == 0 and tree.disown("a") == 0
+    assert tree.retention.owned_tokens().device == 0 and tree.retention.disown("a") == 0
 
 
 def test_closing_a_session_puts_its_nodes_back_in_policy_order() -> None:
@@ -91,7 +91,7 @@ def test_closing_a_session_puts_its_nodes_back_in_policy_order() -> None:
         tree = RadixCache(RecordingAllocator())
         clock.now = 1.0
         tree.insert(leaf_key(0))  # older, owned
-        tree.own(tree.peek_path(leaf_key(0))[-1], "s")
+        tree.retention.own(tree.peek_path(leaf_key(0))[-1], "s")
         clock.now = 2.0
         tree.insert(leaf_key(1))  # newer, unowned
         table = SessionTable(tree, timeout_s=10.0)
@@ -107,13 +107,13 @@ def test_closing_a_session_puts_its_nodes_back_in_policy_order() -> None:
 def test_a_session_times_out_oldest_first() -> None:
     tree = RadixCache(RecordingAllocator())
     tree.insert(leaf_key(0))
-    tree.own(tree.peek_path(leaf_key(0))[-1], "old")
+    tree.retention.own(tree.peek_path(leaf_key(0))[-1], "old")
     table = SessionTable(tree, timeout_s=5.0)
     table.touch("old", now=0.0)
     table.touch("new", now=3.0)
     assert table.expire(now=4.9) == []
     assert table.expire(now=5.0) == ["old"] and "new" in table
-    assert tree.owned_tokens().device == 0
+    assert tree.retention.owned_tokens().device == 0
     assert table.expire(now=8.0) == ["new"] and len(table) == 0
     with pytest.raises(ValueError, match="timeout"):
         SessionTable(tree, timeout_s=0)
@@ -129,13 +129,13 @@ def test_l2_evicts_owned_host_leaves_last() -> None:
         slots = dev.alloc(3)
         tree.insert(leaf_key(i), slots)
         tree.writing_check(wait=True)
-    tree.own(tree.peek_path(leaf_key(0))[-1], "s")
+    tree.retention.own(tree.peek_path(leaf_key(0))[-1], "s")
     assert tree.evict(6) == 6  # both demoted to L2
     tree.check_integrity()
     assert tree.evict_host(3) == 3
     assert tree.peek_prefix(leaf_key(0)) == 3 and tree.peek_prefix(leaf_key(1)) == 0
-    assert tree.owned_tokens() == (0, 3)
-    tree.disown("s")
+    assert tree.retention.owned_tokens() == (0, 3)
+    tree.retention.disown("s")
     assert tree.evict_host(3) == 3 and tree.peek_prefix(leaf_key(0)) == 0
     tree.check_integrity()
 

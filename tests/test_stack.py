@@ -71,8 +71,9 @@ def test_a_stack_without_l2_or_l3_answers_with_harmless_defaults() -> None:
     assert not stack.prefetch("r", list(range(8)), None)
     assert stack.prefetch_ready("r") and stack.end_prefetch("r") == 0
     assert stack.take_restarts() == [] and not stack.busy()
-    assert tree.init_load_back(tree.root).device_indices.numel() == 0
-    assert tree.host_sizes().total == 0 and tree.writing_check() == []
+    assert tree.host.init_load_back(tree.root).device_indices.numel() == 0
+    assert tree.host.host_sizes().total == 0 and tree.host.writing_check() == []
+    assert not hasattr(tree, "writing_check")  # the defaults are the NoHostTier's
     stack.poll()
     stack.check_integrity()
     stats = stack.stats(RequestCounters(requests=1, cached_device_tokens=4))

@@ -1,10 +1,10 @@
 """The prefix-cache contract the scheduler calls, whatever tiers the tree spans.
 
-`PrefixCache` is the L1 contract of docs/architecture.md ("Contracts") plus the L2 hooks with harmless
-defaults for a tree without a host tier (SGLang's `BasePrefixCache` does the same): no host
-hit, nothing to load back, nothing to protect, zero host sizes, no copies in flight. The
-scheduler and the tier owner (`hicache.stack.CacheStack`) call this one interface and never
-ask which tree they hold.
+`PrefixCache` is the L1 contract of docs/architecture.md ("Contracts"); its L2 side is the
+tree's `host` (`host_tier.HostTier`): the harmless answers of a `NoHostTier` for a tree
+without a host tier (no host hit, nothing to load back, zero host sizes, no copies in
+flight), the two-tier tree itself otherwise. The tier owner (`hicache.stack.CacheStack`)
+calls these and never asks which tree it holds.
 
 Uses: a request uses the nodes it matches or inserts. Each use touches them (access time)
 and raises their `priority` to the request's (the `priority` eviction policy); `hit_count`
@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ from hicache.tree.node import TreeNode
 
 if TYPE_CHECKING:
     from hicache.transfer.engines import TransferHandle
+    from hicache.tree.retention import Retention
 
 EMPTY = torch.empty(0, dtype=INDEX_DTYPE)  # no slots (never written to: slices, cats only)
 
@@ -75,11 +76,49 @@ class HostCounters:
     transfer_failures: int = 0      # copies that failed (counted per copy, not in tokens)
 
 
-class OwnedSizes(NamedTuple):
-    """Tokens live sessions own (`RadixCache.own`), each node counted once."""
+class HostTier(Protocol):
+    """A tree's L2 side, as the tier owner calls it (`tree.host`)."""
 
-    device: int = 0      # on L1
-    host_only: int = 0   # evicted from L1, on L2
+    def init_load_back(self, last_host_node: TreeNode) -> LoadBack:
+        """Queue the H->D copy of the L2-only path ending at `last_host_node`."""
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep `node`'s and its ancestors' host pages until `release_host`."""
+
+    def release_host(self, node: TreeNode) -> None:
+        """End a `protect_host`."""
+
+    def host_sizes(self) -> HostSizes: ...
+
+    def host_counters(self) -> HostCounters:
+        """A copy of the L2 counters."""
+
+    def mark_stored(self, node: TreeNode) -> None:
+        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
+
+    def forget_stored(self) -> None:
+        """L3 was emptied or detached: no node is known to be there any more."""
+
+    def back_up_path(self, node: TreeNode) -> bool:
+        """Queue the copy of `node`'s path to L2; False when L2 has no room for it."""
+
+    def flush_host(self) -> int:
+        """Free every unprotected host page; the host tokens freed."""
+
+    def writing_check(self, wait: bool = False) -> list[TreeNode]:
+        """Apply finished D->H acks; the nodes that reached L2 (for their L3 backup)."""
+
+    def loading_check(self, wait: bool = False) -> int:
+        """Apply finished H->D acks; how many."""
+
+    def copies_pending(self) -> bool:
+        """Whether a D->H or H->D copy is queued or in flight."""
+
+    def start_loading(self) -> TransferHandle | None:
+        """Launch the queued H->D copies (the model runner does this before a forward)."""
+
+    def wait_copies(self) -> None:
+        """Block until every copy queued so far has finished (flush, shutdown)."""
 
 
 class PrefixCache(ABC):
@@ -93,6 +132,8 @@ class PrefixCache(ABC):
     page_size: int
     disable: bool
     root: TreeNode
+    host: HostTier  # the L2 side: a `host_tier.NoHostTier` without one
+    retention: Retention  # who owns and pins which nodes (sessions, pins)
     # observer(name, seconds): latency hook for metrics, set by the tier owner
     observer: Callable[[str, float], None] | None = None
 
@@ -155,36 +196,13 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_size(self) -> int: ...
 
-    def stuck_pinned_size(self, path_end: TreeNode | None = None) -> int:
-        """Device tokens `evictable_size()` counts that no eviction can free (pinned); 0 for
-        a tree without pins."""
-        return 0
-
     @abstractmethod
     def protected_size(self) -> int: ...
 
     @abstractmethod
     def total_size(self) -> int: ...
 
-    # ------------------------------------------------------------ sessions, pins, events
-
-    @abstractmethod
-    def own(self, node: TreeNode, session_id: str) -> None:
-        """`session_id` owns `node` and its ancestors: evicted after every unowned node."""
-
-    @abstractmethod
-    def disown(self, session_id: str) -> int:
-        """`session_id` owns nothing any more; the tokens it owned."""
-
-    @abstractmethod
-    def owned_tokens(self) -> OwnedSizes: ...
-
-    @abstractmethod
-    def pin(self, node: TreeNode) -> None:
-        """Pin `node` and its ancestors until `unpin(node)`: evicted after everything else."""
-
-    @abstractmethod
-    def unpin(self, node: TreeNode) -> None: ...
+    # ---------------------------------------------------------------------------- events
 
     @abstractmethod
     def flushing(self) -> AbstractContextManager[None]:
@@ -202,55 +220,3 @@ class PrefixCache(ABC):
     def check_integrity(self, held_host_tokens: int = 0) -> None:
         """Raise AssertionError when a structural invariant is broken (`held_host_tokens`:
         host pages in-flight L3 prefetches hold, which no node owns yet)."""
-
-    # ------------------------------------------------- L2 hooks: harmless without a host tier
-
-    def init_load_back(self, last_host_node: TreeNode) -> LoadBack:
-        """Queue the H->D copy of the L2-only path ending at `last_host_node` (none here)."""
-        return LoadBack(EMPTY, last_host_node)
-
-    def protect_host(self, node: TreeNode) -> None:
-        """Keep `node`'s and its ancestors' host pages until `release_host` (none here)."""
-
-    def release_host(self, node: TreeNode) -> None:
-        """End a `protect_host`."""
-
-    def host_sizes(self) -> HostSizes:
-        return HostSizes()
-
-    def host_counters(self) -> HostCounters:
-        """A copy of the L2 counters (all zero without L2)."""
-        return HostCounters()
-
-    def mark_stored(self, node: TreeNode) -> None:
-        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
-
-    def forget_stored(self) -> None:
-        """L3 was emptied or detached: no node is known to be there any more."""
-
-    def back_up_path(self, node: TreeNode) -> bool:
-        """Queue the copy of `node`'s path to L2 (no L2 here: nothing to do)."""
-        return False
-
-    def flush_host(self) -> int:
-        """Free every unprotected host page; the host tokens freed."""
-        return 0
-
-    def writing_check(self, wait: bool = False) -> list[TreeNode]:
-        """Apply finished D->H acks; the nodes that reached L2 (for their L3 backup)."""
-        return []
-
-    def loading_check(self, wait: bool = False) -> int:
-        """Apply finished H->D acks; how many."""
-        return 0
-
-    def copies_pending(self) -> bool:
-        """Whether a D->H or H->D copy is queued or in flight."""
-        return False
-
-    def start_loading(self) -> TransferHandle | None:
-        """Launch the queued H->D copies (the model runner does this before a forward)."""
-        return None
-
-    def wait_copies(self) -> None:
-        """Block until every copy queued so far has finished (flush, shutdown)."""

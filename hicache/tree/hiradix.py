@@ -68,6 +68,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         # observer(name, seconds): latency hook for metrics ("load_back_seconds")
         self.observer: Callable[[str, float], None] | None = None
         super().__init__(controller.device_pool, page_size, False, eviction_policy, events)
+        self.host = self  # this tree is its own L2 side (`host_tier.HostTier`)
 
     def _init_tree(self) -> None:
         super()._init_tree()

@@ -72,9 +72,9 @@ class PinTable:
         """Pin `node`'s path (spelling `key`) until `now + ttl_s`; renews an existing pin.
         Call `check` first."""
         old = self._pins.pop(key, None)
-        self.tree.pin(node)
+        self.tree.retention.pin(node)
         if old is not None:
-            self.tree.unpin(old.node)
+            self.tree.retention.unpin(old.node)
         pin = Pin(node, len(key[0]), key[1], now + ttl_s)
         self._pins[key] = pin
         return pin
@@ -84,7 +84,7 @@ class PinTable:
         pin = self._pins.pop(key, None)
         if pin is None:
             return False
-        self.tree.unpin(pin.node)
+        self.tree.retention.unpin(pin.node)
         return True
 
     def clear(self) -> int:

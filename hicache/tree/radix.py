@@ -22,8 +22,9 @@ import torch
 from hicache.events.recorder import EventRecorder
 from hicache.events.schema import MEDIUM_GPU, REASON_EVICTED
 from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
-from hicache.tree.base import EMPTY, MatchResult, PrefixCache, concat
+from hicache.tree.base import EMPTY, HostTier, MatchResult, PrefixCache, concat
 from hicache.tree.eviction_order import eviction_key
+from hicache.tree.host_tier import NoHostTier
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
 from hicache.tree.retention import Retention
@@ -31,7 +32,7 @@ from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 
-class RadixCache(TreeEvents, Retention, PrefixCache):
+class RadixCache(TreeEvents, PrefixCache):
     """Page-aligned radix tree over token ids; see docs/architecture.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
@@ -52,6 +53,7 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         self._priority = eviction_key(eviction_policy)  # called per push
         # KV events: None = off, and no page is hashed for them
         self.events = events
+        self.host: HostTier = NoHostTier()  # no L2: its harmless answers
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -61,9 +63,8 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         self._protected = 0
         self._num_nodes = 1
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
-        # session id -> the live nodes it owns (each node's `owners` names it back)
-        self._owned: dict[str, set[TreeNode]] = {}
-        self._pinned: set[TreeNode] = set()  # nodes with pin_ref > 0
+        self.retention = Retention(self.root, self._repush, self._maybe_rebuild_heaps,
+                                   self._device_len, self._pin_demotable)
 
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
@@ -248,10 +249,7 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         if child.hash_value is not None:
             pages = n // self.page_size
             new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
-        if new.pin_ref:
-            self._pinned.add(new)
-        for session in child.owners:
-            self._owned[session].add(new)
+        self.retention.split(new, child)
         self._split_extra(new, child, n)
         ps = self.page_size
         child.parent.children[child_key(child.key, 0, child.extra_key, ps)] = new
@@ -284,6 +282,10 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         self._touch(path, now, 1, priority)
         self._requeue(path)
         self._on_path(path)
+
+    def _pin_demotable(self, node: TreeNode) -> bool:
+        """Whether a pinned node may still leave L1 (this tree: never; with L2: by demotion)."""
+        return False
 
     def _repush(self, node: TreeNode) -> None:
         """Re-enter `node` in the eviction heaps after its key changed."""
@@ -321,9 +323,7 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         del parent.children[child_key(node.key, 0, node.extra_key, self.page_size)]
         node.parent = None  # marks the node dead for stale heap entries
         self._num_nodes -= 1
-        self._pinned.discard(node)
-        for session in node.owners:
-            self._owned[session].discard(node)
+        self.retention.deleted(node)
         self._device_heap.push(parent)
 
     def _maybe_rebuild_heaps(self) -> None:
@@ -415,10 +415,7 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
         assert evictable == self._evictable, f"evictable {evictable} != {self._evictable}"
         assert protected == self._protected, f"protected {protected} != {self._protected}"
         assert self.root.lock_ref >= 1, "the root lost its lock"
-        for session, owned in self._owned.items():
-            for node in owned:
-                assert node.parent is not None, f"session {session} owns a deleted {node!r}"
-                assert session in node.owners, f"{node!r} lost its owner {session}"
+        self.retention.check()
 
     def _check_node(self, node: TreeNode) -> None:
         parent = node.parent
@@ -440,5 +437,4 @@ class RadixCache(TreeEvents, Retention, PrefixCache):
             f"{node!r} pinned more than its parent")
         assert parent is self.root or node.owners <= parent.owners, (
             f"{node!r} is owned by sessions its parent is not: {node.owners - parent.owners}")
-        for session in node.owners:
-            assert node in self._owned.get(session, ()), f"{node!r} not listed by {session}"
+        self.retention.check_node(node)

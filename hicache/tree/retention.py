@@ -1,23 +1,43 @@
 """What keeps a node cached past its policy's turn: the sessions that own it and the pins
-that hold it (the retention classes of `eviction_order.py`). `RadixCache` is made of this;
-the tables that decide who owns and pins what are `sessions.py` and `pins.py`.
+that hold it (the retention classes of `eviction_order.py`). `RadixCache` holds one
+`Retention` (a new one at each reset) and answers its contract's `own` / `pin` calls through
+it; the tables that decide who owns and pins what are `sessions.py` and `pins.py`.
 
 Threading: scheduler thread only, like the tree.
 """
 
 from __future__ import annotations
 
-from hicache.tree.base import OwnedSizes
+from collections.abc import Callable
+from typing import NamedTuple
+
 from hicache.tree.node import TreeNode
+
+NodeFn = Callable[[TreeNode], object]
+
+
+class OwnedSizes(NamedTuple):
+    """Tokens live sessions own (`Retention.own`), each node counted once."""
+
+    device: int = 0      # on L1
+    host_only: int = 0   # evicted from L1, on L2
 
 
 class Retention:
-    """Session ownership and pins over the tree's nodes; the tree gives `root`, `_owned`
-    (session -> nodes), `_pinned`, `_repush`, `_maybe_rebuild_heaps` and `_device_len`."""
+    """Who owns and who pins the nodes under `root`: session -> the live nodes it owns
+    (each node's `owners` names it back), and the nodes with `pin_ref > 0`. The tree gives
+    `repush` (a node's eviction key changed), `rebuild` (its heaps may be stale),
+    `device_len` (a node's tokens on L1) and `pin_demotable` (whether a pinned node may
+    still leave L1: by demotion to L2)."""
 
-    root: TreeNode
-    _owned: dict[str, set[TreeNode]]
-    _pinned: set[TreeNode]
+    def __init__(self, root: TreeNode, repush: NodeFn, rebuild: Callable[[], None],
+                 device_len: Callable[[TreeNode], int],
+                 pin_demotable: Callable[[TreeNode], bool]) -> None:
+        self.root = root
+        self._repush, self._maybe_rebuild_heaps = repush, rebuild
+        self._device_len, self._pin_demotable = device_len, pin_demotable
+        self._owned: dict[str, set[TreeNode]] = {}
+        self._pinned: set[TreeNode] = set()
 
     # ------------------------------------------------------------------------- sessions
 
@@ -90,6 +110,27 @@ class Retention:
         return sum(self._device_len(n) for n in self._pinned
                    if n.lock_ref == 0 and n not in on_path and not self._pin_demotable(n))
 
-    def _pin_demotable(self, node: TreeNode) -> bool:
-        """Whether a pinned node may still leave L1 (this tree: never; with L2: by demotion)."""
-        return False
+    # ------------------------------------------------------------------ the tree's moves
+
+    def split(self, new: TreeNode, child: TreeNode) -> None:
+        """`new` was split off above `child`, with its pins and owners."""
+        if new.pin_ref:
+            self._pinned.add(new)
+        for session in child.owners:
+            self._owned[session].add(new)
+
+    def deleted(self, node: TreeNode) -> None:
+        self._pinned.discard(node)
+        for session in node.owners:
+            self._owned[session].discard(node)
+
+    def check(self) -> None:
+        """Every owned node is alive and names its owner back."""
+        for session, owned in self._owned.items():
+            for node in owned:
+                assert node.parent is not None, f"session {session} owns a deleted {node!r}"
+                assert session in node.owners, f"{node!r} lost its owner {session}"
+
+    def check_node(self, node: TreeNode) -> None:
+        for session in node.owners:
+            assert node in self._owned.get(session, ()), f"{node!r} not listed by {session}"

@@ -48,7 +48,7 @@ class SessionTable:
         """Close the session, releasing its nodes; False when it was not open."""
         if self._last_seen.pop(session_id, None) is None:
             return False
-        self.tree.disown(session_id)
+        self.tree.retention.disown(session_id)
         return True
 
     def expire(self, now: float) -> list[str]:
@@ -63,5 +63,5 @@ class SessionTable:
         return expired
 
     def sizes(self) -> SessionSizes:
-        owned = self.tree.owned_tokens()
+        owned = self.tree.retention.owned_tokens()
         return SessionSizes(len(self), owned.device, owned.host_only)
