@@ -298,7 +298,7 @@ class CacheStack:
         self.quiesce()
         mark = len(self.events.events) if self.events is not None else 0
         if "device" in tiers:
-            with self.tree.flushing():
+            with self.tree.kv_events.flushing():
                 out["device"] = self.tree.evict(self.tree.total_size())
         if "host" in tiers:
             out["host"] = self.tree.host.flush_host()

@@ -72,6 +72,6 @@ class Backups:
             if ack.ok:
                 self.tree.mark_stored(node)
                 self.counters.backed_up_tokens += len(node.key)
-                self.tree.record_stored(node, MEDIUM_DISK)
+                self.tree.kv_events.stored(node, MEDIUM_DISK)
             else:
                 self.counters.backup_failures += 1

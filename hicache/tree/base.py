@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -32,6 +31,7 @@ from hicache.tree.node import TreeNode
 if TYPE_CHECKING:
     from hicache.transfer.engines import TransferHandle
     from hicache.tree.retention import Retention
+    from hicache.tree.tree_events import TreeEvents
 
 EMPTY = torch.empty(0, dtype=INDEX_DTYPE)  # no slots (never written to: slices, cats only)
 
@@ -134,6 +134,7 @@ class PrefixCache(ABC):
     root: TreeNode
     host: HostTier  # the L2 side: a `host_tier.NoHostTier` without one
     retention: Retention  # who owns and pins which nodes (sessions, pins)
+    kv_events: TreeEvents  # the KV events of its node operations
     # observer(name, seconds): latency hook for metrics, set by the tier owner
     observer: Callable[[str, float], None] | None = None
 
@@ -203,10 +204,6 @@ class PrefixCache(ABC):
     def total_size(self) -> int: ...
 
     # ---------------------------------------------------------------------------- events
-
-    @abstractmethod
-    def flushing(self) -> AbstractContextManager[None]:
-        """KV events: removals inside are an operator's flush."""
 
     @abstractmethod
     def record_all(self) -> None:

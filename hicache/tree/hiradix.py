@@ -137,7 +137,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
             if node.evicted:
                 node.value = torch.narrow_copy(value, 0, pos, n)
                 self._evictable += n
-                self.record_stored(node, MEDIUM_GPU)
+                self.kv_events.stored(node, MEDIUM_GPU)
             else:
                 present += n
             pos += n
@@ -207,7 +207,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
     def _demote(self, node: HiTreeNode) -> int:
         """Free a backed-up node's device slots; it stays in the tree on L2."""
         n = len(node.key)
-        self.record_removed(node, MEDIUM_GPU, REASON_DEMOTED)
+        self.kv_events.removed(node, MEDIUM_GPU, REASON_DEMOTED)
         self.allocator.free(node.value)
         node.value = None
         self._evictable -= n
@@ -239,7 +239,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         ancestors of `writing` (the node whose D->H copy needs the room)."""
         freed = 0
         while freed < num_tokens and (node := self._host_heap.pop()) is not None:
-            self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
+            self.kv_events.removed(node, MEDIUM_CPU, REASON_EVICTED)
             self.controller.host_pool.free(node.host_value)
             freed += len(node.key)
             self._delete_leaf(node)
@@ -267,7 +267,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
                     or node.id in self._ongoing_writes or node.id in loading):
                 kept.append(node)
                 continue
-            self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
+            self.kv_events.removed(node, MEDIUM_CPU, REASON_EVICTED)
             self.controller.host_pool.free(node.host_value)
             node.host_value = None
             freed += len(node.key)
@@ -287,12 +287,12 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
         copies of nodes still on L1. Call with no write in flight. Returns the host tokens freed."""
         assert not self._ongoing_writes, "flush_host with D->H copies in flight"
-        with self.flushing():
+        with self.kv_events.flushing():
             freed = self.evict_host(self.controller.host_pool.total_size())
             for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
                 if (node.host_value is not None and node.host_ref_counter == 0
                         and node.pin_ref == 0):
-                    self.record_removed(node, MEDIUM_CPU, REASON_EVICTED)
+                    self.kv_events.removed(node, MEDIUM_CPU, REASON_EVICTED)
                     self.controller.host_pool.free(node.host_value)
                     freed += len(node.key)
                     node.host_value = None
@@ -301,11 +301,11 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
     def record_all(self) -> None:
         for node in self.iter_nodes():  # parents first
             if node.value is not None:
-                self.record_stored(node, MEDIUM_GPU)
+                self.kv_events.stored(node, MEDIUM_GPU)
             if node.host_value is not None:
-                self.record_stored(node, MEDIUM_CPU)
+                self.kv_events.stored(node, MEDIUM_CPU)
             if node.storage_backed:
-                self.record_stored(node, MEDIUM_DISK)
+                self.kv_events.stored(node, MEDIUM_DISK)
 
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()

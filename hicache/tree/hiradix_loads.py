@@ -64,7 +64,7 @@ class HostLoads:
         for n in nodes:
             n.value = device[offset:offset + len(n.key)]
             offset += len(n.key)
-            self.record_stored(n, MEDIUM_GPU)
+            self.kv_events.stored(n, MEDIUM_GPU)
         self._evictable += offset
         self.inc_lock_ref(last_host_node)
         self._ongoing_loads[last_host_node.id] = (nodes, time.monotonic())
@@ -140,4 +140,4 @@ class HostLoads:
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
         self._copy_heap.push(node)
-        self.record_stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
+        self.kv_events.stored(node, MEDIUM_CPU)  # DISK: reported when the query found them

@@ -97,7 +97,7 @@ class HostWrites:
             self.counters.written_tokens += len(node.key)
             self._copy_heap.push(node)
             for half in halves:
-                self.record_stored(half, MEDIUM_CPU)
+                self.kv_events.stored(half, MEDIUM_CPU)
             written.append(node)
         return written
 

@@ -32,7 +32,7 @@ from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
 
 
-class RadixCache(TreeEvents, PrefixCache):
+class RadixCache(PrefixCache):
     """Page-aligned radix tree over token ids; see docs/architecture.md "Contracts".
 
     `allocator` (anything with `free(indices)`) receives the slots of evicted nodes. Sizes are
@@ -51,8 +51,7 @@ class RadixCache(TreeEvents, PrefixCache):
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._priority = eviction_key(eviction_policy)  # called per push
-        # KV events: None = off, and no page is hashed for them
-        self.events = events
+        self._recorder = events  # KV events: None = off, and no page is hashed for them
         self.host: HostTier = NoHostTier()  # no L2: its harmless answers
         self._init_tree()
 
@@ -62,9 +61,27 @@ class RadixCache(TreeEvents, PrefixCache):
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 1
+        self.kv_events = TreeEvents(self._recorder, self.root)
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
         self.retention = Retention(self.root, self._repush, self._maybe_rebuild_heaps,
                                    self._device_len, self._pin_demotable)
+
+    @property
+    def events(self) -> EventRecorder | None:
+        """Where the KV events go (None: off)."""
+        return self._recorder
+
+    @events.setter
+    def events(self, recorder: EventRecorder | None) -> None:
+        self._recorder = recorder
+        self.kv_events = TreeEvents(recorder, self.root)
+
+    def record_all(self) -> None:
+        """Say again what every node holds (after an `AllBlocksCleared` that some nodes
+        outlived: a flush of L3, pinned pages a flush kept), parents first."""
+        for node in self.iter_nodes():
+            if node.value is not None:
+                self.kv_events.stored(node, MEDIUM_GPU)
 
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
@@ -222,7 +239,7 @@ class RadixCache(TreeEvents, PrefixCache):
         leaf.hit_count = 1
         leaf.priority = priority
         self._evictable += len(key)
-        self.record_stored(leaf, MEDIUM_GPU)
+        self.kv_events.stored(leaf, MEDIUM_GPU)
         return leaf
 
     def _attach(self, parent: TreeNode, key: Key, value: torch.Tensor | None,
@@ -314,7 +331,7 @@ class RadixCache(TreeEvents, PrefixCache):
         if self.allocator is not None:
             self.allocator.free(node.value)
         self._evictable -= n
-        self.record_removed(node, MEDIUM_GPU, REASON_EVICTED)
+        self.kv_events.removed(node, MEDIUM_GPU, REASON_EVICTED)
         self._delete_leaf(node)
         return n
 
