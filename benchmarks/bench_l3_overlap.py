@@ -31,10 +31,10 @@ prompts through an engine with L3 (LMDB, unthrottled) against one without, alter
                 L2 empty, nothing learned beyond start-up's seeds: its first request's TTFT
                 over a recompute's (benchmarks/results/l3_cold.json)
 
-    python benchmarks/bench_l3_overlap.py            # ~8 min on 2 CPU cores
-    python benchmarks/bench_l3_overlap.py --cold     # ~5 min
-    python benchmarks/bench_l3_overlap.py --cold --unseeded   # no estimates: the race alone
-    python benchmarks/bench_l3_overlap.py --quick    # a smoke run
+    python -m benchmarks.bench_l3_overlap            # ~8 min on 2 CPU cores
+    python -m benchmarks.bench_l3_overlap --cold     # ~5 min
+    python -m benchmarks.bench_l3_overlap --cold --unseeded   # no estimates: the race alone
+    python -m benchmarks.bench_l3_overlap --quick    # a smoke run
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
+from benchmarks.redis_servers import RedisServer
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
+
+REPO = Path(__file__).resolve().parent.parent
 
 PAGE_SIZE = 16
 ONE_TOKEN = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
@@ -149,8 +149,6 @@ def serve(config: dict[str, Any], warm: list[list[int]], measured: list[list[int
 @contextmanager
 def redis_link(workdir: Path, bandwidth: float | None) -> Iterator[dict[str, Any]]:
     """A real redis-server behind a throttling proxy: the config that reaches it."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from redis_fixtures import RedisServer
     with RedisServer.start(workdir) as redis, \
             proxy_process(int(redis.url.rsplit(":", 1)[1].split("/")[0]), bandwidth) as port:
         yield {"storage.backend": "redis", "storage.redis.url": f"redis://127.0.0.1:{port}/0"}
@@ -164,11 +162,11 @@ def proxy_process(target_port: int, bandwidth: float | None) -> Iterator[int]:
     """`throttle_proxy.py` in a process of its own (its port): the proxy moves every byte
     through Python, and in the engine's process it would hold the GIL the engine needs, a
     cost a network between two machines does not put on the server."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "throttle_proxy.py"),
+    cmd = [sys.executable, "-m", "benchmarks.throttle_proxy",
            "--target", f"127.0.0.1:{target_port}", "--latency-ms", str(LATENCY_MS)]
     if bandwidth is not None:
         cmd += ["--bandwidth-mb-s", str(bandwidth / MB)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], PROXY_START_S)
         line = proc.stdout.readline() if ready else ""

@@ -1,7 +1,7 @@
 """Multi-turn chat serving benchmark against a running hicache-server (the shape of SGLang's
 `benchmark/hicache/bench_multiturn.py`, on token ids instead of a tokenizer).
 
-    python benchmarks/bench_multiturn.py --port 30000            # prints tables, logs JSONL
+    python -m benchmarks.bench_multiturn --port 30000            # prints tables, logs JSONL
 
 `--num-clients` chats run concurrently (at most `--max-parallel` requests in flight); each
 chat asks `--num-rounds` questions of `--request-length` random byte tokens, one after the
@@ -479,6 +479,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.replay_round is not None and not 1 <= args.replay_round <= args.num_rounds:
         ap.error(f"--replay-round must be in [1, {args.num_rounds}], got {args.replay_round}")
     return args
+
+
+def workload_args(args: argparse.Namespace, label: str = "",
+                  no_reuse: bool = False) -> argparse.Namespace:
+    """This module's arguments for a driver's multi-turn workload, from the driver's own
+    (`clients`, `rounds`, `request_length`, `output_length`, `system_prompt_length`, `seed`:
+    bench_vs_vllm's and bench_vllm_connector's, kept in their reports); `no_reuse`: prompts
+    of the same lengths that share nothing."""
+    return parse_args([
+        "--num-clients", str(args.clients), "--num-rounds", str(args.rounds),
+        "--request-length", str(args.request_length), "--output-length", str(args.output_length),
+        "--system-prompt-length", str(args.system_prompt_length),
+        "--max-parallel", str(args.clients), "--seed", str(args.seed), "--label", label,
+        "--quiet", *(["--no-reuse"] if no_reuse else [])])
 
 
 # -------------------------------------------------------------------------------- report

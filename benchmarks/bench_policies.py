@@ -22,8 +22,8 @@ Reported per configuration: the share of session prompt tokens served from the c
 mean TTFT of session rounds >= 2, and the wall time of the whole run. The requests are the
 same (seeded), and every configuration's greedy answers are checked against the first's.
 
-    python benchmarks/bench_policies.py            # ~4 min on 2 CPU cores (make bench-policies)
-    python benchmarks/bench_policies.py --quick
+    python -m benchmarks.bench_policies            # ~4 min on 2 CPU cores (make bench-policies)
+    python -m benchmarks.bench_policies --quick
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
+
+REPO = Path(__file__).resolve().parent.parent
 
 RESULTS = REPO / "benchmarks" / "results" / "policies.json"
 ANSWER = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from bench_attention import timed, write_results
+from benchmarks.bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
 from hicache_server.models.kernels import cpu_attention

@@ -5,7 +5,7 @@ allocate with eviction, insert, unlock); the hit tokens of every request must be
 the speed comparison is between two implementations of one semantics. A second part times a
 one-page `evict` on trees of growing size to show whether its cost grows with the tree.
 
-    python benchmarks/bench_radix.py            # defaults; prints markdown, writes JSON
+    python -m benchmarks.bench_radix            # defaults; prints markdown, writes JSON
 
 Times are the minimum over `--repeats` runs (timeit's rule: noise only ever adds time); the
 two trees run alternately in one process, so read the ratios, not the absolute figures.

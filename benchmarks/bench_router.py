@@ -1,6 +1,6 @@
 """`make bench-router`: two hicache servers behind a router, routing policies side by side.
 
-    python benchmarks/bench_router.py            # ~8 min on 2 CPU cores; tables + JSON
+    python -m benchmarks.bench_router            # ~8 min on 2 CPU cores; tables + JSON
 
 Every configuration runs two `hicache_server.launch` processes with the hierarchical cache of
 `run_multiturn.py`'s L1+L2 (the same L1 and L2 sizes, page size 16, the embedded model) and
@@ -43,9 +43,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import bench_multiturn as bm
-import multiturn_report as mr
-import run_multiturn as rm
+from benchmarks import bench_multiturn as bm
+from benchmarks import multiturn_report as mr
+from benchmarks import run_multiturn as rm
+from benchmarks.redis_servers import RedisServer
 
 ROUTER_VENV = rm.REPO / ".venv-router"
 ROUTER_PYTHON = ROUTER_VENV / "bin" / "python"
@@ -236,9 +237,6 @@ def shared_storage(args: argparse.Namespace, storage: str, name: str) -> Iterato
     if storage != SHARED:
         yield None
         return
-    sys.path.insert(0, str(rm.REPO / "tests"))
-    from redis_fixtures import RedisServer
-
     with RedisServer.start(args.workdir / f"redis-{name}") as redis:
         yield redis.url
 

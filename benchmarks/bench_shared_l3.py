@@ -1,6 +1,6 @@
 """`make bench-shared-l3`: two servers on one Redis against two servers with private LMDBs.
 
-    python benchmarks/bench_shared_l3.py            # ~2.5 min on 2 CPU cores; tables + JSON
+    python -m benchmarks.bench_shared_l3            # ~2.5 min on 2 CPU cores; tables + JSON
 
 Both configurations run two `hicache_server.launch` processes with the hierarchical cache of
 `run_multiturn.py`'s L1+L2+L3 (the same L1 and L2 sizes, page size 16, prefetch policy
@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import bench_multiturn as bm
-import multiturn_report as mr
-import run_multiturn as rm
+from benchmarks import bench_multiturn as bm
+from benchmarks import multiturn_report as mr
+from benchmarks import run_multiturn as rm
+from benchmarks.redis_servers import RedisServer
 
 NUM_SERVERS = 2
 POLICY = "wait_complete"
@@ -88,9 +89,6 @@ def run_pass(args: argparse.Namespace, sizing: rm.Sizing, label: str, rep: int
         return run_config(args, name, [
             rm.with_storage(hier, "lmdb", {"path": str(args.workdir / f"lmdb-{rep}-{i}")},
                             POLICY) for i in range(NUM_SERVERS)])
-    sys.path.insert(0, str(rm.REPO / "tests"))
-    from redis_fixtures import RedisServer
-
     with RedisServer.start(args.workdir / f"redis-{rep}") as redis:
         result = run_config(args, name, [rm.with_storage(hier, "redis", {"url": redis.url},
                                                          POLICY)] * NUM_SERVERS)

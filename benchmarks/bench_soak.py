@@ -1,8 +1,8 @@
 """Soak: one `hicache-server` (L1 + L2 + LMDB) under steady multi-turn load for a bounded
 time, its memory sampled throughout, to tell a plateau from a slow leak.
 
-    python benchmarks/bench_soak.py                      # 20 minutes, 8 clients
-    python benchmarks/bench_soak.py --minutes 60 --clients 16
+    python -m benchmarks.bench_soak                      # 20 minutes, 8 clients
+    python -m benchmarks.bench_soak --minutes 60 --clients 16
 
 Clients chat in rounds over a few shared system prompts (so the tree, L2 and LMDB all churn:
 every tier fills and evicts within the first minutes), stream half of their answers, hang
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import run_multiturn as rm
+from benchmarks import run_multiturn as rm
 
 RESULTS = rm.RESULTS
 MB = 2**20

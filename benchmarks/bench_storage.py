@@ -23,8 +23,8 @@ run: this machine is shared and noisy, so read the ratios. The two goals of the 
 issue are printed on their own: a warm get (the better of 1 and 2 threads) >= 0.7x the warm
 sequential read, and a set (sync=False + one env sync) >= 0.8x the sequential write.
 
-    python benchmarks/bench_storage.py            # defaults; prints markdown, writes JSON
-    python benchmarks/bench_storage.py --redis    # + Redis (one node, a 3-node cluster) rows
+    python -m benchmarks.bench_storage            # defaults; prints markdown, writes JSON
+    python -m benchmarks.bench_storage --redis    # + Redis (one node, a 3-node cluster) rows
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import xxhash
 
+from benchmarks.redis_servers import RedisClusterNodes, RedisServer
 from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.lmdb_store import LmdbStore
@@ -507,9 +508,6 @@ def redis_results(args: argparse.Namespace) -> list[dict[str, Any]]:
     redis-server, and on a 3-node loopback Redis Cluster; the servers are started here (no
     persistence) and stopped after. Per method: GB/s of payload (fastest run) and ms per
     batch call (median over every batch of every run); methods alternate in each run."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from redis_fixtures import RedisClusterNodes, RedisServer
-
     from hicache.storage.backends.redis_store import RedisStore
 
     tmp = Path(tempfile.mkdtemp(dir=args.tmp_dir))

@@ -13,8 +13,8 @@ Each request asks for one token, so its latency is its TTFT. Every served reques
 flagged, not hidden) and its token against the recomputed one. The median over `--repeats`
 prompts and the ratio to recompute are printed as a markdown table and written as JSON.
 
-    python benchmarks/bench_tier_ttft.py                                # embedded model
-    python benchmarks/bench_tier_ttft.py --random-model llama-1b --prompt-lens 1024 4096 16384
+    python -m benchmarks.bench_tier_ttft                                # embedded model
+    python -m benchmarks.bench_tier_ttft --random-model llama-1b --prompt-lens 1024 4096 16384
 
 `--random-model` writes a random-weight Llama of a named geometry (bfloat16 safetensors, the
 embedded byte tokenizer) to a temporary folder, so a model big enough for prefill to cost
@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hicache_server.config import load_config
 from hicache_server.engine import Engine

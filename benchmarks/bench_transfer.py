@@ -15,8 +15,8 @@ Device pages are a random permutation (no long runs). Host pages are either one 
 fragmented host pool). Results are GB/s and the ratio to `contiguous` (best of `--repeats`,
 interleaved so noise hits every method alike); a markdown table is printed and JSON written.
 
-    python benchmarks/bench_transfer.py                       # the default sweep, ~3 min on 2 cores
-    python benchmarks/bench_transfer.py --geometries tiny --page-sizes 16 --repeats 3
+    python -m benchmarks.bench_transfer                       # the default sweep, ~3 min on 2 cores
+    python -m benchmarks.bench_transfer --geometries tiny --page-sizes 16 --repeats 3
 """
 
 from __future__ import annotations

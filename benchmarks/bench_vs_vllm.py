@@ -1,7 +1,7 @@
 """`make bench-vs-vllm`: hicache against vLLM, the same model, KV capacity and limits.
 
-    python benchmarks/bench_vs_vllm.py --vllm-python .venv-vllm/bin/python    # tables + JSON
-    python benchmarks/bench_vs_vllm.py --quick                                  # smoke test
+    python -m benchmarks.bench_vs_vllm --vllm-python .venv-vllm/bin/python    # tables + JSON
+    python -m benchmarks.bench_vs_vllm --quick                                  # smoke test
 
 Five servers, started one at a time on free loopback ports, each serving the same model
 folder (default: the embedded model's) in the same dtype with the same KV capacity in
@@ -60,11 +60,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
-import answer_ties
-import bench_multiturn as bm
-import multiturn_report as mr
+from benchmarks import answer_ties
+from benchmarks import bench_multiturn as bm
+from benchmarks import multiturn_report as mr
 import numpy as np
-import run_multiturn as rm
+from benchmarks import run_multiturn as rm
 
 from hicache_server.engine import MAX_BATCH_TOKENS, MAX_RUNNING_REQUESTS
 
@@ -155,7 +155,7 @@ def kv_cache_bytes(model_dir: Path, tokens: int, dtype: str) -> int:
 
 def host_ratio(args: argparse.Namespace) -> float:
     """L2 / L1 for hicache L1+L2: the whole working set with `run_multiturn`'s headroom."""
-    ws = bm.working_set_tokens(workload_args(args))
+    ws = bm.working_set_tokens(bm.workload_args(args))
     return float(max(rm.MIN_HOST_RATIO, math.ceil(ws * rm.HOST_HEADROOM / args.kv_tokens)))
 
 
@@ -513,23 +513,11 @@ def calibrate(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "errors": errors[:bm.ERRORS_SHOWN]}
 
 
-def workload_args(args: argparse.Namespace, label: str = "",
-                  no_reuse: bool = False) -> argparse.Namespace:
-    """`bench_multiturn`'s arguments for this driver's multi-turn workload (`no_reuse`:
-    prompts of the same lengths that share nothing)."""
-    return bm.parse_args([
-        "--num-clients", str(args.clients), "--num-rounds", str(args.rounds),
-        "--request-length", str(args.request_length), "--output-length", str(args.output_length),
-        "--system-prompt-length", str(args.system_prompt_length),
-        "--max-parallel", str(args.clients), "--seed", str(args.seed), "--label", label,
-        "--quiet", *(["--no-reuse"] if no_reuse else [])])
-
-
 def multiturn(base_url: str, args: argparse.Namespace, label: str,
               no_reuse: bool = False) -> dict[str, Any]:
     """The multi-turn workload against one server: bench_multiturn's summary, the mean TTFT
     of rounds >= 2, and per request its chat, round, TTFT, cached tokens and answer."""
-    wargs = workload_args(args, label, no_reuse)
+    wargs = bm.workload_args(args, label, no_reuse)
     runner = CompletionsRunner(wargs, bm.make_workload(wargs), range(1, args.rounds + 1),
                                lambda turn: base_url)
     duration = asyncio.run(runner.run())
@@ -800,7 +788,7 @@ POSITIVE = ("kv_tokens", "page_size", "passes", "clients", "rounds", "request_le
 
 def largest_request(args: argparse.Namespace) -> int:
     """Tokens (prompt + answer) of the longest single request, and of the decode batch."""
-    last = bm.prompt_length(workload_args(args), args.rounds) + args.output_length
+    last = bm.prompt_length(bm.workload_args(args), args.rounds) + args.output_length
     return max(last, args.prefill_tokens + 1,
                args.decode_batch * (DECODE_PROMPT_TOKENS + args.decode_tokens))
 
@@ -879,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ServerStartError as e:
         raise SystemExit(str(e)) from None
     report = build_report(args, runs)
-    report["ties"] = answer_ties.ties(report, workload_args(args))
+    report["ties"] = answer_ties.ties(report, bm.workload_args(args))
     rm.write_report(as_json(report), args.out)
     print_report(report)
     return report

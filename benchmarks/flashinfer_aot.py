@@ -8,7 +8,7 @@ GPU, for each dtype and head dim asked; then lays them out as FlashInfer's AOT d
 (`flashinfer/data/aot/<module>/<module>.so`, found before any JIT build) and packs it:
 
     FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME=/usr/local/cuda \\
-        python benchmarks/flashinfer_aot.py --out flashinfer_aot.tgz
+        python -m benchmarks.flashinfer_aot --out flashinfer_aot.tgz
     # on the GPU host, after installing the same flashinfer-python version:
     tar xzf flashinfer_aot.tgz -C "$(python -c 'import flashinfer, os;
         print(os.path.dirname(flashinfer.__file__))')/data/aot"

@@ -43,11 +43,11 @@ bench() {  # name, then the command; output to $RESULTS/<name>_gpu.log
   timeout "${GPU_BENCH_TIMEOUT:-240}" "$@" > "$RESULTS/${name}_gpu.log" 2>&1 \
     || { echo "$name benchmark failed:"; tail -n 20 "$RESULTS/${name}_gpu.log"; status=1; }
 }
-bench transfer "$PY" benchmarks/bench_transfer.py --geometries tiny llama3-8b \
+bench transfer "$PY" -m benchmarks.bench_transfer --geometries tiny llama3-8b \
   --page-sizes 16 64 --repeats 5 --out "$RESULTS/transfer_gpu.json"
-bench attention "$PY" benchmarks/bench_attention.py --out "$RESULTS/attention_gpu.json"
-bench prefill "$PY" benchmarks/bench_prefill_attention.py --out "$RESULTS/prefill_attention_gpu.json"
-bench tier "$PY" benchmarks/bench_tier_ttft.py --random-model llama-1b \
+bench attention "$PY" -m benchmarks.bench_attention --out "$RESULTS/attention_gpu.json"
+bench prefill "$PY" -m benchmarks.bench_prefill_attention --out "$RESULTS/prefill_attention_gpu.json"
+bench tier "$PY" -m benchmarks.bench_tier_ttft --random-model llama-1b \
   --prompt-lens 1024 4096 16384 --repeats 3 --out "$RESULTS/tier_gpu.json"
 
 echo

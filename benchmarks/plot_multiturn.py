@@ -1,6 +1,6 @@
 """Plots of a multi-turn benchmark report (`run_multiturn.py` calls `plot_all`).
 
-    python benchmarks/plot_multiturn.py [benchmarks/results/multiturn.json]
+    python -m benchmarks.plot_multiturn [benchmarks/results/multiturn.json]
 
 multiturn_ttft.png      mean TTFT per round, one line per configuration; the replays of the
                         last round (after a restart, or uncached) as separate markers

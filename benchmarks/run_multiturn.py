@@ -1,7 +1,7 @@
 """`make bench`: the multi-turn benchmark against every cache configuration, in one run.
 
-    python benchmarks/run_multiturn.py              # ~12 min on 2 CPU cores; tables + JSON + PNG
-    python benchmarks/run_multiturn.py --only thrash  # the thrash measurement alone (~2 min)
+    python -m benchmarks.run_multiturn              # ~12 min on 2 CPU cores; tables + JSON + PNG
+    python -m benchmarks.run_multiturn --only thrash  # the thrash measurement alone (~2 min)
 
 For each configuration the driver starts `python -m hicache_server.launch --port 0` on the embedded
 model (reading the port from its log), runs `bench_multiturn.run_benchmark` in-process with
@@ -51,8 +51,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import bench_multiturn as bm
-from multiturn_report import (
+from benchmarks import bench_multiturn as bm
+from benchmarks.multiturn_report import (
     BASELINE,
     HIER,
     NO_CACHE,
@@ -306,7 +306,7 @@ def bench(args: argparse.Namespace, server: Server, label: str, *extra: str) -> 
     cargs = client_args(args, label, server.port, *extra)
     result = bm.run_benchmark(cargs)
     result["server"] = server_info(server)
-    result["client_command"] = shlex.join(["python", "benchmarks/bench_multiturn.py",
+    result["client_command"] = shlex.join(["python", "-m", "benchmarks.bench_multiturn",
                                            *_argv_of(cargs)])
     if server.fatal:
         print(f"\n!! server '{label}' died: {server.fatal} (log: {server.log_path})",
@@ -620,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         thrash = thrash_report(targs, run_thrash(targs))
         report = build_report(args, sizing, runs, nor, thrash)
         _keep_server_logs(report, args.workdir)
-    from plot_multiturn import plot_all  # matplotlib loads only once the runs are done
+    from benchmarks.plot_multiturn import plot_all  # matplotlib loads only once the runs are done
 
     report["plots"] = [_shown(p) for p in plot_all(report, args.out.parent)]
     write_report(thrash, args.thrash_out)

@@ -1,6 +1,6 @@
 """A TCP proxy that limits bandwidth and adds latency: a real redis-server on a slow network.
 
-    python benchmarks/throttle_proxy.py --target 127.0.0.1:6379 --listen-port 6390 \
+    python -m benchmarks.throttle_proxy --target 127.0.0.1:6379 --listen-port 6390 \
         --bandwidth-mb-s 5 --latency-ms 1          # until Ctrl-C; clients use port 6390
 
     with ThrottleProxy("127.0.0.1", server.port, 100e6, 0.5e-3) as proxy:

@@ -10,8 +10,9 @@ frontend (IPython, orjson, ...), so the package is entered without running that 
 module object for `sglang` whose path is the wheel's folder. The two modules the backend
 needs, `sglang.srt.mem_cache.hicache_storage` (the `HiCacheStorage` ABC and its config) and
 `...storage.backend_factory` (how `dynamic` backends are built), then import as they are,
-needing only torch and `sglang.srt.environ`. The block puts `sys.path` and `sys.modules`
-back as they were, so no other test sees SGLang.
+needing only torch and `sglang.srt.environ`, found through that module object's path (the
+wheel's folder never joins `sys.path`). The block puts `sys.modules` back as it was, so no
+other test sees SGLang.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def sglang_modules() -> Iterator[types.SimpleNamespace]:
     """SGLang's storage modules and hicache's backend, imported for the block only."""
     if not (SGLANG_DIR / "sglang" / "srt" / "mem_cache" / "hicache_storage.py").exists():
         missing_tool(f"SGLang's wheel is not unpacked in {SGLANG_DIR}; run `make sglang-api`")
-    saved_path, saved = list(sys.path), set(sys.modules)
-    sys.path.insert(0, str(SGLANG_DIR))
+    saved = set(sys.modules)
     package = types.ModuleType("sglang")
     package.__path__ = [str(SGLANG_DIR / "sglang")]
     package.__spec__ = importlib.machinery.ModuleSpec("sglang", None, is_package=True)
@@ -58,7 +58,6 @@ def sglang_modules() -> Iterator[types.SimpleNamespace]:
         for name in set(sys.modules) - saved:
             if name == "sglang" or name.startswith(("sglang.", BACKEND_MODULE)):
                 del sys.modules[name]
-        sys.path[:] = saved_path
 
 
 class FakeHostPool:

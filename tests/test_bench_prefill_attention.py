@@ -4,13 +4,11 @@ report and JSON hold every case (no timing is asserted)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_prefill_attention as bpa
+from benchmarks import bench_prefill_attention as bpa
 
 
 @pytest.mark.parametrize("geometry", ["tiny", "llama3.2-1b"])

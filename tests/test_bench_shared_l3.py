@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_multiturn as bm
-import bench_shared_l3 as sl3
+from benchmarks import bench_multiturn as bm
+from benchmarks import bench_shared_l3 as sl3
 
 URLS = ("http://127.0.0.1:1111", "http://127.0.0.1:2222")
 

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_multiturn as bm
-import multiturn_report as mr
-import run_multiturn as rm
+from benchmarks import bench_multiturn as bm
+from benchmarks import multiturn_report as mr
+from benchmarks import run_multiturn as rm
 
 ON, OFF = mr.BASELINE, mr.NO_CACHE
 

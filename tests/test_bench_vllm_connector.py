@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_vllm_connector as bc
+from benchmarks import bench_vllm_connector as bc
 
 ALONE, HI, EX = bc.ALONE, bc.HICACHE, bc.EXAMPLE
 

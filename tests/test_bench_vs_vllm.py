@@ -4,17 +4,14 @@ functions: no vLLM, no server)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import answer_ties
-import bench_multiturn as bm
-import bench_vs_vllm as bv
+from benchmarks import answer_ties
+from benchmarks import bench_multiturn as bm
+from benchmarks import bench_vs_vllm as bv
 
 # tiny-llama's geometry: 8 layers, 2 KV heads of 64.
 TINY = {"num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -95,7 +92,7 @@ def test_calibration_prompts_are_deterministic_and_distinct() -> None:
     assert bv.calibration_prompts(0, "decode_b1", 1, 2048)[0][:32] != a[0][:32]
     assert bv.calibration_prompts(1, "prefill", 1, 2048)[0] != a[0]
     # and the multi-turn workload is bench_multiturn's, from the same seed
-    wl = [bm.make_workload(bv.workload_args(bv.parse_args([]))) for _ in range(2)]
+    wl = [bm.make_workload(bm.workload_args(bv.parse_args([]))) for _ in range(2)]
     assert wl[0].system == wl[1].system and wl[0].questions == wl[1].questions
 
 

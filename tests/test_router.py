@@ -14,7 +14,6 @@ import os
 import random
 import re
 import signal
-import sys
 import threading
 import time
 import urllib.error
@@ -27,10 +26,8 @@ from typing import Any, NamedTuple
 import pytest
 from conftest import missing_tool
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_router as br
-import run_multiturn as rm
+from benchmarks import bench_router as br
+from benchmarks import run_multiturn as rm
 
 PAGE = 16
 MAX_NEW = 8

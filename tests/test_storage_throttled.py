@@ -4,7 +4,6 @@ real redis-server (CPU, tmp_path, loopback)."""
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 import uuid
@@ -38,8 +37,7 @@ from hicache.storage.backends.throttled import (
 )
 from hicache.storage.page_format import PageCodec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from throttle_proxy import THREAD_NAME, ThrottleProxy  # benchmarks/ is on the path now
+from benchmarks.throttle_proxy import THREAD_NAME, ThrottleProxy
 
 VALUE_BYTES = PageCodec(GEOMETRY).value_bytes
 PAGE_S = 1e-3  # the fake link moves one stored page per millisecond

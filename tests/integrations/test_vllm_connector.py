@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,11 +24,10 @@ import pytest
 import redis
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import bench_vs_vllm as bv
-from bench_l3_overlap import proxy_process
-from bench_vllm_connector import lmdb_pages
+from benchmarks import bench_vs_vllm as bv
+from benchmarks.bench_l3_overlap import proxy_process
+from benchmarks.bench_vllm_connector import lmdb_pages
 from redis_fixtures import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.integrations
