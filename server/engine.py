@@ -39,6 +39,7 @@ from hicache_server.request import InvalidRequest, Request
 from hicache_server.scheduler import Scheduler
 from hicache_server.storage_attach import StorageAttachment
 from hicache_server.tokenizer import load_tokenizer
+from hicache_server.updates import Mailbox, Update
 
 logger = logging.getLogger(__name__)
 
@@ -201,24 +202,25 @@ class Engine:
         return results if len(reqs) > 1 else results[0]
 
     @staticmethod
-    async def _final(results: AsyncIterator[dict]) -> dict:
-        result: dict = {}
-        async for chunk in results:
-            result = chunk
-        return result
+    async def _final(updates: AsyncIterator[Update]) -> dict:
+        async for update in updates:
+            if update.result is not None:
+                return update.result
+        raise RuntimeError("a request's updates ended without its result")
 
-    async def stream(self, req: Request) -> AsyncIterator[dict]:
-        """Yield the request's result after every new token; the last one is final."""
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[tuple[dict, bool]] = asyncio.Queue()
-        req.on_update = lambda r, done: loop.call_soon_threadsafe(
-            updates.put_nowait, (r.result(), done))  # raises once the loop has closed
+    async def stream(self, req: Request) -> AsyncIterator[Update]:
+        """The request's updates: each what is new since the last (`Update.delta`); the
+        last one carries the whole result too. A reader slower than the scheduler gets
+        several tokens in one update, none lost (`hicache_server.updates.Mailbox`)."""
+        box = Mailbox(asyncio.get_running_loop())
+        req.on_update = lambda r, done: box.put(r.take_delta(), r.result() if done else None)
         self._submit(req)
         done = False
         try:
             while not done:
-                result, done = await updates.get()
-                yield result
+                update = await box.get()
+                done = update.result is not None
+                yield update
         finally:
             if not done:  # the consumer stopped listening: stop generating for it
                 self.abort(req.rid)
@@ -226,7 +228,7 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Stop a request whose client went away (no wait; unknown ids are ignored)."""
         if self._thread.is_alive():
-            self.scheduler.call(lambda: self.scheduler.abort(rid))
+            self.scheduler.call(lambda: self.scheduler.endings.abort(rid))
 
     def alive(self) -> bool:
         """Whether the scheduler thread is running (health checks watch this)."""

@@ -13,6 +13,7 @@ import torch
 
 from hicache.handles import Lease
 from hicache.policies import DEFAULT_PRIORITY
+from hicache_server.output import Delta, Logprobs, RequestOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32
@@ -242,31 +243,6 @@ def _token_key(key: Any) -> int | None:
         return None
 
 
-@dataclass
-class Logprobs:
-    """What a `return_logprob` request has collected, each entry SGLang's
-    `[logprob, token_id, text or None]` (text only with `return_text_in_logprobs`).
-
-    `input_token` covers the prompt from `logprob_start_len` on; its first entry has logprob
-    None (SGLang pads the first position so), and so has `input_top`'s first position.
-    """
-
-    input_token: list[list[Any]] = field(default_factory=list)
-    input_top: list[list[list[Any]] | None] = field(default_factory=list)
-    output_token: list[list[Any]] = field(default_factory=list)
-    output_top: list[list[list[Any]]] = field(default_factory=list)
-
-    def meta(self, with_top: bool) -> dict[str, list]:
-        """meta_info's logprob keys (copies: the scheduler keeps appending to these lists);
-        the top lists only when asked, as SGLang."""
-        meta = {"input_token_logprobs": list(self.input_token),
-                "output_token_logprobs": list(self.output_token)}
-        if with_top:
-            meta["input_top_logprobs"] = list(self.input_top)
-            meta["output_top_logprobs"] = list(self.output_top)
-        return meta
-
-
 @dataclass(eq=False)
 class Request:
     """Owned by the scheduler thread once submitted (callbacks run on that thread).
@@ -310,10 +286,7 @@ class Request:
     extra_key: str | None = None
     on_update: Callable[[Request, bool], None] | None = None  # (request, finished)
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str = ""
-    error: str | None = None   # why it failed (finish_reason "error"), for its client
+    output: RequestOutput = field(default_factory=RequestOutput)
     arrival: float = 0.0
     first_token_at: float | None = None
     priority: int = DEFAULT_PRIORITY
@@ -339,7 +312,19 @@ class Request:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    logprobs: Logprobs = field(default_factory=Logprobs)
+
+    # The output part's fields the KV and sampling code reads (the output writes them).
+    @property
+    def output_ids(self) -> list[int]:
+        return self.output.ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+    @property
+    def logprobs(self) -> Logprobs:
+        return self.output.logprobs
 
     @property
     def prompt_len(self) -> int:
@@ -377,21 +362,29 @@ class Request:
     def cache_hit_tokens(self) -> int:
         return sum(self.cached_details.values())
 
-    def meta_info(self) -> dict[str, Any]:
+    def meta_info(self, with_logprobs: bool = True) -> dict[str, Any]:
+        """SGLang's meta_info: counts, cached tokens, finish; the logprob lists (whole: at
+        the end only) unless `with_logprobs` is False."""
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
-            "completion_tokens": len(self.output_ids),
+            "completion_tokens": len(self.output.ids),
             "cached_tokens": self.cache_hit_tokens,
             "cached_tokens_details": dict(self.cached_details),
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.output.finish_reason,
         }
-        if self.error is not None:
-            meta["error"] = self.error
-        if self.return_logprob:
-            meta.update(self.logprobs.meta(with_top=self.top_logprobs_num > 0))
+        if self.output.error is not None:
+            meta["error"] = self.output.error
+        if self.return_logprob and with_logprobs:
+            meta.update(self.output.logprobs.meta(with_top=self.top_logprobs_num > 0))
         return meta
 
+    def take_delta(self) -> Delta:
+        """What the output gained since the last call (`RequestOutput.take_delta`)."""
+        return self.output.take_delta(self.meta_info(with_logprobs=False))
+
     def result(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.output_ids),
+        """The whole result, built once the request has finished: `text`, `output_ids`,
+        `meta_info` (`Engine.generate`'s shape)."""
+        return {"text": self.output.text, "output_ids": list(self.output.ids),
                 "meta_info": self.meta_info()}

@@ -14,9 +14,10 @@ known ones this server cannot honour, `CHAT_UNSUPPORTED`, a 400), the same sampl
 the tree) and started together, and the same `usage` / `sglext` (`usage_fields`).
 
 A stream is `chat.completion.chunk`s: each choice's role chunk first, then one content delta
-per generated token (often "" while a character or a possible stop string is unfinished,
-`TextDeltas`), with that token's `logprobs.content`; the finish reason on its last; then the
-usage chunk when `stream_options.include_usage` asks for it.
+per update (a token, or the tokens that came while the client was reading: the text that
+settled with them, often "" while a character or a possible stop string is unfinished),
+with their `logprobs.content`; the finish reason on its last; then the usage chunk when
+`stream_options.include_usage` asks for it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -36,6 +37,7 @@ from hicache_server.http.discovery import served_model_name
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import Only, check_int, known_fields
 from hicache_server.http.generation import LogprobOptions, start_all, submit
+from hicache_server.http.offload import off_loop
 from hicache_server.http.native import session_of
 from hicache_server.http.openai import (
     COMPLETION_UNSUPPORTED,
@@ -51,9 +53,11 @@ from hicache_server.http.openai_logprobs import Entry, Namer, token_namer
 from hicache_server.http.openai_shapes import finished_sglext, usage_fields
 from hicache_server.http.prompts import Prompt, Prompts, check_batch_size
 from hicache_server.http.state import Handler, live_engine
-from hicache_server.http.streaming import TextDeltas, json_events, last_results, merged, send_sse
+from hicache_server.http.streaming import json_events, last_results, merged, send_sse
 from hicache_server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest, check_unicode
+from hicache_server.output import Logprobs
 from hicache_server.tokenizer import Tokenizer
+from hicache_server.updates import Update
 
 logger = logging.getLogger(__name__)
 
@@ -204,17 +208,16 @@ def _token(entry: Entry, name: Namer) -> dict[str, Any]:
     return {"token": token, "logprob": entry[0], "bytes": list(token.encode("utf-8"))}
 
 
-def logprobs_content(meta: dict[str, Any], name: Namer, start: int = 0) -> list[dict[str, Any]]:
-    """OpenAI's chat `logprobs.content` for output tokens `start..` (a stream sends each
-    token's once): the token, and the engine's k most likely there in order. A list, not
-    completions' dict, so two tokens of one text (byte pieces both shown as U+FFFD) both
-    appear."""
-    tokens = (meta.get("output_token_logprobs") or [])[start:]
-    tops = (meta.get("output_top_logprobs") or [])[start:]
+def logprobs_content(logprobs: Logprobs, name: Namer) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content` of the output tokens in `logprobs` (a stream sends
+    each token's once): the token, and the engine's k most likely there in order. A list,
+    not completions' dict, so two tokens of one text (byte pieces both shown as U+FFFD)
+    both appear."""
+    tops = logprobs.output_top
     return [{**_token(entry, name),
              "top_logprobs": [_token(alt, name) for alt in (tops[i] if i < len(tops) else None)
                               or ()]}
-            for i, entry in enumerate(tokens)]
+            for i, entry in enumerate(logprobs.output_token)]
 
 
 def _chat_object(kind: str, model: str, choices: list[dict[str, Any]], cid: str | None = None
@@ -232,7 +235,7 @@ def chat_response(chat: Chat, results: list[dict], prompt_ids: list[int], model:
         meta = result["meta_info"]
         logprobs = None
         if chat.logprobs is not None:
-            logprobs = {"content": logprobs_content(meta, name)}
+            logprobs = {"content": logprobs_content(_output_logprobs(meta), name)}
         choice = {"index": index, "message": {"role": "assistant", "content": result["text"]},
                   "logprobs": logprobs, "finish_reason": meta["finish_reason"]}
         if chat.token_ids:
@@ -244,17 +247,22 @@ def chat_response(chat: Chat, results: list[dict], prompt_ids: list[int], model:
     return {**out, **usage_fields([[r["meta_info"] for r in results]])}
 
 
-async def chat_chunks(chat: Chat, streams: list[AsyncIterator[dict]],
-                      stops: Sequence[tuple[str, ...]], prompt_ids: list[int], model: str,
-                      name: Namer) -> AsyncIterator[dict[str, Any]]:
-    """Each choice's role chunk when its first result comes, then one chunk per token of it
-    (choices interleave, each chunk naming its `index`), the finish reason on its last; then
-    the usage chunk (`choices: []`) when asked for. With `continuous_usage`, every chunk
-    carries the usage so far (a role chunk: none of its choice's tokens yet). Closing this
-    closes the streams (so aborts their requests)."""
+def _output_logprobs(meta: dict[str, Any]) -> Logprobs:
+    """The output logprobs of a result's meta_info."""
+    return Logprobs(output_token=meta.get("output_token_logprobs") or [],
+                    output_top=meta.get("output_top_logprobs") or [])
+
+
+async def chat_chunks(chat: Chat, streams: list[AsyncIterator[Update]],
+                      prompt_ids: list[int], model: str, name: Namer
+                      ) -> AsyncIterator[dict[str, Any]]:
+    """Each choice's role chunk when its first update comes, then one chunk per update of
+    it (a token, or the tokens that came while the client was reading; choices interleave,
+    each chunk naming its `index`), the finish reason on its last; then the usage chunk
+    (`choices: []`) when asked for. With `continuous_usage`, every chunk carries the usage
+    so far (a role chunk: none of its choice's tokens yet). Closing this closes the streams
+    (so aborts their requests)."""
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    deltas = [TextDeltas(stop) for stop in stops]
-    sent = [0] * len(streams)  # output tokens already sent, per choice
     latest: list[dict[str, Any] | None] = [None] * len(streams)
 
     def chunk(k: int, delta: dict[str, str], logprobs: dict[str, Any] | None,
@@ -268,22 +276,19 @@ async def chat_chunks(chat: Chat, streams: list[AsyncIterator[dict]],
 
     events = merged(streams)
     try:
-        async for k, result in events:
-            meta = result["meta_info"]
+        async for k, update in events:
+            new = update.delta
             if latest[k] is None:
-                latest[k] = {**meta, "completion_tokens": 0}
+                latest[k] = {**new.meta, "completion_tokens": 0}
                 role = chunk(k, {"role": "assistant", "content": ""}, None, None, {})
                 yield role | ({"prompt_token_ids": prompt_ids} if chat.token_ids else {})
-            latest[k] = meta
-            final = meta["finish_reason"] is not None
+            latest[k] = new.meta
             logprobs = None
             if chat.logprobs is not None:
-                logprobs = {"content": logprobs_content(meta, name, sent[k])}
-            ids = list(result["output_ids"])
-            extra = {"token_ids": ids[sent[k]:]} if chat.token_ids else {}
-            sent[k] = len(ids)
-            yield chunk(k, {"content": deltas[k].next(result["text"], final)}, logprobs,
-                        meta["finish_reason"], extra) | finished_sglext(meta)
+                logprobs = {"content": logprobs_content(new.logprobs, name)}
+            extra = {"token_ids": new.ids} if chat.token_ids else {}
+            yield chunk(k, {"content": new.text}, logprobs, new.finish_reason,
+                        extra) | finished_sglext(new.meta)
     finally:
         await events.aclose()  # a client gone: its requests are aborted now
     if chat.include_usage:
@@ -314,10 +319,10 @@ def chat_route(engine: Engine) -> Handler:
 async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
                      ) -> web.StreamResponse:
     engine = live_engine(request)
-    ids = chat_prompt_ids(template, engine.tokenizer, chat.messages)
+    ids = await off_loop(chat_prompt_ids, template, engine.tokenizer, chat.messages)
     prompts = Prompts([Prompt(None, ids)], False)
     try:
-        submitted = submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
+        submitted = await submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
                            [logprob_options(chat)], [chat.priority], chat.session_id)
     except InvalidRequest as e:
         raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
@@ -326,6 +331,5 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
     if not chat.stream:
         results = await last_results(streams)
         return web.json_response(chat_response(chat, results, ids, model, name))
-    stops = [req.params.stop for _, req in submitted.choices()]
-    chunks = chat_chunks(chat, streams, stops, ids, model, name)
+    chunks = chat_chunks(chat, streams, ids, model, name)
     return await send_sse(request, json_events(chunks))

@@ -43,9 +43,9 @@ def error_response(status: int, message: str,
     return web.json_response(error_body(status, message), status=status, headers=headers)
 
 
-def request_failure(result: dict[str, Any]) -> str | None:
-    """Why the engine failed this request (finish_reason "error"), None when it did not."""
-    meta = result.get("meta_info", {})
+def request_failure(meta: dict[str, Any]) -> str | None:
+    """Why the engine failed this request (its meta_info's finish_reason "error"), None
+    when it did not."""
     if meta.get("finish_reason") != "error":
         return None
     return meta.get("error") or "the server failed while serving this request"

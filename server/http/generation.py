@@ -1,8 +1,9 @@
 """From parsed prompts to engine requests, shared by /generate and /v1/completions.
 
 `submit` validates and builds every request of one HTTP request before any runs (a bad
-prompt in a batch refuses the whole batch, and nothing is left running); `start_all` then
-starts them all at once. A prompt with `sampling_params.n > 1` is n requests, its choices
+prompt in a batch refuses the whole batch, and nothing is left running), off the event loop
+(tokenizing and checking a prompt is a loop over it); `start_all` then starts them all at
+once. A prompt with `sampling_params.n > 1` is n requests, its choices
 in order; the engine makes them share the prompt's prefill through the tree.
 
     Submitted.groups[i][j]   prompt i's j-th choice
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from hicache_server.engine import Engine
+from hicache_server.http.offload import off_loop
 from hicache_server.http.prompts import Prompts, item_message
 from hicache_server.http.streaming import start_streams
 from hicache_server.request import InvalidRequest, Request
@@ -67,13 +69,21 @@ class Submitted(NamedTuple):
         return [[v for v in group if v is not None] for group in self.regroup(flat)]
 
 
-def submit(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
-           extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
-           priorities: Sequence[int | None] | None = None, session_id: str | None = None
-           ) -> Submitted:
+async def submit(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
+                 extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
+                 priorities: Sequence[int | None] | None = None,
+                 session_id: str | None = None) -> Submitted:
     """Every request of `prompts` (`params`, `extra_keys`, `logprobs`, `priorities`: one
-    per prompt; `session_id` for all); InvalidRequest naming the prompt of a batch that is
-    wrong."""
+    per prompt; `session_id` for all), built off the event loop; InvalidRequest naming the
+    prompt of a batch that is wrong."""
+    return await off_loop(_make_all, engine, prompts, params, extra_keys, logprobs,
+                          priorities, session_id)
+
+
+def _make_all(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
+              extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
+              priorities: Sequence[int | None] | None, session_id: str | None
+              ) -> Submitted:
     groups = []
     for i, prompt in enumerate(prompts.items):
         try:

@@ -8,7 +8,8 @@
                        ...}
 
 The answer is the engine's result (`text`, `output_ids`, `meta_info`); with
-`"stream": true`, one such result per generated token, each carrying the text so far. A batch
+`"stream": true`, one such result per update (a token, or the tokens that came while the
+client was reading), each carrying the text so far. A batch
 (`text` as a list of strings, `input_ids` as a list of id lists) or `sampling_params.n > 1`
 answers a list of results, prompt-major (prompt i's j-th sample at `i * n + j`); streamed,
 each event is one of them with its place in that list as `index`, as SGLang streams a batch.
@@ -46,7 +47,9 @@ from hicache_server.http.prompts import (
 )
 from hicache_server.http.state import live_engine
 from hicache_server.http.streaming import json_events, last_results, merged, send_sse
-from hicache_server.request import InvalidRequest, SamplingParams, check_session_id
+from hicache_server.output import Delta, Logprobs
+from hicache_server.request import InvalidRequest, Request, SamplingParams, check_session_id
+from hicache_server.updates import Update
 
 ROUTE = "POST /generate"
 GENERATE_UNSUPPORTED = {
@@ -217,17 +220,18 @@ async def handle_close_session(request: web.Request) -> web.Response:
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     generate = parse_generate(await read_object(request))
     engine = live_engine(request)
-    submitted = submit(engine, generate.prompts, generate.sampling_params,
+    submitted = await submit(engine, generate.prompts, generate.sampling_params,
                        generate.extra_keys, generate.logprobs, generate.priorities,
                        generate.session_id)
-    streams = [_renamed(s, rid) for s, rid in
-               zip(await start_all(engine, submitted), _choice_ids(generate, submitted))]
+    streams = await start_all(engine, submitted)
+    rids = _choice_ids(generate, submitted)
     one = not generate.prompts.batch and len(streams) == 1
     if not generate.stream:
-        results = await last_results(streams)
+        results = [_named(r, rid) for r, rid in zip(await last_results(streams), rids)]
         return web.json_response(results[0] if one else results)
-    events = streams[0] if one else _indexed(streams)
-    return await send_sse(request, json_events(events))
+    events = [_snapshots(s, req, rid)
+              for s, (_, req), rid in zip(streams, submitted.choices(), rids)]
+    return await send_sse(request, json_events(events[0] if one else _indexed(events)))
 
 
 def _choice_ids(generate: Generate, submitted: Submitted) -> list[str | None]:
@@ -240,15 +244,42 @@ def _choice_ids(generate: Generate, submitted: Submitted) -> list[str | None]:
     return out
 
 
-async def _renamed(results: AsyncIterator[dict], rid: str | None) -> AsyncIterator[dict]:
-    """The results with the client's `rid` as meta_info.id (when it sent one)."""
+def _named(result: dict, rid: str | None) -> dict:
+    """`result` with the client's `rid` as meta_info.id (when it sent one)."""
+    if rid is None:
+        return result
+    return {**result, "meta_info": {**result["meta_info"], "id": rid}}
+
+
+class _SoFar:
+    """A request's output so far, from its deltas: SGLang's /generate streams each event
+    as the whole result so far (its text and ids, not what is new), so this route, alone,
+    builds a snapshot per event."""
+
+    def __init__(self, req: Request) -> None:
+        self.text, self.ids, self.logprobs = "", [], Logprobs()
+        self.with_logprobs, self.with_top = req.return_logprob, req.top_logprobs_num > 0
+
+    def add(self, delta: Delta) -> dict[str, Any]:
+        self.text += delta.text
+        self.ids += delta.ids
+        self.logprobs.extend(delta.logprobs)
+        meta = delta.meta
+        if self.with_logprobs:
+            meta = {**meta, **self.logprobs.meta(self.with_top)}
+        return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+
+
+async def _snapshots(updates: AsyncIterator[Update], req: Request, rid: str | None
+                     ) -> AsyncIterator[dict]:
+    """SGLang's stream events of one request, with the client's `rid`."""
+    so_far = _SoFar(req)
     try:
-        async for result in results:
-            if rid is not None:
-                result = {**result, "meta_info": {**result["meta_info"], "id": rid}}
-            yield result
+        async for update in updates:
+            snapshot = so_far.add(update.delta)
+            yield _named(update.result or snapshot, rid)
     finally:
-        await results.aclose()  # type: ignore[attr-defined]
+        await updates.aclose()  # type: ignore[attr-defined]
 
 
 async def _indexed(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:

@@ -29,6 +29,7 @@ from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import Only, check_int, known_fields, refuse_unsupported
 from hicache_server.http.generation import LogprobOptions, start_all, submit
 from hicache_server.http.native import session_of
+from hicache_server.http.offload import off_loop
 from hicache_server.http.openai_shapes import (
     Completion,
     CompletionShape,
@@ -184,7 +185,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     engine = live_engine(request)
     count = len(completion.prompts.items)  # every prompt is asked the same
     try:
-        submitted = submit(engine, completion.prompts, [completion.sampling_params] * count,
+        submitted = await submit(engine, completion.prompts, [completion.sampling_params] * count,
                            [completion.cache_salt] * count, [logprob_options(completion)] * count,
                            [completion.priority] * count, completion.session_id)
     except InvalidRequest as e:
@@ -193,7 +194,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     model = served_model_name(engine)
     if not completion.stream:
         results = await last_results(streams)
-        return web.json_response(completion_response(completion, submitted, results, model,
-                                                     engine.tokenizer))
+        answer = await off_loop(completion_response, completion, submitted, results, model,
+                                engine.tokenizer)  # echo decodes the prompts
+        return web.json_response(answer)
     chunks = completion_chunks(completion, submitted, streams, model, engine.tokenizer)
     return await send_sse(request, json_events(chunks))

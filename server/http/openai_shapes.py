@@ -4,10 +4,10 @@ A choice is `{"index", "text", "logprobs", "finish_reason"}`, plus vLLM's
 `prompt_token_ids` and `token_ids` with `return_token_ids`. With `echo` its text starts with
 the prompt's, and its logprobs with the prompt's (`openai_logprobs`).
 
-A stream sends one chunk per generated token and choice (several choices interleave, each
-chunk naming its `index`): the text that settled with that token (often "" while a
-character or a possible stop string is unfinished, `TextDeltas`), that token's logprobs,
-and its id with `return_token_ids` (the prompt's ids and, with `echo`, the prompt's text and
+A stream sends one chunk per update of a choice (a token, or the tokens that came while the
+client was reading; several choices interleave, each chunk naming its `index`): the text
+that settled with them (often "" while a character or a possible stop string is
+unfinished), their logprobs, and their ids with `return_token_ids` (the prompt's ids and, with `echo`, the prompt's text and
 logprobs come in the choice's first chunk). Concatenated, a choice's chunks are its plain
 answer. Then the usage chunk (`choices: []`) with `include_usage`; with
 `continuous_usage_stats` every chunk carries the usage so far.
@@ -32,13 +32,17 @@ from hicache_server.http.openai_logprobs import (
     cumulative_logprob,
     logprobs_object,
     output_positions,
+    positions,
     prompt_positions,
     text_length,
     token_namer,
 )
 from hicache_server.http.prompts import Prompts
-from hicache_server.http.streaming import TextDeltas, merged
+from hicache_server.http.offload import off_loop
+from hicache_server.http.streaming import merged
+from hicache_server.output import Delta, Logprobs
 from hicache_server.tokenizer import Tokenizer
+from hicache_server.updates import Update
 
 COMPLETION_OBJECT = "text_completion"
 TIERS_ZERO = {"device": 0, "host": 0, "storage": 0}
@@ -156,57 +160,61 @@ def _choice(completion: Completion, echo_text: str, prompt_ids: list[int], index
 
 
 class ChoiceStream:
-    """What one choice of a stream has sent: its text, its tokens, its logprob positions."""
+    """What one choice of a stream has sent: whether its first chunk, where its logprobs'
+    text offsets stand."""
 
     def __init__(self, completion: Completion, index: int, echo_text: str,
-                 prompt_ids: list[int], stop: tuple[str, ...], name: Namer) -> None:
+                 prompt_ids: list[int], name: Namer) -> None:
         self._completion, self.index, self._name = completion, index, name
         self._echo_text, self._prompt_ids = echo_text, prompt_ids
-        self._deltas = TextDeltas(stop)
-        self._ids_sent = self._logprobs_sent = self._offset = 0
+        self._offset = 0
         self._first = True
 
-    def choice(self, result: dict) -> dict[str, Any]:
-        meta = result["meta_info"]
-        text = self._deltas.next(result["text"], meta["finish_reason"] is not None)
-        echo = self._completion.echo and self._first
-        out = {"index": self.index, "text": (self._echo_text if self._first else "") + text,
-               "logprobs": self._logprobs(meta, echo), "finish_reason": meta["finish_reason"]}
+    def choice(self, delta: Delta) -> dict[str, Any]:
+        """The chunk's choice for `delta` (the prompt's echo, ids and logprobs first)."""
+        first, self._first = self._first, False
+        out = {"index": self.index, "text": (self._echo_text if first else "") + delta.text,
+               "logprobs": self._logprobs(delta.logprobs, self._completion.echo and first),
+               "finish_reason": delta.finish_reason}
         if self._completion.shape.token_ids:
-            if self._first:
+            if first:
                 out["prompt_token_ids"] = self._prompt_ids
-            out["token_ids"] = list(result["output_ids"][self._ids_sent:])
-        self._ids_sent, self._first = len(result["output_ids"]), False
+            out["token_ids"] = delta.ids
         return out
 
-    def _logprobs(self, meta: dict[str, Any], echo: bool) -> dict[str, Any] | None:
+    def _logprobs(self, new: Logprobs, echo: bool) -> dict[str, Any] | None:
         if self._completion.logprobs is None:
             return None
-        items = prompt_positions(meta, self._name) if echo else []
-        items += output_positions(meta, self._name, self._logprobs_sent)
-        self._logprobs_sent = len(meta.get("output_token_logprobs") or ())
+        items = positions(new.input_token, new.input_top, self._name) if echo else []
+        items += positions(new.output_token, new.output_top, self._name)
         out = logprobs_object(items, self._offset)
         self._offset += text_length(items)
         return out
 
 
+def _echo_texts(completion: Completion, submitted: Submitted, tokenizer: Tokenizer
+                ) -> list[str]:
+    """What each choice starts with (`choices()` order): see `_echo_text`."""
+    return [_echo_text(completion, submitted, i, tokenizer) for i, _ in submitted.choices()]
+
+
 async def completion_chunks(completion: Completion, submitted: Submitted,
-                            streams: list[AsyncIterator[dict]], model: str,
+                            streams: list[AsyncIterator[Update]], model: str,
                             tokenizer: Tokenizer) -> AsyncIterator[dict[str, Any]]:
     """The chunks of every choice as their tokens come, then the usage chunk when asked
     for. Closing this closes the streams (so aborts their requests)."""
     cid, shape = f"cmpl-{uuid.uuid4().hex}", completion.shape
     name = token_namer(tokenizer, shape.tokens_as_ids)
-    choices = [ChoiceStream(completion, k, _echo_text(completion, submitted, i, tokenizer),
-                            submitted.prompt_ids(i), req.params.stop, name)
-               for k, (i, req) in enumerate(submitted.choices())]
+    echoes = await off_loop(_echo_texts, completion, submitted, tokenizer)  # decodes
+    choices = [ChoiceStream(completion, k, echoes[k], submitted.prompt_ids(i), name)
+               for k, (i, _) in enumerate(submitted.choices())]
     latest: list[dict | None] = [None] * len(choices)
     events = merged(streams)
     try:
-        async for k, result in events:
-            latest[k] = result["meta_info"]
-            chunk = completion_object(model, [choices[k].choice(result)], cid)
-            chunk |= finished_sglext(result["meta_info"])
+        async for k, update in events:
+            latest[k] = update.delta.meta
+            chunk = completion_object(model, [choices[k].choice(update.delta)], cid)
+            chunk |= finished_sglext(update.delta.meta)
             if shape.continuous_usage:
                 chunk |= usage_fields(submitted.regroup_seen(latest))
             yield chunk

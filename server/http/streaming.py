@@ -5,9 +5,11 @@ fails before its first result is a plain 500 (`start_stream` raises RequestFaile
 header is sent); one failing mid-stream ends with an error event in the JSON error shape.
 Closing a results iterator aborts its request: every iterator here closes the one it wraps.
 
-Several requests (a batch, `n` choices) start together (`start_streams`) and are read as one
-stream of `(index, result)` as their tokens come (`merged`), or for their final results
-(`last_results`). `TextDeltas` turns a growing text into deltas that are never taken back.
+A request's stream is `hicache_server.updates.Update`s: what is new since the last (the
+text in it settled: never taken back), the last one with the whole result. Several requests
+(a batch, `n` choices) start together (`start_streams`) and are read as one stream of
+`(index, update)` as their tokens come (`merged`), or for their final results
+(`last_results`).
 """
 
 from __future__ import annotations
@@ -23,44 +25,45 @@ from aiohttp import web
 from hicache_server.engine import Engine
 from hicache_server.http.errors import RequestFailed, error_body, request_failure
 from hicache_server.request import Request
+from hicache_server.updates import Update
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
-REPLACEMENT_CHAR = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends with
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # nginx must not buffer a stream
 
 
-async def start_stream(engine: Engine, req: Request) -> AsyncIterator[dict]:
-    """The request's results, its first one already awaited: a refusal (503) or any error
-    comes out here, before a stream's headers are sent. A result saying the engine failed
+async def start_stream(engine: Engine, req: Request) -> AsyncIterator[Update]:
+    """The request's updates, its first one already awaited: a refusal (503) or any error
+    comes out here, before a stream's headers are sent. An update saying the engine failed
     the request raises RequestFailed instead of being yielded: the middleware answers a 500,
     and a stream already under way ends with an error event (`send_sse`)."""
     results = engine.stream(req)
     first = await anext(results)
-    failure = request_failure(first)
+    failure = request_failure(first.delta.meta)
     if failure is not None:  # failed before its first token: a plain error response
         await results.aclose()
         raise RequestFailed(failure)
 
-    async def chained() -> AsyncIterator[dict]:
+    async def chained() -> AsyncIterator[Update]:
         try:
             yield first
-            async for result in results:
-                failure = request_failure(result)
+            async for update in results:
+                failure = request_failure(update.delta.meta)
                 if failure is not None:
                     raise RequestFailed(failure)
-                yield result
+                yield update
         finally:
             await results.aclose()
 
     return chained()
 
 
-async def start_streams(engine: Engine, reqs: Sequence[Request]) -> list[AsyncIterator[dict]]:
+async def start_streams(engine: Engine, reqs: Sequence[Request]
+                        ) -> list[AsyncIterator[Update]]:
     """`start_stream` for each request, all submitted at once (a batch's prompts are
     prefilled together, not one after another's first token), in the order given: asyncio
     runs the tasks in creation order, and each submits before its first await (choice 0 of
@@ -103,19 +106,12 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
             await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def last_results(streams: Sequence[AsyncIterator[dict]]) -> list[dict]:
-    """The final result of each stream, in order (requests that are not streamed)."""
+async def last_results(streams: Sequence[AsyncIterator[Update]]) -> list[dict]:
+    """The whole result of each stream, in order (requests that are not streamed)."""
     last: list[dict] = [{} for _ in streams]
-    async for i, result in merged(streams):
-        last[i] = result
-    return last
-
-
-async def last_result(results: AsyncIterator[dict]) -> dict:
-    """The final result of a request that is not streamed."""
-    last: dict = {}
-    async for result in results:
-        last = result
+    async for i, update in merged(streams):
+        if update.result is not None:
+            last[i] = update.result
     return last
 
 
@@ -149,21 +145,3 @@ async def json_events(items: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 
 def dumps(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
-
-
-class TextDeltas:
-    """The new text of each result of a growing answer, never taken back. Until the end,
-    the tail that could still become a stop string (cut from the final text) or an
-    unfinished UTF-8 character (decoded as U+FFFD) is held back; a result that adds nothing
-    that settled yields "" (its stream chunk still goes out: one chunk per token)."""
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self._hold = max(map(len, stop), default=1) - 1
-        self._sent = ""
-
-    def next(self, text: str, final: bool) -> str:
-        visible = text if final else text[:len(text) - self._hold].rstrip(REPLACEMENT_CHAR)
-        if not visible.startswith(self._sent):
-            return ""
-        delta, self._sent = visible[len(self._sent):], visible
-        return delta

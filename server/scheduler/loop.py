@@ -67,7 +67,7 @@ def fill_end(req: Request) -> int:
     return req.head_stop or req.seq_len
 
 
-class Scheduler(RequestEndings):
+class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
                  schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
@@ -88,7 +88,9 @@ class Scheduler(RequestEndings):
         self.observer: Callable[[str, float], None] | None = None  # latency hook (metrics)
         self.counters = RequestCounters()
         self.retraction = Retraction(self.kv, self.waiting, self.counters)
-        self.tokens = TokenChoice(self.text, self._alone, self._fail_request)
+        self.endings = RequestEndings(cache, self.kv, self.text, self.counters, self.waiting,
+                                      self.running)
+        self.tokens = TokenChoice(self.text, self.endings.alone, self.endings.fail)
 
     def set_observer(self, observe: Callable[[str, float], None]) -> None:
         """Latency hook for metrics (`ttft_seconds`, ...)."""
@@ -139,8 +141,20 @@ class Scheduler(RequestEndings):
         self.waiting.append(req)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.prompt_len
-        with self._alone(req, "starting its storage prefetch"):
+        with self.endings.alone(req, "starting its storage prefetch"):
             self.admission.start_prefetch(req)
+
+    def fail_all(self, message: str) -> None:
+        """After the loop died: finish every request and command with `message`, touching
+        neither the tree nor the pools (their state is unknown). Any thread, once `run` has
+        returned; never raises. From here on submit / call fail at once."""
+        queued = self.inbox.close(message)
+        self.endings.fail_all_requests(message, [p for kind, p in queued if kind == "req"])
+        pending = [payload for kind, payload in queued if kind == "cmd"]
+        for _, fut, _ in (*self._commands, *pending):
+            if not fut.done():
+                fut.set_exception(SchedulerStopped(message))
+        self._commands = []
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -230,10 +244,10 @@ class Scheduler(RequestEndings):
                     continue
                 victim = self.retraction.victim()
                 if victim is None:
-                    self._fail_request(req, "getting L1 slots",
+                    self.endings.fail(req, "getting L1 slots",
                                        self.retraction.no_room(req, step.pop(req)))
                     break
-                with self._alone(victim, "retracting it"):
+                with self.endings.alone(victim, "retracting it"):
                     self.retraction.retract(victim)
                     retracted.append(victim)
                 step.pop(victim, None)
@@ -278,14 +292,14 @@ class Scheduler(RequestEndings):
         waiting = {req.rid: req for req in self.waiting}
         for rid, resume in restarts:
             if rid in waiting:
-                with self._alone(waiting[rid], "restarting its storage prefetch"):
+                with self.endings.alone(waiting[rid], "restarting its storage prefetch"):
                     self.admission.start_prefetch(waiting[rid], resume)
         return True
 
     def _try_admit(self, req: Request) -> bool:
         """Ask, then commit; a failure fails `req` alone (see `admission.py`)."""
         admitted = False
-        with self._alone(req, "admission"):
+        with self.endings.alone(req, "admission"):
             plan = self.admission.plan(req)
             if plan is not None:
                 counted = self.admission.commit(req, plan)
@@ -305,7 +319,7 @@ class Scheduler(RequestEndings):
             out = self.runner.forward(reqs, lens)
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
             for req in reqs:
-                self._fail_request(req, "the forward pass", exc)
+                self.endings.fail(req, "the forward pass", exc)
             return
         done, heads = [], []
         for i, (req, n) in enumerate(zip(reqs, lens)):
@@ -314,7 +328,7 @@ class Scheduler(RequestEndings):
             if req.num_computed == req.seq_len:  # its next token can be chosen
                 done.append(i)
                 if filling:
-                    with self._alone(req, "caching its prompt"):
+                    with self.endings.alone(req, "caching its prompt"):
                         self.kv.cache_prompt(req)
             elif req.num_computed == req.head_stop:
                 heads.append(req)
@@ -323,12 +337,12 @@ class Scheduler(RequestEndings):
         if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
             self.cache.observe_forward(rows, time.perf_counter() - started)
         for req in heads:
-            with self._alone(req, "moving its L3 head stop"):
+            with self.endings.alone(req, "moving its L3 head stop"):
                 self._head_reached(req)
         self.tokens.record_logprobs(reqs, out, tokens)
         for i, token in tokens.items():
             if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
-                with self._alone(reqs[i], "detokenising its token"):
+                with self.endings.alone(reqs[i], "detokenising its token"):
                     self._append_token(reqs[i], token)
 
     def _head_reached(self, req: Request) -> None:
@@ -352,7 +366,7 @@ class Scheduler(RequestEndings):
         self.waiting.insert(0, req)
 
     def _append_token(self, req: Request, token: int) -> None:
-        req.output_ids.append(token)
+        req.output.ids.append(token)
         self.counters.generated_tokens += 1
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -360,7 +374,6 @@ class Scheduler(RequestEndings):
                 self.observer("ttft_seconds", req.first_token_at - req.arrival)
         reason = self.text.stop_reason(req, token)
         if reason is not None:
-            self._finish(req, reason)
-        elif req.on_update is not None:
-            req.text = self.text.decode(req, req.output_ids)
-            self._notify(req, False)
+            self.endings.finish(req, reason)
+        else:
+            self.endings.notify(req, False)
