@@ -33,6 +33,9 @@ FORBIDDEN = {
                        "hicache.stack"),
     "hicache_server.http": ("hicache_server.launch",),
     "hicache.kernels.layouts": ("hicache", "hicache_server"),
+    # the model's kernels, like the cache's, stand alone: CUDA loading is all they share
+    "hicache_server.models.kernels": ("hicache_server", "hicache.tree", "hicache.storage",
+                                      "hicache.memory", "hicache.transfer", "hicache.stack"),
 }
 
 
