@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import torch
 
 from benchmarks import bench_multiturn as bm
-
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.loader import load_model

@@ -30,10 +30,10 @@ from types import SimpleNamespace
 
 import torch
 
-from hicache_server.models.kernels.paged_attention import paged_decode_attention
 from hicache_server.models.attention import TorchAttention
 from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels.paged_attention import paged_decode_attention
 
 # (name, query heads, kv heads, head dim, dtype): the embedded model and Llama-3-8B
 GEOMETRIES = {

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from hicache_server.models.kernels import cpu_attention, cpu_layer, cpu_linear
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, ReferenceAttention, TorchAttention
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels import cpu_attention, cpu_layer, cpu_linear
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, KERNELS_DIR, hicache_home, load_model
 
 # name -> (prefix, extend) per sequence

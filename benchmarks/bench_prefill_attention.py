@@ -33,13 +33,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from benchmarks.bench_attention import timed, write_results
 from torch.nn.attention.bias import causal_lower_right
 
-from hicache_server.models.kernels import cpu_attention
+from benchmarks.bench_attention import timed, write_results
 from hicache_server.models.attention import AttentionBackend, CpuKernelAttention, TorchAttention
 from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels import cpu_attention
 from hicache_server.models.loader import KERNELS_DIR, hicache_home
 
 # name -> (query heads, kv heads, head dim, dtype on CUDA); the CPU runs float32

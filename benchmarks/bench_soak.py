@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from benchmarks import run_multiturn as rm
 
 RESULTS = rm.RESULTS

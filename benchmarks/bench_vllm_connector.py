@@ -34,8 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_vs_vllm as bv
 import lmdb
+
+from benchmarks import bench_vs_vllm as bv
 from benchmarks import run_multiturn as rm
 
 OUT = rm.RESULTS / "vllm_connector.json"

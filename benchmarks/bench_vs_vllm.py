@@ -60,12 +60,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
+import numpy as np
+
 from benchmarks import answer_ties
 from benchmarks import bench_multiturn as bm
 from benchmarks import multiturn_report as mr
-import numpy as np
 from benchmarks import run_multiturn as rm
-
 from hicache_server.engine import MAX_BATCH_TOKENS, MAX_RUNNING_REQUESTS
 
 REPO = rm.REPO

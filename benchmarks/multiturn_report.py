@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import numpy as np
+
 from benchmarks.bench_multiturn import TIERS, fmt_ms, fmt_pct
 
 # The configurations' labels: the keys of the driver's runs and the rows of the tables.

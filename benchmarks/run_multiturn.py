@@ -51,6 +51,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from typing_extensions import Self
+
 from benchmarks import bench_multiturn as bm
 from benchmarks.multiturn_report import (
     BASELINE,
@@ -66,7 +68,6 @@ from benchmarks.multiturn_report import (
     thrash_cost,
     thrash_goal,
 )
-from typing_extensions import Self
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

@@ -15,12 +15,12 @@ import torch
 from conftest import bf16_paths as paths
 from test_attention import make_case, new_kv
 
-from hicache_server.models.kernels import cpu_attention
-from hicache_server.models.kernels.cpu_attention import paged_attention_reference
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention
 from hicache_server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels import cpu_attention
+from hicache_server.models.kernels.cpu_attention import paged_attention_reference
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
 SEED = 5

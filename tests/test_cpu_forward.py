@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from hicache_server.models.kernels import cpu_attention, cpu_layer
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import EMBEDDED_TINY_LLAMA, ForwardBatch, LoadedModel, load_model
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention
 from hicache_server.models.cpu_forward import LEAN_MAX_ROWS
+from hicache_server.models.kernels import cpu_attention, cpu_layer
 from hicache_server.models.loader import KERNELS_DIR, hicache_home, iter_safetensors
 
 pytestmark = pytest.mark.skipif(not cpu_attention.supported(),

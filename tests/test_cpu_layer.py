@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hicache_server.models.kernels import cpu_layer
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels import cpu_layer
 from hicache_server.models.llama import RotaryEmbedding
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 

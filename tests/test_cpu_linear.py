@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import bf16_paths as paths
 
-from hicache_server.models.kernels import cpu_linear
 from hicache_server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
+from hicache_server.models.kernels import cpu_linear
 from hicache_server.models.linear import Linear, onednn_matches_kernel
 
 SEED = 11

@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 
-from hicache_server.models.kernels import cpu_linear
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import (
     EMBEDDED_TINY_LLAMA,
@@ -29,6 +28,7 @@ from hicache_server.models import (
 )
 from hicache_server.models import loader as loader_mod
 from hicache_server.models.cpu_kernels import CPU_LINEAR_CHOICES, CPU_LINEAR_ENV
+from hicache_server.models.kernels import cpu_linear
 from hicache_server.models.linear import (
     ONEDNN_MAX_ROWS,
     Linear,

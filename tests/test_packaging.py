@@ -7,11 +7,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER_OF_PACKAGE = {"hicache": "hicache", "hicache_server": "server"}

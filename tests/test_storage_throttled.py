@@ -24,6 +24,7 @@ from test_storage_lmdb import (
     write_range,
 )
 
+from benchmarks.throttle_proxy import THREAD_NAME, ThrottleProxy
 from hicache.storage.backends.base import STAT_ERRORS_BY_OP, STAT_HITS, STAT_KEYS
 from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.throttled import (
@@ -36,8 +37,6 @@ from hicache.storage.backends.throttled import (
     ThrottledBackend,
 )
 from hicache.storage.page_format import PageCodec
-
-from benchmarks.throttle_proxy import THREAD_NAME, ThrottleProxy
 
 VALUE_BYTES = PageCodec(GEOMETRY).value_bytes
 PAGE_S = 1e-3  # the fake link moves one stored page per millisecond

@@ -46,15 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from hicache.memory import INDEX_DTYPE
+from hicache.memory.device import DeviceKVPool
+from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.kernels import cpu_attention
 from hicache_server.models.kernels.paged_attention import (
     MAX_HEAD_DIM,
     MAX_NUM_SEQS,
     paged_decode_attention,
 )
-from hicache.memory import INDEX_DTYPE
-from hicache.memory.device import DeviceKVPool
-from hicache_server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

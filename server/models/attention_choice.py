@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from hicache_server.models.kernels import cpu_attention
 from hicache_server.models.attention import (
     AttentionBackend,
     CpuKernelAttention,
@@ -29,6 +28,7 @@ from hicache_server.models.attention import (
     TorchAttention,
 )
 from hicache_server.models.flashinfer_attention import FlashInferAttention, flashinfer_available
+from hicache_server.models.kernels import cpu_attention
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
-from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, kernel_indices
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache_server.models.linear import Linear
 
 # New tokens up to which a batch takes the lean path: decode batches and short extends,

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
-from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
+from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache_server.models.linear import Linear, linear, make_param, onednn_linear_works
 
 # transformers' separate projections -> (our stacked parameter, shard index within it)

@@ -25,10 +25,11 @@ import redis
 
 REPO = Path(__file__).resolve().parents[2]
 
+from redis_fixtures import RedisServer, require_redis_server
+
 from benchmarks import bench_vs_vllm as bv
 from benchmarks.bench_l3_overlap import proxy_process
 from benchmarks.bench_vllm_connector import lmdb_pages
-from redis_fixtures import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.integrations
 
