@@ -1,16 +1,16 @@
-"""Compile a C kernel of this folder once with the system compiler and load it (ctypes).
+"""Compile a C kernel of src/ once with the system compiler and load it (ctypes).
 
     path = build(Path("src/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-<key>.so
     kernel = load(source, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN")
 
 The .so is keyed by a hash of the source, the folder's headers (`cpu_exp.h`), the flags and
 the compiler's version, and kept in `cache_dir` (`$HICACHE_HOME/kernels`): a machine
-compiles each kernel once (about a second).
-A finished build is renamed into place, so concurrent processes never load a half-written
-file. The kernels use AVX-512 (F, BW, VL, DQ) intrinsics, not -march=native, so one build
-runs on every AVX-512 machine; the bfloat16 linear kernel's AVX512-BF16 and AMX paths are
-compiled per function (`target` attributes) and chosen at run time from CPUID. OpenMP comes from libgomp.so.1, the very runtime torch loaded (same
-soname), so torch and the kernels share one thread pool.
+compiles each kernel once (about a second). A finished build is renamed into place, so
+concurrent processes never load a half-written file. The kernels use AVX-512 (F, BW, VL, DQ)
+intrinsics, not -march=native, so one build runs on every AVX-512 machine; the bfloat16
+linear kernel's AVX512-BF16 and AMX paths are compiled per function (`target` attributes)
+and chosen at run time from CPUID. OpenMP comes from libgomp.so.1, the very runtime torch
+loaded (same soname), so torch and the kernels share one thread pool.
 
 Threading: any thread.
 """
