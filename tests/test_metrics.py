@@ -192,7 +192,7 @@ def test_faults_a_backend_catches_itself_reach_metrics_and_admin_tiers(
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise lmdb.Error("injected: Input/output error")
 
-        monkeypatch.setattr(store, "_txn", broken)
+        monkeypatch.setattr(store.env, "txn", broken)
         out = e.generate(input_ids=PROMPT, sampling_params=GREEDY)  # queries, then backs up
         assert out["meta_info"]["finish_reason"] == "length"
         e.flush_cache(["device"])  # waits for the backup, which fails

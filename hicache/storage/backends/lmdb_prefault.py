@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 import lmdb
 
@@ -20,14 +22,24 @@ from hicache.storage.backends import lmdb_file
 from hicache.storage.backends.base import StoreClosed
 from hicache.storage.backends.lmdb_file import Replaced
 
-if TYPE_CHECKING:
-    from hicache.storage.backends.lmdb_env import LmdbEnvironment
-
 logger = logging.getLogger("hicache.storage.backends.lmdb_store")  # the store's own logger
 PREFAULT_FREE_SHARE = 0.5  # of the memory free at open, the most a prefault takes
+T = TypeVar("T")
 
 
-def prefault(env: LmdbEnvironment, want_bytes: int) -> int:
+class Environment(Protocol):
+    """What a prefault needs of `lmdb_env.LmdbEnvironment`."""
+
+    path: Path
+    max_size_bytes: int
+
+    def used_bytes(self) -> int: ...
+
+    def txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
+            make_room: bool = True, room_pages: int = 1) -> T: ...
+
+
+def prefault(env: Environment, want_bytes: int) -> int:
     """Put the `want_bytes` of `env`'s data.mdb past its last page in the page cache; the
     bytes read, 0 when the file could not be extended (logged)."""
     def extend(txn: lmdb.Transaction) -> tuple[int, int]:
