@@ -250,14 +250,13 @@ def apply(model: dict[bytes, set[str]], events: list) -> None:
 
 def held(tree: HiRadixCache) -> dict[bytes, set[str]]:
     """What the tree holds per page hash; a D->H copy counts once acknowledged."""
-    writing = set(tree._ongoing_writes) | set(tree._write_of)
     out: dict[bytes, set[str]] = {}
     for node in tree.iter_nodes():
         for h in node.hash_value:
             media = out.setdefault(h, set())
             if node.value is not None:
                 media.add("GPU")
-            if node.host_value is not None and node.id not in writing:
+            if node.host_value is not None and not tree.writes.writing(node.id):
                 media.add("CPU")
     return {h: m for h, m in out.items() if m}
 

@@ -36,7 +36,7 @@ from hicache.events.schema import (
 from hicache.policies import WRITE_POLICIES, check_choice
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.engines import TransferHandle
-from hicache.tree.base import EMPTY, HostCounters, HostSizes, MatchResult, concat
+from hicache.tree.base import EMPTY, HostCounters, HostSizes, LoadBack, MatchResult, concat
 from hicache.tree.hiradix_loads import HostLoads
 from hicache.tree.hiradix_writes import HostWrites
 from hicache.tree.leaf_heap import LeafHeap
@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 LOAD_BACK_THRESHOLD = 10
 
 
-class HiRadixCache(HostWrites, HostLoads, RadixCache):
-    """The L1 radix tree plus the L2 host tier; see the module docstring."""
+class HiRadixCache(RadixCache):
+    """The L1 radix tree plus the L2 host tier; see the module docstring. Its parts own
+    the copies in flight: `writes` (D->H, `hiradix_writes`) and `loads` (H->D and fetched
+    pages, `hiradix_loads`)."""
 
     node_cls = HiTreeNode
 
@@ -77,12 +79,8 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         self._host_heap = LeafHeap(self._priority, self._is_host_leaf)
         # L2 copies of pages L1 holds too, deepest first (`_reclaim_copies`)
         self._copy_heap = LeafHeap(self._priority, self._copy_reclaimable)
-        self._ongoing_writes: dict[int, HiTreeNode] = {}
-        self._ongoing_loads: dict[int, tuple[list[HiTreeNode], float]] = {}
-        # KV events only: the upper halves split off a node while its D->H copy runs, by
-        # that write's node id (the same ack lands them in L2), and each half's write
-        self._split_writes: dict[int, list[HiTreeNode]] = {}
-        self._write_of: dict[int, int] = {}
+        self.writes = HostWrites(self)
+        self.loads = HostLoads(self, self._split, self._attach)
 
     def reset(self) -> None:
         """Wait for copies in flight, then forget everything (the caller resets the pools and
@@ -149,11 +147,10 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
             child.host_value = child.host_value[n:]
         new.host_ref_counter = child.host_ref_counter
         new.storage_backed = child.storage_backed
-        if self.events is not None:
-            write = self._write_of.get(child.id, child.id)
-            if write in self._ongoing_writes:
-                self._split_writes.setdefault(write, []).append(new)
-                self._write_of[new.id] = write
+        self.writes.split(new, child)
+
+    def _on_path(self, path: list[TreeNode]) -> None:
+        self.writes.on_path(path)
 
     # --------------------------------------------------------------------------- evict
 
@@ -260,11 +257,11 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         the next time a request uses it."""
         # Of `writing`'s ancestors only its parent can be a candidate (the others have a
         # child with a copy); pages being loaded are read from their copies
-        loading = {n.id for nodes, _ in self._ongoing_loads.values() for n in nodes}
+        loading = self.loads.loading()
         freed, kept = 0, []
         while freed < num_tokens and (node := self._copy_heap.pop()) is not None:
             if (writing is not None and node is writing.parent
-                    or node.id in self._ongoing_writes or node.id in loading):
+                    or node.id in self.writes.ongoing or node.id in loading):
                 kept.append(node)
                 continue
             self.kv_events.removed(node, MEDIUM_CPU, REASON_EVICTED)
@@ -286,7 +283,7 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
     def flush_host(self) -> int:
         """Empty L2 of everything unprotected and unpinned: L2-only nodes, then the host
         copies of nodes still on L1. Call with no write in flight. Returns the host tokens freed."""
-        assert not self._ongoing_writes, "flush_host with D->H copies in flight"
+        assert not self.writes.ongoing, "flush_host with D->H copies in flight"
         with self.kv_events.flushing():
             freed = self.evict_host(self.controller.host_pool.total_size())
             for node in self.iter_nodes():  # parents first: a kept copy's parent is kept too
@@ -311,6 +308,50 @@ class HiRadixCache(HostWrites, HostLoads, RadixCache):
         super()._maybe_rebuild_heaps()
         self._host_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
         self._copy_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
+
+    # ------------------------------------------- copies: the `writes` and `loads` parts
+
+    def back_up_path(self, node: HiTreeNode) -> bool:
+        return self.writes.back_up_path(node)
+
+    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
+        return self.writes.writing_check(wait)
+
+    def init_load_back(self, last_host_node: HiTreeNode) -> LoadBack:
+        return self.loads.init_load_back(last_host_node)
+
+    def loading_check(self, wait: bool = False) -> int:
+        return self.loads.loading_check(wait)
+
+    def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
+                          host_indices: torch.Tensor, hashes: list[bytes],
+                          extra_key: str | None = None) -> int:
+        return self.loads.insert_host_pages(anchor, tokens, host_indices, hashes, extra_key)
+
+    def place_on_device(self, nodes: list[HiTreeNode], device: torch.Tensor) -> int:
+        """The L2-only `nodes` (a path, top down) get the device slots `device` a load fills;
+        the tokens placed (evictable once unlocked)."""
+        offset = 0
+        for n in nodes:
+            n.value = device[offset:offset + len(n.key)]
+            offset += len(n.key)
+            self.kv_events.stored(n, MEDIUM_GPU)
+        self._evictable += offset
+        return offset
+
+    def demote_unused(self, nodes: list[HiTreeNode]) -> None:
+        """A failed load left garbage on the device: demote what nothing uses, deepest first."""
+        for n in reversed(nodes):
+            if self._is_device_leaf(n):
+                self._demote(n)
+
+    def copy_changed(self, node: HiTreeNode) -> None:
+        """`node`'s host copy may have become reclaimable (`_reclaim_copies`)."""
+        self._copy_heap.push(node)
+
+    def host_leaf_changed(self, node: HiTreeNode) -> None:
+        """`node` may have become an L2 eviction candidate."""
+        self._host_heap.push(node)
 
     # ------------------------------------------------------------------ L3 and copies
 

@@ -1,6 +1,7 @@
 """Pages coming up into the two-tier tree: L2 -> L1 load-backs (`init_load_back`, acked in
 `loading_check`) and L3 -> L2 pages a prefetch fetched (`insert_host_pages`).
-`HiRadixCache` is made of this; see `hiradix.py` for the node states and invariants.
+`HiRadixCache` holds one `HostLoads` (a new one at each reset), which owns the loads in
+flight; see `hiradix.py` for the node states and invariants.
 
 Threading: scheduler thread only, like the tree.
 """
@@ -10,34 +11,38 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.events.schema import MEDIUM_CPU, MEDIUM_GPU
-from hicache.transfer.controller import HiCacheController
-from hicache.tree.base import EMPTY, HostCounters, LoadBack
-from hicache.tree.leaf_heap import LeafHeap
-from hicache.tree.node import HiTreeNode
+from hicache.events.schema import MEDIUM_CPU
+from hicache.tree.base import EMPTY, LoadBack
+from hicache.tree.node import HiTreeNode, Key
 from hicache.tree.walk import as_key, descend
+
+if TYPE_CHECKING:
+    from hicache.tree.hiradix import HiRadixCache
 
 logger = logging.getLogger(__name__)
 
 
 class HostLoads:
-    """Load-backs and fetched pages over the tree's nodes, pools and heaps (given by
-    `HiRadixCache`: its controller, counters, heaps and the base tree's operations)."""
+    """The H->D loads in flight over one tree (its controller, counters, locks and L1
+    eviction), by the id of each load's last node: (its nodes, when it started). The tree
+    grants the two edge operations fetched pages need: `split` and `attach`."""
 
-    controller: HiCacheController
-    counters: HostCounters
-    page_size: int
-    load_back_threshold: int
-    observer: Callable[[str, float], None] | None
-    _ongoing_loads: dict[int, tuple[list[HiTreeNode], float]]
-    _copy_heap: LeafHeap
-    _host_heap: LeafHeap
-    _evictable: int
-    _split: Callable[..., Any]
+    def __init__(self, tree: HiRadixCache, split: Callable[[HiTreeNode, int], HiTreeNode],
+                 attach: Callable[[HiTreeNode, Key, None, str | None], HiTreeNode]) -> None:
+        self.tree = tree
+        self.controller = tree.controller
+        self.counters = tree.counters
+        self.page_size = tree.page_size
+        self._split, self._attach = split, attach
+        self.ongoing: dict[int, tuple[list[HiTreeNode], float]] = {}
+
+    def loading(self) -> set[int]:
+        """The ids of the nodes being loaded (their copies are read)."""
+        return {n.id for nodes, _ in self.ongoing.values() for n in nodes}
 
     def init_load_back(self, last_host_node: HiTreeNode) -> LoadBack:
         """Allocate device slots for the L2-only path ending at `last_host_node` and queue
@@ -55,33 +60,29 @@ class HostLoads:
             return LoadBack(EMPTY, last_host_node)
         nodes.reverse()
         host_indices = torch.cat([n.host_value for n in nodes])
-        if len(host_indices) < self.load_back_threshold:
+        if len(host_indices) < self.tree.load_back_threshold:
             return LoadBack(EMPTY, node)
         device = self._alloc_for_load(node, last_host_node, host_indices)
         if device is None:
             return LoadBack(EMPTY, node)
-        offset = 0
-        for n in nodes:
-            n.value = device[offset:offset + len(n.key)]
-            offset += len(n.key)
-            self.kv_events.stored(n, MEDIUM_GPU)
-        self._evictable += offset
-        self.inc_lock_ref(last_host_node)
-        self._ongoing_loads[last_host_node.id] = (nodes, time.monotonic())
+        offset = self.tree.place_on_device(nodes, device)
+        self.tree.inc_lock_ref(last_host_node)
+        self.ongoing[last_host_node.id] = (nodes, time.monotonic())
         self.counters.load_back_tokens += offset
         return LoadBack(device, last_host_node)
 
     def _alloc_for_load(self, ancestor: HiTreeNode, last: HiTreeNode,
                         host_indices: torch.Tensor) -> torch.Tensor | None:
         """Device slots for a load, evicting L1 once if needed; the path is kept meanwhile."""
-        self.inc_lock_ref(ancestor)
-        self.protect_host(last)
+        tree = self.tree
+        tree.inc_lock_ref(ancestor)
+        tree.protect_host(last)
         device = self.controller.load(host_indices, last.id)
         if device is None:
-            self.evict(len(host_indices))
+            tree.evict(len(host_indices))
             device = self.controller.load(host_indices, last.id)
-        self.release_host(last)
-        self.dec_lock_ref(ancestor)
+        tree.release_host(last)
+        tree.dec_lock_ref(ancestor)
         return device
 
     def loading_check(self, wait: bool = False) -> int:
@@ -90,18 +91,16 @@ class HostLoads:
             self.controller.wait_loads()
         acks = self.controller.poll_loads()
         for ack in acks:
-            nodes, started = self._ongoing_loads.pop(ack.node_id)
-            self.dec_lock_ref(nodes[-1])
-            if self.observer is not None:
-                self.observer("load_back_seconds", time.monotonic() - started)
+            nodes, started = self.ongoing.pop(ack.node_id)
+            self.tree.dec_lock_ref(nodes[-1])
+            if self.tree.observer is not None:
+                self.tree.observer("load_back_seconds", time.monotonic() - started)
             if not ack.ok:
                 self.counters.transfer_failures += 1
                 logger.error("H->D load of %d nodes failed", len(nodes))
-                for n in reversed(nodes):  # garbage on the device: drop what is unused
-                    if self._is_device_leaf(n):
-                        self._demote(n)
+                self.tree.demote_unused(nodes)  # garbage on the device
             for n in nodes:  # on L1 again with their copies: reclaimable once loaded
-                self._copy_heap.push(n)
+                self.tree.copy_changed(n)
         return len(acks)
 
     def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
@@ -130,7 +129,7 @@ class HostLoads:
         if pos < len(tokens):
             leaf = self._attach(path[-1] if path else anchor, tokens[pos:], None, extra_key)
             self._set_l3_copy(leaf, host_indices[pos:], hashes[pos // ps:])
-            self._host_heap.push(leaf)
+            self.tree.host_leaf_changed(leaf)
             new_tokens += len(tokens) - pos
         return new_tokens
 
@@ -139,5 +138,5 @@ class HostLoads:
         node.host_value = host.clone()
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
-        self._copy_heap.push(node)
-        self.kv_events.stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
+        self.tree.copy_changed(node)
+        self.tree.kv_events.stored(node, MEDIUM_CPU)  # DISK: reported when the query found them

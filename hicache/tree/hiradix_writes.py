@@ -1,6 +1,7 @@
-"""Pages going down the two-tier tree: the write policy's L1 -> L2 backups (`_on_path`,
-`back_up_path`), acked in `writing_check`, and a failed copy's cleanup. `HiRadixCache` is
-made of this; see `hiradix.py` for the node states and invariants.
+"""Pages going down the two-tier tree: the write policy's L1 -> L2 backups (`on_path`,
+`back_up_path`), acked in `writing_check`, and a failed copy's cleanup. `HiRadixCache` holds
+one `HostWrites` (a new one at each reset), which owns the writes in flight; see
+`hiradix.py` for the node states and invariants.
 
 Threading: scheduler thread only, like the tree.
 """
@@ -8,13 +9,13 @@ Threading: scheduler thread only, like the tree.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hicache.events.schema import MEDIUM_CPU
-from hicache.transfer.controller import HiCacheController
-from hicache.tree.base import HostCounters
-from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import HiTreeNode, TreeNode
+
+if TYPE_CHECKING:
+    from hicache.tree.hiradix import HiRadixCache
 
 logger = logging.getLogger("hicache.tree.hiradix")  # the tree's own logger, as before
 
@@ -27,30 +28,42 @@ def _depth(node: TreeNode) -> int:
 
 
 class HostWrites:
-    """L1 -> L2 backups over the tree's nodes, pools and heaps (given by `HiRadixCache`:
-    its controller, counters, write policy, heaps and the base tree's operations)."""
+    """The D->H copies in flight over one tree (its controller, counters, write policy,
+    locks and L2 eviction): by node id, and (KV events only) the upper halves split off a
+    node while its copy runs, which the same ack lands in L2."""
 
-    controller: HiCacheController
-    counters: HostCounters
-    write_policy: str
-    write_through_threshold: int
-    events: Any
-    _ongoing_writes: dict[int, HiTreeNode]
-    _split_writes: dict[int, list[HiTreeNode]]
-    _write_of: dict[int, int]
-    _copy_heap: LeafHeap
+    def __init__(self, tree: HiRadixCache) -> None:
+        self.tree = tree
+        self.controller = tree.controller
+        self.counters = tree.counters
+        self.ongoing: dict[int, HiTreeNode] = {}
+        self._split_writes: dict[int, list[HiTreeNode]] = {}  # write's node id -> halves
+        self._write_of: dict[int, int] = {}                     # half's id -> write's id
 
-    def _on_path(self, path: list[TreeNode]) -> None:
+    def writing(self, node_id: int) -> bool:
+        """Whether `node_id`'s host pages are being written (a half split off one counts)."""
+        return node_id in self.ongoing or node_id in self._write_of
+
+    def split(self, new: HiTreeNode, child: HiTreeNode) -> None:
+        """`new` was split off above `child`: if `child`'s copy runs, it lands `new` too."""
+        if self.tree.events is not None:
+            write = self._write_of.get(child.id, child.id)
+            if write in self.ongoing:
+                self._split_writes.setdefault(write, []).append(new)
+                self._write_of[new.id] = write
+
+    def on_path(self, path: list[TreeNode]) -> None:
         """Back up the nodes the policy wants copied, parents first: write_through all of
         them, write_through_selective those used by `write_through_threshold` requests
         (`hit_count`: one per request when the scheduler counts its use once)."""
-        if self.write_policy == "write_back":
+        policy = self.tree.write_policy
+        if policy == "write_back":
             return
         for node in path:
             if node.backuped or node.evicted:
                 continue
-            if (self.write_policy == "write_through_selective"
-                    and node.hit_count < self.write_through_threshold):
+            if (policy == "write_through_selective"
+                    and node.hit_count < self.tree.write_through_threshold):
                 break
             if not node.parent.backuped or not self._write_backup(node):
                 break
@@ -59,14 +72,14 @@ class HostWrites:
         """Queue node's D->H copy (making room in L2 if needed); False when dropped."""
         host = self.controller.write(node.value, node.id)
         if host is None:
-            self.evict_host(len(node.key), writing=node)
+            self.tree.evict_host(len(node.key), writing=node)
             host = self.controller.write(node.value, node.id)
         if host is None:
             self.counters.write_dropped_tokens += len(node.key)
             return False
         node.host_value = host
-        self.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
-        self._ongoing_writes[node.id] = node
+        self.tree.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
+        self.ongoing[node.id] = node
         return True
 
     def back_up_path(self, node: HiTreeNode) -> bool:
@@ -86,25 +99,25 @@ class HostWrites:
             self.controller.wait_writes()
         written = []
         for ack in self.controller.poll_writes():
-            node = self._ongoing_writes.pop(ack.node_id)
+            node = self.ongoing.pop(ack.node_id)
             halves = self._split_halves(node)
-            self.dec_lock_ref(node)
+            self.tree.dec_lock_ref(node)
             if not ack.ok:
                 self._drop_backup(node)
                 continue
             if node.host_value is None:  # dropped with a failed ancestor's copy (FIFO)
                 continue
             self.counters.written_tokens += len(node.key)
-            self._copy_heap.push(node)
+            self.tree.copy_changed(node)
             for half in halves:
-                self.kv_events.stored(half, MEDIUM_CPU)
+                self.tree.kv_events.stored(half, MEDIUM_CPU)
             written.append(node)
         return written
 
     def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
         """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the
         upper halves split off it meanwhile (KV events only: otherwise nobody asks)."""
-        if self.events is None:
+        if self.tree.events is None:
             return []
         halves = self._split_writes.pop(node.id, [])
         for half in halves:
@@ -127,4 +140,4 @@ class HostWrites:
                 self.controller.host_pool.free(n.host_value)
                 n.host_value = None
             stack.extend(n.children.values())
-        self._copy_heap.push(node.parent)
+        self.tree.copy_changed(node.parent)
