@@ -320,7 +320,7 @@ class CacheStack:
         if mark >= 0:
             del self.events.events[mark:]
         self.events.cleared()
-        self.tree.record_all()
+        self.tree.kv_events.record_all(self.tree.iter_nodes())
 
     def stats(self, requests: RequestCounters) -> CacheStats:
         """One snapshot of every tier, in tokens (storage: its pages and bytes too), the

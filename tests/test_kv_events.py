@@ -17,6 +17,8 @@ from test_hiradix_cache import DIM, HEADS, LAYERS, forward, make_pools, make_tre
 from hicache.events import EventRecorder, ZmqEventPublisher
 from hicache.events import schema as ours
 from hicache.storage.hashing import PageHasher
+from hicache.transfer.controller import HiCacheController
+from hicache.transfer.engines import CpuTransferEngine
 from hicache.tree.hiradix import HiRadixCache
 
 # ------------------------------------------------------ vLLM's schema, as a subscriber has it
@@ -144,8 +146,9 @@ def hasher() -> PageHasher:
 def event_tree(policy: str = "write_through", dev_pages: int = 32, host_pages: int = 64
                ) -> tuple[HiRadixCache, EventRecorder, Any]:
     dev, host = make_pools(dev_pages, host_pages, PS)
-    tree = make_tree(dev, host, PS, policy)
-    tree.events = EventRecorder(hasher(), PS)
+    controller = HiCacheController(dev, host, CpuTransferEngine(dev, host))
+    tree = HiRadixCache(controller, PS, write_policy=policy, load_back_threshold=1,
+                        events=EventRecorder(hasher(), PS))
     return tree, tree.events, dev
 
 

@@ -203,12 +203,6 @@ class PrefixCache(ABC):
     @abstractmethod
     def total_size(self) -> int: ...
 
-    # ---------------------------------------------------------------------------- events
-
-    @abstractmethod
-    def record_all(self) -> None:
-        """KV events: record every page the tree holds, in every tier, parents first."""
-
     @abstractmethod
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""

@@ -28,7 +28,6 @@ import torch
 from hicache.events.recorder import EventRecorder
 from hicache.events.schema import (
     MEDIUM_CPU,
-    MEDIUM_DISK,
     MEDIUM_GPU,
     REASON_DEMOTED,
     REASON_EVICTED,
@@ -39,6 +38,7 @@ from hicache.transfer.engines import TransferHandle
 from hicache.tree.base import EMPTY, HostCounters, HostSizes, LoadBack, MatchResult, concat
 from hicache.tree.hiradix_loads import HostLoads
 from hicache.tree.hiradix_writes import HostWrites
+from hicache.tree.integrity import check_hi_node
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import HiTreeNode, TreeNode
 from hicache.tree.radix import RadixCache
@@ -295,15 +295,6 @@ class HiRadixCache(RadixCache):
                     node.host_value = None
         return freed
 
-    def record_all(self) -> None:
-        for node in self.iter_nodes():  # parents first
-            if node.value is not None:
-                self.kv_events.stored(node, MEDIUM_GPU)
-            if node.host_value is not None:
-                self.kv_events.stored(node, MEDIUM_CPU)
-            if node.storage_backed:
-                self.kv_events.stored(node, MEDIUM_DISK)
-
     def _maybe_rebuild_heaps(self) -> None:
         super()._maybe_rebuild_heaps()
         self._host_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
@@ -397,18 +388,7 @@ class HiRadixCache(RadixCache):
 
     def _check_node(self, node: HiTreeNode) -> None:
         super()._check_node(node)
-        parent = node.parent
-        assert node.host_ref_counter >= 0, f"negative host_ref_counter on {node!r}"
-        assert node.host_ref_counter <= parent.host_ref_counter, (
-            f"{node!r} host-protected more than its parent")
-        if node.evicted:
-            assert node.lock_ref == 0, f"locked node {node!r} is not on the device"
-            assert node.backuped, f"{node!r} is on no tier"
-        else:
-            assert not parent.evicted, f"device node {node!r} under an evicted parent"
-        if node.backuped:
-            assert parent.backuped, f"backup hole: {node!r} backed up, its parent not"
-            assert len(node.host_value) == len(node.key), f"{node!r} host length mismatch"
+        check_hi_node(node)
 
     def check_integrity(self, held_host_tokens: int = 0) -> None:
         """The base invariants, the tiers' invariants, and the host pool's count: the tree's

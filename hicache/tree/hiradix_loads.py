@@ -11,19 +11,39 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from hicache.events.schema import MEDIUM_CPU
-from hicache.tree.base import EMPTY, LoadBack
-from hicache.tree.node import HiTreeNode, Key
+from hicache.transfer.controller import HiCacheController
+from hicache.tree.base import EMPTY, HostCounters, LoadBack
+from hicache.tree.node import HiTreeNode, Key, TreeNode
+from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import as_key, descend
 
-if TYPE_CHECKING:
-    from hicache.tree.hiradix import HiRadixCache
-
 logger = logging.getLogger(__name__)
+
+
+class LoadingTree(Protocol):
+    """What `HostLoads` uses of its tree (`HiRadixCache`)."""
+
+    controller: HiCacheController
+    counters: HostCounters
+    page_size: int
+    load_back_threshold: int
+    observer: Callable[[str, float], None] | None
+    kv_events: TreeEvents
+
+    def inc_lock_ref(self, node: TreeNode) -> int: ...
+    def dec_lock_ref(self, node: TreeNode) -> int: ...
+    def protect_host(self, node: HiTreeNode) -> None: ...
+    def release_host(self, node: HiTreeNode) -> None: ...
+    def evict(self, num_tokens: int) -> int: ...
+    def place_on_device(self, nodes: list[HiTreeNode], device: torch.Tensor) -> int: ...
+    def demote_unused(self, nodes: list[HiTreeNode]) -> None: ...
+    def copy_changed(self, node: HiTreeNode) -> None: ...
+    def host_leaf_changed(self, node: HiTreeNode) -> None: ...
 
 
 class HostLoads:
@@ -31,7 +51,7 @@ class HostLoads:
     eviction), by the id of each load's last node: (its nodes, when it started). The tree
     grants the two edge operations fetched pages need: `split` and `attach`."""
 
-    def __init__(self, tree: HiRadixCache, split: Callable[[HiTreeNode, int], HiTreeNode],
+    def __init__(self, tree: LoadingTree, split: Callable[[HiTreeNode, int], HiTreeNode],
                  attach: Callable[[HiTreeNode, Key, None, str | None], HiTreeNode]) -> None:
         self.tree = tree
         self.controller = tree.controller

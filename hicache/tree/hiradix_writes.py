@@ -9,13 +9,14 @@ Threading: scheduler thread only, like the tree.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from hicache.events.recorder import EventRecorder
 from hicache.events.schema import MEDIUM_CPU
+from hicache.transfer.controller import HiCacheController
+from hicache.tree.base import HostCounters
 from hicache.tree.node import HiTreeNode, TreeNode
-
-if TYPE_CHECKING:
-    from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.tree_events import TreeEvents
 
 logger = logging.getLogger("hicache.tree.hiradix")  # the tree's own logger, as before
 
@@ -27,12 +28,28 @@ def _depth(node: TreeNode) -> int:
     return depth
 
 
+class WritingTree(Protocol):
+    """What `HostWrites` uses of its tree (`HiRadixCache`)."""
+
+    controller: HiCacheController
+    counters: HostCounters
+    write_policy: str
+    write_through_threshold: int
+    events: EventRecorder | None
+    kv_events: TreeEvents
+
+    def inc_lock_ref(self, node: TreeNode) -> int: ...
+    def dec_lock_ref(self, node: TreeNode) -> int: ...
+    def evict_host(self, num_tokens: int, writing: HiTreeNode | None = None) -> int: ...
+    def copy_changed(self, node: HiTreeNode) -> None: ...
+
+
 class HostWrites:
     """The D->H copies in flight over one tree (its controller, counters, write policy,
     locks and L2 eviction): by node id, and (KV events only) the upper halves split off a
     node while its copy runs, which the same ack lands in L2."""
 
-    def __init__(self, tree: HiRadixCache) -> None:
+    def __init__(self, tree: WritingTree) -> None:
         self.tree = tree
         self.controller = tree.controller
         self.counters = tree.counters

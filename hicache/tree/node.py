@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hicache.events.schema import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
 from hicache.pages import PageHashes
 
 # Key and value types: a key is a tuple of token ids, a child key identifies an edge by its
@@ -74,6 +75,10 @@ class TreeNode:
     def __len__(self) -> int:
         return len(self.key)
 
+    def media(self) -> tuple[str, ...]:
+        """The KV-event media holding this node's pages (L1 only for this node)."""
+        return (MEDIUM_GPU,) if self.value is not None else ()
+
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
                 f"children={len(self.children)})")
@@ -87,6 +92,11 @@ class HiTreeNode(TreeNode):
         self.host_value: torch.Tensor | None = None
         self.host_ref_counter = 0
         self.storage_backed = False  # known to be in L3
+
+    def media(self) -> tuple[str, ...]:
+        """L1, L2 and L3 (as far as the tree knows), each where it holds the pages."""
+        return (super().media() + (MEDIUM_CPU,) * (self.host_value is not None)
+                + (MEDIUM_DISK,) * self.storage_backed)
 
     @property
     def evicted(self) -> bool:

@@ -25,6 +25,7 @@ from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, HostTier, MatchResult, PrefixCache, concat
 from hicache.tree.eviction_order import eviction_key
 from hicache.tree.host_tier import NoHostTier
+from hicache.tree.integrity import check_node
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
 from hicache.tree.retention import Retention
@@ -51,7 +52,7 @@ class RadixCache(PrefixCache):
         self.disable = disable
         self.eviction_policy = eviction_policy
         self._priority = eviction_key(eviction_policy)  # called per push
-        self._recorder = events  # KV events: None = off, and no page is hashed for them
+        self.events = events  # KV events: None = off, and no page is hashed for them
         self.host: HostTier = NoHostTier()  # no L2: its harmless answers
         self._init_tree()
 
@@ -61,27 +62,10 @@ class RadixCache(PrefixCache):
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 1
-        self.kv_events = TreeEvents(self._recorder, self.root)
+        self.kv_events = TreeEvents(self.events, self.root)
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
         self.retention = Retention(self.root, self._repush, self._maybe_rebuild_heaps,
                                    self._device_len, self._pin_demotable)
-
-    @property
-    def events(self) -> EventRecorder | None:
-        """Where the KV events go (None: off)."""
-        return self._recorder
-
-    @events.setter
-    def events(self, recorder: EventRecorder | None) -> None:
-        self._recorder = recorder
-        self.kv_events = TreeEvents(recorder, self.root)
-
-    def record_all(self) -> None:
-        """Say again what every node holds (after an `AllBlocksCleared` that some nodes
-        outlived: a flush of L3, pinned pages a flush kept), parents first."""
-        for node in self.iter_nodes():
-            if node.value is not None:
-                self.kv_events.stored(node, MEDIUM_GPU)
 
     def reset(self) -> None:
         """Forget everything (the caller owns the pools and resets them)."""
@@ -148,8 +132,6 @@ class RadixCache(PrefixCache):
         self._maybe_rebuild_heaps()
 
     def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
-        """Tokens of `key` cached in any tier, without touching, splitting or counting a hit
-        (for ranking waiting requests)."""
         if self.disable:
             return 0
         return descend(self.root, as_key(key), extra_key, self.page_size).matched
@@ -173,9 +155,6 @@ class RadixCache(PrefixCache):
 
     def node_at(self, anchor: TreeNode, key: Sequence[int], extra_key: str | None = None
                 ) -> TreeNode | None:
-        """The node whose edge ends exactly after `key`'s whole pages below `anchor`, an edge
-        split there if it runs on; `anchor` for an empty key; None when the tree does not
-        spell all of them. Touches nothing else."""
         key = as_key(key)
         end = aligned_end(key, self.page_size)
         if end == 0:
@@ -283,10 +262,8 @@ class RadixCache(PrefixCache):
     # ------------------------------------------------------------------------------ use
 
     def count_use(self, node: TreeNode, priority: int | None = None) -> None:
-        """One use of `node` and its ancestors by a request of `priority` (None: priorities
-        stay): hit counts +1, access time now, as `insert(count_hit=True)` of its key would
-        do. For a request that matched without counting (`count_hit=False`) and has nothing
-        to insert at its end. `node` must be alive: the caller holds it locked."""
+        """As `insert(count_hit=True)` of its key would count it; `node` must be alive (the
+        caller holds it locked)."""
         if self.disable:
             return
         path = []
@@ -349,7 +326,6 @@ class RadixCache(PrefixCache):
     # ---------------------------------------------------------------------------- locks
 
     def inc_lock_ref(self, node: TreeNode) -> int:
-        """Lock `node` and its ancestors; return the change of evictable size (<= 0)."""
         delta = 0
         while node is not self.root:
             if node.lock_ref == 0:
@@ -362,7 +338,6 @@ class RadixCache(PrefixCache):
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """Release a lock taken by `inc_lock_ref`; return the change of evictable size (>= 0)."""
         delta = 0
         while node is not self.root:
             if node.lock_ref <= 0:
@@ -402,7 +377,6 @@ class RadixCache(PrefixCache):
         return self._evictable + self._protected
 
     def iter_nodes(self) -> Iterator[TreeNode]:
-        """Every node but the root, parents before children."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -435,23 +409,5 @@ class RadixCache(PrefixCache):
         self.retention.check()
 
     def _check_node(self, node: TreeNode) -> None:
-        parent = node.parent
-        assert parent is not None, f"{node!r} has no parent"
-        ck = child_key(node.key, 0, node.extra_key, self.page_size)
-        assert parent.children.get(ck) is node, f"{node!r} not linked under its first page"
-        assert len(node.key) > 0, f"empty non-root node {node!r}"
-        assert len(node.key) % self.page_size == 0, f"{node!r} not page-aligned"
-        assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
-        assert node.lock_ref <= parent.lock_ref or parent is self.root, (
-            f"{node!r} locked more than its parent")
-        if parent is not self.root:
-            assert node.extra_key == parent.extra_key, f"{node!r} crosses a namespace"
-            assert node.priority <= parent.priority, (
-                f"{node!r} has priority {node.priority} above its parent's {parent.priority}")
-        if node.value is not None:
-            assert len(node.value) == len(node.key), f"{node!r} value/key length mismatch"
-        assert parent is self.root or node.pin_ref <= parent.pin_ref, (
-            f"{node!r} pinned more than its parent")
-        assert parent is self.root or node.owners <= parent.owners, (
-            f"{node!r} is owned by sessions its parent is not: {node.owners - parent.owners}")
+        check_node(node, self.root, self.page_size)
         self.retention.check_node(node)

@@ -1,13 +1,14 @@
 """A tree's KV events (`tree.kv_events`): one per node operation, naming the node's pages by
 their hashes (`node_hashes`). Splits change no hash, and send nothing. Each tree holds one
-`TreeEvents`, made anew with its root at each reset; which nodes hold what, in which tier,
-is the tree's to say (`record_all`).
+`TreeEvents`, made anew with its root at each reset; each node says which media hold its
+pages (`TreeNode.media`).
 
 Threading: scheduler thread only, like the tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 from hicache.events.recorder import EventRecorder
@@ -35,6 +36,13 @@ class TreeEvents:
         if self.recorder is not None:
             self.recorder.removed(node_hashes(node, self.root, self.recorder.hasher), medium,
                                   reason)
+
+    def record_all(self, nodes: Iterable[TreeNode]) -> None:
+        """Say again what `nodes` (parents first) hold, after an `AllBlocksCleared` some of
+        them outlived (a flush of L3, pinned pages a flush kept)."""
+        for node in nodes:
+            for medium in node.media():
+                self.stored(node, medium)
 
     def flushing(self) -> AbstractContextManager[None]:
         """Removals inside are an operator's flush (`BlockRemoved.reason` "flushed")."""
