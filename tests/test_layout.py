@@ -308,3 +308,54 @@ def test_hicache_installs_no_top_level_kernels_package() -> None:
     assert "hicache" not in importlib.metadata.packages_distributions().get("kernels", [])
     spec = importlib.util.find_spec("kernels")
     assert spec is None or spec.origin is None or ROOT / "kernels" not in Path(spec.origin).parents
+
+
+# Bases that make a contract or a record, not a share of another class's state.
+CONTRACT_BASES = {"ABC", "Protocol", "NamedTuple", "Enum", "IntEnum", "Exception",
+                  "RuntimeError", "ValueError", "OSError", "TypedDict", "Generic", "Struct"}
+
+
+# Shared behaviour over one named field, not a class split by size: the two KV pools hand
+# out pages through their `allocator` the same way.
+MIXINS_ALLOWED = {"PagedSlots"}
+
+
+def _classes(folder: str) -> dict[str, tuple[Path, ast.ClassDef]]:
+    out = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = (path, node)
+    return out
+
+
+def _base_names(cls: ast.ClassDef) -> list[str]:
+    return [ast.unparse(b).rpartition(".")[2].split("[")[0] for b in cls.bases]
+
+
+def _is_contract(cls: ast.ClassDef, classes: dict[str, tuple[Path, ast.ClassDef]]) -> bool:
+    return any(b in CONTRACT_BASES or (b in classes and _is_contract(classes[b][1], classes))
+               for b in _base_names(cls))
+
+
+def _is_mixin(cls: ast.ClassDef, classes: dict[str, tuple[Path, ast.ClassDef]]) -> bool:
+    """A class that names the state it works on (`tree: PrefixCache`, `_owned: dict`) but
+    makes none (no `__init__`) and is no contract: another class's `__init__` makes it."""
+    if _is_contract(cls, classes):
+        return False
+    has_init = (any(isinstance(n, ast.FunctionDef) and n.name == "__init__" for n in cls.body)
+                or any("dataclass" in ast.unparse(d) for d in cls.decorator_list))
+    names_state = any(isinstance(n, ast.AnnAssign) and n.value is None
+                      and "ClassVar" not in ast.unparse(n.annotation) for n in cls.body)
+    return names_state and not has_init
+
+
+def test_no_class_of_the_cache_is_made_of_mixins() -> None:
+    """Parts, not mixins (issue 52): `CacheStack(RequestCalls)`, `StorageTier(HeadRace)`,
+    `RadixCache(TreeEvents, Retention, ...)`, `HiRadixCache(HostWrites, HostLoads, ...)`
+    shared one object's state; each part is now an object the owner holds."""
+    classes = _classes("hicache")
+    bad = [f"{_rel(path)}: {name}({b})" for name, (path, cls) in classes.items()
+           for b in _base_names(cls)
+           if b in classes and b not in MIXINS_ALLOWED and _is_mixin(classes[b][1], classes)]
+    assert not bad, f"mixins that share their class's state (make each a part it holds): {bad}"
