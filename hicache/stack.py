@@ -171,7 +171,7 @@ class CacheStack:
             if batch:
                 self.publisher.publish(batch)
 
-    def event_counters(self) -> EventCounters:
+    def _event_counters(self) -> EventCounters:
         """Batches and events sent and dropped since start (a copy)."""
         return replace(self.publisher.counters)
 
@@ -338,7 +338,7 @@ class CacheStack:
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
                              self.tree.host.host_counters(), self.host_pool.size_bytes)
         storage = self.l3.stats(requests.cached_storage_tokens)
-        events = self.event_counters() if self.events is not None else None
+        events = self._event_counters() if self.events is not None else None
         pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
                         tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
         sessions = SessionStats(*self.sessions.sizes()) if self.sessions is not None else None
