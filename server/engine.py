@@ -31,6 +31,7 @@ from hicache.stack import CacheStack
 from hicache.stats import CacheStats
 from hicache_server.cache_admin import CacheAdmin
 from hicache_server.config import Config
+from hicache_server.field_names import SGLANG_NAMES, FieldNames
 from hicache_server.inbox import SchedulerStopped
 from hicache_server.input_checks import GenerateOptions, InputChecker
 from hicache_server.model_runner import ModelRunner
@@ -164,14 +165,17 @@ class Engine:
 
     def make_requests(self, text: str | None = None, input_ids: list[int] | None = None,
                       sampling_params: dict | None = None, extra_key: str | None = None,
-                      **options: Any) -> list[Request]:
+                      *, field_names: FieldNames = SGLANG_NAMES, **options: Any
+                      ) -> list[Request]:
         """`make_request`, as its `sampling_params.n` choices (one for n = 1). Choice i has
         seed `seed + i` when seeded; choices 1.. wait in the scheduler until choice 0 has
         prefilled the prompt, then read it from the tree (one prefill for all). Submit
         choice 0 first (`generate` and `async_generate` do); the others never wait for a
-        choice 0 that was not submitted, they only share nothing then."""
+        choice 0 that was not submitted, they only share nothing then. Errors name the
+        fields as `field_names` says the client calls them (an OpenAI route's names)."""
         return self.checker.choices(text, input_ids, sampling_params, extra_key,
-                                    GenerateOptions.from_kwargs("make_requests", options))
+                                    GenerateOptions.from_kwargs("make_requests", options),
+                                    field_names)
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                  sampling_params: dict | None = None, extra_key: str | None = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.pages import pages_down
+from hicache_server.field_names import SGLANG_NAMES, FieldNames
 from hicache_server.request import (
     MAX_TOP_LOGPROBS,
     InvalidRequest,
@@ -60,21 +61,21 @@ class GenerateOptions:
                             f"(its options: {', '.join(sorted(names))})")
         return cls(**kwargs)
 
-    def checked(self, prompt_len: int) -> dict[str, Any]:
+    def checked(self, prompt_len: int, names: FieldNames = SGLANG_NAMES) -> dict[str, Any]:
         """The options as `Request`'s keywords, each checked (`logprob_start_len` against
-        the prompt's length)."""
-        start = _integer("logprob_start_len", self.logprob_start_len, -1)
-        top = _integer("top_logprobs_num", self.top_logprobs_num, 0)
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"`top_logprobs_num` must be in [0, {MAX_TOP_LOGPROBS}], "
-                                 f"got {top}")
+        the prompt's length); errors name the fields as the client does (`names`)."""
+        start = _integer(names.option("logprob_start_len"), self.logprob_start_len, -1)
+        top_name = names.option("top_logprobs_num")
+        top = _integer(top_name, self.top_logprobs_num, 0)
+        if not 0 <= top <= MAX_TOP_LOGPROBS:  # the one check of this limit
+            raise InvalidRequest(f"`{top_name}` must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         if not (start == -1 or 0 <= start < prompt_len):
             raise InvalidRequest(f"`logprob_start_len` must be -1 (no prompt logprobs) or a "
                                  f"position of the {prompt_len}-token prompt, in "
                                  f"[0, {prompt_len - 1}]; got {start}")
-        return {"return_logprob": _flag("return_logprob", self.return_logprob),
+        return {"return_logprob": _flag(names.option("return_logprob"), self.return_logprob),
                 "logprob_start_len": start, "top_logprobs_num": top,
-                "return_text_in_logprobs": _flag("return_text_in_logprobs",
+                "return_text_in_logprobs": _flag(names.option("return_text_in_logprobs"),
                                                  self.return_text_in_logprobs),
                 "priority": check_priority(self.priority),
                 "session_id": check_session_id(self.session_id)}
@@ -134,30 +135,31 @@ class InputChecker:
 
     def request(self, text: str | None, input_ids: list[int] | None,
                 sampling_params: dict | None, extra_key: str | None,
-                options: GenerateOptions) -> Request:
+                options: GenerateOptions, names: FieldNames = SGLANG_NAMES) -> Request:
         """One request, checked (its `sampling_params.n` may ask for several choices:
-        `choices` makes them)."""
+        `choices` makes them); errors name the fields as the client does (`names`)."""
         if (text is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of `text` or `input_ids`")
         if text is not None:
             if not isinstance(text, str):
                 raise InvalidRequest(f"`text` must be a string, got {type(text).__name__}")
-            check_unicode("text", text)
+            check_unicode(names.option("text"), text)
             input_ids = self.tokenizer.encode(text)
-        ids = self._ids(input_ids)
-        params = self._params(SamplingParams.from_dict(sampling_params), len(ids))
+        ids = self._ids(input_ids, names.option("input_ids"))
+        params = self._params(SamplingParams.from_dict(sampling_params, names), len(ids),
+                              names)
         if extra_key is not None and not isinstance(extra_key, str):
-            raise InvalidRequest("`extra_key` must be a string")
+            raise InvalidRequest(f"`{names.option('extra_key')}` must be a string")
         if extra_key is not None:
-            check_unicode("extra_key", extra_key)
-        return Request(ids, params, extra_key, **options.checked(len(ids)))
+            check_unicode(names.option("extra_key"), extra_key)
+        return Request(ids, params, extra_key, **options.checked(len(ids), names))
 
     def choices(self, text: str | None, input_ids: list[int] | None,
                 sampling_params: dict | None, extra_key: str | None,
-                options: GenerateOptions) -> list[Request]:
+                options: GenerateOptions, names: FieldNames = SGLANG_NAMES) -> list[Request]:
         """The request's `sampling_params.n` choices (one for n = 1); see
         `Engine.make_requests`."""
-        first = self.request(text, input_ids, sampling_params, extra_key, options)
+        first = self.request(text, input_ids, sampling_params, extra_key, options, names)
         return [first, *(_choice(first, i) for i in range(1, first.params.n))]
 
     def pin_prefix(self, text: str | None, input_ids: list[int] | None,
@@ -171,26 +173,28 @@ class InputChecker:
                                  f"whole pages of {self.page_size} tokens")
         return ids, req.extra_key
 
-    def _params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _params(self, params: SamplingParams, prompt_len: int, names: FieldNames
+                ) -> SamplingParams:
         """`params` checked against this model (vocabulary, context, L1 size, tokenizer)."""
-        params.check_vocab(self.vocab_size)
+        params.check_vocab(self.vocab_size, names)
         for stop in params.stop:
-            check_unicode("sampling_params.stop", stop)
+            check_unicode(names.sampling("stop"), stop)
         room = self.context_len - prompt_len
         if params.max_new_tokens > room:  # as OpenAI servers do: cut to the context
             params = dataclasses.replace(params, max_new_tokens=room,
                                          min_new_tokens=min(params.min_new_tokens, room))
         need = prompt_len + params.max_new_tokens
         if need > self.l1_tokens:
-            raise InvalidRequest(f"prompt + max_new_tokens = {need} tokens exceed the L1 KV "
-                                 f"cache ({self.l1_tokens} tokens); lower max_new_tokens or "
-                                 "raise --max-total-tokens")
+            limit = names.sampling("max_new_tokens")
+            raise InvalidRequest(f"prompt + {limit} = {need} tokens exceed the L1 KV cache "
+                                 f"({self.l1_tokens} tokens); lower {limit} or raise "
+                                 "--max-total-tokens")
         return params
 
-    def _ids(self, ids: Any) -> list[int]:
+    def _ids(self, ids: Any, public: str) -> list[int]:
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequest("`input_ids` must be a list of integers")
+            raise InvalidRequest(f"`{public}` must be a list of integers")
         if not ids:
             raise InvalidRequest("the prompt is empty")
         if len(ids) >= self.context_len:

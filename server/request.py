@@ -13,6 +13,7 @@ import torch
 
 from hicache.handles import Lease
 from hicache.policies import DEFAULT_PRIORITY
+from hicache_server.field_names import SGLANG_NAMES, FieldNames
 from hicache_server.output import Delta, Logprobs, RequestOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -90,30 +91,36 @@ class SamplingParams:
                     or self.frequency_penalty or self.presence_penalty)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Validate a user's `sampling_params`; raises InvalidRequest naming the field.
-        Token ids are checked against a vocabulary by `check_vocab`."""
+    def from_dict(cls, d: dict[str, Any] | None, names: FieldNames = SGLANG_NAMES
+                  ) -> SamplingParams:
+        """Validate a user's `sampling_params`; raises InvalidRequest naming the field as
+        the client does (`names`). Token ids are checked against a vocabulary by
+        `check_vocab`."""
         d = dict(d or {})
         unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
         if unknown:
             raise InvalidRequest(f"sampling_params: unknown field(s) {', '.join(unknown)}; "
                                  f"allowed: {', '.join(cls.__dataclass_fields__)}")
-        special = {"stop": _check_stop(d.pop("stop", None)),
-                   "stop_token_ids": _check_token_ids(d.pop("stop_token_ids", None)),
-                   "logit_bias": _check_logit_bias(d.pop("logit_bias", None))}
-        params = cls(**special, **{k: _check_field(k, v) for k, v in d.items() if v is not None})
+        special = {"stop": _check_stop(d.pop("stop", None), names.sampling("stop")),
+                   "stop_token_ids": _check_token_ids(d.pop("stop_token_ids", None),
+                                                      names.sampling("stop_token_ids")),
+                   "logit_bias": _check_logit_bias(d.pop("logit_bias", None),
+                                                   names.sampling("logit_bias"))}
+        params = cls(**special, **{k: _check_field(k, v, names.sampling(k))
+                                   for k, v in d.items() if v is not None})
         if params.min_new_tokens > params.max_new_tokens:
-            raise InvalidRequest(f"sampling_params.min_new_tokens: must be <= max_new_tokens "
+            raise InvalidRequest(f"{names.sampling('min_new_tokens')}: must be <= "
+                                 f"{names.sampling('max_new_tokens')} "
                                  f"({params.max_new_tokens}), got {params.min_new_tokens}")
         return params
 
-    def check_vocab(self, vocab_size: int) -> None:
+    def check_vocab(self, vocab_size: int, names: FieldNames = SGLANG_NAMES) -> None:
         """InvalidRequest for a token id (stop_token_ids, logit_bias) outside the vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids),
                           ("logit_bias", [t for t, _ in self.logit_bias])):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise InvalidRequest(f"sampling_params.{name}: token id {bad} is outside the "
+                raise InvalidRequest(f"{names.sampling(name)}: token id {bad} is outside the "
                                      f"vocabulary [0, {vocab_size})")
 
 
@@ -136,16 +143,16 @@ _OPEN_BELOW = {"top_p": (0, "> 0"), "top_k": (0, "-1 (all) or >= 1"),
                "repetition_penalty": (0, "> 0 (1 = no penalty)")}
 
 
-def _check_field(name: str, value: Any) -> Any:
+def _check_field(name: str, value: Any, public: str) -> Any:
+    """Sampling field `name`'s value, checked; errors name it `public`."""
     if name in _BOOLEANS:
         if not isinstance(value, bool):
-            raise InvalidRequest(f"sampling_params.{name}: expected a boolean, got {_short(value)}")
+            raise InvalidRequest(f"{public}: expected a boolean, got {_short(value)}")
         return value
     kind, low, high = _RANGES[name]
-    _check_number(f"sampling_params.{name}", value, kind, low, high)
+    _check_number(public, value, kind, low, high)
     if name in _OPEN_BELOW and value == _OPEN_BELOW[name][0]:
-        raise InvalidRequest(f"sampling_params.{name}: must be {_OPEN_BELOW[name][1]}, "
-                             f"got {value}")
+        raise InvalidRequest(f"{public}: must be {_OPEN_BELOW[name][1]}, got {value}")
     return kind(value)
 
 
@@ -160,14 +167,14 @@ def _check_number(name: str, value: Any, kind: type, low: float, high: float) ->
         raise InvalidRequest(f"{name}: must be in [{low}, {high}], got {value}")
 
 
-def _check_stop(stop: Any) -> tuple[str, ...]:
+def _check_stop(stop: Any, public: str) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
             or not all(isinstance(s, str) and s for s in stop)):
-        raise InvalidRequest(f"sampling_params.stop: expected a non-empty string or a list of "
+        raise InvalidRequest(f"{public}: expected a non-empty string or a list of "
                              f"at most {MAX_STOP_STRINGS} non-empty strings, got {_short(stop)}")
     return tuple(stop)
 
@@ -203,29 +210,29 @@ def check_session_id(value: Any) -> str | None:
     return value
 
 
-def _check_token_ids(ids: Any) -> tuple[int, ...]:
+def _check_token_ids(ids: Any, public: str) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-        raise InvalidRequest(f"sampling_params.stop_token_ids: expected a list of token ids "
+        raise InvalidRequest(f"{public}: expected a list of token ids "
                              f"(integers), got {_short(ids)}")
     return tuple(sorted(set(ids)))
 
 
-def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+def _check_logit_bias(bias: Any, public: str) -> tuple[tuple[int, float], ...]:
     """`{token id: bias}`; ids may be strings of digits, as JSON object keys always are."""
     if bias is None:
         return ()
     if not isinstance(bias, dict):
-        raise InvalidRequest(f"sampling_params.logit_bias: expected an object of token id -> "
+        raise InvalidRequest(f"{public}: expected an object of token id -> "
                              f"bias, got {_short(bias)}")
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = _token_key(key)
         if token is None:
-            raise InvalidRequest(f"sampling_params.logit_bias: key {_short(key)} is not a "
+            raise InvalidRequest(f"{public}: key {_short(key)} is not a "
                                  "token id (an integer)")
-        _check_number(f"sampling_params.logit_bias[{token}]", value, float,
+        _check_number(f"{public}[{token}]", value, float,
                       -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         out[token] = float(value)
     return tuple(sorted(out.items()))

@@ -5,6 +5,8 @@
                   begin_shutdown
     native.py     POST /generate (SGLang's shape: one prompt or a batch, logprobs, n)
     openai.py     POST /v1/completions (logprobs, echo, n, best_of, lists of prompts)
+    openai_fields.py    what both OpenAI routes read alike: renamed sampling fields, refused
+                  fields, stream_options, the names the engine's errors use
     openai_logprobs.py  OpenAI's `logprobs` object from the engine's SGLang-shaped entries
     openai_shapes.py    completion choices, `usage`, stream chunks
     chat.py       POST /v1/chat/completions: messages through the model's chat template
@@ -15,16 +17,19 @@
     prompts.py    one prompt or a batch, per-prompt values
     fields.py     the field policy: unknown fields ignored (one warning per name), unsupported
                   ones a 400 naming them
-    streaming.py  a request's results as routes read them (one chunk per token); SSE
+    streaming.py  a request's updates as routes read them (what is new, per token); SSE
+    offload.py    off_loop: a handler's blocking work (templates, tokenization) off the loop
     body.py       the request body as JSON, its fields' shapes checked
     errors.py     the JSON error shape, HttpError, RequestFailed
     state.py      ServerState (STATE): what every handler shares; the body limits
 
 Imports run one way: app -> routes (native, openai, chat; admin is added by the caller) ->
-streaming, body -> errors, state. No route module imports app.
+openai_fields, generation, streaming, body -> errors, state. No route imports another
+route, nor app.
 
-Threading: handlers run on the event loop; the engine's blocking calls go to the default
-executor, never onto the loop.
+Threading: handlers run on the event loop and only wait there; the engine's blocking calls,
+chat templates, tokenization and any loop over a prompt go to the default executor
+(`offload.off_loop`), never onto the loop.
 """
 
 from __future__ import annotations

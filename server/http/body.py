@@ -15,6 +15,7 @@ from aiohttp import web
 
 from hicache_server.http.errors import HttpError
 from hicache_server.http.state import STATE
+from hicache_server.request import InvalidRequest, check_session_id
 
 
 async def read_json(request: web.Request, *, empty: Any = None) -> Any:
@@ -72,3 +73,17 @@ def check_type(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: s
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise HttpError(400, f"`{name}` must be {what}, got {json_type(value)}")
     return value
+
+
+def session_of(body: dict[str, Any]) -> str | None:
+    """The body's `session_id` (this server's field on every generation route), checked:
+    a non-empty string, or absent."""
+    try:
+        return check_session_id(body.get("session_id"))
+    except InvalidRequest as e:
+        raise HttpError(400, str(e)) from None
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    """`body[name]` as a boolean (absent or null: False); 400 unless a boolean."""
+    return bool(check_type(body, name, (bool,), "a boolean"))

@@ -7,11 +7,12 @@
 docs/http.md has the table of every accepted field. The messages are rendered with the
 model's chat template (`hicache_server.chat_template`, read once when the route is built by
 `chat_route`) and tokenized without added specials, so BOS comes from the template alone.
-The rest is /v1/completions' machinery, not a copy of it: the same field policy
-(`hicache_server.http.fields`: unknown fields, also inside a message, ignored with one warning; the
-known ones this server cannot honour, `CHAT_UNSUPPORTED`, a 400), the same sampling fields
-(`OPENAI_PARAMS`), `n` choices built by `Engine.make_requests` (one prefill, shared through
-the tree) and started together, and the same `usage` / `sglext` (`usage_fields`).
+The rest is what both OpenAI routes share (`hicache_server.http.openai_fields`), not a
+copy of /v1/completions': the same field policy (`hicache_server.http.fields`: unknown
+fields, also inside a message, ignored with one warning; the known ones this server cannot
+honour, `CHAT_UNSUPPORTED`, a 400), the same sampling fields (`OPENAI_PARAMS`) and error
+names (`openai_names`), `n` choices built by `Engine.make_requests` (one prefill, shared
+through the tree) and started together, and the same `usage` / `sglext` (`usage_fields`).
 
 A stream is `chat.completion.chunk`s: each choice's role chunk first, then one content delta
 per update (a token, or the tokens that came while the client was reading: the text that
@@ -30,32 +31,32 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from hicache_server.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate, load_chat_template
+from hicache_server.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    NoChatTemplate,
+    load_chat_template,
+)
 from hicache_server.engine import Engine
-from hicache_server.http.body import brief, json_type, read_object
+from hicache_server.http.body import brief, check_type, flag, json_type, read_object
 from hicache_server.http.discovery import served_model_name
 from hicache_server.http.errors import HttpError
-from hicache_server.http.fields import Only, check_int, known_fields
+from hicache_server.http.fields import Only, known_fields
 from hicache_server.http.generation import LogprobOptions, start_all, submit
 from hicache_server.http.offload import off_loop
-from hicache_server.http.native import session_of
-from hicache_server.http.openai import (
-    COMPLETION_UNSUPPORTED,
-    OPENAI_PARAMS,
-    flag,
-    openai_body,
-    openai_message,
-    openai_sampling_params,
-    request_priority,
-    usage_options,
+from hicache_server.http.openai_fields import (
+    OPENAI_FIELDS,
+    OPENAI_UNSUPPORTED,
+    openai_names,
+    read_openai,
 )
 from hicache_server.http.openai_logprobs import Entry, Namer, token_namer
 from hicache_server.http.openai_shapes import finished_sglext, usage_fields
-from hicache_server.http.prompts import Prompt, Prompts, check_batch_size
+from hicache_server.http.prompts import Prompt, Prompts
 from hicache_server.http.state import Handler, live_engine
 from hicache_server.http.streaming import json_events, last_results, merged, send_sse
-from hicache_server.request import MAX_CHOICES, MAX_TOP_LOGPROBS, InvalidRequest, check_unicode
 from hicache_server.output import Logprobs
+from hicache_server.request import check_unicode
 from hicache_server.tokenizer import Tokenizer
 from hicache_server.updates import Update
 
@@ -63,10 +64,9 @@ logger = logging.getLogger(__name__)
 
 ROUTE = "POST /v1/chat/completions"
 TOOLS = "tool (function) calling"
-# What completions refuses that a chat can ask for too (a suffix cannot be; prompt_logprobs'
-# completions hint, "send echo", does not apply), and chat's own.
+# What both OpenAI routes refuse, and chat's own.
 CHAT_UNSUPPORTED = {
-    **{k: v for k, v in COMPLETION_UNSUPPORTED.items() if k not in ("suffix", "prompt_logprobs")},
+    **OPENAI_UNSUPPORTED,
     "prompt_logprobs": Only(None, "vLLM's prompt_logprobs"),
     "tools": Only(None, TOOLS), "tool_choice": Only("none", TOOLS),
     "functions": Only(None, TOOLS), "function_call": Only("none", TOOLS),
@@ -74,11 +74,8 @@ CHAT_UNSUPPORTED = {
     "modalities": Only(["text"], "an output modality other than text"),
     "prediction": Only(None, "predicted outputs"),
 }
-CHAT_FIELDS = frozenset({
-    *OPENAI_PARAMS, *CHAT_UNSUPPORTED, "model", "messages", "max_completion_tokens", "stream",
-    "stream_options", "n", "user", "logprobs", "top_logprobs", "return_token_ids",
-    "return_cached_tokens_details", "cache_salt", "parallel_tool_calls", "priority",
-    "session_id"})
+CHAT_FIELDS = OPENAI_FIELDS | {*CHAT_UNSUPPORTED, "messages", "top_logprobs",
+                               "parallel_tool_calls"}
 ROLES = ("system", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 PART_FIELDS = frozenset({"type", "text"})
@@ -105,22 +102,21 @@ class Chat(NamedTuple):
 def parse_chat(body: dict[str, Any]) -> Chat:
     """Check the fields' shapes and what this server supports; the engine checks the
     sampling values' ranges."""
-    body = openai_body(body, CHAT_FIELDS, CHAT_UNSUPPORTED, ROUTE)
-    n = check_int(body, "n", 1, MAX_CHOICES) or 1
-    check_batch_size(1, n)
-    stream = flag(body, "stream")
-    usage, continuous = usage_options(body, stream, ROUTE)
+    common = read_openai(body, CHAT_FIELDS, CHAT_UNSUPPORTED, ROUTE, default_max_tokens=None)
+    body, params = common.body, common.sampling_params
     messages = parse_messages(body.get("messages"))
-    params, limit_field = openai_sampling_params(body, default_max_tokens=None)
-    return Chat(messages, {**params, "n": n}, _logprobs(body), stream, usage, continuous,
-                flag(body, "return_token_ids"), body.get("cache_salt"), limit_field,
-                request_priority(body), session_of(body))
+    if body.get("n") is not None:  # its range: the engine's (`n` in [1, MAX_CHOICES])
+        params = {**params, "n": body["n"]}
+    return Chat(messages, params, _logprobs(body), common.stream, common.include_usage,
+                common.continuous_usage, flag(body, "return_token_ids"), common.cache_salt,
+                common.limit_field, common.priority, common.session_id)
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:
-    """OpenAI's pair: `logprobs` (a boolean) turns them on, `top_logprobs` (0..20) is k."""
+    """OpenAI's pair: `logprobs` (a boolean) turns them on, `top_logprobs` is k (its
+    range: the engine's, 0..MAX_TOP_LOGPROBS)."""
     wanted = flag(body, "logprobs")
-    top = check_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = check_type(body, "top_logprobs", (int,), "an integer")
     if top and not wanted:
         raise HttpError(400, f"`top_logprobs` ({top}) needs `logprobs: true`")
     return (top or 0) if wanted else None
@@ -188,12 +184,6 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer,
     except ChatTemplateError as e:
         raise HttpError(400, str(e)) from None
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def chat_message(message: str, limit_field: str) -> str:
-    """An engine message in the chat route's field names."""
-    message = openai_message(message).replace("`prompt`", "`messages`")
-    return message.replace("max_tokens", limit_field).replace("max_new_tokens", limit_field)
 
 
 def logprob_options(chat: Chat) -> LogprobOptions:
@@ -321,11 +311,9 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
     engine = live_engine(request)
     ids = await off_loop(chat_prompt_ids, template, engine.tokenizer, chat.messages)
     prompts = Prompts([Prompt(None, ids)], False)
-    try:
-        submitted = await submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
-                           [logprob_options(chat)], [chat.priority], chat.session_id)
-    except InvalidRequest as e:
-        raise HttpError(400, chat_message(str(e), chat.limit_field)) from None
+    submitted = await submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
+                             [logprob_options(chat)], [chat.priority], chat.session_id,
+                             openai_names(chat.limit_field, "messages", "top_logprobs"))
     streams = await start_all(engine, submitted)
     model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
     if not chat.stream:

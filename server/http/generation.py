@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from hicache_server.engine import Engine
+from hicache_server.field_names import SGLANG_NAMES, FieldNames
 from hicache_server.http.offload import off_loop
 from hicache_server.http.prompts import Prompts, item_message
 from hicache_server.http.streaming import start_streams
@@ -72,18 +73,19 @@ class Submitted(NamedTuple):
 async def submit(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
                  extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
                  priorities: Sequence[int | None] | None = None,
-                 session_id: str | None = None) -> Submitted:
+                 session_id: str | None = None, names: FieldNames = SGLANG_NAMES
+                 ) -> Submitted:
     """Every request of `prompts` (`params`, `extra_keys`, `logprobs`, `priorities`: one
     per prompt; `session_id` for all), built off the event loop; InvalidRequest naming the
-    prompt of a batch that is wrong."""
+    prompt of a batch that is wrong, and the field as the client calls it (`names`)."""
     return await off_loop(_make_all, engine, prompts, params, extra_keys, logprobs,
-                          priorities, session_id)
+                          priorities, session_id, names)
 
 
 def _make_all(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
               extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
-              priorities: Sequence[int | None] | None, session_id: str | None
-              ) -> Submitted:
+              priorities: Sequence[int | None] | None, session_id: str | None,
+              names: FieldNames) -> Submitted:
     groups = []
     for i, prompt in enumerate(prompts.items):
         try:
@@ -91,7 +93,7 @@ def _make_all(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]]
                 prompt.text, prompt.input_ids, params[i], extra_keys[i],
                 **logprobs[i]._asdict(),
                 priority=None if priorities is None else priorities[i],
-                session_id=session_id))
+                session_id=session_id, field_names=names))
         except InvalidRequest as e:
             raise InvalidRequest(item_message(i, prompts.batch, str(e))) from None
     return Submitted(prompts, groups)

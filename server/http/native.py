@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from hicache_server.http.body import brief, check_fields, check_type, read_object
+from hicache_server.http.body import brief, check_fields, check_type, read_object, session_of
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import Only, known_fields, refuse_unsupported
 from hicache_server.http.generation import LogprobOptions, Submitted, start_all, submit
@@ -48,7 +48,7 @@ from hicache_server.http.prompts import (
 from hicache_server.http.state import live_engine
 from hicache_server.http.streaming import json_events, last_results, merged, send_sse
 from hicache_server.output import Delta, Logprobs
-from hicache_server.request import InvalidRequest, Request, SamplingParams, check_session_id
+from hicache_server.request import Request, SamplingParams
 from hicache_server.updates import Update
 
 ROUTE = "POST /generate"
@@ -108,15 +108,6 @@ def parse_generate(body: dict[str, Any]) -> Generate:
                     _extra_keys(body, count, batch), _logprobs(body, count, batch), stream,
                     _priorities(body.get("priority"), count, batch),
                     _session_params(body))
-
-
-def session_of(body: dict[str, Any]) -> str | None:
-    """The body's `session_id` (this server's field on every generation route), checked:
-    a non-empty string, or absent."""
-    try:
-        return check_session_id(body.get("session_id"))
-    except InvalidRequest as e:
-        raise HttpError(400, str(e)) from None
 
 
 def _session_params(body: dict[str, Any]) -> str | None:
