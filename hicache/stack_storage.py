@@ -106,7 +106,7 @@ class StorageCalls:
         """Back up to L3 the nodes whose D->H copies were acked, parents first."""
         if self.tier is not None:
             for node in written:
-                self.tier.backup(node)
+                self.tier.backups.backup(node)
 
     def check(self) -> None:
         if self.tier is not None:
@@ -149,7 +149,7 @@ class StorageCalls:
         self.tier = tier
         for node in self.tree.iter_nodes():
             if node.host_value is not None:
-                tier.backup(node)
+                tier.backups.backup(node)
 
     def detach(self) -> bool:
         """Close L3 (its prefetches and backups finish first) and forget which nodes it

@@ -52,7 +52,7 @@ def compute(stack: CacheStack, dev, seq: list[int]) -> None:
 
 def settle(stack: CacheStack) -> None:
     for node in stack.tree.writing_check(wait=True):
-        stack.storage.backup(node)
+        stack.storage.backups.backup(node)
     stack.storage.io.wait_backups()
     stack.storage.check()
 

@@ -87,20 +87,10 @@ class StorageTier:
         # observer(name, seconds): latency hook for metrics ("prefetch_seconds")
         self.observer: Callable[[str, float], None] | None = None
 
-    # ---------------------------------------------------------------------------- hashes
-
-    def node_hashes(self, node: HiTreeNode) -> list[bytes]:
-        """The page hashes of `node`'s key, computed once down the chain from the root."""
-        return node_hashes(node, self.tree.root, self.hasher)
-
     def _last_hash(self, node: HiTreeNode) -> bytes | None:
-        return None if node is self.tree.root else self.node_hashes(node)[-1]
-
-    # ---------------------------------------------------------------------------- backup
-
-    def backup(self, node: HiTreeNode) -> None:
-        """Write a node that just reached L2 to L3, with its ancestors not there yet."""
-        self.backups.backup(node)
+        """The hash of `node`'s last page (None for the root): a chain's next link."""
+        return None if node is self.tree.root else node_hashes(node, self.tree.root,
+                                                               self.hasher)[-1]
 
     # -------------------------------------------------------------------------- prefetch
 
