@@ -92,11 +92,11 @@ class ModelRunner:
 def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
     ids, positions, out_slots, seq_slots, prefix_lens = [], [], [], [], []
     for req, n in zip(reqs, extend_lens):
-        start = req.num_computed
+        start = req.kv.num_computed
         tokens = req.all_ids[start:start + n]
         ids.extend(tokens)
         positions.append(torch.arange(start, start + n, dtype=torch.int64))
-        slots = req.kv_slots[:start + n]  # [prefix + new]
+        slots = req.kv.slots[:start + n]  # [prefix + new]
         out_slots.append(slots[start:])
         seq_slots.append(slots)
         prefix_lens.append(start)
@@ -116,7 +116,7 @@ def logit_rows(reqs: list[Request], extend_lens: list[int]) -> list[LogitRows]:
     (admission never served those from the cache, so they are all computed here)."""
     out, row = [], 0
     for req, n in zip(reqs, extend_lens):
-        start = req.num_computed
+        start = req.kv.num_computed
         last = start + n - 1
         first = last
         if req.wants_prompt_logprobs and start < req.prompt_len:
@@ -129,6 +129,6 @@ def logit_rows(reqs: list[Request], extend_lens: list[int]) -> list[LogitRows]:
 def _output_rows(rows: list[LogitRows], reqs: list[Request],
                  extend_starts: list[int]) -> torch.Tensor:
     """`ForwardBatch.output_rows` for `rows`: offsets into the batch's `[T]` new tokens."""
-    picks = [torch.arange(r.count) + (s + r.first_pos - req.num_computed)
+    picks = [torch.arange(r.count) + (s + r.first_pos - req.kv.num_computed)
              for r, req, s in zip(rows, reqs, extend_starts)]
     return torch.cat(picks).to(torch.int64)

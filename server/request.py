@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from hicache.handles import Lease
 from hicache.policies import DEFAULT_PRIORITY
 from hicache_server.field_names import SGLANG_NAMES, FieldNames
+from hicache_server.kv_state import KVState
 from hicache_server.output import Delta, Logprobs, RequestOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -252,30 +252,15 @@ def _token_key(key: Any) -> int | None:
 
 @dataclass(eq=False)
 class Request:
-    """Owned by the scheduler thread once submitted (callbacks run on that thread).
-
-    Its device slots, from admission to finish (`kv_slots`, token positions):
-
-        [0, tree_len)              the tree's slots, locked through `lease`; the tree
-                                   frees them (on eviction), never the request
-        [tree_len, num_computed)   KV this request computed; at its prefill's end
-                                   (`cache_prompt`) and at finish they go to the tree, which
-                                   hands back the duplicates of pages it already had
-        [num_computed, len)        allocated for the step in flight; the request frees them
-        + `reserved` tokens        promised by admission for the rest of its fill (see
-                                   below), not yet allocated; the tokens it generates are
-                                   allocated as they come, from what no one was promised
+    """Owned by the scheduler thread once submitted (callbacks run on that thread). Its
+    parts: the input (prompt, sampling parameters, options: set when it is made), `kv`
+    (its place in the KV cache, `hicache_server.kv_state`) and `output` (ids, logprobs,
+    text, finish: `hicache_server.output`).
 
     Positions run over `all_ids` (prompt, then output): before its next token can be chosen
     a request computes up to `seq_len` (its fill: the prompt's rest at first, then one token
-    a step). A retracted request (L1 ran out while it decoded) gave all of this back, its
-    computed pages to the tree, and waits with its output kept; readmitted, it matches its
-    prompt and output from the tree and fills the rest, and its sampling goes on where it
-    stopped: nothing it already generated is chosen or sent again.
-
-    `tree_len` grows when the prompt is cached; `admit_hit` is what this admission took from
-    the cache; `cache_hit_tokens` (what `cached_details` adds up to) is fixed at the first
-    admission: prompt tokens served from the cache, not computed.
+    a step). A retracted request's sampling goes on where it stopped: nothing it already
+    generated is chosen or sent again.
     A request that wants prompt logprobs from position k is served at most its first k
     tokens from the cache (`cacheable_len`): the logits of every later position are computed.
 
@@ -298,20 +283,7 @@ class Request:
     first_token_at: float | None = None
     priority: int = DEFAULT_PRIORITY
     session_id: str | None = None
-    # KV cache state (scheduler thread)
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    num_computed: int = 0      # tokens whose K/V are in kv_slots
-    tree_len: int = 0          # leading slots owned by the tree (locked), not by the request
-    lease: Lease | None = None  # the cache's lock on `[0, tree_len)`
-    reserved: int = 0          # L1 tokens set aside for the rest of this request's fill
-    admit_hit: int = 0         # tokens this admission found cached (not computed by it)
-    retractions: int = 0       # times it was put back in the queue for lack of L1 slots
-    from_storage: int = 0      # tokens its prefetch brought from L3 into L2
-    head_stop: int = 0         # > 0: this admission computes up to here only; the rest of
-                               # its L3 hit (the tail) is fetched meanwhile (storage tier)
-    tail_pending: bool = False  # it computed its head; its next admission takes the tail
-    cached_details: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    kv: KVState = field(default_factory=KVState)
     generator: torch.Generator | None = None
     # n > 1: the first choice, whose prompt this one waits for (then reads from the tree)
     prompt_leader: Request | None = None
@@ -363,11 +335,7 @@ class Request:
 
     @property
     def prefilled(self) -> bool:
-        return self.num_computed >= self.prompt_len
-
-    @property
-    def cache_hit_tokens(self) -> int:
-        return sum(self.cached_details.values())
+        return self.kv.num_computed >= self.prompt_len
 
     def meta_info(self, with_logprobs: bool = True) -> dict[str, Any]:
         """SGLang's meta_info: counts, cached tokens, finish; the logprob lists (whole: at
@@ -376,8 +344,8 @@ class Request:
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(self.output.ids),
-            "cached_tokens": self.cache_hit_tokens,
-            "cached_tokens_details": dict(self.cached_details),
+            "cached_tokens": self.kv.cache_hit_tokens,
+            "cached_tokens_details": dict(self.kv.cached_details),
             "finish_reason": self.output.finish_reason,
         }
         if self.output.error is not None:

@@ -65,8 +65,8 @@ def test_commit_evicts_the_shortfall_keeps_the_hit_and_releases_cleanly() -> Non
     assert plan is not None and (plan.need_tokens, plan.evict_tokens) == (24, 8)
     assert stack.tree.evictable_size() == 48  # the ask changed nothing
     admission.commit(req, plan)
-    assert req.cached_details == {"device": 16, "host": 0, "storage": 0}
-    assert (req.tree_len, req.reserved) == (16, 24)
+    assert req.kv.cached_details == {"device": 16, "host": 0, "storage": 0}
+    assert (req.kv.tree_len, req.kv.reserved) == (16, 24)
     assert stack.tree.protected_size() == 16  # the hit, locked
     assert stack.device_pool.available_size() >= 24  # the other context made room
     stack.check_integrity()
@@ -92,7 +92,7 @@ def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     assert plan is not None and plan.match.host_tokens == 16
     with pytest.raises(ZeroDivisionError):
         admission.commit(req, plan)
-    assert req.lease is None and stack.tree.protected_size() == 0  # the device hit, let go
+    assert req.kv.lease is None and stack.tree.protected_size() == 0  # the device hit, let go
     kv.release(req, keep_cache=False)
     assert stack.tree.protected_size() == 0
     stack.check_integrity()
@@ -125,12 +125,12 @@ def test_a_decode_beyond_the_fill_takes_unpromised_slots_and_evicts_for_them() -
     req = request(list(range(16)), 32)
     admission.commit(req, admission.plan(req))
     running.append(req)
-    assert kv.ensure_slots(req, 16) and req.reserved == 0  # the fill, from the reservation
-    req.num_computed = 16
+    assert kv.ensure_slots(req, 16) and req.kv.reserved == 0  # the fill, from the reservation
+    req.kv.num_computed = 16
     assert kv.ensure_slots(req, 40)  # 24 more: 8 free, one leaf evicted
-    assert stack.tree.evictable_size() == 20 and len(req.kv_slots) == 40
+    assert stack.tree.evictable_size() == 20 and len(req.kv.slots) == 40
     assert not kv.ensure_slots(req, 72)  # 32 more: 4 free and 20 evictable; none allocated
-    assert len(req.kv_slots) == 40
+    assert len(req.kv.slots) == 40
     stack.check_integrity()
 
 
@@ -145,23 +145,23 @@ def test_a_retracted_request_readmitted_matches_its_prompt_and_output() -> None:
     admission.commit(req, admission.plan(req))
     running.append(req)
     assert kv.ensure_slots(req, 10)
-    req.num_computed = 10
+    req.kv.num_computed = 10
     for token in range(200, 207):  # decoded 7 tokens: positions [0, 16) computed
-        assert kv.ensure_slots(req, req.num_computed + 1)
+        assert kv.ensure_slots(req, req.kv.num_computed + 1)
         req.output_ids.append(token)
-        req.num_computed = req.seq_len - 1
-    assert req.num_computed == 16
+        req.kv.num_computed = req.seq_len - 1
+    assert req.kv.num_computed == 16
     kv.retract(req)
     running.remove(req)
-    req.retractions += 1
-    assert (req.num_computed, req.reserved, len(req.kv_slots)) == (0, 0, 0)
+    req.kv.retractions += 1
+    assert (req.kv.num_computed, req.kv.reserved, len(req.kv.slots)) == (0, 0, 0)
     assert stack.tree.protected_size() == 0 and stack.tree.evictable_size() == 16
     assert stack.device_pool.available_size() == L1_TOKENS - 16
     plan = admission.plan(req)
     assert plan is not None and plan.match.device_tokens == 16
     admission.commit(req, plan)
-    assert (req.num_computed, req.admit_hit, req.reserved) == (16, 16, 4)  # fill: 1 token
-    assert req.cached_details == {"device": 0, "host": 0, "storage": 0}
+    assert (req.kv.num_computed, req.kv.admit_hit, req.kv.reserved) == (16, 16, 4)  # fill: 1 token
+    assert req.kv.cached_details == {"device": 0, "host": 0, "storage": 0}
     kv.release(req, keep_cache=True)
     stack.check_integrity()
 

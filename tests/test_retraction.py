@@ -129,7 +129,7 @@ def test_a_small_l1_retracts_and_every_request_gives_its_tokens_alone(
     assert [r["output_ids"] for r in results] == expected
     assert all(r["meta_info"]["finish_reason"] == "length" for r in results)
     assert counters(e)["retracted_requests"] > before
-    assert sum(r.retractions for r in reqs) == counters(e)["retracted_requests"] - before
+    assert sum(r.kv.retractions for r in reqs) == counters(e)["retracted_requests"] - before
     if tiers == "small_l2":  # the prompts differ: only a resumed request hits
         assert e.stats()["tiers"]["host"]["load_back_tokens"] > 0
     metrics = CacheMetrics(e.cache_stats, page_size=PAGE).render().decode()
@@ -148,7 +148,7 @@ def test_a_retracted_request_keeps_its_prompt_and_output_logprobs(
     reqs = [small.make_request(input_ids=ps[0], sampling_params=GREEDY, **options)]
     reqs += [small.make_request(input_ids=p, sampling_params=GREEDY) for p in ps[1:]]
     got, *_ = [f.result(WAIT_S) for f in submit_in_one_step(small, reqs)]
-    assert reqs[0].retractions > 0
+    assert reqs[0].kv.retractions > 0
     assert got["output_ids"] == expected["output_ids"]
     for key in ("input_token_logprobs", "output_token_logprobs"):
         got_lp, want_lp = got["meta_info"][key], expected["meta_info"][key]
@@ -181,7 +181,7 @@ def test_a_retracted_request_streams_each_token_once(big: Engine, small: Engine)
         return futures
 
     chunks = asyncio.run(stream())
-    assert streamed.retractions > 0
+    assert streamed.kv.retractions > 0
     final = chunks[-1].result
     assert final["output_ids"] == expected and final["meta_info"]["finish_reason"] == "length"
     # each update holds what is new: joined, every token once, none repeated or missing

@@ -13,7 +13,7 @@
     commit   `commit(req, plan)`: lock the hit, evict what its fill needs now, load the L2
              hit back, reserve the fill. Nothing here fails for lack of room, so nothing is
              undone; an exception (a bug) fails the request alone, and the cache lets go
-             of the lock it took (`CacheStack.admit`; `req.lease` is set once it returns).
+             of the lock it took (`CacheStack.admit`; `req.kv.lease` is set once it returns).
 
 Only the fill is reserved: the tokens a request generates are allocated step by step from
 what is free, as SGLang does. When the estimate was too low and a decode finds no slot, the
@@ -130,12 +130,12 @@ class Admission:
             return None
         stop = self.cache.head_stop(req.rid)
         if not stop:
-            req.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
+            req.kv.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
         # the request's use is counted once, when it releases its path (`RequestKV.release`)
         m = self.cache.match(cache_key(req), req)
         if stop and m.tokens >= stop:
             # the head is cached already (another request computed it): take the tail now
-            req.from_storage += self.cache.end_prefetch(req.rid)
+            req.kv.from_storage += self.cache.end_prefetch(req.rid)
             m = self.cache.match(cache_key(req), req)
             stop = 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
@@ -158,22 +158,22 @@ class Admission:
         """Lock, evict, load back, reserve (see the module docstring). Returns the cached
         tokens per tier to count for this admission (None: counted before)."""
         m = plan.match
-        req.lease, prefix, loaded = self.cache.admit(m, plan.evict_tokens)
+        req.kv.lease, prefix, loaded = self.cache.admit(m, plan.evict_tokens)
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
         need = pages_up((plan.stop or req.seq_len) - len(prefix), self.page_size)
         assert need <= self.kv.free_tokens(), (
             f"admission promised {plan.need_tokens} tokens, {self.kv.free_tokens()} are free")
-        req.kv_slots, req.reserved = prefix, need
-        req.num_computed = req.tree_len = req.admit_hit = len(prefix)
-        req.head_stop = plan.stop
-        storage = min(req.from_storage, loaded)
-        if req.tail_pending:  # after its head: the tail it fetched joins the first count
-            req.tail_pending = False
-            req.cached_details["storage"] += storage
+        req.kv.slots, req.kv.reserved = prefix, need
+        req.kv.num_computed = req.kv.tree_len = req.kv.admit_hit = len(prefix)
+        req.kv.head_stop = plan.stop
+        storage = min(req.kv.from_storage, loaded)
+        if req.kv.tail_pending:  # after its head: the tail it fetched joins the first count
+            req.kv.tail_pending = False
+            req.kv.cached_details["storage"] += storage
             return {"device": 0, "host": 0, "storage": storage}
-        if req.retractions:  # a retracted request's prompt was counted once
+        if req.kv.retractions:  # a retracted request's prompt was counted once
             return None
         # what its client is told: the prompt's first admission
-        req.cached_details = {"device": m.device_tokens,
+        req.kv.cached_details = {"device": m.device_tokens,
                               "host": loaded - storage, "storage": storage}
-        return dict(req.cached_details)
+        return dict(req.kv.cached_details)

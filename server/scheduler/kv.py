@@ -42,25 +42,25 @@ class RequestKV:
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
-        return self.cache.free_slots() - sum(r.reserved for r in self.running)
+        return self.cache.free_slots() - sum(r.kv.reserved for r in self.running)
 
     def ensure_slots(self, req: Request, upto: int) -> bool:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
         first, the rest from the free slots no one was promised, evicting the tree's unlocked
         pages when those fall short. False, with nothing allocated, when L1 cannot give them
         (possible only beyond the reservation: a decode)."""
-        missing = pages_up(upto - len(req.kv_slots), self.page_size)
+        missing = pages_up(upto - len(req.kv.slots), self.page_size)
         if missing <= 0:
             return True
-        extra = missing - min(missing, req.reserved)
+        extra = missing - min(missing, req.kv.reserved)
         if extra > self.free_tokens():
             self.cache.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
                 return False
         slots = self.cache.alloc(missing)  # reserved or free and unpromised: cannot fail
         assert slots is not None, f"L1 has {self.cache.free_slots()} free, {missing} asked"
-        req.reserved -= missing - extra
-        req.kv_slots = torch.cat([req.kv_slots, slots])
+        req.kv.reserved -= missing - extra
+        req.kv.slots = torch.cat([req.kv.slots, slots])
         return True
 
     def cache_prompt(self, req: Request) -> None:
@@ -69,25 +69,25 @@ class RequestKV:
         and its pages start down to L2 and L3 (where another server may look for them)
         before the answer is out. The request keeps the path locked and reads the tree's
         slots from here on (where the tree already had some, its own copies are freed)."""
-        aligned = pages_down(req.num_computed, self.page_size)
-        if not self.cache.enabled or aligned <= req.tree_len:
+        aligned = pages_down(req.kv.num_computed, self.page_size)
+        if not self.cache.enabled or aligned <= req.kv.tree_len:
             return
-        req.lease, slots = self.cache.cache_prefix(req.lease, req.all_ids[:aligned],
-                                                   req.kv_slots, req, req.tree_len)
-        req.kv_slots = torch.cat([slots, req.kv_slots[aligned:]])
-        req.tree_len = aligned
+        req.kv.lease, slots = self.cache.cache_prefix(req.kv.lease, req.all_ids[:aligned],
+                                                   req.kv.slots, req, req.kv.tree_len)
+        req.kv.slots = torch.cat([slots, req.kv.slots[aligned:]])
+        req.kv.tree_len = aligned
 
     def release(self, req: Request, keep_cache: bool, *, count_use: bool = True) -> None:
         """Give the request's KV to the tree (keep_cache) or back to the pool; unlock. Counts
         the request's one use of the nodes it holds and gives them (`count_use`: not when
         it only steps aside, `retract`)."""
-        if req.lease is None:
+        if req.kv.lease is None:
             return
-        aligned = pages_down(req.num_computed, self.page_size) if keep_cache else 0
-        self.cache.release(req.lease, req.all_ids[:aligned], req.kv_slots, req, req.tree_len,
-                           req.admit_hit, count_use=count_use)
-        req.lease, req.reserved = None, 0
-        req.kv_slots = req.kv_slots[:0]
+        aligned = pages_down(req.kv.num_computed, self.page_size) if keep_cache else 0
+        self.cache.release(req.kv.lease, req.all_ids[:aligned], req.kv.slots, req, req.kv.tree_len,
+                           req.kv.admit_hit, count_use=count_use)
+        req.kv.lease, req.kv.reserved = None, 0
+        req.kv.slots = req.kv.slots[:0]
 
     def retract(self, req: Request) -> None:
         """Give back all `req` holds so it can wait and resume: its computed KV in whole pages
@@ -95,4 +95,4 @@ class RequestKV:
         slots of the step it will not run) to the pool, its reservation dropped. Readmitted,
         it matches that prefix back (from L1, or L2 if it was evicted meanwhile)."""
         self.release(req, keep_cache=True, count_use=False)  # counted when it finishes
-        req.num_computed = req.tree_len = req.admit_hit = 0
+        req.kv.num_computed = req.kv.tree_len = req.kv.admit_hit = 0

@@ -64,7 +64,7 @@ QUERY_SETTLE_S = 0.005
 def fill_end(req: Request) -> int:
     """Where the request's computing stops before its next token can be chosen: its whole
     sequence, or the end of the head of an L3 hit whose tail is still on its way."""
-    return req.head_stop or req.seq_len
+    return req.kv.head_stop or req.seq_len
 
 
 class Scheduler:
@@ -217,12 +217,12 @@ class Scheduler:
                     self.counters.delayed_admissions += 1
                     continue
                 if self._try_admit(req):
-                    step[req] = min(fill_end(req) - req.num_computed, budget)
+                    step[req] = min(fill_end(req) - req.kv.num_computed, budget)
                     budget -= step[req]
                     admitted.append(req)
                     sharing.admitted(req)
         for req in admitted:  # a fill, from the reservation just made
-            ok = self.kv.ensure_slots(req, req.num_computed + step[req])
+            ok = self.kv.ensure_slots(req, req.kv.num_computed + step[req])
             assert ok, f"request {req.rid}: its fill was reserved at admission"
         return (list(step), list(step.values())) if step else None
 
@@ -233,13 +233,13 @@ class Scheduler:
         Whether every running request got its slots without a retraction."""
         step, budget = {}, self.max_batch_tokens
         for req in self.running:
-            n = min(fill_end(req) - req.num_computed, budget)
+            n = min(fill_end(req) - req.kv.num_computed, budget)
             if n > 0 and budget > 0:
                 step[req] = n
                 budget -= n
         retracted: list[Request] = []
         for req in sorted(step, key=progress, reverse=True):
-            while req in step and not self.kv.ensure_slots(req, req.num_computed + step[req]):
+            while req in step and not self.kv.ensure_slots(req, req.kv.num_computed + step[req]):
                 if self._settle_copies():
                     continue
                 victim = self.retraction.victim()
@@ -313,7 +313,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- run
 
     def _run_batch(self, reqs: list[Request], lens: list[int]) -> None:
-        rows = [(req.num_computed, n) for req, n in zip(reqs, lens)]
+        rows = [(req.kv.num_computed, n) for req, n in zip(reqs, lens)]
         started = time.perf_counter()
         try:
             out = self.runner.forward(reqs, lens)
@@ -324,13 +324,13 @@ class Scheduler:
         done, heads = [], []
         for i, (req, n) in enumerate(zip(reqs, lens)):
             filling = n > 1 or not req.prefilled  # not one decode
-            req.num_computed += n
-            if req.num_computed == req.seq_len:  # its next token can be chosen
+            req.kv.num_computed += n
+            if req.kv.num_computed == req.seq_len:  # its next token can be chosen
                 done.append(i)
                 if filling:
                     with self.endings.alone(req, "caching its prompt"):
                         self.kv.cache_prompt(req)
-            elif req.num_computed == req.head_stop:
+            elif req.kv.num_computed == req.kv.head_stop:
                 heads.append(req)
         done = [i for i in done if reqs[i].finish_reason is None]
         tokens = self.tokens.choose(reqs, done, out)
@@ -348,20 +348,20 @@ class Scheduler:
     def _head_reached(self, req: Request) -> None:
         """The request reached its head stop: it computes on to the next one, waits for its
         tail (`_wait_for_tail`), or, its race over, computes the rest of its prompt."""
-        stop = self.cache.continue_head(req.rid, req.num_computed)
-        if stop == req.num_computed:
+        stop = self.cache.continue_head(req.rid, req.kv.num_computed)
+        if stop == req.kv.num_computed:
             self._wait_for_tail(req)
         else:
-            req.head_stop = stop
+            req.kv.head_stop = stop
 
     def _wait_for_tail(self, req: Request) -> None:
         """The request computed the head of its L3 hit: its pages go to the tree, and it
         waits at the head of the queue, holding nothing on L1, until the tail its prefetch
         fetches meanwhile has arrived; admitted again, it matches both (`admission.py`)."""
         self.kv.cache_prompt(req)
-        self.cache.head_computed(req.rid, req.lease)
+        self.cache.head_computed(req.rid, req.kv.lease)
         self.kv.retract(req)
-        req.head_stop, req.tail_pending = 0, True
+        req.kv.head_stop, req.kv.tail_pending = 0, True
         self.running.remove(req)
         self.waiting.insert(0, req)
 

@@ -146,13 +146,13 @@ def make_policy(name: str, cache: CacheStack) -> SchedulePolicy:
 def filling(req: Request) -> bool:
     """Whether a running request is still computing its fill (its prompt; a retracted one's
     prompt and output), which the tree gets when it ends. A decode is not a fill."""
-    return not req.prefilled or req.num_computed + 1 < (req.head_stop or req.seq_len)
+    return not req.prefilled or req.kv.num_computed + 1 < (req.kv.head_stop or req.seq_len)
 
 
 def filled_key(req: Request) -> list[int]:
     """The tokens an admitted request's fill computes, which the tree gets (whole pages)
     as it ends: its sequence, or the head of an L3 hit whose tail comes meanwhile."""
-    return req.all_ids[:req.head_stop or req.seq_len]
+    return req.all_ids[:req.kv.head_stop or req.seq_len]
 
 
 class InBatchSharing:

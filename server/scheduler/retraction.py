@@ -48,7 +48,7 @@ class Retraction:
         self.kv.retract(req)
         self.running.remove(req)
         self.waiting.insert(0, req)
-        req.retractions += 1
+        req.kv.retractions += 1
         self.counters.retracted_requests += 1
 
     def no_room(self, req: Request, tokens: int) -> RuntimeError:
@@ -58,7 +58,7 @@ class Retraction:
         cache = self.kv.cache
         return RuntimeError(
             f"L1 has no room for {tokens} more token(s) of request {req.rid} {alone}: it "
-            f"holds {len(req.kv_slots)} slots at position {req.num_computed}, "
+            f"holds {len(req.kv.slots)} slots at position {req.kv.num_computed}, "
             f"{cache.free_slots()} of {cache.device_capacity()} are free and "
             f"{cache.evictable_size()} evictable (the rest is locked); lower max_new_tokens "
             "or raise --max-total-tokens")
