@@ -14,7 +14,7 @@ import torch
 from hicache.policies import DEFAULT_PRIORITY
 from hicache_server.field_names import SGLANG_NAMES, FieldNames
 from hicache_server.kv_state import KVState
-from hicache_server.output import Delta, Logprobs, RequestOutput
+from hicache_server.output import Delta, RequestOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32
@@ -109,8 +109,8 @@ class SamplingParams:
         params = cls(**special, **{k: _check_field(k, v, names.sampling(k))
                                    for k, v in d.items() if v is not None})
         if params.min_new_tokens > params.max_new_tokens:
-            raise InvalidRequest(f"{names.sampling('min_new_tokens')}: must be <= "
-                                 f"{names.sampling('max_new_tokens')} "
+            limit = names.sampling("max_new_tokens").removeprefix(names.sampling_prefix)
+            raise InvalidRequest(f"{names.sampling('min_new_tokens')}: must be <= {limit} "
                                  f"({params.max_new_tokens}), got {params.min_new_tokens}")
         return params
 
@@ -292,19 +292,6 @@ class Request:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
 
-    # The output part's fields the KV and sampling code reads (the output writes them).
-    @property
-    def output_ids(self) -> list[int]:
-        return self.output.ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason
-
-    @property
-    def logprobs(self) -> Logprobs:
-        return self.output.logprobs
-
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
@@ -312,13 +299,13 @@ class Request:
     @property
     def seq_len(self) -> int:
         """Prompt and output tokens so far (`len(all_ids)`, without building the list)."""
-        return len(self.input_ids) + len(self.output_ids)
+        return len(self.input_ids) + len(self.output.ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are asked and still to be read: once the first token is
         out they all are (a retracted request computes its prompt again, not its logprobs)."""
-        return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.output.ids
 
     @property
     def cacheable_len(self) -> int:
@@ -331,7 +318,7 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
+        return self.input_ids + self.output.ids
 
     @property
     def prefilled(self) -> bool:

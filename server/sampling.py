@@ -149,7 +149,7 @@ def logprob_reads(reqs: Sequence[Request], rows: Sequence[LogitRows],
     (`tokens`: request index -> token)."""
     reads = []
     for i, (req, r) in enumerate(zip(reqs, rows)):
-        if not req.return_logprob or req.finish_reason is not None:
+        if not req.return_logprob or req.output.finish_reason is not None:
             continue
         if req.wants_prompt_logprobs:
             for j in range(r.count):
@@ -165,7 +165,7 @@ def record_logprob(read: LogprobRead, found: TokenLogprob,
                    text_of: Callable[[int], str | None]) -> None:
     """Add one read to its request's `Logprobs` as SGLang's `[logprob, id, text]` entries.
     The prompt's list opens with the token at `logprob_start_len`, logprob None."""
-    req, rec = read.req, read.req.logprobs
+    req, rec = read.req, read.req.output.logprobs
     if req.wants_prompt_logprobs and not rec.input_token:
         first = req.input_ids[req.logprob_start_len]
         rec.input_token.append([None, first, text_of(first)])

@@ -112,7 +112,7 @@ def test_the_running_requests_estimated_tokens_are_kept_free() -> None:
     second = request(list(range(100, 116)), 8)  # fill 16, estimate 6
     assert kv.free_tokens() == 64 - 20 >= 16
     assert admission.plan(second) is None  # 44 free - 28 for the first < 22
-    first.output_ids.extend([1] * 30)  # 10 left to generate: 7 expected
+    first.output.ids.extend([1] * 30)  # 10 left to generate: 7 expected
     assert admission.plan(second) is not None
 
 
@@ -148,7 +148,7 @@ def test_a_retracted_request_readmitted_matches_its_prompt_and_output() -> None:
     req.kv.num_computed = 10
     for token in range(200, 207):  # decoded 7 tokens: positions [0, 16) computed
         assert kv.ensure_slots(req, req.kv.num_computed + 1)
-        req.output_ids.append(token)
+        req.output.ids.append(token)
         req.kv.num_computed = req.seq_len - 1
     assert req.kv.num_computed == 16
     kv.retract(req)
@@ -177,7 +177,7 @@ def test_the_new_token_ratio_decays_jumps_after_a_retraction_and_resets() -> Non
         ratio.decayed()
     assert ratio.value == pytest.approx(floor)
     left = [request([1], 200), request([2], 300)]
-    left[0].output_ids.extend([5] * 60)
+    left[0].output.ids.extend([5] * 60)
     ratio.retracted(left)
     assert ratio.value == pytest.approx((60 + 2 * RETRACT_DECODE_STEPS) / 500)
     ratio.retracted([request([1], 10)])  # 20 more tokens of a 10-token request: capped

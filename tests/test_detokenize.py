@@ -65,7 +65,7 @@ def incremental(tok: Tokenizer, ids: list[int], params: SamplingParams) -> Endin
         reason = None
         text.flush(req)  # ended otherwise (an abort): the held text goes out
     pieces.append(req.take_delta().text)
-    return Ending("".join(pieces), reason, len(req.output_ids))
+    return Ending("".join(pieces), reason, len(req.output.ids))
 
 
 def whole(tok: Tokenizer, ids: list[int], params: SamplingParams) -> Ending:
@@ -138,7 +138,7 @@ def test_a_stop_string_spanning_two_deltas_is_found_and_never_sent() -> None:
         sent.append(req.take_delta().text)
         if reason:
             break
-    assert reason == "stop" and "".join(sent) == "abcĠ" and len(req.output_ids) == 8
+    assert reason == "stop" and "".join(sent) == "abcĠ" and len(req.output.ids) == 8
     assert all("S" not in piece for piece in sent)  # held back until it could not be a stop
 
 

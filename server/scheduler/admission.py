@@ -68,7 +68,7 @@ class NewTokenRatio:
 
     def estimate(self, req: Request) -> int:
         """Tokens `req` is expected to generate still, rounded up."""
-        left = min(req.params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+        left = min(req.params.max_new_tokens - len(req.output.ids), CLIP_MAX_NEW_TOKENS)
         return math.ceil(self.value * max(left, 0))
 
     def decayed(self) -> None:
@@ -78,7 +78,7 @@ class NewTokenRatio:
     def retracted(self, running: Sequence[Request]) -> None:
         """A decode ran out of room: expect what the requests still running need, judging by
         what they have decoded and RETRACT_DECODE_STEPS tokens more each (SGLang's rule)."""
-        decoded = sum(len(r.output_ids) for r in running)
+        decoded = sum(len(r.output.ids) for r in running)
         budget = sum(r.params.max_new_tokens for r in running)
         self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / max(budget, 1))
 

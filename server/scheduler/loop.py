@@ -171,19 +171,16 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        if self._drain_inbox():
-            self.cache.settle(QUERY_SETTLE_S)
-        self.cache.poll()
+        self.cache.poll(QUERY_SETTLE_S if self._drain_inbox() else 0.0)
         if self._restart_prefetches():  # their queries may answer in this step too
-            self.cache.settle(QUERY_SETTLE_S)
-            self.cache.poll()
+            self.cache.poll(QUERY_SETTLE_S)
         self._run_commands()
         self.cache.expire(time.monotonic())
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
         else:
-            self.cache.start_loading()  # loads never wait for a forward pass
+            self.cache.launch_loads()  # loads never wait for a forward pass
         self.cache.publish_events()  # this step's KV events, one batch (never blocks)
 
     def _run_commands(self) -> None:
@@ -258,7 +255,7 @@ class Scheduler:
                         "queue, %d still running; new_token_ratio %.3f -> %.3f",
                         len(retracted), ", ".join(r.rid for r in retracted),
                         len(self.running), old, self.admission.ratio.value)
-        elif any(r.output_ids for r in step):  # a decode step
+        elif any(r.output.ids for r in step):  # a decode step
             self.admission.ratio.decayed()
         return step, not retracted
 
@@ -267,11 +264,9 @@ class Scheduler:
         L2 stays locked until its ack and is evictable once it lands, which beats
         retracting a request. Whether that made room (an ack may start the next write of a
         path, so the caller asks again)."""
-        if not self.cache.copies_pending():
-            return False
         room = self.kv.free_tokens() + self.cache.evictable_size()
-        self.cache.wait_copies()
-        self.cache.poll()
+        if not self.cache.wait_copies():
+            return False
         return self.kv.free_tokens() + self.cache.evictable_size() > room
 
     def _held(self, req: Request) -> bool:
@@ -281,7 +276,7 @@ class Scheduler:
         has not arrived (it would go unshared, never stuck) or has finished."""
         lead = req.prompt_leader
         return (lead is not None and self.cache.enabled and lead.arrival > 0
-                and lead.finish_reason is None and not lead.prefilled)
+                and lead.output.finish_reason is None and not lead.prefilled)
 
     def _restart_prefetches(self) -> bool:
         """Prefetches whose prefix reached the tree meanwhile (another prefetch brought it):
@@ -332,7 +327,7 @@ class Scheduler:
                         self.kv.cache_prompt(req)
             elif req.kv.num_computed == req.kv.head_stop:
                 heads.append(req)
-        done = [i for i in done if reqs[i].finish_reason is None]
+        done = [i for i in done if reqs[i].output.finish_reason is None]
         tokens = self.tokens.choose(reqs, done, out)
         if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
             self.cache.observe_forward(rows, time.perf_counter() - started)
@@ -341,7 +336,7 @@ class Scheduler:
                 self._head_reached(req)
         self.tokens.record_logprobs(reqs, out, tokens)
         for i, token in tokens.items():
-            if reqs[i].finish_reason is None:  # reading its logprobs may have failed it
+            if reqs[i].output.finish_reason is None:  # reading its logprobs may have failed it
                 with self.endings.alone(reqs[i], "detokenising its token"):
                     self._append_token(reqs[i], token)
 

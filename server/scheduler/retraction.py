@@ -26,7 +26,7 @@ from hicache_server.scheduler.kv import RequestKV
 def progress(req: Request) -> tuple[int, int]:
     """How far a request has come, least progressed lowest: tokens out, then the shorter
     prompt (of two with as many tokens out, the longer prompt frees more)."""
-    return len(req.output_ids), -req.prompt_len
+    return len(req.output.ids), -req.prompt_len
 
 
 class Retraction:
@@ -41,7 +41,7 @@ class Retraction:
         """The request to retract (see the module docstring); None when there is none."""
         if len(self.running) < 2:
             return None
-        return min((r for r in self.running if r.output_ids), key=progress, default=None)
+        return min((r for r in self.running if r.output.ids), key=progress, default=None)
 
     def retract(self, req: Request) -> None:
         """Move a running request back to the head of the queue, holding nothing on L1."""

@@ -49,12 +49,12 @@ class TokenChoice:
         for j, i in enumerate(done):
             if reqs[i].params.shapes_logits:
                 with self.alone(reqs[i], "shaping its logits"):
-                    self._shaper(reqs[i], logits[j]).apply(logits[j], reqs[i].output_ids)
+                    self._shaper(reqs[i], logits[j]).apply(logits[j], reqs[i].output.ids)
         greedy = logits.argmax(dim=-1).tolist()  # one sync for all
         tokens = {}
         for j, i in enumerate(done):
             req = reqs[i]
-            if req.finish_reason is None:
+            if req.output.finish_reason is None:
                 with self.alone(req, "sampling its token"):
                     tokens[i] = greedy[j] if req.params.greedy else sample_row(
                         logits[j], req.params, req.generator)
@@ -84,6 +84,6 @@ class TokenChoice:
             return
         for read, lp in zip(reads, found):
             req = read.req
-            if req.finish_reason is None:
+            if req.output.finish_reason is None:
                 with self.alone(req, "recording its logprobs"):
                     record_logprob(read, lp, lambda t, r=req: self.text.token_text(r, t))
