@@ -157,8 +157,12 @@ class CacheStack:
 
     # ------------------------------------------------------------------------- each step
 
-    def poll(self) -> None:
-        """Apply the acks in their fixed order: writes -> backups -> loads -> prefetches."""
+    def poll(self, settle_s: float = 0.0) -> None:
+        """Apply the acks in their fixed order: writes -> backups -> loads -> prefetches;
+        `settle_s` > 0 first gives fresh L3 queries up to that long to answer (requests just
+        arrived: see `StorageTier.settle`)."""
+        if settle_s > 0:
+            self.l3.settle(settle_s)
         self.l3.backup(self.tree.host.writing_check())
         self.tree.host.loading_check()
         self.l3.check()
@@ -179,23 +183,20 @@ class CacheStack:
         """Whether copies, prefetches or backups are in flight (the loop polls sooner)."""
         return self.tree.host.copies_pending() or self.l3.busy()
 
-    def copies_pending(self) -> bool:
-        """Whether a D->H or H->D copy is queued or in flight."""
-        return self.tree.host.copies_pending()
-
-    def wait_copies(self) -> None:
-        """Block until every copy queued so far has finished."""
+    def wait_copies(self) -> bool:
+        """Block until every copy queued so far has finished and apply the acks (`poll`);
+        False, at once, when none was queued or in flight."""
+        if not self.tree.host.copies_pending():
+            return False
         self.tree.host.wait_copies()
+        self.poll()
+        return True
 
     def launch_loads(self) -> TransferHandle | None:
-        """Launch the H->D loads admission queued, as one transfer (the model runner, before
-        a forward pass: its layers wait on the handle); None when none are queued."""
+        """Launch the H->D loads admission queued, as one transfer: the model runner before a
+        forward pass (its layers wait on the handle), the loop when none will run (loads
+        never wait for one). None when none are queued."""
         return self.tree.host.start_loading()
-
-    def start_loading(self) -> None:
-        """Launch queued H->D loads when no forward pass will (they never wait for one)."""
-        if self.tree.host.copies_pending():
-            self.tree.host.start_loading()
 
     def expire(self, now: float) -> None:
         """End the sessions idle for their timeout and the pins past their TTL (once per
@@ -221,21 +222,19 @@ class CacheStack:
     def max_pinned_tokens(self) -> int:
         return self.pins.max_tokens
 
-    def pinned_tokens(self) -> int:
-        return self.pins.pinned_tokens()
-
     def pin(self, ids: Sequence[int], extra_key: str | None, ttl_s: float, now: float
-            ) -> bool:
+            ) -> int | None:
         """Pin the cached path spelling `ids` (whole pages) until `now + ttl_s`, renewing
-        its pin; False when it is not cached (all of it, on L1). PinRefused past the cap."""
+        its pin; the tokens pinned in all then, None when it is not cached (all of it, on
+        L1). PinRefused past the cap."""
         end = self.tree.node_at(self.tree.root, ids, extra_key)
         if end is None:
-            return False
+            return None
         key = (tuple(ids), extra_key)
         self.pins.check(key, end)
         self.pins.pin(key, end, ttl_s, now)
         self.tree.host.back_up_path(end)  # a pinned page must reach L2 to leave L1 (best effort)
-        return True
+        return self.pins.pinned_tokens()
 
     def unpin(self, ids: Sequence[int], extra_key: str | None) -> bool:
         """Release the pin of `ids`; False when none."""
@@ -277,9 +276,6 @@ class CacheStack:
     def cost_estimates(self) -> CostEstimates | None:
         """What the storage tier's cost model estimates now; None without L3."""
         return self.l3.estimates()
-
-    def settle(self, timeout_s: float) -> None:
-        self.l3.settle(timeout_s)
 
     # --------------------------------------------------------------------------- admin
 

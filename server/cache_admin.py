@@ -73,12 +73,13 @@ class CacheAdmin:
     def _pin_now(self, ids: list[int], extra_key: str | None, ttl: float) -> dict | None:
         """Scheduler thread: pin the cached path spelling `ids` (None: not cached)."""
         try:
-            if not self.cache.pin(ids, extra_key, ttl, time.monotonic()):
-                return None
+            total = self.cache.pin(ids, extra_key, ttl, time.monotonic())
         except PinRefused as e:
             raise InvalidRequest(str(e)) from None
+        if total is None:
+            return None
         return {"success": True, "pinned_tokens": len(ids), "expires_in_s": ttl,
-                "total_pinned_tokens": self.cache.pinned_tokens(),
+                "total_pinned_tokens": total,
                 "max_pinned_tokens": self.cache.max_pinned_tokens}
 
     def unpin(self, text: str | None, input_ids: list[int] | None,
