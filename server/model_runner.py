@@ -93,7 +93,7 @@ def build_batch(reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
     ids, positions, out_slots, seq_slots, prefix_lens = [], [], [], [], []
     for req, n in zip(reqs, extend_lens):
         start = req.kv.num_computed
-        tokens = req.all_ids[start:start + n]
+        tokens = req.ids_between(start, start + n)
         ids.extend(tokens)
         positions.append(torch.arange(start, start + n, dtype=torch.int64))
         slots = req.kv.slots[:start + n]  # [prefix + new]

@@ -318,7 +318,16 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output, one new list (the cache's key; not per token: `ids_between`)."""
         return self.input_ids + self.output.ids
+
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without building `all_ids`: a decode step reads one token,
+        whatever the output's length."""
+        cut = len(self.input_ids)
+        if start >= cut:
+            return self.output.ids[start - cut:end - cut]
+        return self.input_ids[start:end] + self.output.ids[:max(0, end - cut)]
 
     @property
     def prefilled(self) -> bool:

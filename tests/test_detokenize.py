@@ -4,7 +4,8 @@ string (or not, with `no_stop_trim`), over the tokenizers the tests use: the emb
 model's bytes (`ByteTokenizer`, and its tokenizer.json read by `tokenizers`), and SmolLM2's
 real byte-level BPE, whose multi-byte characters are split across tokens (their prefixes
 decode to U+FFFD). The reference is the former rule: the whole output decoded again at
-every token."""
+every token. And `Request.ids_between`, what a decode step reads of the ids instead of the
+whole `all_ids`."""
 
 from __future__ import annotations
 
@@ -162,3 +163,13 @@ def test_a_stop_token_is_trimmed_unless_no_stop_trim(tmp_path: Path) -> None:
         assert got == whole(tok, ids, params)
         assert got.reason == "stop" and got.tokens == len(ids) - 1
         assert got.text.startswith("okĠé") and got.text.endswith("<|eos|>") == (no_trim and not skip)
+
+
+@given(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
+       output=st.lists(st.integers(0, 255), max_size=8), start=st.integers(0, 16),
+       length=st.integers(0, 16))
+def test_ids_between_is_a_slice_of_all_ids(prompt: list[int], output: list[int], start: int,
+                                           length: int) -> None:
+    req = Request(prompt, SamplingParams())
+    req.output.ids.extend(output)
+    assert req.ids_between(start, start + length) == req.all_ids[start:start + length]
