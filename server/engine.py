@@ -158,8 +158,8 @@ class Engine:
         wrong (for `sampling_params.n` > 1, `make_requests` gives the n choices)."""
         req = self.checker.request(text, input_ids, sampling_params, extra_key,
                                    GenerateOptions.from_kwargs("make_request", options))
-        if req.params.n > 1:
-            raise InvalidRequest(f"sampling_params.n = {req.params.n}: several choices are "
+        if req.input.params.n > 1:
+            raise InvalidRequest(f"sampling_params.n = {req.input.params.n}: several choices are "
                                  "made by make_requests (or generate), not make_request")
         return req
 

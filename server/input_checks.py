@@ -19,6 +19,7 @@ from hicache_server.request import (
     MAX_TOP_LOGPROBS,
     InvalidRequest,
     Request,
+    RequestInput,
     SamplingParams,
     check_priority,
     check_session_id,
@@ -62,7 +63,7 @@ class GenerateOptions:
         return cls(**kwargs)
 
     def checked(self, prompt_len: int, names: FieldNames = SGLANG_NAMES) -> dict[str, Any]:
-        """The options as `Request`'s keywords, each checked (`logprob_start_len` against
+        """The options as `RequestInput`'s keywords, each checked (`logprob_start_len` against
         the prompt's length); errors name the fields as the client does (`names`)."""
         start = _integer(names.option("logprob_start_len"), self.logprob_start_len, -1)
         top_name = names.option("top_logprobs_num")
@@ -112,14 +113,10 @@ def pin_ttl(ttl: object) -> float:
 def _choice(first: Request, index: int) -> Request:
     """Choice `index` >= 1 of `first`'s request: the same prompt and options, seed
     `seed + index` when seeded, waiting for `first`'s prompt (`Scheduler._held`)."""
-    p = first.params
+    p = first.input.params
     params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + index)
-    return Request(list(first.input_ids), params, first.extra_key, prompt_leader=first,
-                   priority=first.priority, session_id=first.session_id,
-                   return_logprob=first.return_logprob,
-                   logprob_start_len=first.logprob_start_len,
-                   top_logprobs_num=first.top_logprobs_num,
-                   return_text_in_logprobs=first.return_text_in_logprobs)
+    asked = dataclasses.replace(first.input, ids=list(first.input.ids), params=params)
+    return Request(asked, prompt_leader=first)
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,8 @@ class InputChecker:
             raise InvalidRequest(f"`{names.option('extra_key')}` must be a string")
         if extra_key is not None:
             check_unicode(names.option("extra_key"), extra_key)
-        return Request(ids, params, extra_key, **options.checked(len(ids), names))
+        return Request(RequestInput(ids, params, extra_key,
+                                    **options.checked(len(ids), names)))
 
     def choices(self, text: str | None, input_ids: list[int] | None,
                 sampling_params: dict | None, extra_key: str | None,
@@ -160,18 +158,18 @@ class InputChecker:
         """The request's `sampling_params.n` choices (one for n = 1); see
         `Engine.make_requests`."""
         first = self.request(text, input_ids, sampling_params, extra_key, options, names)
-        return [first, *(_choice(first, i) for i in range(1, first.params.n))]
+        return [first, *(_choice(first, i) for i in range(1, first.input.params.n))]
 
     def pin_prefix(self, text: str | None, input_ids: list[int] | None,
                    extra_key: str | None) -> tuple[list[int], str | None]:
         """A pin's prefix: its whole pages and its namespace, checked like a prompt's."""
         req = self.request(text, input_ids, {"max_new_tokens": 1}, extra_key,
                            GenerateOptions())
-        ids = req.input_ids[:pages_down(len(req.input_ids), self.page_size)]
+        ids = req.input.ids[:pages_down(len(req.input.ids), self.page_size)]
         if not ids:
-            raise InvalidRequest(f"the prefix has {len(req.input_ids)} tokens; a pin holds "
+            raise InvalidRequest(f"the prefix has {len(req.input.ids)} tokens; a pin holds "
                                  f"whole pages of {self.page_size} tokens")
-        return ids, req.extra_key
+        return ids, req.input.extra_key
 
     def _params(self, params: SamplingParams, prompt_len: int, names: FieldNames
                 ) -> SamplingParams:

@@ -120,7 +120,7 @@ def logit_rows(reqs: list[Request], extend_lens: list[int]) -> list[LogitRows]:
         last = start + n - 1
         first = last
         if req.wants_prompt_logprobs and start < req.prompt_len:
-            first = min(max(start, req.logprob_start_len), last)
+            first = min(max(start, req.input.logprob_start_len), last)
         out.append(LogitRows(row, first, last - first + 1))
         row += last - first + 1
     return out

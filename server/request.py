@@ -250,19 +250,11 @@ def _token_key(key: Any) -> int | None:
         return None
 
 
-@dataclass(eq=False)
-class Request:
-    """Owned by the scheduler thread once submitted (callbacks run on that thread). Its
-    parts: the input (prompt, sampling parameters, options: set when it is made), `kv`
-    (its place in the KV cache, `hicache_server.kv_state`) and `output` (ids, logprobs,
-    text, finish: `hicache_server.output`).
-
-    Positions run over `all_ids` (prompt, then output): before its next token can be chosen
-    a request computes up to `seq_len` (its fill: the prompt's rest at first, then one token
-    a step). A retracted request's sampling goes on where it stopped: nothing it already
-    generated is chosen or sent again.
-    A request that wants prompt logprobs from position k is served at most its first k
-    tokens from the cache (`cacheable_len`): the logits of every later position are computed.
+@dataclass(frozen=True, eq=False)
+class RequestInput:
+    """What the client asked, fixed once the request is made: the prompt's ids, the
+    sampling parameters and the options beside them. The cache reads its namespace,
+    priority and session off it (`hicache.handles.Requester`).
 
     The logprob options are SGLang's `GenerateReqInput` fields, outside `sampling_params`
     as there: `return_logprob`, `logprob_start_len` (-1: no prompt logprobs; k >= 0: those
@@ -273,39 +265,58 @@ class Request:
     owned by that session and evicted after unowned ones while the session lives.
     """
 
-    input_ids: list[int]
+    ids: list[int]  # the prompt
     params: SamplingParams
     extra_key: str | None = None
-    on_update: Callable[[Request, bool], None] | None = None  # (request, finished)
-    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    output: RequestOutput = field(default_factory=RequestOutput)
-    arrival: float = 0.0
-    first_token_at: float | None = None
     priority: int = DEFAULT_PRIORITY
     session_id: str | None = None
-    kv: KVState = field(default_factory=KVState)
-    generator: torch.Generator | None = None
-    # n > 1: the first choice, whose prompt this one waits for (then reads from the tree)
-    prompt_leader: Request | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
 
+
+@dataclass(eq=False)
+class Request:
+    """Owned by the scheduler thread once submitted (callbacks run on that thread). Its
+    parts: `input` (prompt, sampling parameters, options: `RequestInput`, fixed), `kv`
+    (its place in the KV cache, `hicache_server.kv_state`) and `output` (ids, logprobs,
+    text, finish: `hicache_server.output`).
+
+    Positions run over `all_ids` (prompt, then output): before its next token can be chosen
+    a request computes up to `seq_len` (its fill: the prompt's rest at first, then one token
+    a step). A retracted request's sampling goes on where it stopped: nothing it already
+    generated is chosen or sent again. A request that wants prompt logprobs from position
+    k is served at most its first k tokens from the cache (`cacheable_len`): the logits of
+    every later position are computed.
+    """
+
+    input: RequestInput
+    on_update: Callable[[Request, bool], None] | None = None  # (request, finished)
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    kv: KVState = field(default_factory=KVState)
+    output: RequestOutput = field(default_factory=RequestOutput)
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    generator: torch.Generator | None = None
+    # n > 1: the first choice, whose prompt this one waits for (then reads from the tree)
+    prompt_leader: Request | None = None
+
     @property
     def prompt_len(self) -> int:
-        return len(self.input_ids)
+        return len(self.input.ids)
 
     @property
     def seq_len(self) -> int:
         """Prompt and output tokens so far (`len(all_ids)`, without building the list)."""
-        return len(self.input_ids) + len(self.output.ids)
+        return len(self.input.ids) + len(self.output.ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are asked and still to be read: once the first token is
         out they all are (a retracted request computes its prompt again, not its logprobs)."""
-        return self.return_logprob and self.logprob_start_len >= 0 and not self.output.ids
+        asked = self.input.return_logprob and self.input.logprob_start_len >= 0
+        return asked and not self.output.ids
 
     @property
     def cacheable_len(self) -> int:
@@ -313,21 +324,21 @@ class Request:
         next token), and none from `logprob_start_len` on while prompt logprobs are to be
         read (their logits must be computed; the tree cuts this to whole pages)."""
         if self.wants_prompt_logprobs:
-            return min(self.prompt_len - 1, self.logprob_start_len)
+            return min(self.prompt_len - 1, self.input.logprob_start_len)
         return self.seq_len - 1
 
     @property
     def all_ids(self) -> list[int]:
         """Prompt and output, one new list (the cache's key; not per token: `ids_between`)."""
-        return self.input_ids + self.output.ids
+        return self.input.ids + self.output.ids
 
     def ids_between(self, start: int, end: int) -> list[int]:
         """`all_ids[start:end]` without building `all_ids`: a decode step reads one token,
         whatever the output's length."""
-        cut = len(self.input_ids)
+        cut = len(self.input.ids)
         if start >= cut:
             return self.output.ids[start - cut:end - cut]
-        return self.input_ids[start:end] + self.output.ids[:max(0, end - cut)]
+        return self.input.ids[start:end] + self.output.ids[:max(0, end - cut)]
 
     @property
     def prefilled(self) -> bool:
@@ -346,8 +357,8 @@ class Request:
         }
         if self.output.error is not None:
             meta["error"] = self.output.error
-        if self.return_logprob and with_logprobs:
-            meta.update(self.output.logprobs.meta(with_top=self.top_logprobs_num > 0))
+        if self.input.return_logprob and with_logprobs:
+            meta.update(self.output.logprobs.meta(with_top=self.input.top_logprobs_num > 0))
         return meta
 
     def take_delta(self) -> Delta:

@@ -149,13 +149,13 @@ def logprob_reads(reqs: Sequence[Request], rows: Sequence[LogitRows],
     (`tokens`: request index -> token)."""
     reads = []
     for i, (req, r) in enumerate(zip(reqs, rows)):
-        if not req.return_logprob or req.output.finish_reason is not None:
+        if not req.input.return_logprob or req.output.finish_reason is not None:
             continue
         if req.wants_prompt_logprobs:
             for j in range(r.count):
                 pos = r.first_pos + j
-                if req.logprob_start_len <= pos < req.prompt_len - 1:
-                    reads.append(LogprobRead(req, r.first + j, req.input_ids[pos + 1], False))
+                if req.input.logprob_start_len <= pos < req.prompt_len - 1:
+                    reads.append(LogprobRead(req, r.first + j, req.input.ids[pos + 1], False))
         if i in tokens:
             reads.append(LogprobRead(req, r.last, tokens[i], True))
     return reads
@@ -167,7 +167,7 @@ def record_logprob(read: LogprobRead, found: TokenLogprob,
     The prompt's list opens with the token at `logprob_start_len`, logprob None."""
     req, rec = read.req, read.req.output.logprobs
     if req.wants_prompt_logprobs and not rec.input_token:
-        first = req.input_ids[req.logprob_start_len]
+        first = req.input.ids[req.input.logprob_start_len]
         rec.input_token.append([None, first, text_of(first)])
         rec.input_top.append(None)
     entry = [found.logprob, read.target, text_of(read.target)]

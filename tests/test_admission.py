@@ -8,7 +8,7 @@ import pytest
 from conftest import cache_finished, cpu_stack
 
 from hicache.stack import CacheStack
-from hicache_server.request import Request, SamplingParams
+from hicache_server.request import Request, RequestInput, SamplingParams
 from hicache_server.scheduler.admission import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO_FACTOR,
@@ -24,7 +24,8 @@ L1_TOKENS = 64
 
 
 def request(prompt: list[int], max_new: int) -> Request:
-    return Request(prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+    return Request(RequestInput(prompt, SamplingParams(max_new_tokens=max_new,
+                                                       temperature=0.0)))
 
 
 def admission_of(stack: CacheStack, running: list[Request] | None = None

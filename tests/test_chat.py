@@ -282,7 +282,9 @@ async def test_n_choices_share_one_prefill(client: TestClient, engine: Engine) -
     for k, choice in enumerate((one, two)):
         mine = [c for c in chunks if c["choices"][0]["index"] == k]
         assert mine[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert len(mine) == 1 + 5  # the role chunk, then one chunk per token
+        # the role chunk, then one chunk per token (or fewer: tokens that came while the
+        # client read are merged into one chunk)
+        assert 2 <= len(mine) <= 1 + 5
         assert "".join(c["choices"][0]["delta"]["content"] for c in mine) == (
             choice["message"]["content"])
         assert mine[-1]["choices"][0]["finish_reason"] == "length"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from hicache_server.models.loader import resolve_model
 from hicache_server.models.named import DEFAULT_MODEL
-from hicache_server.request import Request, SamplingParams
+from hicache_server.request import Request, RequestInput, SamplingParams
 from hicache_server.scheduler.text import REPLACEMENT_CHAR, OutputText
 from hicache_server.tokenizer import (
     ByteTokenizer,
@@ -53,7 +53,7 @@ class Ending(NamedTuple):
 
 def incremental(tok: Tokenizer, ids: list[int], params: SamplingParams) -> Ending:
     """Feed `ids` one at a time as the scheduler does; the deltas, joined."""
-    req, text = Request([1], params), OutputText(tok)
+    req, text = Request(RequestInput([1], params)), OutputText(tok)
     pieces = []
     for token in ids:
         req.output.ids.append(token)
@@ -131,7 +131,8 @@ def test_seeded_cases_with_multi_byte_text_and_stops(tokenizer: Tokenizer, seed:
 
 def test_a_stop_string_spanning_two_deltas_is_found_and_never_sent() -> None:
     tok = ByteTokenizer()
-    req, text = Request([1], SamplingParams(max_new_tokens=50, stop=("STOP",))), OutputText(tok)
+    params = SamplingParams(max_new_tokens=50, stop=("STOP",))
+    req, text = Request(RequestInput([1], params)), OutputText(tok)
     sent = []
     for token in tok.encode("abc STOP def"):
         req.output.ids.append(token)
@@ -162,7 +163,8 @@ def test_a_stop_token_is_trimmed_unless_no_stop_trim(tmp_path: Path) -> None:
         got = incremental(tok, ids, params)
         assert got == whole(tok, ids, params)
         assert got.reason == "stop" and got.tokens == len(ids) - 1
-        assert got.text.startswith("okĠé") and got.text.endswith("<|eos|>") == (no_trim and not skip)
+        assert got.text.startswith("okĠé")
+        assert got.text.endswith("<|eos|>") == (no_trim and not skip)
 
 
 @given(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
@@ -170,6 +172,6 @@ def test_a_stop_token_is_trimmed_unless_no_stop_trim(tmp_path: Path) -> None:
        length=st.integers(0, 16))
 def test_ids_between_is_a_slice_of_all_ids(prompt: list[int], output: list[int], start: int,
                                            length: int) -> None:
-    req = Request(prompt, SamplingParams())
+    req = Request(RequestInput(prompt, SamplingParams()))
     req.output.ids.extend(output)
     assert req.ids_between(start, start + length) == req.all_ids[start:start + length]

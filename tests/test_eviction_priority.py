@@ -370,8 +370,8 @@ def test_the_engine_checks_and_passes_the_priority() -> None:
         with pytest.raises(InvalidRequest, match="`priority` must be an integer"):
             e.make_requests(input_ids=[1, 2, 3], priority="high")
         reqs = e.make_requests(input_ids=[1, 2, 3], sampling_params={"n": 2}, priority=-4)
-        assert [r.priority for r in reqs] == [-4, -4]  # every choice
-        assert e.make_request(input_ids=[1, 2, 3]).priority == 0
+        assert [r.input.priority for r in reqs] == [-4, -4]  # every choice
+        assert e.make_request(input_ids=[1, 2, 3]).input.priority == 0
 
 
 # -------------------------------------------------------------------------------- HTTP

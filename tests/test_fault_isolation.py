@@ -194,7 +194,8 @@ def test_a_fault_mid_stream_ends_that_stream_with_an_error_event(
 
     text = asyncio.run(go())
     events = text.strip().split("\n\n")
-    assert events[-1] == "data: [DONE]" and len(events) == 4  # two tokens, the error, DONE
+    # the two tokens (one event, when they came while the client read), the error, DONE
+    assert events[-1] == "data: [DONE]" and len(events) in (3, 4)
     assert '"error"' in events[-2] and "third token" in events[-2]
     assert_healthy(engine)
 
@@ -210,7 +211,7 @@ def test_a_fault_while_finishing_still_ends_the_request(
         broken = {"left": 1}
 
         def release(req: Any, keep_cache: bool) -> None:
-            if req.params.seed == POISON_SEED and broken["left"]:
+            if req.input.params.seed == POISON_SEED and broken["left"]:
                 broken["left"] -= 1
                 raise RuntimeError("injected release fault")
             real(req, keep_cache)

@@ -103,11 +103,13 @@ async def test_generate_stream(client: TestClient) -> None:
     body = {"text": "stream me", "sampling_params": GREEDY}
     whole = await (await client.post("/generate", json=body)).json()
     events = await sse_events(await client.post("/generate", json={**body, "stream": True}))
-    assert len(events) == 6
-    for i, ev in enumerate(events, 1):  # the full text so far, as SGLang streams it
-        assert ev["output_ids"] == whole["output_ids"][:i]
-        assert ev["meta_info"]["completion_tokens"] == i
-        assert (ev["meta_info"]["finish_reason"] is None) == (i < 6)
+    assert 1 <= len(events) <= 6  # one per token, or fewer when tokens came while it read
+    sent = 0
+    for ev in events:  # the full text so far, as SGLang streams it
+        n = ev["meta_info"]["completion_tokens"]
+        assert ev["output_ids"] == whole["output_ids"][:n] and n > sent
+        assert (ev["meta_info"]["finish_reason"] is None) == (n < 6)
+        sent = n
     assert events[-1]["text"] == whole["text"]
     assert events[-1]["meta_info"]["finish_reason"] == "length"
 

@@ -1,6 +1,6 @@
 """The fields real clients send, through the real app on loopback: the unknown-field policy,
 the 400s for what the server cannot do, batches, `rid`, logprobs on both routes, `echo`, `n`
-and `best_of`, one stream chunk per token (identical to the plain answer, multi-byte
+and `best_of`, stream chunks adding up to the plain answer (multi-byte
 characters included), the usage options, and the openai SDK."""
 
 from __future__ import annotations
@@ -330,15 +330,16 @@ async def test_sampling_fields_reach_the_engine(client: TestClient) -> None:
         await ok(client, "/v1/completions", completion(PROMPT, 2, **fields))
 
 
-# ------------------------------------------------------------------ one chunk per token
+# ------------------------------------------------------- chunks add up to the plain answer
 
 
-async def test_one_completion_chunk_per_token_same_as_plain(client: TestClient) -> None:
+async def test_completion_chunks_add_up_to_the_plain_answer(client: TestClient) -> None:
     body = completion(PROMPT, 8, logprobs=2, return_token_ids=True)
     plain = (await ok(client, "/v1/completions", body))["choices"][0]
     chunks = await events(client, "/v1/completions", body)
     choices = [c["choices"][0] for c in chunks]
-    assert len(choices) == 8  # one per token
+    # one per token, or fewer: the tokens that came while the client read merge into one
+    assert 1 <= len(choices) <= 8 and all(c["token_ids"] for c in choices)
     assert "".join(c["text"] for c in choices) == plain["text"]
     assert flat(c["token_ids"] for c in choices) == plain["token_ids"]
     assert choices[0]["prompt_token_ids"] == plain["prompt_token_ids"]
@@ -355,8 +356,9 @@ async def test_one_completion_chunk_per_token_same_as_plain(client: TestClient) 
 async def test_usage_options_of_a_stream(client: TestClient) -> None:
     body = completion(PROMPT, 3, n=2, seed=1)
     bare = await events(client, "/v1/completions", body)
-    assert len(bare) == 6 and all("usage" not in c for c in bare)
-    assert sorted(c["choices"][0]["index"] for c in bare) == [0, 0, 0, 1, 1, 1]
+    assert all("usage" not in c for c in bare)
+    indexes = [c["choices"][0]["index"] for c in bare]
+    assert set(indexes) == {0, 1} and len(indexes) <= 6  # a chunk per token or fewer
     every = await events(client, "/v1/completions", {**body, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}})
     *tokens, last = every

@@ -491,9 +491,9 @@ def test_make_request_takes_one_choice_make_requests_several(engine: Engine) -> 
         engine.make_request(input_ids=[1, 2, 3], sampling_params={"n": 2})
     reqs = engine.make_requests(input_ids=[1, 2, 3], sampling_params={"n": 3, "seed": 5},
                                 return_logprob=True)
-    assert [r.params.seed for r in reqs] == [5, 6, 7]
+    assert [r.input.params.seed for r in reqs] == [5, 6, 7]
     assert [r.prompt_leader for r in reqs] == [None, reqs[0], reqs[0]]
-    assert all(r.return_logprob for r in reqs)
+    assert all(r.input.return_logprob for r in reqs)
 
 
 def test_an_unknown_option_is_a_type_error_naming_it(engine: Engine) -> None:

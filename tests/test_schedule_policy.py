@@ -19,7 +19,7 @@ from conftest import (
 from hicache.stack import CacheStack
 from hicache_server.config import SCHEDULE_POLICIES, load_config
 from hicache_server.engine import Engine
-from hicache_server.request import Request, SamplingParams
+from hicache_server.request import Request, RequestInput, SamplingParams
 from hicache_server.scheduler import policy
 from hicache_server.scheduler.admission import Admission
 from hicache_server.scheduler.kv import RequestKV
@@ -41,8 +41,8 @@ def stack_of(enable_radix_cache: bool = True) -> CacheStack:
 
 
 def request(prompt: list[int], max_new: int = 4, extra_key: str | None = None) -> Request:
-    return Request(prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0),
-                   extra_key=extra_key)
+    return Request(RequestInput(prompt, SamplingParams(max_new_tokens=max_new,
+                                                       temperature=0.0), extra_key))
 
 
 def seq(start: int, n: int) -> list[int]:

@@ -199,7 +199,7 @@ def test_a_session_with_no_request_for_its_timeout_releases_its_prefix() -> None
 def test_a_request_of_a_closed_session_reopens_it_and_n_choices_share_it() -> None:
     with session_engine() as e:
         reqs = e.make_requests(input_ids=[1, 2, 3], sampling_params={"n": 2}, session_id="x")
-        assert [r.session_id for r in reqs] == ["x", "x"]
+        assert [r.input.session_id for r in reqs] == ["x", "x"]
         with pytest.raises(InvalidRequest, match="session_id"):
             e.make_request(input_ids=[1, 2, 3], session_id=7)
         with pytest.raises(InvalidRequest, match="session_id"):

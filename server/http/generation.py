@@ -50,12 +50,12 @@ class Submitted(NamedTuple):
         return [(i, req) for i, group in enumerate(self.groups) for req in group]
 
     def prompt_ids(self, i: int) -> list[int]:
-        return list(self.groups[i][0].input_ids)
+        return list(self.groups[i][0].input.ids)
 
     def prompt_text(self, i: int, tokenizer: Tokenizer) -> str:
         """Prompt i as text: as sent, or its ids decoded (what `echo` prepends)."""
         text = self.prompts.items[i].text
-        return text if text is not None else tokenizer.decode(self.groups[i][0].input_ids)
+        return text if text is not None else tokenizer.decode(self.groups[i][0].input.ids)
 
     def regroup(self, flat: Sequence[T]) -> list[list[T]]:
         """Per-choice values (in `choices()` order) as one list per prompt."""

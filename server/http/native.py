@@ -249,7 +249,7 @@ class _SoFar:
 
     def __init__(self, req: Request) -> None:
         self.text, self.ids, self.logprobs = "", [], Logprobs()
-        self.with_logprobs, self.with_top = req.return_logprob, req.top_logprobs_num > 0
+        self.with_logprobs, self.with_top = req.input.return_logprob, req.input.top_logprobs_num > 0
 
     def add(self, delta: Delta) -> dict[str, Any]:
         self.text += delta.text

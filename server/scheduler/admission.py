@@ -68,7 +68,7 @@ class NewTokenRatio:
 
     def estimate(self, req: Request) -> int:
         """Tokens `req` is expected to generate still, rounded up."""
-        left = min(req.params.max_new_tokens - len(req.output.ids), CLIP_MAX_NEW_TOKENS)
+        left = min(req.input.params.max_new_tokens - len(req.output.ids), CLIP_MAX_NEW_TOKENS)
         return math.ceil(self.value * max(left, 0))
 
     def decayed(self) -> None:
@@ -79,7 +79,7 @@ class NewTokenRatio:
         """A decode ran out of room: expect what the requests still running need, judging by
         what they have decoded and RETRACT_DECODE_STEPS tokens more each (SGLang's rule)."""
         decoded = sum(len(r.output.ids) for r in running)
-        budget = sum(r.params.max_new_tokens for r in running)
+        budget = sum(r.input.params.max_new_tokens for r in running)
         self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / max(budget, 1))
 
     def reset(self) -> None:
@@ -120,7 +120,7 @@ class Admission:
 
     def start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
         """Start the request's L3 prefetch, if there is L3 and something worth fetching."""
-        self.cache.prefetch(req.rid, cache_key(req), req.extra_key, resume)
+        self.cache.prefetch(req.rid, cache_key(req), req.input.extra_key, resume)
 
     # ------------------------------------------------------------------------ ask
 
@@ -132,11 +132,11 @@ class Admission:
         if not stop:
             req.kv.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
         # the request's use is counted once, when it releases its path (`RequestKV.release`)
-        m = self.cache.match(cache_key(req), req)
+        m = self.cache.match(cache_key(req), req.input)
         if stop and m.tokens >= stop:
             # the head is cached already (another request computed it): take the tail now
             req.kv.from_storage += self.cache.end_prefetch(req.rid)
-            m = self.cache.match(cache_key(req), req)
+            m = self.cache.match(cache_key(req), req.input)
             stop = 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
         # pages; both are promised now. Its new tokens, and the running requests', are

@@ -73,7 +73,7 @@ class RequestKV:
         if not self.cache.enabled or aligned <= req.kv.tree_len:
             return
         req.kv.lease, slots = self.cache.cache_prefix(req.kv.lease, req.all_ids[:aligned],
-                                                   req.kv.slots, req, req.kv.tree_len)
+                                                   req.kv.slots, req.input, req.kv.tree_len)
         req.kv.slots = torch.cat([slots, req.kv.slots[aligned:]])
         req.kv.tree_len = aligned
 
@@ -84,8 +84,8 @@ class RequestKV:
         if req.kv.lease is None:
             return
         aligned = pages_down(req.kv.num_computed, self.page_size) if keep_cache else 0
-        self.cache.release(req.kv.lease, req.all_ids[:aligned], req.kv.slots, req, req.kv.tree_len,
-                           req.kv.admit_hit, count_use=count_use)
+        self.cache.release(req.kv.lease, req.all_ids[:aligned], req.kv.slots, req.input,
+                           req.kv.tree_len, req.kv.admit_hit, count_use=count_use)
         req.kv.lease, req.kv.reserved = None, 0
         req.kv.slots = req.kv.slots[:0]
 

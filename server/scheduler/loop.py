@@ -131,13 +131,13 @@ class Scheduler:
             return
         req: Request = payload
         req.arrival = time.monotonic()
-        if req.session_id is not None:
-            self.cache.touch_session(req.session_id, req.arrival)
+        if req.input.session_id is not None:
+            self.cache.touch_session(req.input.session_id, req.arrival)
         req.generator = torch.Generator()
-        if req.params.seed is None:
+        if req.input.params.seed is None:
             req.generator.seed()  # fresh entropy, as SGLang and vLLM do without a seed
         else:
-            req.generator.manual_seed(req.params.seed)
+            req.generator.manual_seed(req.input.params.seed)
         self.waiting.append(req)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.prompt_len

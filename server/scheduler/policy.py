@@ -95,7 +95,7 @@ class LongestPrefixMatch(CacheAwarePolicy):
 
     def _rank(self, waiting: Sequence[Request]) -> list[Request]:
         def hit(req: Request) -> int:
-            return self.cache.peek(cache_key(req), req.extra_key)
+            return self.cache.peek(cache_key(req), req.input.extra_key)
         return sorted(waiting, key=hit, reverse=True)  # stable: FCFS among equals
 
 
@@ -124,7 +124,7 @@ class DfsWeight(CacheAwarePolicy):
     def _rank(self, waiting: Sequence[Request]) -> list[Request]:
         trie = PrefixTrie()
         for req in waiting:
-            trie.insert(cache_key(req), req.extra_key)
+            trie.insert(cache_key(req), req.input.extra_key)
         return [waiting[i] for i in trie.dfs_order()]
 
 
@@ -181,10 +181,11 @@ class InBatchSharing:
                 or self.delays.get(req, 0) >= MAX_IN_BATCH_DELAYS):
             return False
         key, page = cache_key(req), self.cache.page_size
-        shared = pages_down(self.trie.shared(key, req.extra_key), page)  # the tree keeps pages
+        # whole pages: what the tree keeps
+        shared = pages_down(self.trie.shared(key, req.input.extra_key), page)
         if shared < IN_BATCH_SHARE_MIN_TOKENS:
             return False  # without a peek
-        if shared - self.cache.peek(key, req.extra_key) < IN_BATCH_SHARE_MIN_TOKENS:
+        if shared - self.cache.peek(key, req.input.extra_key) < IN_BATCH_SHARE_MIN_TOKENS:
             return False
         self.delays[req] = self.delays.get(req, 0) + 1
         return True
@@ -192,7 +193,7 @@ class InBatchSharing:
     def admitted(self, req: Request) -> None:
         """`req`'s fill is in flight (admitted in this step, or running and still filling)."""
         if self.enabled:
-            self.trie.insert(filled_key(req), req.extra_key)
+            self.trie.insert(filled_key(req), req.input.extra_key)
 
 
 # ------------------------------------------------------------------------------- the trie

@@ -38,22 +38,22 @@ class OutputText:
     def decode(self, req: Request, ids: Sequence[int]) -> str:
         """`ids` as text; special tokens kept only for `skip_special_tokens=false` (which the
         engine refuses for a tokenizer whose `decode` cannot keep them)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=req.input.params.skip_special_tokens)
 
     def token_text(self, req: Request, token: int) -> str | None:
         """One token's text for its logprob entries (`return_text_in_logprobs`), else None."""
-        return self.decode(req, [token]) if req.return_text_in_logprobs else None
+        return self.decode(req, [token]) if req.input.return_text_in_logprobs else None
 
     def stop_ids(self, req: Request) -> set[int]:
         """The tokens that end `req`: EOS and its `stop_token_ids`; none under `ignore_eos`."""
-        if req.params.ignore_eos:
+        if req.input.params.ignore_eos:
             return set()
-        return set(self.tokenizer.eos_token_ids) | set(req.params.stop_token_ids)
+        return set(self.tokenizer.eos_token_ids) | set(req.input.params.stop_token_ids)
 
     def stop_reason(self, req: Request, token: int) -> str | None:
         """"stop" (a stop token or string), "length", or None for `req` whose newest token is
         `token`; the text that settled with it is handed on (see the module docstring)."""
-        p, out = req.params, req.output
+        p, out = req.input.params, req.output
         checking = len(out.ids) >= p.min_new_tokens  # <= max_new_tokens: no length stop
         if checking and token in self.stop_ids(req):
             end = len(out.ids) - (0 if p.no_stop_trim else 1)
@@ -86,7 +86,7 @@ class OutputText:
     def _hand_on(self, req: Request, new: str, search: bool, final: bool) -> bool:
         """Hand on `new` after the held text, holding back what may start a stop string;
         with `search`, cut at the first stop string that ends in `new`. Whether it cut."""
-        out, p = req.output, req.params
+        out, p = req.output, req.input.params
         text, done = out.held + new, len(out.held)
         cut = _first_stop(text, p.stop, done) if search else None
         if cut is not None:

@@ -47,7 +47,7 @@ class TokenChoice:
             return {}
         logits = out.logits[[out.rows[i].last for i in done]]  # [len(done), vocab], a copy
         for j, i in enumerate(done):
-            if reqs[i].params.shapes_logits:
+            if reqs[i].input.params.shapes_logits:
                 with self.alone(reqs[i], "shaping its logits"):
                     self._shaper(reqs[i], logits[j]).apply(logits[j], reqs[i].output.ids)
         greedy = logits.argmax(dim=-1).tolist()  # one sync for all
@@ -56,15 +56,15 @@ class TokenChoice:
             req = reqs[i]
             if req.output.finish_reason is None:
                 with self.alone(req, "sampling its token"):
-                    tokens[i] = greedy[j] if req.params.greedy else sample_row(
-                        logits[j], req.params, req.generator)
+                    tokens[i] = greedy[j] if req.input.params.greedy else sample_row(
+                        logits[j], req.input.params, req.generator)
         return tokens
 
     def _shaper(self, req: Request, row: torch.Tensor) -> LogitsShaper:
         shaper = self._shapers.get(req)
         if shaper is None:
             shaper = self._shapers[req] = LogitsShaper(
-                req.params, req.input_ids, self.text.stop_ids(req), row.shape[-1], row.device)
+                req.input.params, req.input.ids, self.text.stop_ids(req), row.shape[-1], row.device)
         return shaper
 
     def record_logprobs(self, reqs: list[Request], out: ForwardOutput,
@@ -77,7 +77,7 @@ class TokenChoice:
         try:
             found = token_logprobs(out.logits, [r.row for r in reads],
                                    [r.target for r in reads],
-                                   [r.req.top_logprobs_num for r in reads])
+                                   [r.req.input.top_logprobs_num for r in reads])
         except Exception as exc:  # noqa: BLE001 - fails the requests that asked only
             for req in dict.fromkeys(r.req for r in reads):
                 self.fail(req, "reading its logprobs", exc)
