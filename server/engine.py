@@ -40,7 +40,7 @@ from hicache_server.request import InvalidRequest, Request
 from hicache_server.scheduler import Scheduler
 from hicache_server.storage_attach import StorageAttachment
 from hicache_server.tokenizer import load_tokenizer
-from hicache_server.updates import Mailbox, Update
+from hicache_server.updates import Mailbox, Update, final_result
 
 logger = logging.getLogger(__name__)
 
@@ -202,15 +202,8 @@ class Engine:
         reqs = self.checker.choices(text, input_ids, sampling_params, extra_key,
                                     GenerateOptions.from_kwargs("async_generate", options))
         # gather starts the streams in order: choice 0 is submitted first
-        results = await asyncio.gather(*(self._final(self.stream(req)) for req in reqs))
+        results = await asyncio.gather(*(final_result(self.stream(req)) for req in reqs))
         return results if len(reqs) > 1 else results[0]
-
-    @staticmethod
-    async def _final(updates: AsyncIterator[Update]) -> dict:
-        async for update in updates:
-            if update.result is not None:
-                return update.result
-        raise RuntimeError("a request's updates ended without its result")
 
     async def stream(self, req: Request) -> AsyncIterator[Update]:
         """The request's updates: each what is new since the last (`Update.delta`); the

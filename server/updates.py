@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from hicache_server.output import Delta
@@ -56,3 +57,11 @@ class Mailbox:
                 delta, result, self._delta = self._delta, self._result, None
             if delta is not None:  # None: a wake-up whose delta an earlier get took
                 return Update(delta, result)
+
+
+async def final_result(updates: AsyncIterator[Update]) -> dict[str, Any]:
+    """The whole result a request's updates end with."""
+    async for update in updates:
+        if update.result is not None:
+            return update.result
+    raise RuntimeError("a request's updates ended without its result")
