@@ -89,7 +89,7 @@ def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
     sessions = SessionTable(tree, c.session_timeout_s) if c.session_retention else None
     stack = CacheStack(pool, tree, host, controller, storage, events, publisher,
                        PinTable(tree, _pin_cap(config, pool, host)), sessions)
-    stack.publish_events()
+    stack.steps.publish_events()
     return stack
 
 

@@ -1,7 +1,7 @@
 """The opaque handles `hicache.stack.CacheStack` hands the server: a `Hit` (a match), a
 `Lease` (a request's lock on a cached path), what an admission holds (`Admitted`), and the
 `Requester` fields the cache reads off a request, and the `Resume` of a prefetch to start
-again (`CacheStack.take_restarts`). Each keeps its tree node private: no node crosses into
+again (`cache.l3.take_restarts`). Each keeps its tree node private: no node crosses into
 the server, which passes the handles back to the stack and never looks inside.
 """
 

@@ -1,12 +1,14 @@
-"""The L3 part of the one door (`hicache.stack.CacheStack` holds one): the storage tier when
-one is attached, and the harmless answers of a stack without one (nothing to prefetch, every
-request ready, no head stop, nothing to restart, nothing in flight). Its callers never ask
-which they have.
+"""The L3 part of the one door (`cache.l3`, held by `hicache.stack.CacheStack`): the storage
+tier when one is attached, and the harmless answers of a stack without one (nothing to
+prefetch, every request ready, no head stop, nothing to restart, nothing in flight). Its
+callers never ask which they have. A prefetch is keyed by the request's id.
 
     a request   prefetch at arrival; ready / head_stop / end at admission; continue_head
-                and head_computed while a raced head computes (`hicache.storage.race`)
-    each step   backup(the nodes that reached L2), check() the tier's acks
-    admin       attach(tier) / detach(), clear(), set_policy()
+                and head_computed while a raced head computes (`hicache.storage.race`);
+                take_restarts() each step
+    the model   observe_forward (the cost model's prefill rate), estimates()
+    admin       set_policy(); the stack's other parts: attach(tier) / detach(), clear(),
+                backup / check / settle / busy / wait_idle (`cache.steps`), stats
 
 Threading: scheduler thread only, like the stack.
 """
@@ -35,7 +37,7 @@ class StorageCalls:
     def __init__(self, tree: PrefixCache, tier: StorageTier | None = None) -> None:
         self.tree = tree
         self.tier = tier
-        # the metrics hook (`CacheStack.set_observer`), kept for a tier attached later
+        # the metrics hook (`cache.admin.set_observer`), kept for a tier attached later
         self.observer: Callable[[str, float], None] | None = None
 
     # ---------------------------------------------------------------------- a request

@@ -43,7 +43,7 @@ class CacheAdmin:
 
         def flush() -> dict:
             if unpin:
-                self.cache.unpin_all()
+                self.cache.retention.unpin_all()
             return self.cache.flush(tiers)
 
         return self.run(flush, when_idle=True)
@@ -58,7 +58,7 @@ class CacheAdmin:
                                  "without: restart it without --disable-radix-cache")
         ids, extra_key = self.checker.pin_prefix(text, input_ids, extra_key)
         ttl = pin_ttl(ttl_seconds)
-        cap = self.cache.max_pinned_tokens
+        cap = self.cache.retention.max_pinned_tokens
         if len(ids) > cap:
             raise InvalidRequest(f"pinning {len(ids)} tokens exceeds the cap "
                                  f"(cache.max_pinned_tokens) of {cap}")
@@ -73,20 +73,20 @@ class CacheAdmin:
     def _pin_now(self, ids: list[int], extra_key: str | None, ttl: float) -> dict | None:
         """Scheduler thread: pin the cached path spelling `ids` (None: not cached)."""
         try:
-            total = self.cache.pin(ids, extra_key, ttl, time.monotonic())
+            total = self.cache.retention.pin(ids, extra_key, ttl, time.monotonic())
         except PinRefused as e:
             raise InvalidRequest(str(e)) from None
         if total is None:
             return None
         return {"success": True, "pinned_tokens": len(ids), "expires_in_s": ttl,
                 "total_pinned_tokens": total,
-                "max_pinned_tokens": self.cache.max_pinned_tokens}
+                "max_pinned_tokens": self.cache.retention.max_pinned_tokens}
 
     def unpin(self, text: str | None, input_ids: list[int] | None,
               extra_key: str | None) -> bool:
         """See `Engine.unpin`."""
         ids, extra_key = self.checker.pin_prefix(text, input_ids, extra_key)
-        return self.run(lambda: self.cache.unpin(ids, extra_key))
+        return self.run(lambda: self.cache.retention.unpin(ids, extra_key))
 
     # ------------------------------------------------------------------- sessions, stats
 
@@ -95,7 +95,7 @@ class CacheAdmin:
         session_id = check_session_id(session_id)
         if session_id is None:
             raise InvalidRequest("`session_id` is required: the session to close")
-        return self.run(lambda: self.cache.close_session(session_id))
+        return self.run(lambda: self.cache.retention.close_session(session_id))
 
     def stats(self) -> CacheStats:
         return self.run(lambda: self.cache.stats(self.scheduler.counters))

@@ -126,7 +126,7 @@ class Engine:
                                    schedule_policy=self.config.server.schedule_policy,
                                    prefill_warmup_s=self.config.storage.prefill_warmup_s)
         self.checker = InputChecker(self.tokenizer, self.vocab_size, self.context_len,
-                                    self.cache.device_capacity(),
+                                    self.cache.slots.device_capacity(),
                                     self.config.cache.page_size)
         self.admin = CacheAdmin(self.cache, self.scheduler, self.checker, self._call,
                                 self._compute_prefix)
@@ -243,7 +243,7 @@ class Engine:
         """Latency hook for metrics: the scheduler's steps and the tiers' copies and
         fetches call `observe(name, seconds)`."""
         self.scheduler.set_observer(observe)
-        self.cache.set_observer(observe)
+        self.cache.admin.set_observer(observe)
 
     def _compute_prefix(self, ids: list[int], extra_key: str | None) -> None:
         """Compute `ids` if not cached (a pin's prefix: a one-token greedy generate)."""
@@ -372,7 +372,7 @@ class Engine:
         try:
             while drain and self._call(self.scheduler.num_unfinished):
                 self._stop.wait(DRAIN_POLL_S)
-            self._call(self.cache.quiesce)  # pending backups reach L3
+            self._call(self.cache.steps.quiesce)  # pending backups reach L3
         except EngineClosed:  # the scheduler died while draining
             self._close_after_death()
             return
@@ -393,7 +393,7 @@ class Engine:
     def _close_cache_once(self) -> None:
         if not self._cache_closed:
             self._cache_closed = True
-            self.cache.close()
+            self.cache.admin.close()
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self

@@ -51,7 +51,7 @@ class ForwardOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: CacheStack) -> None:
         self.model = model
-        self.kv_pool: DeviceKVPool = cache.device_kv()
+        self.kv_pool: DeviceKVPool = cache.slots.device_kv()
         self.cache = cache  # launches the H->D loads admission queued (none without L2)
         self.device = self.kv_pool.device
 
@@ -62,7 +62,7 @@ class ModelRunner:
         rows = logit_rows(reqs, extend_lens)
         if any(r.count > 1 for r in rows):  # else the model's own last-token path
             batch.output_rows = _output_rows(rows, reqs, batch.extend_starts)
-        handle = self.cache.launch_loads()
+        handle = self.cache.steps.launch_loads()
         if handle is not None:
             batch.layer_hook = handle.wait_layer
         return ForwardOutput(self.model.forward(batch, self.kv_pool), rows)

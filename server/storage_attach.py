@@ -69,15 +69,15 @@ class StorageAttachment:
     def attach(self, backend: str, extra_config: dict | str | None,
                     prefetch_policy: str | None, write_policy: str | None) -> dict:
         config = self._config_with(backend, extra_config, prefetch_policy, write_policy)
-        if "host" not in self.cache.tiers():
+        if "host" not in self.cache.admin.tiers():
             raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
                                        "started without: restart it with "
                                        "--enable-hierarchical-cache")
         self._require_idle("attach")
-        if "storage" in self.cache.tiers():
+        if "storage" in self.cache.admin.tiers():
             return self._reattach(config, prefetch_policy is not None)
         try:
-            self.cache.attach_storage(config, self.model)
+            self.cache.admin.attach_storage(config, self.model)
         except (OSError, ValueError) as e:
             logger.error("attaching L3 (%s) failed; serving without L3: %s", backend, e)
             raise StorageChangeRefused(f"could not open L3 ({backend}: "
@@ -99,7 +99,7 @@ class StorageAttachment:
             raise StorageChangeRefused(f"L3 is attached already ({now.backend}: "
                                        f"{json.dumps(self._section(self.config))}); detach "
                                        f"it first, then attach {new.backend}")
-        self.cache.set_prefetch_policy(new.prefetch_policy)
+        self.cache.l3.set_policy(new.prefetch_policy)
         self.config = config
         return {"success": True,
                 "message": f"L3 ({now.backend}) was attached already with this "
@@ -110,7 +110,7 @@ class StorageAttachment:
         self._require_idle("detach")
         name, launch = self.config.storage.backend, self._launch()
         try:
-            detached = self.cache.detach_storage()
+            detached = self.cache.admin.detach_storage()
         finally:  # the stack has dropped its tier even if closing it failed
             self.config = dataclasses.replace(
                 self.config, storage=dataclasses.replace(launch, backend="none"))
@@ -158,7 +158,7 @@ class StorageAttachment:
                 "have finished (drain the traffic first)")
 
     def view(self) -> dict:
-        attached = "storage" in self.cache.tiers()
+        attached = "storage" in self.cache.admin.tiers()
         section = self._section(self.config) if attached else None
         s = self.config.storage
         return {"hicache_storage_backend": s.backend if attached else None,
@@ -166,7 +166,7 @@ class StorageAttachment:
                     None if section is None else json.dumps(section),
                 "hicache_storage_prefetch_policy": s.prefetch_policy if attached else None,
                 "hicache_write_policy": self.config.host.write_policy
-                if "host" in self.cache.tiers() else None,
+                if "host" in self.cache.admin.tiers() else None,
                 "backend_config": section}
 
     @staticmethod

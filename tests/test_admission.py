@@ -84,7 +84,7 @@ def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     prefix = list(range(32))
     cache_finished(stack, prefix[:16])
     cache_finished(stack, prefix)  # two nodes of 16
-    stack.quiesce()
+    stack.steps.quiesce()
     assert stack.tree.evict(16) == 16  # the deeper one: L2 only now
     monkeypatch.setattr(stack.tree, "init_load_back", lambda node: 1 / 0)
     req = request(prefix + [7, 7], 4)
@@ -97,7 +97,7 @@ def test_a_commit_that_fails_lets_go_of_its_lock(monkeypatch) -> None:
     kv.release(req, keep_cache=False)
     assert stack.tree.protected_size() == 0
     stack.check_integrity()
-    stack.close()
+    stack.admin.close()
 
 
 def test_the_running_requests_estimated_tokens_are_kept_free() -> None:

@@ -401,7 +401,7 @@ def test_one_request_counts_as_one_use_of_its_prompt(tmp_path, policy) -> None:
     with tiered(tmp_path, **{"storage.backend": "none", "cache.eviction_policy": policy,
                              "host.write_policy": "write_through_selective"}) as e:
         e.generate(input_ids=prompt, sampling_params=answer)
-        e._call(e.cache.quiesce)  # a copy in flight is counted only at its ack
+        e._call(e.cache.steps.quiesce)  # a copy in flight is counted only at its ack
         stats = e.stats()
         counts = e._call(lambda: [n.hit_count for n in e.cache.tree.iter_nodes()])
     assert stats["tiers"]["host"]["written_tokens"] == 0

@@ -149,11 +149,11 @@ def test_a_request_waiting_through_admission_attempts_counts_one_use(tmp_path) -
         assert b["meta_info"]["cached_tokens"] >= len(prefix)
         assert hit_counts(e, b_ids, len(prefix)) == [2], "b counted more than once"
         assert hit_counts(e, b_ids, len(b_ids)) == [2, 1]  # b's own pages: b alone
-        e._call(e.cache.quiesce)
+        e._call(e.cache.steps.quiesce)
         assert e.stats()["tiers"]["host"]["written_tokens"] == 0
         e.generate(input_ids=prefix + tokens(5, PAGE), sampling_params=short)  # d
         assert hit_counts(e, b_ids, len(prefix)) == [3]
-        e._call(e.cache.quiesce)
+        e._call(e.cache.steps.quiesce)
         assert e.stats()["tiers"]["host"]["written_tokens"] == len(prefix)
 
 

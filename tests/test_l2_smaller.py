@@ -82,7 +82,7 @@ def test_an_engine_with_l2_smaller_than_l1_gives_the_tokens_of_recomputation(
         assert run_workload(e, between_turns=lambda e: flushes.append(
             e.flush_cache(["device"]))) == reference
         host = e.stats()["tiers"]["host"]
-        e.scheduler.call(lambda: (e.cache.quiesce(), e.cache.check_integrity())).result(60)
+        e.scheduler.call(lambda: (e.cache.steps.quiesce(), e.cache.check_integrity())).result(60)
         again = e.generate(input_ids=conversations()[0][0], sampling_params=GREEDY)
     assert host["capacity"] == int(1024 * ratio)
     assert host["write_dropped_tokens"] == 0
@@ -92,7 +92,7 @@ def test_an_engine_with_l2_smaller_than_l1_gives_the_tokens_of_recomputation(
 def l3_pages_after_workload(tmp_path, ratio: float, reference) -> tuple[int, dict]:
     with tiered(tmp_path, **{"host.ratio": ratio, "cache.max_total_tokens": 1024}) as e:
         assert run_workload(e) == reference
-        e.scheduler.call(lambda: e.cache.quiesce()).result(60)
+        e.scheduler.call(lambda: e.cache.steps.quiesce()).result(60)
         tiers = e.stats()["tiers"]
     return tiers["storage"]["pages"], tiers["host"]
 

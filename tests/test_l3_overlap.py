@@ -24,7 +24,7 @@ WAIT_S = 60.0  # bound on a wait for the scheduler thread; reached only by a han
 def check_integrity(e) -> None:
     """Idle: the tree and pools consistent, on the scheduler thread."""
     def check() -> None:
-        e.cache.quiesce()
+        e.cache.steps.quiesce()
         e.cache.check_integrity()
     e.scheduler.call(check).result(WAIT_S)
 
@@ -241,7 +241,7 @@ def test_a_restart_over_a_stored_prompt_seeds_the_fetch_model(tmp_path) -> None:
     prompt = [(7 * i) % 250 + 3 for i in range(26 * PAGE)]  # 25 whole pages stored
     with tiered(tmp_path) as e:
         e.generate(input_ids=prompt, sampling_params=GREEDY)
-        e.scheduler.call(e.cache.quiesce).result(WAIT_S)  # the pages' backups land in L3
+        e.scheduler.call(e.cache.steps.quiesce).result(WAIT_S)  # the pages' backups land in L3
         assert e.stats()["tiers"]["storage"]["cost_model"]["fetch_observations"] == 0
         keys = e.cache.storage.io.backend.sample_keys(4)
         assert len(keys) == 4 and e.cache.storage.io.backend.sample_read(keys) > 0

@@ -198,13 +198,13 @@ SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.handles", "hica
                      "hicache.model_kv", "hicache.pages", "hicache.policies", "hicache.stack",
                      "hicache.stats")
 # The data plane besides: the model's forward reads and writes the L1 buffers
-# (`CacheStack.device_kv`), and the engine keeps freed memory for them; the router (a
+# (`cache.slots.device_kv`), and the engine keeps freed memory for them; the router (a
 # process of its own, no cache) indexes the servers' KV events. Folders end in "/".
 SERVER_DATA_PLANE = {"hicache.memory": ("server/models/", "server/model_runner.py",
                                         "server/engine.py"),
                      "hicache.events": ("server/router.py",)}
 # What the door keeps behind it: the server never reads these off a cache (`cache.storage`,
-# `engine.cache.device_pool`); it asks the door (`tiers()`, `stats()`, `cost_estimates()`).
+# `engine.cache.device_pool`); it asks the door (`admin.tiers()`, `stats()`, `l3.estimates()`).
 CACHE_PARTS = {"tree", "device_pool", "host_pool", "storage", "controller", "pins",
                "sessions", "events", "publisher"}
 
@@ -250,7 +250,7 @@ def test_the_server_reads_no_part_behind_the_door(path: Path) -> None:
         if isinstance(node, ast.Attribute) and node.attr in CACHE_PARTS:
             assert not _is_cache(node.value), (
                 f"{_rel(path)}:{node.lineno} reads {ast.unparse(node)}; ask the door "
-                "(CacheStack.tiers / stats / cost_estimates)")
+                "(cache.admin.tiers(), cache.stats(), cache.l3.estimates())")
 
 
 @pytest.mark.parametrize("path", server_sources(), ids=_rel)

@@ -81,7 +81,7 @@ def counters(e: Engine) -> dict[str, int]:
 def assert_nothing_held(e: Engine) -> None:
     """Idle: no page locked, every L1 slot free or the tree's, the tree consistent."""
     def check() -> None:
-        e.cache.quiesce()  # a copy in flight locks its pages until its ack
+        e.cache.steps.quiesce()  # a copy in flight locks its pages until its ack
         e.cache.check_integrity()
         tree, pool = e.cache.tree, e.cache.device_pool
         assert tree.protected_size() == 0

@@ -68,20 +68,20 @@ def test_a_stack_without_l2_or_l3_answers_with_harmless_defaults() -> None:
     stack = l1_only_stack()
     tree = stack.tree
     tree.insert(list(range(8)), stack.device_pool.alloc(8))
-    assert not stack.prefetch("r", list(range(8)), None)
-    assert stack.prefetch_ready("r") and stack.end_prefetch("r") == 0
-    assert stack.take_restarts() == [] and not stack.busy()
+    assert not stack.l3.prefetch("r", list(range(8)), None)
+    assert stack.l3.ready("r") and stack.l3.end("r") == 0
+    assert stack.l3.take_restarts() == [] and not stack.steps.busy()
     assert tree.host.init_load_back(tree.root).device_indices.numel() == 0
     assert tree.host.host_sizes().total == 0 and tree.host.writing_check() == []
     assert not hasattr(tree, "writing_check")  # the defaults are the NoHostTier's
-    stack.poll()
+    stack.steps.poll()
     stack.check_integrity()
     stats = stack.stats(RequestCounters(requests=1, cached_device_tokens=4))
     assert stats.host is None and stats.storage is None
     assert (stats.device.used_tokens, stats.device.hit_tokens) == (8, 4)
     assert set(stats.as_dict()["tiers"]) == {"device"}
     assert stack.flush(["device", "host", "storage"]) == {"device": 8, "host": 0, "storage": 0}
-    stack.close()
+    stack.admin.close()
 
 
 def test_the_snapshot_does_not_move_with_the_counters() -> None:

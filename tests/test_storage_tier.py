@@ -320,7 +320,7 @@ def test_prefetch_and_backup_racing_the_scheduler_keep_the_tree_intact(tmp_path)
             tree.evict(rng.randint(1, 40))
         else:
             tree.evict_host(rng.randint(1, 40))
-        stack.poll()
+        stack.steps.poll()
         stack.check_integrity()
     stack.storage.wait_idle()
     stack.check_integrity()

@@ -1,7 +1,7 @@
 """Opening the storage tier (L3) over a running tree and host pool: the backend from the
 registry, its throttle, and the page hasher whose keys it stores pages under (the KV events'
 block hashes too). Called at start (`hicache.build.build_stack`) and by a runtime attach
-(`hicache.stack.CacheStack.attach_storage`).
+(`hicache.stack_admin.AdminCalls.attach_storage`).
 """
 
 from __future__ import annotations

@@ -120,22 +120,22 @@ class Admission:
 
     def start_prefetch(self, req: Request, resume: Resume | None = None) -> None:
         """Start the request's L3 prefetch, if there is L3 and something worth fetching."""
-        self.cache.prefetch(req.rid, cache_key(req), req.input.extra_key, resume)
+        self.cache.l3.prefetch(req.rid, cache_key(req), req.input.extra_key, resume)
 
     # ------------------------------------------------------------------------ ask
 
     def plan(self, req: Request) -> AdmitPlan | None:
         """Whether `req` may be admitted now, and what it needs; None leaves it waiting."""
-        if not self.cache.prefetch_ready(req.rid):
+        if not self.cache.l3.ready(req.rid):
             return None
-        stop = self.cache.head_stop(req.rid)
+        stop = self.cache.l3.head_stop(req.rid)
         if not stop:
-            req.kv.from_storage += self.cache.end_prefetch(req.rid)  # kept: it may wait on
+            req.kv.from_storage += self.cache.l3.end(req.rid)  # kept: it may wait on
         # the request's use is counted once, when it releases its path (`RequestKV.release`)
         m = self.cache.match(cache_key(req), req.input)
         if stop and m.tokens >= stop:
             # the head is cached already (another request computed it): take the tail now
-            req.kv.from_storage += self.cache.end_prefetch(req.rid)
+            req.kv.from_storage += self.cache.l3.end(req.rid)
             m = self.cache.match(cache_key(req), req.input)
             stop = 0
         # The L2 hit needs device slots for its load-back; the rest of the fill in whole
@@ -144,7 +144,7 @@ class Admission:
         fill = m.host_tokens + pages_up((stop or req.seq_len) - m.tokens, self.page_size)
         free = self.kv.free_tokens()
         short = fill + self.ratio.estimate(req) + self.running_estimate() - free
-        if short > 0 and self.cache.room_beyond(m) < short:
+        if short > 0 and self.cache.slots.room_beyond(m) < short:
             return None
         return AdmitPlan(m, fill, max(0, fill - free), stop)
 

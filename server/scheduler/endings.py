@@ -48,7 +48,7 @@ class RequestEndings:
         req.output.error = f"the server failed in {stage}: {type(exc).__name__}: {exc}"
         if req in self.waiting:
             try:
-                self.cache.end_prefetch(req.rid)  # idempotent: a prefetch ends once
+                self.cache.l3.end(req.rid)  # idempotent: a prefetch ends once
             except Exception:
                 logger.exception("request %s: ending its storage prefetch failed", req.rid)
         if req in self.running or req in self.waiting:  # not finished (or half) already
@@ -101,7 +101,7 @@ class RequestEndings:
         """Finish a waiting or running request now (its client left); False if unknown."""
         for req in (*self.waiting, *self.running):
             if req.rid == rid:
-                self.cache.end_prefetch(rid)
+                self.cache.l3.end(rid)
                 self.finish(req, "abort")
                 return True
         return False

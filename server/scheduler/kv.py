@@ -42,7 +42,7 @@ class RequestKV:
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
-        return self.cache.free_slots() - sum(r.kv.reserved for r in self.running)
+        return self.cache.slots.free_slots() - sum(r.kv.reserved for r in self.running)
 
     def ensure_slots(self, req: Request, upto: int) -> bool:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
@@ -54,11 +54,11 @@ class RequestKV:
             return True
         extra = missing - min(missing, req.kv.reserved)
         if extra > self.free_tokens():
-            self.cache.evict(extra - self.free_tokens())
+            self.cache.slots.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
                 return False
-        slots = self.cache.alloc(missing)  # reserved or free and unpromised: cannot fail
-        assert slots is not None, f"L1 has {self.cache.free_slots()} free, {missing} asked"
+        slots = self.cache.slots.alloc(missing)  # reserved or free and unpromised: cannot fail
+        assert slots is not None, f"L1 has {self.cache.slots.free_slots()} free, {missing} asked"
         req.kv.reserved -= missing - extra
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True

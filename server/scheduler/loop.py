@@ -1,6 +1,6 @@
 """Continuous batching over the KV cache hierarchy, on one thread that owns the cache.
 
-Each step (`step`): drain the inbox, apply the cache's acks (`CacheStack.poll`), then
+Each step (`step`): drain the inbox, apply the cache's acks (`cache.steps.poll`), then
 
     schedule   every running request gets this step's slots (1 token each for a decode, the
                next chunk of a prefill): a fill from its reservation, a decode from the free
@@ -119,7 +119,7 @@ class Scheduler:
         anything did."""
         timeout = 0.0
         if not (self.running or self._commands):
-            timeout = BUSY_POLL_S if (self.waiting or self.cache.busy()) else IDLE_WAIT_S
+            timeout = BUSY_POLL_S if (self.waiting or self.cache.steps.busy()) else IDLE_WAIT_S
         items = self.inbox.take(timeout)
         for item in items:
             self._accept(*item)
@@ -132,7 +132,7 @@ class Scheduler:
         req: Request = payload
         req.arrival = time.monotonic()
         if req.input.session_id is not None:
-            self.cache.touch_session(req.input.session_id, req.arrival)
+            self.cache.retention.touch_session(req.input.session_id, req.arrival)
         req.generator = torch.Generator()
         if req.input.params.seed is None:
             req.generator.seed()  # fresh entropy, as SGLang and vLLM do without a seed
@@ -164,24 +164,24 @@ class Scheduler:
     def run(self, stop: threading.Event) -> None:
         try:
             warm_up_prefill(self.runner, self.cache, self.prefill_warmup_s,
-                            min(self.max_batch_tokens, self.cache.free_slots()))
+                            min(self.max_batch_tokens, self.cache.slots.free_slots()))
         finally:
             self.warmed_up.set()
         while not stop.is_set():
             self.step()
 
     def step(self) -> None:
-        self.cache.poll(QUERY_SETTLE_S if self._drain_inbox() else 0.0)
+        self.cache.steps.poll(QUERY_SETTLE_S if self._drain_inbox() else 0.0)
         if self._restart_prefetches():  # their queries may answer in this step too
-            self.cache.poll(QUERY_SETTLE_S)
+            self.cache.steps.poll(QUERY_SETTLE_S)
         self._run_commands()
-        self.cache.expire(time.monotonic())
+        self.cache.retention.expire(time.monotonic())
         plan = self._schedule()
         if plan:
             self._run_batch(*plan)
         else:
-            self.cache.launch_loads()  # loads never wait for a forward pass
-        self.cache.publish_events()  # this step's KV events, one batch (never blocks)
+            self.cache.steps.launch_loads()  # loads never wait for a forward pass
+        self.cache.steps.publish_events()  # this step's KV events, one batch (never blocks)
 
     def _run_commands(self) -> None:
         keep = []
@@ -264,10 +264,10 @@ class Scheduler:
         L2 stays locked until its ack and is evictable once it lands, which beats
         retracting a request. Whether that made room (an ack may start the next write of a
         path, so the caller asks again)."""
-        room = self.kv.free_tokens() + self.cache.evictable_size()
-        if not self.cache.wait_copies():
+        room = self.kv.free_tokens() + self.cache.slots.evictable_size()
+        if not self.cache.steps.wait_copies():
             return False
-        return self.kv.free_tokens() + self.cache.evictable_size() > room
+        return self.kv.free_tokens() + self.cache.slots.evictable_size() > room
 
     def _held(self, req: Request) -> bool:
         """A later choice of an `n > 1` request waits while the first one prefills, then
@@ -281,7 +281,7 @@ class Scheduler:
     def _restart_prefetches(self) -> bool:
         """Prefetches whose prefix reached the tree meanwhile (another prefetch brought it):
         match again and fetch only the rest. Whether any was restarted."""
-        restarts = self.cache.take_restarts()
+        restarts = self.cache.l3.take_restarts()
         if not restarts:
             return False
         waiting = {req.rid: req for req in self.waiting}
@@ -330,7 +330,7 @@ class Scheduler:
         done = [i for i in done if reqs[i].output.finish_reason is None]
         tokens = self.tokens.choose(reqs, done, out)
         if done or not out.logits.is_cuda:  # on CUDA the token choice is the sync
-            self.cache.observe_forward(rows, time.perf_counter() - started)
+            self.cache.l3.observe_forward(rows, time.perf_counter() - started)
         for req in heads:
             with self.endings.alone(req, "moving its L3 head stop"):
                 self._head_reached(req)
@@ -343,7 +343,7 @@ class Scheduler:
     def _head_reached(self, req: Request) -> None:
         """The request reached its head stop: it computes on to the next one, waits for its
         tail (`_wait_for_tail`), or, its race over, computes the rest of its prompt."""
-        stop = self.cache.continue_head(req.rid, req.kv.num_computed)
+        stop = self.cache.l3.continue_head(req.rid, req.kv.num_computed)
         if stop == req.kv.num_computed:
             self._wait_for_tail(req)
         else:
@@ -354,7 +354,7 @@ class Scheduler:
         waits at the head of the queue, holding nothing on L1, until the tail its prefetch
         fetches meanwhile has arrived; admitted again, it matches both (`admission.py`)."""
         self.kv.cache_prompt(req)
-        self.cache.head_computed(req.rid, req.kv.lease)
+        self.cache.l3.head_computed(req.rid, req.kv.lease)
         self.kv.retract(req)
         req.kv.head_stop, req.kv.tail_pending = 0, True
         self.running.remove(req)

@@ -59,6 +59,6 @@ class Retraction:
         return RuntimeError(
             f"L1 has no room for {tokens} more token(s) of request {req.rid} {alone}: it "
             f"holds {len(req.kv.slots)} slots at position {req.kv.num_computed}, "
-            f"{cache.free_slots()} of {cache.device_capacity()} are free and "
-            f"{cache.evictable_size()} evictable (the rest is locked); lower max_new_tokens "
+            f"{cache.slots.free_slots()} of {cache.slots.device_capacity()} are free and "
+            f"{cache.slots.evictable_size()} evictable (the rest is locked); lower max_new_tokens "
             "or raise --max-total-tokens")

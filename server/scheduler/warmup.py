@@ -38,7 +38,7 @@ def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
                     max_tokens: int) -> list[tuple[int, float]]:
     """The timed forwards (tokens, seconds), observed by `cache`'s cost model; none without a
     storage tier, a budget, or room."""
-    if budget_s <= 0 or "storage" not in cache.tiers():
+    if budget_s <= 0 or "storage" not in cache.admin.tiers():
         return []
     try:
         return _timed_forwards(runner, cache, budget_s, max_tokens)
@@ -64,8 +64,8 @@ def _timed_forwards(runner: ModelRunner, cache: CacheStack, budget_s: float,
         if seconds is None:
             break
         timed.append((n, seconds))
-        cache.observe_forward([(0, n)], seconds)
-    estimates = cache.cost_estimates()
+        cache.l3.observe_forward([(0, n)], seconds)
+    estimates = cache.l3.estimates()
     rate = None if estimates is None else estimates.prefill_tokens_per_s
     logger.info("prefill warm-up (storage.prefill_warmup_s %.1f): %s; estimate %s", budget_s,
                 ", ".join(f"{n} tokens in {s * 1000:.0f} ms" for n, s in timed),
