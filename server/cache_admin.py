@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.door import CacheDoor
 from hicache.policies import TIERS
-from hicache.stack import CacheStack, PinRefused
+from hicache.stack import PinRefused
 from hicache.stats import CacheStats
 from hicache_server.input_checks import InputChecker, pin_ttl
 from hicache_server.request import InvalidRequest, check_session_id
@@ -25,7 +26,7 @@ Compute = Callable[[list[int], str | None], object]
 
 
 class CacheAdmin:
-    def __init__(self, cache: CacheStack, scheduler: Scheduler, checker: InputChecker,
+    def __init__(self, cache: CacheDoor, scheduler: Scheduler, checker: InputChecker,
                  run: Run, compute: Compute) -> None:
         self.cache = cache
         self.scheduler = scheduler

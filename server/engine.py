@@ -24,10 +24,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.build import build_stack
+from hicache.door import CacheDoor
 from hicache.memory.malloc import keep_freed_memory
 from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
-from hicache.stack import CacheStack
 from hicache.stats import CacheStats
 from hicache_server.cache_admin import CacheAdmin
 from hicache_server.config import Config
@@ -119,7 +119,7 @@ class Engine:
         """The model, the cache's tiers and the scheduler (on the passing thread)."""
         self._init_model()
         model = self._model_kv()
-        self.cache: CacheStack = build_stack(self.config, model)
+        self.cache: CacheDoor = build_stack(self.config, model)
         self.scheduler = Scheduler(ModelRunner(self.loaded.model, self.cache), self.cache,
                                    self.tokenizer, max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,

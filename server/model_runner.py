@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from hicache.door import CacheDoor
 from hicache.memory import DeviceKVPool
-from hicache.stack import CacheStack
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.request import Request
 
@@ -49,7 +49,7 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: CacheStack) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheDoor) -> None:
         self.model = model
         self.kv_pool: DeviceKVPool = cache.slots.device_kv()
         self.cache = cache  # launches the H->D loads admission queued (none without L2)

@@ -22,8 +22,8 @@ from hicache.config import (
     ConfigError,
     StorageConfig,
 )
+from hicache.door import CacheDoor
 from hicache.model_kv import ModelKV
-from hicache.stack import CacheStack
 from hicache_server.args import extra_overrides, parse_extra
 from hicache_server.config import Config, apply_overrides, config_to_dict
 from hicache_server.request import InvalidRequest
@@ -56,7 +56,7 @@ class StorageAttachment:
     """Attach, detach and describe L3 over one cache (scheduler thread only). `pending`
     tells the requests running and waiting (a change needs none)."""
 
-    def __init__(self, config: Config, cache: CacheStack, model: ModelKV,
+    def __init__(self, config: Config, cache: CacheDoor, model: ModelKV,
                  pending: Callable[[], tuple[int, int]]) -> None:
         self.config = config
         self.cache = cache

@@ -192,11 +192,12 @@ def test_the_server_never_imports_the_tree() -> None:
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}; call hicache.stack.CacheStack"
 
 
-# What the server may import of hicache: the door (`stack`, `build`, its `handles`), and the
-# shared vocabulary (config, stats, policies, pages, the model's KV shape, kernels).
-SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.handles", "hicache.kernels",
-                     "hicache.model_kv", "hicache.pages", "hicache.policies", "hicache.stack",
-                     "hicache.stats")
+# What the server may import of hicache: the door (its contract `door`, `stack`, `build`, its
+# `handles`), and the shared vocabulary (config, stats, policies, pages, the model's KV shape,
+# kernels).
+SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.door", "hicache.handles",
+                     "hicache.kernels", "hicache.model_kv", "hicache.pages", "hicache.policies",
+                     "hicache.stack", "hicache.stats")
 # The data plane besides: the model's forward reads and writes the L1 buffers
 # (`cache.slots.device_kv`), and the engine keeps freed memory for them; the router (a
 # process of its own, no cache) indexes the servers' KV events. Folders end in "/".

@@ -13,7 +13,7 @@
     commit   `commit(req, plan)`: lock the hit, evict what its fill needs now, load the L2
              hit back, reserve the fill. Nothing here fails for lack of room, so nothing is
              undone; an exception (a bug) fails the request alone, and the cache lets go
-             of the lock it took (`CacheStack.admit`; `req.kv.lease` is set once it returns).
+             of the lock it took (`CacheDoor.admit`; `req.kv.lease` is set once it returns).
 
 Only the fill is reserved: the tokens a request generates are allocated step by step from
 what is free, as SGLang does. When the estimate was too low and a decode finds no slot, the
@@ -34,9 +34,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from hicache.door import CacheDoor
 from hicache.handles import Hit, Resume
 from hicache.pages import pages_up
-from hicache.stack import CacheStack
 from hicache_server.request import Request
 from hicache_server.scheduler.kv import RequestKV, cache_key
 from hicache_server.scheduler.policy import InBatchSharing, filling, make_policy
@@ -96,7 +96,7 @@ class AdmitPlan(NamedTuple):
 
 
 class Admission:
-    def __init__(self, cache: CacheStack, kv: RequestKV, schedule_policy: str = "lpm") -> None:
+    def __init__(self, cache: CacheDoor, kv: RequestKV, schedule_policy: str = "lpm") -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.kv = kv  # its running list: their reservations and estimates are spoken for

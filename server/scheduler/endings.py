@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hicache.stack import CacheStack
+from hicache.door import CacheDoor
 from hicache.stats import RequestCounters
 from hicache_server.request import Request
 from hicache_server.scheduler.kv import RequestKV
@@ -24,7 +24,7 @@ logger = logging.getLogger("hicache_server.scheduler.loop")  # the scheduler's o
 
 
 class RequestEndings:
-    def __init__(self, cache: CacheStack, kv: RequestKV, text: OutputText,
+    def __init__(self, cache: CacheDoor, kv: RequestKV, text: OutputText,
                  counters: RequestCounters, waiting: list[Request],
                  running: list[Request]) -> None:
         self.cache, self.kv, self.text, self.counters = cache, kv, text, counters

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache.door import CacheDoor
 from hicache.pages import pages_down, pages_up
-from hicache.stack import CacheStack
 from hicache_server.request import Request
 
 
@@ -35,7 +35,7 @@ def cache_key(req: Request) -> list[int]:
 
 
 class RequestKV:
-    def __init__(self, cache: CacheStack, running: list[Request]) -> None:
+    def __init__(self, cache: CacheDoor, running: list[Request]) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hicache.stack import CacheStack
+from hicache.door import CacheDoor
 from hicache.stats import RequestCounters
 from hicache_server.inbox import Inbox, SchedulerStopped
 from hicache_server.model_runner import ModelRunner
@@ -68,7 +68,7 @@ def fill_end(req: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cache: CacheStack, tokenizer: Tokenizer, *,
+    def __init__(self, runner: ModelRunner, cache: CacheDoor, tokenizer: Tokenizer, *,
                  max_batch_tokens: int, max_running: int,
                  schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
         self.runner = runner

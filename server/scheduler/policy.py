@@ -32,8 +32,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
+from hicache.door import CacheDoor
 from hicache.pages import pages_down
-from hicache.stack import CacheStack
 from hicache_server.config import SCHEDULE_POLICIES
 from hicache_server.request import Request
 from hicache_server.scheduler.kv import cache_key
@@ -60,7 +60,7 @@ class SchedulePolicy(ABC):
     `order(waiting)` returns a new list holding exactly the requests of `waiting` (left as
     it is), the first to be asked first. `waiting` is in arrival order, except that a
     retracted request, or one back for its L3 tail, waits at its head. A policy may peek at
-    the tree (`CacheStack.peek`), never change it: no touch, no hit counted, no lock.
+    the tree (`CacheDoor.peek`), never change it: no touch, no hit counted, no lock.
     `cache_aware`: whether the order follows the cache, and so whether delay scheduling
     applies (`InBatchSharing`). Scheduler thread.
     """
@@ -78,7 +78,7 @@ class CacheAwarePolicy(SchedulePolicy):
 
     cache_aware = True
 
-    def __init__(self, cache: CacheStack) -> None:
+    def __init__(self, cache: CacheDoor) -> None:
         self.cache = cache
 
     def order(self, waiting: Sequence[Request]) -> list[Request]:
@@ -128,7 +128,7 @@ class DfsWeight(CacheAwarePolicy):
         return [waiting[i] for i in trie.dfs_order()]
 
 
-def make_policy(name: str, cache: CacheStack) -> SchedulePolicy:
+def make_policy(name: str, cache: CacheDoor) -> SchedulePolicy:
     """The policy called `name` (one of SCHEDULE_POLICIES) over `cache`."""
     if name == LongestPrefixMatch.name:
         return LongestPrefixMatch(cache)
@@ -163,7 +163,7 @@ class InBatchSharing:
     (`Admission`) and counted here. Off (`enabled` False, or no tree): nothing is delayed.
     """
 
-    def __init__(self, cache: CacheStack, in_flight: Iterable[Request],
+    def __init__(self, cache: CacheDoor, in_flight: Iterable[Request],
                  delays: dict[Request, int], enabled: bool) -> None:
         self.cache = cache
         self.enabled = enabled and cache.enabled

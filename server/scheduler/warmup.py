@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hicache.stack import CacheStack
+from hicache.door import CacheDoor
 from hicache_server.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ WARMUP_LENGTHS = (32, 128, 512, 2048)
 MIN_TIMED = 3
 
 
-def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
+def warm_up_prefill(runner: ModelRunner, cache: CacheDoor, budget_s: float,
                     max_tokens: int) -> list[tuple[int, float]]:
     """The timed forwards (tokens, seconds), observed by `cache`'s cost model; none without a
     storage tier, a budget, or room."""
@@ -48,7 +48,7 @@ def warm_up_prefill(runner: ModelRunner, cache: CacheStack, budget_s: float,
         return []
 
 
-def _timed_forwards(runner: ModelRunner, cache: CacheStack, budget_s: float,
+def _timed_forwards(runner: ModelRunner, cache: CacheDoor, budget_s: float,
                     max_tokens: int) -> list[tuple[int, float]]:
     lengths = [n for n in WARMUP_LENGTHS if n <= max_tokens]
     if not lengths or runner.timed_prefill(lengths[0]) is None:
