@@ -32,7 +32,6 @@ key they answer loopback clients only (403 otherwise).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import ipaddress
@@ -48,6 +47,7 @@ from hicache_server.engine import Engine
 from hicache_server.http.body import brief, check_fields, check_type, read_object
 from hicache_server.http.errors import HttpError, error_response
 from hicache_server.http.metrics import tier_summaries
+from hicache_server.http.offload import off_loop
 from hicache_server.http.state import STATE, Handler
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
@@ -134,8 +134,7 @@ def parse_tiers(body: dict[str, Any]) -> tuple[str, ...]:
 async def _flush(engine: Engine, tiers: Sequence[str], unpin: bool = False) -> web.Response:
     """Waits (off the loop) for running requests and copies, then empties the tiers
     (pinned pages stay unless `unpin`)."""
-    loop = asyncio.get_running_loop()
-    freed = await loop.run_in_executor(None, partial(engine.flush_cache, tiers, unpin=unpin))
+    freed = await off_loop(partial(engine.flush_cache, tiers, unpin=unpin))
     return web.json_response({"freed": freed, **({"unpinned": True} if unpin else {})})
 
 
@@ -156,7 +155,7 @@ async def handle_pin(request: web.Request) -> web.Response:
     if body.get("ttl_seconds") is None:
         raise HttpError(400, "`ttl_seconds` is required: how long the prefix stays pinned")
     engine = request.app[STATE].engine
-    return web.json_response(await asyncio.get_running_loop().run_in_executor(None, partial(
+    return web.json_response(await off_loop(partial(
         engine.pin, body.get("text"), body.get("input_ids"), body.get("extra_key"),
         ttl_seconds=body["ttl_seconds"])))
 
@@ -167,8 +166,8 @@ async def handle_unpin(request: web.Request) -> web.Response:
     body = await read_object(request)
     check_fields(body, PIN_FIELDS[:3])
     engine = request.app[STATE].engine
-    done = await asyncio.get_running_loop().run_in_executor(None, partial(
-        engine.unpin, body.get("text"), body.get("input_ids"), body.get("extra_key")))
+    done = await off_loop(engine.unpin, body.get("text"), body.get("input_ids"),
+                          body.get("extra_key"))
     if not done:
         raise HttpError(404, "that prefix is not pinned (under this extra_key): nothing to "
                         "unpin; GET /admin/tiers lists the pins")
@@ -194,21 +193,18 @@ async def handle_storage_attach(request: web.Request) -> web.Response:
     prefetch = check_type(body, PREFETCH_FIELD, (str,), "a prefetch policy name")
     write = check_type(body, WRITE_FIELD, (str,), "a write policy name")
     engine = request.app[STATE].engine
-    return web.json_response(await asyncio.get_running_loop().run_in_executor(
-        None, partial(engine.attach_storage, backend, extra, prefetch_policy=prefetch,
-                      write_policy=write)))
+    return web.json_response(await off_loop(partial(
+        engine.attach_storage, backend, extra, prefetch_policy=prefetch, write_policy=write)))
 
 
 async def handle_storage_detach(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    return web.json_response(
-        await asyncio.get_running_loop().run_in_executor(None, engine.detach_storage))
+    return web.json_response(await off_loop(engine.detach_storage))
 
 
 async def handle_storage_backend(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    return web.json_response(
-        await asyncio.get_running_loop().run_in_executor(None, engine.storage_backend))
+    return web.json_response(await off_loop(engine.storage_backend))
 
 
 def cost_model(storage: StorageStats) -> dict[str, Any]:
@@ -223,7 +219,7 @@ def cost_model(storage: StorageStats) -> dict[str, Any]:
 
 async def handle_tiers(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    stats = await asyncio.get_running_loop().run_in_executor(None, engine.cache_stats)
+    stats = await off_loop(engine.cache_stats)
     summaries = tier_summaries(stats)
     tiers = {t: s._asdict() for t, s in summaries.items()}
     if stats.storage is not None:  # faults turned into misses / skipped writes, per operation

@@ -12,7 +12,6 @@ Threading: handlers run on the event loop; the engine's blocking calls (`stats`,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -32,6 +31,7 @@ from hicache_server.http.discovery import (
 from hicache_server.http.errors import HttpError, RequestFailed, error_response
 from hicache_server.http.metrics import CacheMetrics
 from hicache_server.http.native import handle_close_session, handle_generate
+from hicache_server.http.offload import off_loop
 from hicache_server.http.openai import handle_completions
 from hicache_server.http.state import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -114,7 +114,7 @@ async def handle_health(request: web.Request) -> web.Response:
 async def handle_metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     live_engine(request)  # a closed engine's stats would never answer
-    body = await asyncio.get_running_loop().run_in_executor(None, state.metrics.render)
+    body = await off_loop(state.metrics.render)
     return web.Response(body=body, headers={"Content-Type": state.metrics.content_type})
 
 

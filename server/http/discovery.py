@@ -24,10 +24,8 @@ scheduler step in progress, must not hold the event loop).
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 
@@ -37,6 +35,7 @@ from hicache_server.http.body import brief, check_type, json_type, read_object
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import known_fields
 from hicache_server.http.metrics import tier_summaries
+from hicache_server.http.offload import off_loop
 from hicache_server.http.state import STATE
 from hicache_server.request import check_unicode
 
@@ -49,7 +48,6 @@ TOKENIZE_FIELDS = frozenset({"model", "prompt", "text", "add_special_tokens",
                              "return_token_strs"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens", "skip_special_tokens"})
 
-_T = TypeVar("_T")
 
 
 def served_model_name(engine: Engine) -> str:
@@ -76,10 +74,6 @@ def package_version() -> str:
         return UNKNOWN_VERSION
 
 
-async def _off_loop(fn: Callable[[], _T]) -> _T:
-    return await asyncio.get_running_loop().run_in_executor(None, fn)
-
-
 # ------------------------------------------------------------------------------ model info
 
 
@@ -104,7 +98,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
     SGLang's names for what `limits` and `config` also say, for clients that read them."""
     state = request.app[STATE]
     engine = state.engine
-    sizes = await _off_loop(lambda: tier_sizes(engine))
+    sizes = await off_loop(lambda: tier_sizes(engine))
     tiers = {tier: {"capacity_tokens": tokens, "capacity_bytes": size}
              for tier, (tokens, size) in sizes.items()}
     limits = {"max_batch_tokens": engine.scheduler.max_batch_tokens,
@@ -128,8 +122,7 @@ async def handle_get_load(request: web.Request) -> web.Response:
     """SGLang's `GET /get_load`: a list with one entry per data-parallel rank
     (`Engine.load`; a 503 once the scheduler has stopped)."""
     engine = request.app[STATE].engine
-    return web.json_response([await asyncio.get_running_loop().run_in_executor(
-        None, engine.load)])
+    return web.json_response([await off_loop(engine.load)])
 
 
 # --------------------------------------------------------------------- tokenize, detokenize
@@ -167,7 +160,7 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     def encode() -> list[list[int]]:
         return [engine.tokenizer.encode(text, add_special_tokens=add) for text in texts]
 
-    ids = await _off_loop(encode)
+    ids = await off_loop(encode)
     tokens: list[int] | list[list[int]] = ids[0] if single else ids
     count: int | list[int] = len(ids[0]) if single else [len(i) for i in ids]
     return web.json_response({"tokens": tokens, "count": count,
@@ -206,7 +199,7 @@ async def handle_detokenize(request: web.Request) -> web.Response:
                         "are never shown as text)")
     engine = request.app[STATE].engine
     lists, single = _id_lists(body.get("tokens"), engine.vocab_size)
-    texts = await _off_loop(lambda: [engine.tokenizer.decode(ids) for ids in lists])
+    texts = await off_loop(lambda: [engine.tokenizer.decode(ids) for ids in lists])
     text: str | list[str] = texts[0] if single else texts
     return web.json_response({"text": text, "prompt": text})
 

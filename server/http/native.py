@@ -26,10 +26,8 @@ POST /close_session ends it). docs/http.md has the table of every field.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -38,6 +36,7 @@ from hicache_server.http.body import brief, check_fields, check_type, read_objec
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import Only, known_fields, refuse_unsupported
 from hicache_server.http.generation import LogprobOptions, Submitted, start_all, submit
+from hicache_server.http.offload import off_loop
 from hicache_server.http.prompts import (
     Prompts,
     check_batch_size,
@@ -198,8 +197,7 @@ async def handle_close_session(request: web.Request) -> web.Response:
     if session_id is None:
         raise HttpError(400, "`session_id` is required: the session to close")
     engine = live_engine(request)
-    closed = await asyncio.get_running_loop().run_in_executor(
-        None, partial(engine.close_session, session_id))
+    closed = await off_loop(engine.close_session, session_id)
     message = (f"session {session_id!r} closed" if closed else
                f"session {session_id!r} is not open (never used, closed or timed out"
                + ("" if engine.config.cache.session_retention else
