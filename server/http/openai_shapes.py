@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from hicache_server.http.generation import Submitted
+from hicache_server.http.offload import off_loop
 from hicache_server.http.openai_logprobs import (
     Namer,
     cumulative_logprob,
@@ -38,7 +39,6 @@ from hicache_server.http.openai_logprobs import (
     token_namer,
 )
 from hicache_server.http.prompts import Prompts
-from hicache_server.http.offload import off_loop
 from hicache_server.http.streaming import merged
 from hicache_server.output import Delta, Logprobs
 from hicache_server.tokenizer import Tokenizer
