@@ -182,7 +182,12 @@ def test_a_cpu_whose_causal_path_differs_takes_the_masked_call(
 
 def test_the_causal_probe_passes_only_where_the_paths_agree() -> None:
     """A probe that says "exact" means the two calls agree at its lengths (129 among them)."""
-    from hicache_server.models.attention import _additive, _causal_mask, _prefill, causal_flag_is_exact
+    from hicache_server.models.attention import (
+        _additive,
+        _causal_mask,
+        _prefill,
+        causal_flag_is_exact,
+    )
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn((129, h, 64), generator=gen) for h in (8, 2, 2))
     same = torch.equal(_prefill(q, k, v, None),

@@ -29,9 +29,14 @@ from hicache_server.config import load_config
 from hicache_server.engine import Engine
 from hicache_server.http import HttpError, create_app
 from hicache_server.http.chat import chat_prompt_ids
-from hicache_server.scheduler.text import REPLACEMENT_CHAR
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
-from hicache_server.tokenizer import BOS_ID, EMBEDDED_MARKER_KEY, SPECIAL_TOKENS, byte_tokenizer_json
+from hicache_server.scheduler.text import REPLACEMENT_CHAR
+from hicache_server.tokenizer import (
+    BOS_ID,
+    EMBEDDED_MARKER_KEY,
+    SPECIAL_TOKENS,
+    byte_tokenizer_json,
+)
 
 PAGE = 16  # the default cache.page_size
 ANSWER_TOKENS = 16  # turn 1 of the multi-turn test: its answer spans a page boundary

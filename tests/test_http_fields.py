@@ -28,7 +28,12 @@ from hicache_server.http import create_app
 from hicache_server.http.discovery import served_model_name
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, resolve_model_path
 from hicache_server.request import MAX_TOP_LOGPROBS
-from hicache_server.tokenizer import EMBEDDED_MARKER_KEY, NUM_BYTES, SPECIAL_TOKENS, bytes_to_unicode
+from hicache_server.tokenizer import (
+    EMBEDDED_MARKER_KEY,
+    NUM_BYTES,
+    SPECIAL_TOKENS,
+    bytes_to_unicode,
+)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "The radix tree keeps every prefix once. "
