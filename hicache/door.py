@@ -16,7 +16,7 @@ five parts reached as one attribute each, every part a small contract of its own
                  publish_events                            (`hicache.stack_steps`)
     l3           the storage tier or its harmless answers: prefetch, ready, head_stop,
                  continue_head, head_computed, end, take_restarts, observe_forward,
-                 estimates, set_policy                     (`hicache.stack_storage`)
+                 estimates, set_policy                     (`hicache.stack_l3`)
     admin        tiers, attach_storage, detach_storage, set_observer, close
                                                            (`hicache.stack_admin`)
 
@@ -42,10 +42,10 @@ from hicache.stats import CacheStats, RequestCounters
 
 if TYPE_CHECKING:
     from hicache.stack_admin import AdminCalls
+    from hicache.stack_l3 import L3Calls
     from hicache.stack_retention import RetentionCalls
     from hicache.stack_slots import SlotCalls
     from hicache.stack_steps import StepCalls
-    from hicache.stack_storage import StorageCalls
 
 
 class CacheDoor(ABC):
@@ -57,7 +57,7 @@ class CacheDoor(ABC):
     slots: SlotCalls
     retention: RetentionCalls
     steps: StepCalls
-    l3: StorageCalls
+    l3: L3Calls
     admin: AdminCalls
 
     @abstractmethod

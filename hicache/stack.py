@@ -25,10 +25,11 @@ from hicache.handles import Admitted, Hit, Lease, Requester
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool
 from hicache.stack_admin import AdminCalls
+from hicache.stack_l3 import L3Calls
 from hicache.stack_retention import RetentionCalls
 from hicache.stack_slots import SlotCalls
 from hicache.stack_steps import StepCalls, restate_events
-from hicache.stack_storage import StorageCalls
+from hicache.stack_storage import StorageLink
 from hicache.stats import (
     CacheStats,
     DeviceStats,
@@ -71,15 +72,16 @@ class CacheStack(CacheDoor):
         self.sessions = sessions
         self.slots = SlotCalls(tree, device_pool)
         self.retention = RetentionCalls(tree, self.pins, sessions)
-        self.l3 = StorageCalls(tree, storage)
-        self.steps = StepCalls(tree, self.l3, events, self.publisher)
-        self.admin = AdminCalls(tree, host_pool, controller, self.l3, self.steps, events,
+        self.l3_link = StorageLink(tree, storage)  # the stack's side of L3, read by its parts
+        self.l3 = L3Calls(tree, self.l3_link)
+        self.steps = StepCalls(tree, self.l3_link, events, self.publisher)
+        self.admin = AdminCalls(tree, host_pool, controller, self.l3_link, self.steps, events,
                                 self.publisher)
 
     @property
     def storage(self) -> StorageTier | None:
         """The attached storage tier (None without L3)."""
-        return self.l3.tier
+        return self.l3_link.tier
 
     @property
     def page_size(self) -> int:
@@ -200,7 +202,7 @@ class CacheStack(CacheDoor):
         if "host" in tiers:
             out["host"] = self.tree.host.flush_host()
         if "storage" in tiers:
-            out["storage"] = self.l3.clear() * self.page_size
+            out["storage"] = self.l3_link.clear() * self.page_size
         if self.events is not None and self._flushes_all(tiers):
             restate_events(self.events, self.tree, mark)
         return out
@@ -226,7 +228,7 @@ class CacheStack(CacheDoor):
                              self.host_pool.total_size() - self.host_pool.available_size(),
                              sizes.evictable, sizes.protected, requests.cached_host_tokens,
                              self.tree.host.host_counters(), self.host_pool.size_bytes)
-        storage = self.l3.stats(requests.cached_storage_tokens)
+        storage = self.l3_link.stats(requests.cached_storage_tokens)
         events = replace(self.publisher.counters) if self.events is not None else None
         pins = PinStats(self.pins.pinned_tokens(), self.pins.max_tokens,
                         tuple(p._asdict() for p in self.pins.infos(time.monotonic())))
@@ -237,4 +239,4 @@ class CacheStack(CacheDoor):
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold (tests;
         not part of the door)."""
-        self.tree.check_integrity(held_host_tokens=self.l3.held_host_tokens())
+        self.tree.check_integrity(held_host_tokens=self.l3_link.held_host_tokens())

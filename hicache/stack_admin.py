@@ -16,7 +16,7 @@ from hicache.events import EventPublisher, EventRecorder
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV
 from hicache.stack_steps import StepCalls, restate_events
-from hicache.stack_storage import StorageCalls
+from hicache.stack_storage import StorageLink
 from hicache.storage.open import open_storage_tier
 from hicache.transfer.controller import HiCacheController
 from hicache.tree.base import PrefixCache
@@ -27,7 +27,7 @@ class AdminCalls:
     step part (to quiesce) and the KV events (`events` None: off)."""
 
     def __init__(self, tree: PrefixCache, host_pool: HostKVPool | None,
-                 controller: HiCacheController | None, l3: StorageCalls, steps: StepCalls,
+                 controller: HiCacheController | None, l3: StorageLink, steps: StepCalls,
                  events: EventRecorder | None, publisher: EventPublisher) -> None:
         self._tree = tree
         self._host_pool = host_pool

@@ -14,7 +14,7 @@ Threading: scheduler thread only (the publisher sends from its own thread).
 from __future__ import annotations
 
 from hicache.events import EventPublisher, EventRecorder
-from hicache.stack_storage import StorageCalls
+from hicache.stack_storage import StorageLink
 from hicache.transfer.engines import TransferHandle
 from hicache.tree.base import PrefixCache
 
@@ -23,7 +23,7 @@ class StepCalls:
     """The acks of the tree's L1<->L2 copies (`tree.host`) and of the L3 part, and the KV
     events the step recorded (`events` None: off)."""
 
-    def __init__(self, tree: PrefixCache, l3: StorageCalls, events: EventRecorder | None,
+    def __init__(self, tree: PrefixCache, l3: StorageLink, events: EventRecorder | None,
                  publisher: EventPublisher) -> None:
         self._tree = tree
         self._l3 = l3

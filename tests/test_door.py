@@ -14,20 +14,16 @@ import pytest
 from hicache.door import CacheDoor
 from hicache.stack import CacheStack
 from hicache.stack_admin import AdminCalls
+from hicache.stack_l3 import L3Calls
 from hicache.stack_retention import RetentionCalls
 from hicache.stack_slots import SlotCalls
 from hicache.stack_steps import StepCalls
-from hicache.stack_storage import StorageCalls
 
 ROOT = Path(__file__).resolve().parent.parent
 # mini-sglang's `BasePrefixCache` has 7; the door had 46 before issue 52's last step
 MAX_DOOR_METHODS = 8
 PARTS = {"slots": SlotCalls, "retention": RetentionCalls, "steps": StepCalls,
-         "l3": StorageCalls, "admin": AdminCalls}
-# What the server may ask the L3 part: a request's prefetch and its race, the cost model,
-# the policy. Its other calls (backup, check, attach, clear, ...) are the stack's parts'.
-L3_SERVER_CALLS = {"prefetch", "ready", "head_stop", "continue_head", "head_computed", "end",
-                   "take_restarts", "observe_forward", "estimates", "set_policy"}
+         "l3": L3Calls, "admin": AdminCalls}
 DOOR_TYPES = ("CacheStack", "CacheDoor")
 
 
@@ -45,7 +41,7 @@ def _door_names() -> set[str]:
 
 
 def _part_calls(part: str) -> set[str]:
-    return L3_SERVER_CALLS if part == "l3" else _public(PARTS[part])
+    return _public(PARTS[part])
 
 
 def test_the_door_is_small() -> None:

@@ -207,7 +207,7 @@ SERVER_DATA_PLANE = {"hicache.memory": ("server/models/", "server/model_runner.p
 # What the door keeps behind it: the server never reads these off a cache (`cache.storage`,
 # `engine.cache.device_pool`); it asks the door (`admin.tiers()`, `stats()`, `l3.estimates()`).
 CACHE_PARTS = {"tree", "device_pool", "host_pool", "storage", "controller", "pins",
-               "sessions", "events", "publisher"}
+               "sessions", "events", "publisher", "l3_link"}
 
 
 def server_sources() -> list[Path]:
