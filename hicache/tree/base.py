@@ -93,9 +93,6 @@ class HostTier(Protocol):
     def host_counters(self) -> HostCounters:
         """A copy of the L2 counters."""
 
-    def mark_stored(self, node: TreeNode) -> None:
-        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
-
     def forget_stored(self) -> None:
         """L3 was emptied or detached: no node is known to be there any more."""
 

@@ -350,6 +350,8 @@ class HiRadixCache(RadixCache):
         return replace(self.counters)
 
     def mark_stored(self, node: HiTreeNode) -> None:
+        """`node`'s pages are in L3 now (the storage tier's backup or query said so; only
+        the storage tier calls this, and only over this tree)."""
         node.storage_backed = True
 
     def forget_stored(self) -> None:

@@ -35,9 +35,6 @@ class NoHostTier:
     def host_counters(self) -> HostCounters:
         return HostCounters()
 
-    def mark_stored(self, node: TreeNode) -> None:
-        pass
-
     def forget_stored(self) -> None:
         pass
 
