@@ -68,12 +68,10 @@ def prompt_positions(meta: dict[str, Any], name: Namer) -> list[Position]:
                      name)
 
 
-def output_positions(meta: dict[str, Any], name: Namer, start: int = 0,
-                     stop: int | None = None) -> list[Position]:
-    """The output positions `[start, stop)` (a stream sends each token's once)."""
-    tokens = (meta.get("output_token_logprobs") or [])[start:stop]
-    tops = (meta.get("output_top_logprobs") or [])[start:stop]
-    return positions(tokens, tops, name)
+def output_positions(meta: dict[str, Any], name: Namer) -> list[Position]:
+    """The output positions of a whole result (a stream reads its deltas' `positions`)."""
+    return positions(meta.get("output_token_logprobs") or (), meta.get("output_top_logprobs"),
+                     name)
 
 
 def logprobs_object(items: Sequence[Position], offset: int = 0) -> dict[str, Any]:
