@@ -81,9 +81,9 @@ class Proxy:
         return None
 
     def choose(self, ids: list[int] | None) -> tuple[str, str]:
-        server = self.index.best(ids, self.in_flight)
-        score = self.index.scores(ids)[server][0] if ids else 0
-        return server, "match" if score else "load"
+        scores = self.index.scores(ids) if ids else dict.fromkeys(self.index.pages, (0, 0))
+        server = self.index.best(ids, self.in_flight, scores)
+        return server, "match" if scores[server][0] else "load"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -123,10 +123,13 @@ class PageIndex:
             return dict.fromkeys(self.pages, (0, 0))
         return {s: p.match(tokens, self.page_size) for s, p in self.pages.items()}
 
-    def best(self, tokens: Sequence[int] | None, in_flight: dict[str, int]) -> str:
+    def best(self, tokens: Sequence[int] | None, in_flight: dict[str, int],
+             scores: dict[str, tuple[int, int]] | None = None) -> str:
         """The server with the highest score for `tokens`; ties (and no tokens) to the one
-        with the fewest requests in flight, then the first listed."""
-        scores = self.scores(tokens) if tokens else dict.fromkeys(self.pages, (0, 0))
+        with the fewest requests in flight, then the first listed. `scores`, when the caller
+        has them, are `self.scores(tokens)` (each server's trie is then walked once)."""
+        if scores is None:
+            scores = self.scores(tokens) if tokens else dict.fromkeys(self.pages, (0, 0))
         order = list(self.pages)
         return min(order, key=lambda s: (-scores[s][0], in_flight.get(s, 0), order.index(s)))
 
