@@ -60,10 +60,11 @@ class AdminCalls:
     def detach_storage(self) -> bool:
         """Let in-flight copies and their backups land, close L3 (its prefetches and backups
         finish first), forget which nodes it held. False when none was attached."""
-        if self._l3.tier is None:
+        tier = self._l3.tier
+        if tier is None:
             return False
         self._steps.quiesce()
-        self._l3.detach()
+        self._l3.detach(tier)
         if self._events is not None:  # routers forget this server's L3 pages
             restate_events(self._events, self._tree)
         return True

@@ -84,19 +84,16 @@ class StorageLink:
             if node.host_value is not None:
                 tier.backups.backup(node)
 
-    def detach(self) -> bool:
-        """Close L3 (its prefetches and backups finish first) and forget which nodes it
-        held; False when none was attached. The caller has quiesced the copies."""
-        if self.tier is None:
-            return False
-        tier, self.tier = self.tier, None
+    def detach(self, tier: StorageTier) -> None:
+        """Close the attached `tier` (its prefetches and backups finish first) and forget
+        which nodes it held. The caller has quiesced the copies."""
+        self.tier = None
         try:
             tier.close()
         except Exception:  # the tier is gone either way: the detach stands
             logger.exception("closing L3 at its detach failed; the server goes on without it")
         finally:
             self.tree.host.forget_stored()
-        return True
 
     def close(self) -> None:
         if self.tier is not None:
