@@ -60,8 +60,12 @@ class Mailbox:
 
 
 async def final_result(updates: AsyncIterator[Update]) -> dict[str, Any]:
-    """The whole result a request's updates end with."""
+    """The whole result a request's updates end with (read to their end, so that the
+    stream finishes here rather than when the garbage collector closes it)."""
+    result = None
     async for update in updates:
         if update.result is not None:
-            return update.result
-    raise RuntimeError("a request's updates ended without its result")
+            result = update.result
+    if result is None:
+        raise RuntimeError("a request's updates ended without its result")
+    return result
