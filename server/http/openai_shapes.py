@@ -192,10 +192,9 @@ class ChoiceStream:
         return out
 
 
-def _echo_texts(completion: Completion, submitted: Submitted, tokenizer: Tokenizer
-                ) -> list[str]:
-    """What each choice starts with (`choices()` order): see `_echo_text`."""
-    return [_echo_text(completion, submitted, i, tokenizer) for i, _ in submitted.choices()]
+def _echo_texts(submitted: Submitted, tokenizer: Tokenizer) -> list[str]:
+    """Each prompt's text, once per prompt (its `n` choices all start with it)."""
+    return [submitted.prompt_text(i, tokenizer) for i in range(len(submitted.groups))]
 
 
 async def completion_chunks(completion: Completion, submitted: Submitted,
@@ -205,8 +204,10 @@ async def completion_chunks(completion: Completion, submitted: Submitted,
     for. Closing this closes the streams (so aborts their requests)."""
     cid, shape = f"cmpl-{uuid.uuid4().hex}", completion.shape
     name = token_namer(tokenizer, shape.tokens_as_ids)
-    echoes = await off_loop(_echo_texts, completion, submitted, tokenizer)  # decodes
-    choices = [ChoiceStream(completion, k, echoes[k], submitted.prompt_ids(i), name)
+    echoes = [""] * len(submitted.groups)
+    if completion.echo:  # decoding the prompts: off the loop
+        echoes = await off_loop(_echo_texts, submitted, tokenizer)
+    choices = [ChoiceStream(completion, k, echoes[i], submitted.prompt_ids(i), name)
                for k, (i, _) in enumerate(submitted.choices())]
     latest: list[dict | None] = [None] * len(choices)
     events = merged(streams)
