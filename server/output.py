@@ -31,8 +31,9 @@ class Logprobs:
     output_top: list[list[list[Any]]] = field(default_factory=list)
 
     def meta(self, with_top: bool) -> dict[str, list]:
-        """meta_info's logprob keys (copies: built once, for a finished request's result);
-        the top lists only when asked, as SGLang."""
+        """meta_info's logprob keys (copies: their owner keeps appending; a finished
+        request's result, and each /generate stream snapshot, `http.native._SoFar`); the
+        top lists only when asked, as SGLang."""
         meta = {"input_token_logprobs": list(self.input_token),
                 "output_token_logprobs": list(self.output_token)}
         if with_top:
