@@ -162,9 +162,7 @@ class CacheStack(CacheDoor):
         end = lease._end
         if len(tokens) > admitted:  # pages new since admission, maybe cached at prefill
             self._insert(tokens, slots, who, shared, count_hit=count_use)  # (again): a
-            path = self.tree.peek_path(tokens, who.extra_key)             # fresh access
-            if path:
-                self._own(path[-1], who)
+            self._own_key(tokens, who)                                    # fresh access
         elif count_use:  # nothing computed to add (or failed): the prefix it held
             self.tree.count_use(end, who.priority)
         self._own(end, who)
@@ -182,11 +180,23 @@ class CacheStack(CacheDoor):
         if present > shared:  # the tree had these pages: the caller's are duplicates
             self.device_pool.free(slots[shared:present])
 
+    def _owns(self, who: Requester) -> bool:
+        """Whether `who` has a live session to own paths. A session closed meanwhile stays
+        closed: its late requests own nothing."""
+        return self.sessions is not None and who.session_id in self.sessions
+
     def _own(self, end: TreeNode, who: Requester) -> None:
-        """`who`'s live session owns the path ending at `end`. A session closed meanwhile
-        stays closed: its late requests own nothing."""
-        if self.sessions is not None and who.session_id in self.sessions:
+        """`who`'s live session owns the path ending at `end`."""
+        if self._owns(who):
             self.tree.retention.own(end, who.session_id)
+
+    def _own_key(self, tokens: Sequence[int], who: Requester) -> None:
+        """`who`'s live session owns the path spelling `tokens` (walked only then: a
+        request's end without sessions walks the tree once, in its insert)."""
+        if self._owns(who):
+            path = self.tree.peek_path(tokens, who.extra_key)
+            if path:
+                self.tree.retention.own(path[-1], who.session_id)
 
     # ---------------------------------------------------------------------------- admin
 
