@@ -74,10 +74,14 @@ class Proxy:
         if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
             return value
         if isinstance(value, str) and path != "/v1/chat/completions":
-            async with self.session.post(self.servers[0] + "/tokenize",
-                                         json={"prompt": value}) as resp:
-                if resp.status == 200:
-                    return (await resp.json())["tokens"]
+            try:
+                async with self.session.post(self.servers[0] + "/tokenize",
+                                             json={"prompt": value}) as resp:
+                    if resp.status == 200:
+                        tokens = (await resp.json()).get("tokens")
+                        return tokens if isinstance(tokens, list) else None
+            except aiohttp.ClientError as e:  # routed by load; forward answers the 502
+                logger.warning("tokenize on %s failed: %s", self.servers[0], e)
         return None
 
     def choose(self, ids: list[int] | None) -> tuple[str, str]:
@@ -147,6 +151,8 @@ def parse_events(workers: Sequence[str], events: Sequence[str]) -> list[Subscrip
                          f"{len(events)} endpoints")
     subs = []
     for server, spec in zip(workers, events):
+        if not server.startswith(("http://", "https://")):
+            raise SystemExit(f"--workers takes base URLs (http://host:port), got {server!r}")
         pub, _, rep = spec.partition(",")
         subs.append(Subscription(server.rstrip("/"), pub, rep or None))
     return subs
@@ -166,10 +172,13 @@ async def serve(args: argparse.Namespace) -> None:
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    logger.info("event router on http://%s:%d over %s", args.host, args.port,
-                ", ".join(s.server for s in subs))
     try:
+        try:
+            await web.TCPSite(runner, args.host, args.port).start()
+        except OSError as e:
+            raise SystemExit(f"cannot listen on {args.host}:{args.port}: {e}") from None
+        logger.info("event router on http://%s:%d over %s", args.host, args.port,
+                    ", ".join(s.server for s in subs))
         await asyncio.gather(*tasks)
     finally:
         await proxy.session.close()
@@ -192,7 +201,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(parse_args(argv)))
+        try:
+            asyncio.run(serve(parse_args(argv)))
+        except zmq.ZMQError as e:  # an --events endpoint zmq cannot connect to, e.g. no tcp://
+            raise SystemExit(f"cannot subscribe to KV events: {e}; --events takes "
+                             "'tcp://host:PUB[,tcp://host:REPLAY]' per worker") from None
 
 
 if __name__ == "__main__":

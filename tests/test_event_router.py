@@ -121,6 +121,8 @@ def test_events_arguments_pair_each_worker_with_its_endpoints() -> None:
         (A, "tcp://x:1", "tcp://x:2"), (B, "tcp://y:1", None)]
     with pytest.raises(SystemExit, match="one endpoint per worker"):
         parse_events([A, B], ["tcp://x:1"])
+    with pytest.raises(SystemExit, match="base URLs .* got '127.0.0.1:1111'"):
+        parse_events(["127.0.0.1:1111"], ["tcp://x:1"])
 
 
 # ------------------------------------------------------------ the subscriber over real ZMQ
