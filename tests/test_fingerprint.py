@@ -91,6 +91,12 @@ def test_model_fingerprint_changes_with_the_model(tmp_path: Path, variant: str) 
 def test_model_fingerprint_rejects_incomplete_folders(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read its config.json"):
+        model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json is a JSON list"):
+        model_fingerprint(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="safetensors"):
         model_fingerprint(tmp_path)

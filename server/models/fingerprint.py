@@ -80,7 +80,15 @@ def model_fingerprint(model_dir: str | Path) -> str:
     config_path = folder / MODEL_CONFIG
     if not config_path.is_file():
         raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: no {MODEL_CONFIG}")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot fingerprint model folder {str(folder)!r}: cannot read its "
+                         f"{MODEL_CONFIG}: {e}") from e
+    if not isinstance(config, dict):  # ValueError as for every other unreadable folder
+        raise ValueError(  # noqa: TRY004
+            f"cannot fingerprint model folder {str(folder)!r}: its {MODEL_CONFIG} "
+            f"is a JSON {type(config).__name__}, not an object")
     gguf = config.get(GGUF_IDENTITY_KEY)
     weights = [] if gguf else sorted(folder.glob(SAFETENSORS_GLOB), key=lambda p: p.name)
     if gguf and not (isinstance(gguf, dict) and gguf.get("identity")):
