@@ -13,10 +13,10 @@ store into a sparse file on a full disk would be SIGBUS instead of an error.
 
 This module holds the `ValueStore` operations (`batch_get` and `batch_set` are its
 `get_values` and `put_values` over a host pool), each a body run in one transaction. The
-environment under them is `LmdbEnvironment` (`lmdb_env`), a part `LmdbStore` holds: opening the environment and moving a damaged file aside, transactions
-retried for the map size and a full disk, size accounting, LRU eviction, the durability of
-`sync`. The access stamps of pages read are kept in memory and written in batches
-(`lmdb_stamps`).
+environment under them is `LmdbEnvironment` (`lmdb_env`), a part `LmdbStore` holds:
+opening the environment and moving a damaged file aside, transactions retried for the map
+size and a full disk, size accounting, LRU eviction, the durability of `sync`. The access
+stamps of pages read are kept in memory and written in batches (`lmdb_stamps`).
 
 Threads: any mix of the `StorageBackend` callers. Every transaction runs under the shared side
 of the environment's gate (a `SharedExclusiveLock`; resizing the map and `close` take its
@@ -136,13 +136,14 @@ class LmdbStore(ValueStore):
                 # Looked up before encoding: a page stored already costs one B-tree lookup,
                 # not a checksum and a copy of the page that `put(overwrite=False)` drops.
                 if txn.get(key, db=self.env.pages) is None:
-                    txn.put(key, self.codec.encode_into(payload_of(i), scratch), db=self.env.pages)
+                    txn.put(key, self.codec.encode_into(payload_of(i), scratch),
+                            db=self.env.pages)
                     written += 1
                 txn.put(key, stamp, db=self.env.atime)
             return written
 
         written = self.env.guard("batch_set", None,
-                              lambda: self.env.txn(True, body, room_pages=len(keys)))
+                                 lambda: self.env.txn(True, body, room_pages=len(keys)))
         if written is None:
             return [False] * len(keys)
         self.env.counts.add(STAT_WRITTEN, written)
@@ -191,7 +192,8 @@ class LmdbStore(ValueStore):
         out.update({STAT_PAGES: 0, STAT_BYTES: 0, STAT_CAPACITY: self.max_size_bytes,
                     "map_bytes": 0, "high_water_bytes": 0, "path": str(self.path),
                     "prefaulted_bytes": self.prefaulted_bytes})
-        self.env.guard("stats", None, lambda: self.env.txn(False, lambda txn: self.env.sizes(txn, out)))
+        self.env.guard("stats", None,
+                       lambda: self.env.txn(False, lambda txn: self.env.sizes(txn, out)))
         return out
 
     def close(self) -> None:
