@@ -153,7 +153,8 @@ class RedisStore(ValueStore):
         self._counts.add(STAT_MISSES, len(keys) - hits)
         if corrupt:
             self._counts.add(STAT_CORRUPT, len(corrupt))
-            self._redis.call("delete_corrupt", READ, 0, lambda client: self._unlink(client, corrupt))
+            self._redis.call("delete_corrupt", READ, 0,
+                             lambda client: self._unlink(client, corrupt))
         return served
 
     def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
