@@ -11,13 +11,10 @@ Linux it also dies with the process that started it, so a killed run leaves none
 
 from __future__ import annotations
 
-import ctypes
 import random
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +25,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from typing_extensions import Self
 
+from benchmarks.run_multiturn import _die_with_parent
+
 INSTALL_HINT = ("install the Debian package redis-server (apt-get install -y redis-server; "
                 ".ci/run does)")
 START_TIMEOUT_S = 10.0  # a redis-server on loopback answers PING within milliseconds
@@ -37,7 +36,6 @@ CLUSTER_NODES = 3  # the smallest cluster redis-cli --cluster create accepts
 CLUSTER_BUS_OFFSET = 10000  # Redis Cluster's bus port is the client port + 10000
 PORT_RANGE = (20000, 50000)  # ports tried for servers: + 10000 stays a valid port
 PORT_TRIES = 200
-_PR_SET_PDEATHSIG = 1  # prctl(2) option
 
 
 class RedisMissing(RuntimeError):
@@ -79,12 +77,6 @@ def _answers_ping(client: redis.Redis) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the parent thread dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class RedisServer:
     """One child redis-server on 127.0.0.1:`port`, its files in `folder`; `password`: the
     server requires it (`--requirepass`)."""
@@ -122,6 +114,7 @@ class RedisServer:
                 *(("--requirepass", self.password) if self.password else ()), *self.extra_args]
         log = open(self.folder / f"redis-{self.port}.log", "ab")  # noqa: SIM115 - child's
         try:
+            # preexec_fn is safe here: it calls one preloaded C function and takes no lock.
             self.proc = subprocess.Popen(args, cwd=self.folder, stdout=log,
                                          stderr=subprocess.STDOUT,
                                          preexec_fn=_die_with_parent)  # noqa: PLW1509
