@@ -114,7 +114,7 @@ def test_every_layer_shares_one_plan() -> None:
     for layer in range(3):
         k, v = new_kv(pool, batch, layer)
         outs.append(backend.forward(q, k, v, layer, batch, pool))
-    plan = batch.memo("torch_attention", lambda: pytest.fail("the plan was not kept"))
+    plan = batch.memo("torch_attention/None", lambda: pytest.fail("the plan was not kept"))
     assert plan.decode_table.shape[0] == sum(1 for _, e in MIXED if e == 1)
     for layer, out in enumerate(outs):
         k, v = new_kv(pool, batch, layer)

@@ -69,9 +69,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Attention output `[T, heads, head_dim]` in q's dtype.
+
+        `window` W (a sliding-window layer, transformers' `sliding_window`): the query at
+        position p reads only the keys at positions `p - W < j <= p`, the W latest, itself
+        included; None reads every earlier key. `scale` multiplies q.k (None: 1/sqrt(head_dim);
+        Gemma's is `query_pre_attn_scalar ** -0.5`).
 
         `q` is `[T, heads, head_dim]`, `k`/`v` are `[T, kv_heads, head_dim]` (RoPE applied to q
         and k), all for the batch's new tokens. K/V of the new tokens are already written into
@@ -108,7 +114,9 @@ class _Plan:
 
 
 def _plan(batch: ForwardBatch, causal_flag: bool, lower_right: bool,
-          dtype: torch.dtype) -> _Plan:
+          dtype: torch.dtype, window: int | None = None) -> _Plan:
+    """The plan of `batch`; a `window` layer's masks also hide the keys before its window
+    (so it never takes the causal flag or the lower-right bias)."""
     device = batch.device
     decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
     prefill = [i for i, e in enumerate(batch.extend_lens) if e > 1]
@@ -123,14 +131,19 @@ def _plan(batch: ForwardBatch, causal_flag: bool, lower_right: bool,
         table = torch.stack([torch.cat([s, s[:1].expand(width - s.numel())])
                              for s in slots])  # [Sd, width]
         length = torch.tensor(lens, dtype=INDEX_DTYPE).to(device)
-        mask = _additive((torch.arange(width, device=device)[None, :] < length[:, None]),
-                         dtype)[:, None, None, :]
+        keys = torch.arange(width, device=device)[None, :]
+        allowed = keys < length[:, None]
+        if window is not None:
+            allowed &= keys >= length[:, None] - window
+        mask = _additive(allowed, dtype)[:, None, None, :]
         rows = torch.tensor([starts[i] for i in decode], dtype=INDEX_DTYPE).to(device)
     parts, offset = [], 0
     gather = []
     for i in prefill:
         prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
-        if lower_right:
+        if window is not None and window < prefix + extend:
+            m = _additive(_causal_mask(prefix, extend, device, window), dtype)
+        elif lower_right:
             m = causal_lower_right(extend, prefix + extend)
         elif prefix == 0 and causal_flag:
             m = None
@@ -179,11 +192,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~allowed, float("-inf"))
 
 
-def _causal_mask(prefix: int, extend: int, device: torch.device) -> torch.Tensor:
-    """True where new token t may attend key j: `j <= prefix + t`; `[extend, prefix + extend]`."""
+def _causal_mask(prefix: int, extend: int, device: torch.device,
+                 window: int | None = None) -> torch.Tensor:
+    """True where new token t may attend key j: `j <= prefix + t` (and, with a `window` W,
+    `j > prefix + t - W`); `[extend, prefix + extend]`."""
     keys = torch.arange(prefix + extend, device=device)  # [seq_len]
     queries = torch.arange(extend, device=device) + prefix  # [extend]
-    return keys[None, :] <= queries[:, None]
+    allowed = keys[None, :] <= queries[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > queries[:, None] - window
+    return allowed
 
 
 # ---------------------------------------------------------------------------- backends
@@ -206,30 +224,32 @@ class TorchAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)  # each [num_slots, kv_heads, head_dim]
         cpu = q.device.type == "cpu"
         lower_right = not cpu if self.lower_right is None else self.lower_right
-        plan = batch.memo("torch_attention", lambda: _plan(
+        # full and window layers plan apart (one plan per window size)
+        plan = batch.memo(f"torch_attention/{window}", lambda: _plan(
             batch, cpu and not lower_right and causal_flag_is_exact(
                 q.dtype, k_cache.shape[1], q.shape[1] // k_cache.shape[1], q.shape[2]),
-            lower_right, q.dtype))
+            lower_right, q.dtype, window))
         if plan.all_decode:
-            return _decode(q, k_cache, v_cache, plan)
+            return _decode(q, k_cache, v_cache, plan, scale)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         if plan.decode_rows is not None:
             out[plan.decode_rows] = _decode(q.index_select(0, plan.decode_rows),
-                                            k_cache, v_cache, plan)
+                                            k_cache, v_cache, plan, scale)
         keys = k_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum seq_len, kvh, d]
         values = v_cache.index_select(0, plan.prefill_slots).to(q.dtype)
         for p in plan.prefills:
-            out[p.rows] = _prefill(q[p.rows], keys[p.keys], values[p.keys], p.mask)
+            out[p.rows] = _prefill(q[p.rows], keys[p.keys], values[p.keys], p.mask, scale)
         return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            plan: _Plan) -> torch.Tensor:
+            plan: _Plan, scale: float | None = None) -> torch.Tensor:
     """One query token per sequence: `q` `[Sd, heads, d]` -> `[Sd, heads, d]`."""
     s, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -241,12 +261,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     values = v_cache.index_select(0, table.view(-1)).to(q.dtype).view(
         *table.shape, kv_heads, dim).transpose(1, 2)
     queries = q.view(s, kv_heads, heads // kv_heads, dim)  # [Sd, kvh, group, d]
-    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask)
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask,
+                                       scale=scale)
     return o.reshape(s, heads, dim)
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
+             mask: torch.Tensor | CausalBias | None, scale: float | None = None
+             ) -> torch.Tensor:
     """One sequence's new tokens: `q` `[extend, heads, d]`, keys/values `[seq_len, kvh, d]`."""
     extend, heads, dim = q.shape
     seq_len, kv_heads = keys.shape[:2]
@@ -256,19 +278,21 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     ks = keys.permute(1, 0, 2)[:, None].expand(shape)
     vs = values.permute(1, 0, 2)[:, None].expand(shape)
     if mask is None:
-        o = F.scaled_dot_product_attention(queries, ks, vs, is_causal=True)
+        o = F.scaled_dot_product_attention(queries, ks, vs, is_causal=True, scale=scale)
     else:
-        o = F.scaled_dot_product_attention(queries, ks, vs, attn_mask=mask)
+        o = F.scaled_dot_product_attention(queries, ks, vs, attn_mask=mask, scale=scale)
     return o.permute(2, 0, 1, 3).reshape(extend, heads, dim)
 
 
 class ReferenceAttention(AttentionBackend):
     """The per-sequence reference: gather K/V through its slots, repeat KV heads, SDPA with
-    the offset-causal mask (none for one query token). Slow; tests compare against it."""
+    the offset-causal mask (none for one query token of a full layer), windowed for a
+    window layer. Slow; tests compare against it."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         group = q.shape[1] // k_cache.shape[1]
@@ -279,9 +303,10 @@ class ReferenceAttention(AttentionBackend):
             qs = q[start:start + extend].transpose(0, 1)  # [heads, extend, head_dim]
             ks = k_cache.index_select(0, slots).to(q.dtype).repeat_interleave(group, dim=1)
             vs = v_cache.index_select(0, slots).to(q.dtype).repeat_interleave(group, dim=1)
-            mask = None if extend == 1 else _causal_mask(prefix, extend, q.device)
+            mask = (None if extend == 1 and window is None
+                    else _causal_mask(prefix, extend, q.device, window))
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1), vs.transpose(0, 1),
-                                               attn_mask=mask)
+                                               attn_mask=mask, scale=scale)
             out[start:start + extend] = o.transpose(0, 1)
         return out
 
@@ -298,14 +323,16 @@ class CudaPagedAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         if (not batch.is_decode or q.shape[-1] > MAX_HEAD_DIM
-                or batch.num_seqs > MAX_NUM_SEQS):
-            return self._prefill.forward(q, k, v, layer, batch, kv_pool)
+                or batch.num_seqs > MAX_NUM_SEQS or window is not None):
+            return self._prefill.forward(q, k, v, layer, batch, kv_pool, window=window,
+                                         scale=scale)
         k_cache, v_cache = kv_pool.get_kv(layer)
         table, lens = batch.slot_table()  # built once per batch, shared by every layer
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, table, lens, scale)
         return out.to(q.dtype)
 
@@ -326,15 +353,18 @@ class CpuKernelAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
-        if k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1]):
-            return self._fallback.forward(q, k, v, layer, batch, kv_pool)
+        if (k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1])
+                or window is not None):
+            return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
+                                          scale=scale)
         slots, seqs = batch.memo("cpu_kernel_attention",
                                  lambda: _kernel_plan(batch, q, k_cache, v_cache))
-        return self.kernel(q, k_cache, v_cache, slots, seqs, 1.0 / math.sqrt(q.shape[-1]),
-                           checked=True)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return self.kernel(q, k_cache, v_cache, slots, seqs, scale, checked=True)
 
     @staticmethod
     def takes(dtype: torch.dtype, head_dim: int) -> bool:

@@ -167,13 +167,16 @@ class FlashInferAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        batch: ForwardBatch, kv_pool: DeviceKVPool,
+        batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         page_size = kv_pool.page_size
-        wrapper = batch.memo("flashinfer", lambda: self._plan(batch, q, k_cache, page_size))
+        wrapper = None if window is not None or scale is not None else batch.memo(
+            "flashinfer", lambda: self._plan(batch, q, k_cache, page_size))
         if wrapper is None:
-            return self._fallback.forward(q, k, v, layer, batch, kv_pool)
+            return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
+                                          scale=scale)
         shape = (-1, page_size, *k_cache.shape[1:])  # [pages, page_size, kv_heads, dim]
         out = wrapper.run(q.contiguous().to(k_cache.dtype),
                           (k_cache.view(shape), v_cache.view(shape)))
