@@ -142,7 +142,7 @@ def test_lower_right_prefill_matches_the_reference(ratio: int, dtype: torch.dtyp
     pool, batch, q = make_case(MIXED, KV_HEADS * ratio, dtype)
     k, v = new_kv(pool, batch)
     got = TorchAttention(lower_right=True).forward(q, k, v, 0, batch, pool)
-    plan = batch.memo("torch_attention", lambda: pytest.fail("no plan"))
+    plan = batch.memo("torch_attention/None", lambda: pytest.fail("no plan"))
     assert plan.prefills and all(isinstance(p.mask, CausalBias) for p in plan.prefills)
     want = ReferenceAttention().forward(q, k, v, 0, batch, pool)
     tol = TOLERANCE[dtype]
@@ -175,7 +175,7 @@ def test_a_cpu_whose_causal_path_differs_takes_the_masked_call(
     pool, batch, q = make_case(seqs, KV_HEADS * 4, torch.float32)
     k, v = new_kv(pool, batch)
     got = TorchAttention().forward(q, k, v, 0, batch, pool)
-    plan = batch.memo("torch_attention", lambda: pytest.fail("no plan kept"))
+    plan = batch.memo("torch_attention/None", lambda: pytest.fail("no plan kept"))
     assert all(p.mask is not None for p in plan.prefills)  # no causal flag
     assert torch.equal(got, ReferenceAttention().forward(q, k, v, 0, batch, pool))
 
