@@ -1,7 +1,8 @@
 """Builds the cache from the config and the model's KV shape: sizes L1 / L2, opens L3,
 and hands back the `CacheStack` the server serves through.
 
-    L1  cache.max_total_tokens, else a share of free GPU memory (or of host RAM on CPU)
+    L1  cache.max_total_tokens, or cache.kv_cache_memory_bytes (whole pages of KV that fit),
+        else a share of free GPU memory (or of host RAM on CPU)
     L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
     L3  storage.backend through the registry, keyed by the model's page hashes
     pins  cache.max_pinned_tokens, else a quarter of the lowest tier (L2, or L1 without L2)
@@ -124,6 +125,13 @@ def _l1_pages(config: TierSections, model: ModelKV) -> int:
     if c.max_total_tokens is not None:
         return page_count(c.max_total_tokens, c.page_size)
     per_token = DeviceKVPool.bytes_per_token(*model.geometry, model.dtype)
+    if c.kv_cache_memory_bytes is not None:
+        pages = c.kv_cache_memory_bytes // (per_token * c.page_size)
+        if pages < 1:
+            raise ValueError(f"cache.kv_cache_memory_bytes {c.kv_cache_memory_bytes} holds no "
+                             f"page of this model's KV ({per_token * c.page_size} bytes a "
+                             f"page of {c.page_size} tokens)")
+        return pages
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         budget_tokens = int(free * GPU_KV_FRACTION) // per_token

@@ -134,6 +134,8 @@ class CacheConfig(Section):
     hierarchical: bool = False
     page_size: int = 16  # tokens per KV page
     max_total_tokens: int | None = None  # L1 capacity in tokens; None = sized from free memory
+    # L1 capacity in bytes of KV (vLLM's --kv-cache-memory-bytes): as many pages as fit
+    kv_cache_memory_bytes: int | None = None
     eviction_policy: str = "lru"
     # Nodes a live session's requests used are evicted after unowned ones (SGLang's
     # --enable-session-radix-cache); a session closes after this long without a request.
@@ -145,6 +147,10 @@ class CacheConfig(Section):
     def _validate(self) -> None:
         self._at_least("page_size", 1)
         self._at_least("max_total_tokens", self.page_size, what=f"page_size ({self.page_size})")
+        self._at_least("kv_cache_memory_bytes", 1)
+        if self.max_total_tokens is not None and self.kv_cache_memory_bytes is not None:
+            self._fail("kv_cache_memory_bytes", "set either it or cache.max_total_tokens "
+                       "(L1 in bytes or in tokens), not both")
         self._choice("eviction_policy", EVICTION_POLICIES)
         self._at_least("session_timeout_s", 0, strict=True)
         self._at_least("max_pinned_tokens", 0)

@@ -57,6 +57,8 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
      "evict the prefixes of live sessions (`session_id`) after all others"),
     ("--max-total-tokens", "cache.max_total_tokens", {"type": int},
      "L1 capacity in tokens (default: sized from free memory)"),
+    ("--kv-cache-memory-bytes", "cache.kv_cache_memory_bytes", {"type": int},
+     "L1 capacity in bytes of KV, as vLLM's flag (instead of --max-total-tokens)"),
     ("--hicache-ratio", "host.ratio", {"type": float}, "L2 size as a multiple of L1"),
     ("--hicache-size", "host.size_gb", {"type": float}, "L2 size in GB (overrides the ratio)"),
     ("--hicache-write-policy", "host.write_policy", {"choices": WRITE_POLICIES},

@@ -33,7 +33,8 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,
                "served_model_name": None, "schedule_policy": "lpm"},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
-              "max_total_tokens": None, "eviction_policy": "lru",
+              "max_total_tokens": None, "kv_cache_memory_bytes": None,
+              "eviction_policy": "lru",
               "session_retention": False, "session_timeout_s": 600.0,
               "max_pinned_tokens": None},
     "host": {"ratio": 2.0, "size_gb": None, "write_policy": "write_through",
@@ -482,3 +483,13 @@ def test_from_dict_rejects_non_mapping() -> None:
     with pytest.raises(ConfigError) as info:
         Config.from_dict([])  # type: ignore[arg-type]
     assert (info.value.key, str(info.value)) == ("config", "config: expected a mapping, got list")
+
+
+def test_kv_cache_memory_bytes_is_vllms_flag() -> None:
+    from hicache_server.args import parse_config
+
+    cfg, _ = parse_config(["--kv-cache-memory-bytes", "1048576"])
+    assert (cfg.cache.kv_cache_memory_bytes, cfg.cache.max_total_tokens) == (1048576, None)
+    err = raises({"cache.kv_cache_memory_bytes": 4096, "cache.max_total_tokens": 4096})
+    assert err.key == "cache.kv_cache_memory_bytes" and "not both" in str(err)
+    assert raises({"cache.kv_cache_memory_bytes": 0}).key == "cache.kv_cache_memory_bytes"

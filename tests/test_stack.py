@@ -56,6 +56,17 @@ def test_explicit_sizes_are_taken_as_given(host_memory) -> None:
     assert explicit == l1_tokens()
 
 
+def test_l1_in_bytes_is_the_whole_pages_of_kv_that_fit(host_memory) -> None:
+    host_memory(64 * GIB)  # the budget alone decides, whatever the free memory
+    page = 16 * PER_TOKEN
+    assert l1_tokens(**{"cache.kv_cache_memory_bytes": 100 * page + page - 1}) == 1600
+    assert l1_tokens(**{"cache.kv_cache_memory_bytes": page}) == 16
+    with pytest.raises(ValueError, match="holds no page of this model's KV"):
+        l1_tokens(**{"cache.kv_cache_memory_bytes": page - 1})
+    with pytest.raises(ValueError, match="not both"):
+        l1_tokens(**{"cache.kv_cache_memory_bytes": page, "cache.max_total_tokens": 16})
+
+
 def l1_only_stack(**overrides) -> CacheStack:
     cfg = load_config(None, {"cache.page_size": 4, "cache.max_total_tokens": 64,
                              "model.device": "cpu", **overrides})
