@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import aiohttp
 import numpy as np
 
-from benchmarks import answer_ties
+from benchmarks import answer_ties, long_docs
 from benchmarks import bench_multiturn as bm
 from benchmarks import multiturn_report as mr
 from benchmarks import run_multiturn as rm
@@ -154,8 +154,10 @@ def kv_cache_bytes(model_dir: Path, tokens: int, dtype: str) -> int:
 
 
 def host_ratio(args: argparse.Namespace) -> float:
-    """L2 / L1 for hicache L1+L2: the whole working set with `run_multiturn`'s headroom."""
+    """L2 / L1 for hicache L1+L2: the whole working set (multi-turn and long documents)
+    with `run_multiturn`'s headroom."""
     ws = bm.working_set_tokens(bm.workload_args(args))
+    ws += long_docs.working_set_tokens(args.long_docs, args.seed) if args.long_docs else 0
     return float(max(rm.MIN_HOST_RATIO, math.ceil(ws * rm.HOST_HEADROOM / args.kv_tokens)))
 
 
@@ -540,10 +542,20 @@ def run_server(spec: ServerSpec, args: argparse.Namespace, rep: int) -> dict[str
               "calibrating, then multi-turn", file=sys.stderr, flush=True)
         cal = calibrate(ep.base_url, args)
         mt = multiturn(ep.base_url, args, f"{spec.label} #{rep + 1}")
+        docs = asyncio.run(ask_long_docs(ep.base_url, args)) if args.long_docs else None
         return {"label": spec.label, "engine": spec.engine, "pass": rep + 1,
                 "command": ep.command, "log": rm._shown(ep.log_path), "startup_s": startup_s,
                 "kv_tokens_usable": ep.kv_tokens_usable(), "calibration": cal,
-                "multiturn": mt}
+                "multiturn": mt, "long_docs": docs}
+
+
+async def ask_long_docs(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The long-document workload (`long_docs`) against one server, one question at a time."""
+    async with client_session(bm.DEFAULT_STALL_S) as session:
+        async def send(prompt: list[int], doc: int, index: int) -> bm.Record:
+            return await send_completion(session, base_url, prompt, bm.Turn(doc, index + 1),
+                                         long_docs.ANSWER_TOKENS)
+        return await long_docs.run(args.long_docs, args.seed, send)
 
 
 def run_all(args: argparse.Namespace, specs: Sequence[ServerSpec]) -> list[dict[str, Any]]:
@@ -581,6 +593,8 @@ METRICS: tuple[tuple[str, Callable[[dict[str, Any]], float | None], bool], ...] 
     ("request_throughput", lambda r: r["multiturn"]["request_throughput"], True),
     ("ttft_after_first_s", lambda r: r["multiturn"]["ttft_after_first_s"], False),
     ("hit_rate", lambda r: r["multiturn"]["hit_rate"]["all"], True),
+    ("long_docs_ttft_s", lambda r: (r.get("long_docs") or {}).get("ttft_later_s"), False),
+    ("long_docs_cached", lambda r: (r.get("long_docs") or {}).get("later_cached_share"), True),
 )
 HIGHER_IS_BETTER = {key: up for key, _, up in METRICS}
 
@@ -623,8 +637,22 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         other = out["servers"].get(vs, {}).get("metrics")
         s["vs"] = vs if other else None
         s["ratios"] = {key: speed_ratio(key, m.median, other[key].median) if other else None
-                       for key, m in s["metrics"].items() if key != "hit_rate"}
+                       for key, m in s["metrics"].items()
+                       if key not in ("hit_rate", "long_docs_cached")}
+        s["long_docs_same"] = long_docs_same(by_label[label], ref)
     return out
+
+
+def long_docs_same(runs: Sequence[dict[str, Any]], ref: dict[str, Any]) -> list[int]:
+    """[answers equal to `ref`'s for the same document and question, answers compared]
+    over the long-document workload of `runs` (other than `ref` itself)."""
+    if not ref.get("long_docs"):
+        return [0, 0]
+    want = {(r["doc"], r["question"]): r["output_ids"] for r in ref["long_docs"]["records"]}
+    pairs = [(r["output_ids"], want[(r["doc"], r["question"])])
+             for run in runs if run is not ref and run.get("long_docs")
+             for r in run["long_docs"]["records"] if (r["doc"], r["question"]) in want]
+    return [sum(a == b for a, b in pairs), len(pairs)]
 
 
 # -------------------------------------------------------------------------------- tables
@@ -678,6 +706,18 @@ def multiturn_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def long_docs_table(summary: dict[str, Any]) -> str:
+    head = ("| server | TTFT, questions 2-4 (ms) | vs vLLM | their prompt from a cache "
+            f"| same tokens as {summary['reference']} |")
+    lines = [head, "|---|---:|---:|---:|---:|"]
+    for label, s in summary["servers"].items():
+        same, total = s["long_docs_same"]
+        lines.append(f"| {label} | {_cells(s, 'long_docs_ttft_s', bm.fmt_ms)} "
+                     f"| {fmt_spread(s['metrics']['long_docs_cached'], True, bm.fmt_pct)} "
+                     f"| {f'{same} of {total}' if total else '—'} |")
+    return "\n".join(lines)
+
+
 def print_report(report: dict[str, Any]) -> None:
     a, m, s = report["args"], report["machine"], report["summary"]
     v = report["versions"]
@@ -698,6 +738,12 @@ def print_report(report: dict[str, Any]) -> None:
           f"{a['system_prompt_length']}-token shared system prompt, {a['request_length']}-token "
           f"questions, {a['output_length']}-token answers, over /v1/completions:\n")
     print(multiturn_table(s))
+    if a.get("long_docs"):
+        print(f"\nLong documents: {a['long_docs']} documents of "
+              f"{long_docs.DOC_TOKENS[0]:,}-{long_docs.DOC_TOKENS[1]:,} tokens, "
+              f"{long_docs.QUESTIONS} questions each asked round-robin one at a time, "
+              f"{long_docs.ANSWER_TOKENS}-token answers:\n")
+        print(long_docs_table(s))
     if report.get("ties"):
         print("\n" + answer_ties.ties_table(report["ties"], s["reference"]))
     print(f"\nJSON: {report['out']}; server logs: {rm._shown(LOG_DIR)}")
@@ -771,6 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS)
     ap.add_argument("--decode-batch", type=int, default=DEFAULT_DECODE_BATCH)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-docs", type=int, default=0, metavar="N",
+                    help="also the long-document workload: N documents of 3-6k tokens, 4 "
+                         "questions each (benchmarks/long_docs.py); 0: not run")
     ap.add_argument("--vllm-args", default="", help="more flags for every vLLM server")
     ap.add_argument("--hicache-args", default="", help="more flags for every hicache server")
     ap.add_argument("--startup-timeout", type=float, default=VLLM_STARTUP_TIMEOUT_S,
@@ -790,15 +839,16 @@ def largest_request(args: argparse.Namespace) -> int:
     """Tokens (prompt + answer) of the longest single request, and of the decode batch."""
     last = bm.prompt_length(bm.workload_args(args), args.rounds) + args.output_length
     return max(last, args.prefill_tokens + 1,
-               args.decode_batch * (DECODE_PROMPT_TOKENS + args.decode_tokens))
+               args.decode_batch * (DECODE_PROMPT_TOKENS + args.decode_tokens),
+               long_docs.longest_request(args.long_docs, args.seed))
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in POSITIVE
            if getattr(args, k) < 1]
-    if bad or args.system_prompt_length < 0:
-        ap.error(f"{', '.join(bad) or '--system-prompt-length'}: must be >= 1 (the system "
-                 "prompt >= 0)")
+    if bad or args.system_prompt_length < 0 or args.long_docs < 0:
+        ap.error(f"{', '.join(bad) or '--system-prompt-length or --long-docs'}: must be >= 1 "
+                 "(the system prompt and long documents >= 0)")
     if args.kv_tokens % args.page_size:
         ap.error(f"--kv-tokens ({args.kv_tokens}) must be a multiple of --page-size "
                  f"({args.page_size})")

@@ -184,7 +184,8 @@ def test_without_vllm_the_reference_is_the_first_server() -> None:
     assert s["servers"][bv.HI_L1]["vs"] is None
     assert s["servers"][bv.HI_L1]["ratios"] == dict.fromkeys(
         ["prefill_s", "decode_b1_s", "decode_batch_s", "request_throughput",
-         "ttft_after_first_s"])
+         "ttft_after_first_s", "long_docs_ttft_s"])
+    assert s["servers"][bv.HI_L1]["long_docs_same"] == [0, 0]  # the workload did not run
 
 
 def test_kv_tokens_read_from_either_log(tmp_path: Path) -> None:
