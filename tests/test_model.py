@@ -37,7 +37,8 @@ from hicache_server.models.linear import (
     onednn_matches_kernel,
     onednn_packing_works,
 )
-from hicache_server.models.llama import RMSNorm, rope_inv_freq
+from hicache_server.models.llama import RMSNorm
+from hicache_server.models.rope import rope_inv_freq
 from hicache_server.tokenizer import byte_tokenizer_json
 
 SEED = 1234
