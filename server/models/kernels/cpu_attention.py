@@ -9,13 +9,15 @@ Layouts (float32 or bfloat16, one dtype for q, the pool and the output)::
                                     first entry in `slots`)
     out        [T, H, D]
 
-New token t of sequence i (position `prefix_len + t`) attends keys `0 .. prefix_len + t` of
-that sequence; query head h reads KV head `h // (H // KVH)`. Decode rows are the case
-`extend_len == 1`; one call serves any mix.
+New token t of sequence i (position `p = prefix_len + t`) attends keys `0 .. p` of that
+sequence, or with a `window` W (a sliding-window layer) its W latest, `p - W < j <= p`;
+query head h reads KV head `h // (H // KVH)`. Decode rows are the case `extend_len == 1`;
+one call serves any mix.
 
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
-how). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as the float32
+how; a window keeps the key blocks aligned at key 0 and skips the blocks before a row's
+window). In bfloat16 it reads q, K and V exactly as float32, computes in float32 as the float32
 kernel does, and rounds the output once; or multiplies bfloat16 pairs: where the CPU has AMX
 and head_dim is a multiple of 64, QK^T and PV on AMX's tiles, else where it has AVX512-BF16
 and head_dim is a multiple of 32, with vdpbf16ps (both with P rounded to bfloat16 for PV,
@@ -65,8 +67,8 @@ class CpuAttentionKernel:
             fn.argtypes = [
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_int,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ]
             self._fns[dtype] = fn
         # bfloat16 on AMX's tiles where the CPU has them (head dims a multiple of 64), else
@@ -88,15 +90,16 @@ class CpuAttentionKernel:
         self._workspace_fn = getattr(library, _WORKSPACE_SYMBOL)
         self._workspace_fn.restype = ctypes.c_int64
         self._workspace_fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int]
         # per calling thread: a float32 buffer kept and grown, so no call allocates pages
         self._local = threading.local()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, seqs: torch.Tensor, scale: float,
-                 checked: bool = False) -> torch.Tensor:
+                 checked: bool = False, *, window: int | None = None) -> torch.Tensor:
         """Attention output `[T, H, D]` in q's dtype (see the module docstring for the
-        layouts).
+        layouts; `window`: a sliding-window layer's W, None for full attention).
 
         The kernel reads wherever its arguments point, so they are checked first (`check`),
         unless the caller already did for tensors of these very shapes, strides and indices
@@ -107,22 +110,26 @@ class CpuAttentionKernel:
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         if tokens == 0:
             return out
+        w = window_arg(window)
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
-        need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, threads)
+        need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, w,
+                                  threads)
         rc = self._function(q.dtype, dim)(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale,
+            slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale, w,
             out.data_ptr(), self._workspace(need).data_ptr(), threads)
         raise_on_error(rc)
         return out
 
     def bind_layers(self, q: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     slots: torch.Tensor, seqs: torch.Tensor, scale: float, out: torch.Tensor,
-                    threads: int) -> BoundLayers:
+                    threads: int, *, windows: Sequence[int | None] | None = None
+                    ) -> BoundLayers:
         """The attention of q over each `(k_cache, v_cache)` of `caches` (one per layer,
         every one of the first's layout) into `out` (contiguous, q's shape), as calls with
         every argument checked and bound now: `bound(i)` runs layer i reading q and the
-        caches wherever they are at that moment. For a caller that runs every layer of one
+        caches wherever they are at that moment. `windows`: each layer's window (None: full
+        attention), or None for every layer full. For a caller that runs every layer of one
         batch over buffers it keeps (server/models/cpu_forward.py)."""
         k0, v0 = caches[0]
         check(q, k0, v0, slots, seqs)
@@ -139,15 +146,21 @@ class CpuAttentionKernel:
                              f"got {out.dtype} {tuple(out.shape)}")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        windows = [None] * len(caches) if windows is None else list(windows)
+        if len(windows) != len(caches):
+            raise ValueError(f"windows must name one window per layer ({len(caches)}), got "
+                             f"{len(windows)}")
+        ws = [window_arg(w) for w in windows]
         _, heads, dim = q.shape
         kv_heads = k0.shape[1]
+        # window 0 (full attention) needs the most workspace: its size serves every layer
         workspace = self._workspace(self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads,
-                                                       kv_heads, dim, threads))
+                                                       kv_heads, dim, 0, threads))
         fn = self._function(q.dtype, dim)
-        tail = (slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale,
-                out.data_ptr(), workspace.data_ptr(), threads)
+        head = (slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale)
+        tail = (out.data_ptr(), workspace.data_ptr(), threads)
         calls = [functools.partial(fn, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
-                                   *tail) for k, v in caches]
+                                   *head, w, *tail) for (k, v), w in zip(caches, ws)]
         return BoundLayers(calls, (q, caches, slots, seqs, out, workspace))
 
     def _function(self, dtype: torch.dtype, dim: int) -> Callable[..., int]:
@@ -176,6 +189,16 @@ class BoundLayers:
         raise_on_error(self._calls[layer]())
 
 
+def window_arg(window: int | None) -> int:
+    """The kernel's window argument: W, or 0 for full attention (None); ValueError unless
+    W >= 1."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None (full attention) or an int >= 1, got {window!r}")
+    return window
+
+
 def raise_on_error(rc: int) -> None:
     """RuntimeError naming the kernel's error code, unless it is 0."""
     if rc != 0:
@@ -183,10 +206,10 @@ def raise_on_error(rc: int) -> None:
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, seqs: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              slots: torch.Tensor, seqs: torch.Tensor, scale: float, *,
+                              window: int | None = None) -> torch.Tensor:
     """The kernel's signature in plain torch: per sequence, gather, repeat KV heads, SDPA
-    with the offset-causal mask."""
+    with the offset-causal mask (keys before a row's `window` hidden too)."""
     _validate(q, k_cache, v_cache, slots, seqs)
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -194,8 +217,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         own = slots[slot0:slot0 + prefix + extend]
         ks = k_cache.index_select(0, own).repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v_cache.index_select(0, own).repeat_interleave(group, dim=1).transpose(0, 1)
-        allowed = (torch.arange(prefix + extend)[None, :]
-                   <= torch.arange(prefix, prefix + extend)[:, None])  # [extend, seq_len]
+        keys = torch.arange(prefix + extend)[None, :]
+        queries = torch.arange(prefix, prefix + extend)[:, None]
+        allowed = keys <= queries  # [extend, seq_len]
+        if window is not None:
+            allowed &= keys > queries - window_arg(window)
         qs = q[first:first + extend].transpose(0, 1)  # [H, extend, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
         out[first:first + extend] = o.transpose(0, 1)

@@ -12,8 +12,9 @@
  *   seqs         [num_seqs, 4] int64: (first row in T, prefix_len, extend_len, first slot)
  *   out          [T, H, D] contiguous
  *
- * New token t of a sequence (position prefix + t) attends its keys 0 .. prefix + t. GQA:
- * query head h reads KV head h / (H / KVH).
+ * New token t of a sequence (position p = prefix + t) attends its keys 0 .. p, or with a
+ * window W > 0 (a sliding-window layer; 0: full attention) its W latest, p - W < j <= p.
+ * GQA: query head h reads KV head h / (H / KVH).
  *
  * What must stay true: a row's result depends only on its query and its keys, never on the
  * other rows of the call nor on how the sequence was split into prefix and extend. So a
@@ -21,7 +22,10 @@
  * the same bits, and so do their K/V in the next layer. Each row runs the same arithmetic in
  * the same order: keys in blocks of KEY_BLOCK from key 0 (absolute, not from the extend),
  * online softmax per block; keys past a row's position are skipped exactly (their P is 0,
- * and a block with none of the row's keys leaves m, l and O untouched). On AMX a tile's 16
+ * and a block with none of the row's keys leaves m, l and O untouched). A window keeps the
+ * blocks where they are: a row starts at the block holding its first key p - W + 1, and the
+ * keys before that key in the block get P = 0 as keys past p do, so whichever block an item
+ * starts at (its first row's), a row's own arithmetic is the same. On AMX a tile's 16
  * rows share its instructions, but row i of a C tile is row i of A times B: the same
  * arithmetic for a row whatever rows sit beside it (the padding rows of a part-filled tile
  * included); with vdpbf16ps each row has its own accumulators.
@@ -47,6 +51,24 @@
 typedef struct {
     int64_t seq, kv_head, first_token, num_tokens;
 } Item;
+
+/* The first key the row at position `pos` reads (0, or with a window W > 0 the W latest),
+ * and the first key of the block holding it (blocks of KEY_BLOCK from key 0). */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+static inline int64_t first_block(int64_t pos, int64_t window) {
+    return first_key(pos, window) / KEY_BLOCK * KEY_BLOCK;
+}
+
+/* Of lanes c * 16 .. c * 16 + 15 of a block, those whose keys lie in [lo, hi) (keys counted
+ * from the block's first). */
+static inline uint32_t lanes_below(int64_t n) {
+    return n >= VEC ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1;
+}
+static inline __mmask16 key_lanes(int64_t lo, int64_t hi, int c) {
+    return (__mmask16)(lanes_below(hi - c * VEC) & ~lanes_below(lo - c * VEC));
+}
 
 static inline float exp_scalar(float x) {
     return _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(x)));
@@ -78,7 +100,6 @@ static inline void transpose16(__m512 r[VEC]) {
     }
 }
 
-
 /* S[r][0..64) = scale * q_r . k_j for 4 rows, from Kt's block (column j = key j). */
 static inline void qk_tile(float *s, const float *qs, const float *kt, int64_t ld, int64_t dim,
                            float scale) {
@@ -103,18 +124,18 @@ static inline void qk_tile(float *s, const float *qs, const float *kt, int64_t l
             _mm512_storeu_ps(s + i * KEY_BLOCK + c * VEC, _mm512_mul_ps(acc[i][c], sc));
 }
 
-/* One row's online-softmax step over a block: S row -> P (0 past `valid` keys); m and l
- * updated; returns the factor O must be multiplied by (exactly 1 when m did not move). */
-static inline float softmax_step(float *s, int64_t valid, float *m, float *l) {
-    if (valid <= 0) {  /* none of this row's keys: P = 0, nothing else moves */
+/* One row's online-softmax step over a block: S row -> P (0 outside the row's keys [lo, hi)
+ * of the block); m and l updated; returns the factor O must be multiplied by (exactly 1 when
+ * m did not move). */
+static inline float softmax_step(float *s, int64_t lo, int64_t hi, float *m, float *l) {
+    if (hi <= 0 || lo >= KEY_BLOCK) {  /* none of this row's keys: P = 0, nothing moves */
         memset(s, 0, sizeof(float) * KEY_BLOCK);
         return 1.0f;
     }
     __mmask16 mask[4];
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int c = 0; c < 4; ++c) {
-        int64_t n = valid - c * VEC;
-        mask[c] = n >= VEC ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+        mask[c] = key_lanes(lo, hi, c);
         mx = _mm512_mask_max_ps(mx, mask[c], mx, _mm512_loadu_ps(s + c * VEC));
     }
     float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx));
@@ -132,7 +153,6 @@ static inline float softmax_step(float *s, int64_t valid, float *m, float *l) {
     return alpha;
 }
 
-
 typedef struct {
     float *qs, *s, *o, *m, *l, *alpha;
     float *kt_block;  /* [D][KEY_BLOCK]: one block of Kt, for a sequence with one item */
@@ -142,7 +162,6 @@ typedef struct {
     float *c_tile;
     int64_t *pos;
 } Scratch;
-
 
 static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -181,21 +200,26 @@ static Scratch scratch_at(float *mine, int64_t group, int64_t dim) {
     return w;
 }
 
-/* Floats of workspace a call needs: every (seq, kv head)'s transposed K, then one scratch
- * per thread. */
 /* Whether (seq, kv head) pairs of this sequence get a whole-sequence Kt in phase 1: those
  * with several items share it; a one-item sequence transposes block by block instead. */
 static int shares_kt(const int64_t *seq) { return seq[2] > TOKEN_TILE; }
 
-static int64_t kt_floats(const int64_t *seq, int64_t dim) {
-    return shares_kt(seq) ? dim * round_up(seq[1] + seq[2], KEY_BLOCK) : 0;
+/* A shared Kt (or K/V tiles) holds keys from the first block its first new token reads, to
+ * the end of the sequence's last block. */
+static int64_t kt_from(const int64_t *seq, int64_t window) { return first_block(seq[1], window); }
+
+static int64_t kt_floats(const int64_t *seq, int64_t dim, int64_t window) {
+    return shares_kt(seq) ? dim * (round_up(seq[1] + seq[2], KEY_BLOCK) - kt_from(seq, window))
+                          : 0;
 }
 
+/* Floats of workspace a call needs: every (seq, kv head)'s transposed K, then one scratch
+ * per thread. Window 0 needs the most: a size for it serves every window. */
 int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
                                           int64_t heads, int64_t kv_heads, int64_t dim,
-                                          int num_threads) {
+                                          int64_t window, int num_threads) {
     int64_t n = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) n += kv_heads * kt_floats(seqs + 4 * i, dim);
+    for (int64_t i = 0; i < num_seqs; ++i) n += kv_heads * kt_floats(seqs + 4 * i, dim, window);
     return n + (int64_t)num_threads * scratch_floats(heads / kv_heads, dim);
 }
 
@@ -258,20 +282,43 @@ static void pack_v_pairs(uint32_t *v_tiles, const uint16_t *k_cache, const uint1
         }
 }
 
+/* S[r][0..64) = q_r . k_j (unscaled, as AMX stores it) for 4 rows, one vdpbf16ps per pair
+ * of dims: the block's K pairs as pack_k_pairs lays them out, q's pair broadcast. */
+static inline __attribute__((always_inline, target("avx512bf16"))) void dp_qk_tile(
+        float *s, const uint16_t *q16, const uint32_t *k_tiles, int64_t dim) {
+    __m512 acc[MICRO_ROWS][4];
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < dim / 2; ++pair) {
+        const uint32_t *row = k_tiles + (pair >> 4) * 4 * 256 + (pair & 15) * 16;
+        __m512i k[4];
+        for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(row + c * 256);
+        for (int i = 0; i < MICRO_ROWS; ++i) {
+            uint32_t qp;
+            memcpy(&qp, q16 + i * dim + 2 * pair, sizeof qp);
+            const __m512i qv = _mm512_set1_epi32((int)qp);
+            for (int c = 0; c < 4; ++c)
+                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)k[c], (__m512bh)qv);
+        }
+    }
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + i * KEY_BLOCK + c * VEC, acc[i][c]);
+}
+
 /* softmax_step for the pair paths, in one pass over a row of S (unscaled, as the tile
  * stored it): scaled, m and l updated, P written as bfloat16 for PV (vcvtneps2bf16: every
  * AMX CPU has AVX512-BF16); returns alpha. */
 static inline __attribute__((target("avx512bf16"))) float softmax_step_p16(
-        const float *s, __m512 scale, int64_t valid, float *m, float *l, uint16_t *p16) {
-    if (valid <= 0) {  /* none of this row's keys: P = 0, nothing else moves */
+        const float *s, __m512 scale, int64_t lo, int64_t hi, float *m, float *l,
+        uint16_t *p16) {
+    if (hi <= 0 || lo >= KEY_BLOCK) {  /* none of this row's keys: P = 0, nothing moves */
         memset(p16, 0, sizeof(uint16_t) * KEY_BLOCK);
         return 1.0f;
     }
     __mmask16 mask[4];
     __m512 v[4], mx = _mm512_set1_ps(-INFINITY);
     for (int c = 0; c < 4; ++c) {
-        const int64_t n = valid - c * VEC;
-        mask[c] = n >= VEC ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+        mask[c] = key_lanes(lo, hi, c);
         v[c] = _mm512_mul_ps(_mm512_loadu_ps(s + c * VEC), scale);
         mx = _mm512_mask_max_ps(mx, mask[c], mx, v[c]);
     }
@@ -288,7 +335,6 @@ static inline __attribute__((target("avx512bf16"))) float softmax_step_p16(
     *m = m_new;
     return alpha;
 }
-
 
 /* A pair path's work item starts: its rows' q (bfloat16) into the scratch, padded to
  * `padded` rows with copies of the last; positions; m, l and O reset. Returns the keys the
@@ -311,14 +357,14 @@ static int64_t load_pair_rows(const Item *it, Scratch *w, const uint16_t *q, int
 }
 
 /* The K and V pairs of the block of keys from j0 (of `num_keys`): in `tiles` when phase 1
- * packed the sequence's, else packed now into the thread's scratch from the sequence's
- * slots `own`. */
-static void block_pairs(Scratch *w, const uint32_t *tiles, const uint16_t *k_cache,
+ * packed the sequence's (from key `from` on), else packed now into the thread's scratch
+ * from the sequence's slots `own`. */
+static void block_pairs(Scratch *w, const uint32_t *tiles, int64_t from, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *own, int64_t num_keys,
                         int64_t j0, int64_t kv_heads, int64_t kv_head, int64_t dim,
                         const uint32_t **k_tiles, const uint32_t **v_tiles) {
     if (tiles != NULL) {
-        *k_tiles = tiles + j0 * dim;
+        *k_tiles = tiles + (j0 - from) * dim;
         *v_tiles = *k_tiles + KEY_BLOCK * dim / 2;
         return;
     }
@@ -361,17 +407,12 @@ static void block_pairs(Scratch *w, const uint32_t *tiles, const uint16_t *k_cac
 #undef AMX_PATH
 
 /* bfloat16 with vdpbf16ps (AVX512-BF16, head dims a multiple of PAIR_DIMS): AMX's
- * arithmetic on 16-lane vectors, per block of 64 keys from key 0: S from K's pairs, the online softmax in
- * float32, P rounded to bfloat16, O = alpha O + P V from V's pairs. Each row runs alone in
- * its own lanes' accumulators, so a row's bits depend only on its query and its keys. */
+ * arithmetic on 16-lane vectors per block of 64 keys from key 0 (S from K's pairs, the
+ * online softmax in float32, P rounded to bfloat16, O = alpha O + P V from V's pairs), each
+ * row alone in its own lanes' accumulators: a row's bits depend only on its query and keys. */
 #define DP_PATH 1
 #define NAME(f) f##_bf16_dp
 #include "cpu_attention_typed.h"
-#undef T
-#undef LOAD
-#undef STORE
-#undef NAME
-#undef DP_PATH
 
 int hicache_paged_attention_has_amx(void) { return amx_available(); }
 

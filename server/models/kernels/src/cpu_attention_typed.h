@@ -2,8 +2,8 @@
  * once per element type (no include guard): T, LOAD(p) (16 elements of T at p as float32),
  * STORE(p, v) (v as 16 elements of T) and NAME(f) (f with the type's suffix) come from
  * cpu_attention.c. The math in between is float32 either way. With AMX_PATH or DP_PATH
- * (bfloat16 only) the work items multiply bfloat16 pairs, on AMX's tiles (amx_run_item) or
- * with vdpbf16ps (dp_run_item), phase 1 packing K and V in pairs (pack_k_pairs,
+ * (bfloat16 only) the work items multiply bfloat16 pairs (pair_run_item), on AMX's tiles
+ * or with vdpbf16ps, phase 1 packing K and V in pairs (pack_k_pairs,
  * pack_v_pairs) instead of transposing K. */
 #ifndef AMX_PATH
 #define AMX_PATH 0
@@ -28,8 +28,6 @@ static void NAME(store_rows)(const Item *it, const Scratch *w, const int64_t *se
 }
 
 #if !PAIR_PATH
-
-
 /* K of keys [0, num_keys) (their slots from `slots`) transposed to [D][ld], columns
  * [num_keys, cols) zero (finite scores past the last key: P is 0 there); cols is a
  * multiple of 16. Each key's values land unchanged, so every Kt holds the same bits. */
@@ -78,7 +76,6 @@ static void NAME(transpose_block)(float *kt, const T *k_cache, const T *v_cache,
         }
 }
 
-
 /* O[r][d0 .. d0 + 16 * CHUNK) = alpha_r * O[r] + sum_j P[r][j] * v_j[...] for 4 rows, keys
  * j < num_keys of the block (P is 0 past each row's own). CHUNK is a constant, so the
  * accumulators stay in registers. */
@@ -120,15 +117,17 @@ static inline void NAME(pv_tile)(float *o, const float *p, const float *alpha, c
         NAME(pv_tile_1)(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
 }
 
-
 /* Phase 2: one work item, the rows (token, group head) of up to TOKEN_TILE new tokens.
- * `kt`: the sequence's Kt from phase 1, or NULL for a sequence with one item (decode, short
- * extends), whose blocks are transposed here, each into the thread's L1-sized kt_block. */
+ * `kt`: the sequence's Kt from phase 1 (keys from kt_from on), or NULL for a sequence with
+ * one item (decode, short extends), whose blocks are transposed here, each into the
+ * thread's L1-sized kt_block. Blocks from the first its first row reads (`window`). */
 static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_stride,
-                     const float *kt, int64_t ld, const T *k_cache, const T *v_cache,
+                     const float *kt, const T *k_cache, const T *v_cache,
                      const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
-                     int64_t dim, float scale, T *out) {
+                     int64_t dim, float scale, int64_t window, T *out) {
     const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
+    const int64_t from = kt_from(seq, window);
+    const int64_t ld = round_up(prefix + seq[2], KEY_BLOCK) - from;
     const int64_t rows = it->num_tokens * group;
     const int64_t padded = (rows + MICRO_ROWS - 1) / MICRO_ROWS * MICRO_ROWS;
     for (int64_t r = 0; r < padded; ++r) {
@@ -142,12 +141,13 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
         memset(w->o + r * dim, 0, sizeof(float) * dim);
     }
     const int64_t num_keys = prefix + it->first_token + it->num_tokens;  /* last row's + 1 */
-    for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+    for (int64_t j0 = first_block(prefix + it->first_token, window); j0 < num_keys;
+         j0 += KEY_BLOCK) {
         int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
         const float *kb = w->kt_block;
         int64_t kb_ld = KEY_BLOCK;
         if (kt != NULL) {
-            kb = kt + j0;
+            kb = kt + (j0 - from);
             kb_ld = ld;
         } else {
             const int64_t next = num_keys - j0 - block < KEY_BLOCK ? num_keys - j0 - block
@@ -158,8 +158,8 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
             qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
         for (int64_t r = 0; r < padded; ++r)
-            w->alpha[r] = softmax_step(w->s + r * KEY_BLOCK, w->pos[r] - j0 + 1, &w->m[r],
-                                       &w->l[r]);
+            w->alpha[r] = softmax_step(w->s + r * KEY_BLOCK, first_key(w->pos[r], window) - j0,
+                                       w->pos[r] - j0 + 1, &w->m[r], &w->l[r]);
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
             NAME(pv_tile)(w->o + r * dim, w->s + r * KEY_BLOCK, w->alpha + r, v_cache,
                     slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
@@ -167,31 +167,7 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
     NAME(store_rows)(it, w, seq, heads, group, dim, out);
 }
 
-
 #elif DP_PATH
-/* S[r][0..64) = q_r . k_j (unscaled, as AMX stores it) for 4 rows, one vdpbf16ps per pair
- * of dims: the block's K pairs as pack_k_pairs lays them out, q's pair broadcast. */
-static inline __attribute__((always_inline, target("avx512bf16"))) void dp_qk_tile(
-        float *s, const uint16_t *q16, const uint32_t *k_tiles, int64_t dim) {
-    __m512 acc[MICRO_ROWS][4];
-    for (int i = 0; i < MICRO_ROWS; ++i)
-        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t pair = 0; pair < dim / 2; ++pair) {
-        const uint32_t *row = k_tiles + (pair >> 4) * 4 * 256 + (pair & 15) * 16;
-        __m512i k[4];
-        for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(row + c * 256);
-        for (int i = 0; i < MICRO_ROWS; ++i) {
-            uint32_t qp;
-            memcpy(&qp, q16 + i * dim + 2 * pair, sizeof qp);
-            const __m512i qv = _mm512_set1_epi32((int)qp);
-            for (int c = 0; c < 4; ++c)
-                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)k[c], (__m512bh)qv);
-        }
-    }
-    for (int i = 0; i < MICRO_ROWS; ++i)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + i * KEY_BLOCK + c * VEC, acc[i][c]);
-}
-
 /* O[r][d0 .. d0 + 16 * CHUNK) = alpha_r * O[r] + sum over the block's key pairs of
  * (P[r][2j], P[r][2j+1]) . (v_2j, v_2j+1)[...] for 4 rows, one vdpbf16ps per pair of keys:
  * V as pack_v_pairs lays it out, P's pair (bfloat16) broadcast. */
@@ -226,76 +202,59 @@ static inline __attribute__((always_inline, target("avx512bf16"))) void dp_qk_ti
 DP_PV_TILE(4)
 DP_PV_TILE(1)
 
-/* run_item with vdpbf16ps (AVX512-BF16 without AMX): the rows of up to TOKEN_TILE new
- * tokens, padded to whole register tiles with copies of the last row; per block, S from
- * the K pairs, softmax_step_p16 (P in bfloat16, as on AMX), O from the V pairs. `tiles` as
- * amx_run_item's. */
-static __attribute__((target("avx512bf16"))) void dp_run_item(
-        const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
-        const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
-        const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
-        int64_t dim, float scale, uint16_t *out) {
-    const int64_t rows = it->num_tokens * (heads / kv_heads);
-    const int64_t padded = round_up(rows, MICRO_ROWS);
-    const int64_t num_keys = load_pair_rows(it, w, q, q_stride, seq, heads, kv_heads, dim,
-                                            padded);
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
-        const int64_t block = num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK;
-        const uint32_t *k_tiles, *v_tiles;
-        block_pairs(w, tiles, k_cache, v_cache, slots + seq[3], num_keys, j0, kv_heads,
-                    it->kv_head, dim, &k_tiles, &v_tiles);
-        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
-            dp_qk_tile(w->s + r * KEY_BLOCK, w->q16 + r * dim, k_tiles, dim);
-        for (int64_t r = 0; r < padded; ++r)
-            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
-                                           &w->m[r], &w->l[r], w->p16 + r * KEY_BLOCK);
-        const int64_t key_pairs = (block + 1) / 2;
-        for (int64_t r = 0; r < padded; r += MICRO_ROWS) {
-            int64_t d0 = 0;
-            for (; d0 + 4 * VEC <= dim; d0 += 4 * VEC)
-                dp_pv_tile_4(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
-                             key_pairs, dim, d0);
-            for (; d0 < dim; d0 += VEC)
-                dp_pv_tile_1(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
-                             key_pairs, dim, d0);
-        }
-    }
-    NAME(store_rows)(it, w, seq, heads, heads / kv_heads, dim, out);
-}
+#endif
 
-
+#if PAIR_PATH
+#if AMX_PATH
+#define PAIR_TARGET "amx-tile,amx-bf16,avx512bf16"
+#define PAIR_ROWS AMX_ROWS
 #else
-/* run_item on AMX: the rows of up to TOKEN_TILE new tokens, padded to whole tiles of 16. */
-/* `tiles`: the sequence's K and V tiles from phase 1 (block b's K tiles at b * 64 * dim
- * words, its V tiles right after), or NULL for a sequence with one item, whose blocks are
- * packed here into the thread's scratch. */
-static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item(
+#define PAIR_TARGET "avx512bf16"
+#define PAIR_ROWS MICRO_ROWS
+#endif
+/* run_item on the pair paths: the rows of up to TOKEN_TILE new tokens, padded with copies
+ * of the last to whole tiles (AMX's 16 rows, or 4 for vdpbf16ps); per block S = Q K^T from
+ * the K pairs, softmax_step_p16 (P in bfloat16), O = alpha O + P V from the V pairs.
+ * `tiles`: the sequence's K and V tiles from phase 1 (the block of key j0's K tiles at
+ * (j0 - kt_from) * dim words, its V tiles right after), or NULL for a sequence with one
+ * item, whose blocks are packed here into the thread's scratch. */
+static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
         const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
         const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
         const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
-        int64_t dim, float scale, uint16_t *out) {
+        int64_t dim, float scale, int64_t window, uint16_t *out) {
     const int64_t rows = it->num_tokens * (heads / kv_heads);
-    const int64_t padded = round_up(rows, AMX_ROWS);
+    const int64_t padded = round_up(rows, PAIR_ROWS);
     const int64_t num_keys = load_pair_rows(it, w, q, q_stride, seq, heads, kv_heads, dim,
                                             padded);
-    /* padding rows (up to a whole tile) get P = 0 and are never normalised nor stored */
-    memset(w->p16 + rows * KEY_BLOCK, 0, sizeof(uint16_t) * (padded - rows) * KEY_BLOCK);
+    /* AMX's padding rows get P = 0 once and are never normalised nor stored (vdpbf16ps
+     * runs its few as rows) */
+    const int64_t live = AMX_PATH ? rows : padded;
+    memset(w->p16 + live * KEY_BLOCK, 0, sizeof(uint16_t) * (padded - live) * KEY_BLOCK);
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+    for (int64_t j0 = first_block(w->pos[0], window); j0 < num_keys; j0 += KEY_BLOCK) {
         const uint32_t *k_tiles, *v_tiles;
-        block_pairs(w, tiles, k_cache, v_cache, slots + seq[3], num_keys, j0, kv_heads,
-                    it->kv_head, dim, &k_tiles, &v_tiles);
-        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {  /* S = Q K^T */
+        block_pairs(w, tiles, kt_from(seq, window), k_cache, v_cache, slots + seq[3],
+                    num_keys, j0, kv_heads, it->kv_head, dim, &k_tiles, &v_tiles);
+#if AMX_PATH
+        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {
             AMX_ZERO_C();
             for (int64_t t = 0; t < dim / PAIR_DIMS; ++t)
-                AMX_DOT4(w->q16 + r0 * dim + PAIR_DIMS * t, dim * 2, k_tiles + 4 * t * 256, 256, 64);
+                AMX_DOT4(w->q16 + r0 * dim + PAIR_DIMS * t, dim * 2, k_tiles + 4 * t * 256,
+                         256, 64);
             AMX_STORE_C(w->s + r0 * KEY_BLOCK, KEY_BLOCK * 4);
         }
-        for (int64_t r = 0; r < rows; ++r)
-            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc, w->pos[r] - j0 + 1,
-                                           &w->m[r], &w->l[r], w->p16 + r * KEY_BLOCK);
-        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS)  /* O = alpha O + P V */
+#else
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
+            dp_qk_tile(w->s + r * KEY_BLOCK, w->q16 + r * dim, k_tiles, dim);
+#endif
+        for (int64_t r = 0; r < live; ++r)
+            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc,
+                                           first_key(w->pos[r], window) - j0,
+                                           w->pos[r] - j0 + 1, &w->m[r], &w->l[r],
+                                           w->p16 + r * KEY_BLOCK);
+#if AMX_PATH
+        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS)
             for (int64_t d0 = 0; d0 < dim; d0 += KEY_BLOCK) {
                 AMX_ZERO_C();
                 for (int64_t h = 0; h < KEY_BLOCK / 32; ++h)
@@ -307,14 +266,28 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
                     const __m512 a = _mm512_set1_ps(w->alpha[r0 + i]);
                     float *o = w->o + (r0 + i) * dim + d0;
                     for (int k = 0; k < 4; ++k)
-                        _mm512_storeu_ps(o + k * VEC,
-                                         _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + k * VEC), a),
-                                                       _mm512_loadu_ps(c + i * KEY_BLOCK + k * VEC)));
+                        _mm512_storeu_ps(o + k * VEC, _mm512_add_ps(
+                            _mm512_mul_ps(_mm512_loadu_ps(o + k * VEC), a),
+                            _mm512_loadu_ps(c + i * KEY_BLOCK + k * VEC)));
                 }
             }
+#else
+        const int64_t key_pairs = ((num_keys - j0 < KEY_BLOCK ? num_keys - j0 : KEY_BLOCK) + 1) / 2;
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS) {
+            int64_t d0 = 0;
+            for (; d0 + 4 * VEC <= dim; d0 += 4 * VEC)
+                dp_pv_tile_4(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
+                             key_pairs, dim, d0);
+            for (; d0 < dim; d0 += VEC)
+                dp_pv_tile_1(w->o + r * dim, w->p16 + r * KEY_BLOCK, w->alpha + r, v_tiles,
+                             key_pairs, dim, d0);
+        }
+#endif
     }
     NAME(store_rows)(it, w, seq, heads, heads / kv_heads, dim, out);
 }
+#undef PAIR_TARGET
+#undef PAIR_ROWS
 #endif
 
 /* `workspace` holds hicache_paged_attention_workspace(...) floats (64-byte aligned, any
@@ -322,8 +295,10 @@ static __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void amx_run_item
 int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache,
                                 const T *v_cache, const int64_t *slots, const int64_t *seqs,
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                                float scale, T *out, float *workspace, int num_threads) {
+                                float scale, int64_t window, T *out, float *workspace,
+                                int num_threads) {
     if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0
+        || window < 0
         || (AMX_PATH && dim % KEY_BLOCK != 0) || (DP_PATH && dim % PAIR_DIMS != 0))
         return -1;
     /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
@@ -335,7 +310,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t *sq = seqs + 4 * i;
         for (int64_t h = 0; h < kv_heads; ++h)
-            kt_off[i * kv_heads + h + 1] = kt_off[i * kv_heads + h] + kt_floats(sq, dim);
+            kt_off[i * kv_heads + h + 1] = kt_off[i * kv_heads + h] + kt_floats(sq, dim, window);
         num_items += kv_heads * ((sq[2] + TOKEN_TILE - 1) / TOKEN_TILE);
     }
     Item *items = malloc(sizeof(Item) * (size_t)num_items);
@@ -361,14 +336,15 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
         free(items);
         return -2;
     }
-    for (int64_t pair = 0; pair < num_seqs * kv_heads; ++pair)
-        if (shares_kt(seqs + 4 * (pair / kv_heads)))
-            for (int64_t j0 = 0; j0 < seqs[4 * (pair / kv_heads) + 1]
-                                      + seqs[4 * (pair / kv_heads) + 2]; j0 += KEY_BLOCK) {
+    for (int64_t pair = 0; pair < num_seqs * kv_heads; ++pair) {
+        const int64_t *sq = seqs + 4 * (pair / kv_heads);
+        if (shares_kt(sq))
+            for (int64_t j0 = kt_from(sq, window); j0 < sq[1] + sq[2]; j0 += KEY_BLOCK) {
                 blocks[2 * b] = pair;
                 blocks[2 * b + 1] = j0;
                 ++b;
             }
+    }
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
@@ -383,7 +359,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
             const int64_t *sq = seqs + 4 * (pair / kv_heads);
             const int64_t keys = sq[1] + sq[2];
             const int64_t block = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
-            uint32_t *k_tiles = (uint32_t *)(kt + kt_off[pair]) + j0 * dim;
+            uint32_t *k_tiles = (uint32_t *)(kt + kt_off[pair]) + (j0 - kt_from(sq, window)) * dim;
             pack_k_pairs(k_tiles, k_cache, v_cache, slots + sq[3] + j0, block, kv_heads,
                          pair % kv_heads, dim);
             pack_v_pairs(k_tiles + KEY_BLOCK * dim / 2, k_cache, v_cache, slots + sq[3] + j0,
@@ -392,11 +368,11 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
 #else
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_seqs * kv_heads; ++p) {
-            const int64_t *sq = seqs + 4 * (p / kv_heads);
-            int64_t ld = round_up(sq[1] + sq[2], KEY_BLOCK);
+            const int64_t *sq = seqs + 4 * (p / kv_heads), from = kt_from(sq, window);
+            const int64_t ld = round_up(sq[1] + sq[2], KEY_BLOCK) - from;
             if (shares_kt(sq))
-                NAME(transpose_keys)(kt + kt_off[p], ld, ld, k_cache, slots + sq[3], sq[1] + sq[2],
-                               kv_heads, p % kv_heads, dim);
+                NAME(transpose_keys)(kt + kt_off[p], ld, ld, k_cache, slots + sq[3] + from,
+                                     sq[1] + sq[2] - from, kv_heads, p % kv_heads, dim);
         }
 #endif
         Scratch w = scratch_at(scratch + omp_get_thread_num() * scratch_floats(group, dim),
@@ -408,18 +384,13 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
 #if PAIR_PATH
             const uint32_t *own = shares_kt(sq)
                 ? (const uint32_t *)(kt + kt_off[it->seq * kv_heads + it->kv_head]) : NULL;
-#if AMX_PATH
-            amx_run_item(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
-                         kv_heads, dim, scale, out);
-#else
-            dp_run_item(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
-                        kv_heads, dim, scale, out);
-#endif
+            NAME(pair_run_item)(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
+                                kv_heads, dim, scale, window, out);
 #else
             const float *own = shares_kt(sq) ? kt + kt_off[it->seq * kv_heads + it->kv_head]
                                              : NULL;
-            NAME(run_item)(it, &w, q, q_stride, own, round_up(sq[1] + sq[2], KEY_BLOCK), k_cache,
-                     v_cache, slots, sq, heads, kv_heads, dim, scale, out);
+            NAME(run_item)(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
+                           kv_heads, dim, scale, window, out);
 #endif
         }
 #if AMX_PATH
