@@ -35,6 +35,9 @@ SEQ_LENS = (1, 7, 64, 65, 200)  # 64 is the kernel's key tile: exactly one, one 
 GQA_RATIOS = (1, 4, 8)
 KV_HEADS = 2
 HEAD_DIM = 64
+# sliding windows: one key, shorter than a page, cutting pages (16) and the key tile (64) in
+# the middle, and longer than every sequence
+WINDOWS = (1, 5, 37, 70, 1000)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -116,6 +119,43 @@ def test_the_causal_fast_path_is_bit_identical_to_the_masked_one(
         masked = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=keys[None, :] <= keys[:, None])
         assert torch.equal(fast[start:start + n], masked.transpose(0, 1))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_windowed_reference_matches_torch_attention_decode(window: int) -> None:
+    """Each sequence reads its `window` latest keys, as TorchAttention's window layers do."""
+    pool, batch, q = decode_case(SEQ_LENS, KV_HEADS * 4, KV_HEADS, HEAD_DIM,
+                                 torch.float32, "cpu")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, table, lens, 0.3,
+                                           window=window)
+    k = q[:, :KV_HEADS]
+    want = TorchAttention().forward(q, k, k, 0, batch, pool, window=window, scale=0.3)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    if window < max(SEQ_LENS):  # a window shorter than a sequence changes its answer
+        full = paged_decode_attention_reference(q, k_cache, v_cache, table, lens, 0.3)
+        assert not torch.allclose(ref, full)
+
+
+def test_reference_ignores_the_table_before_the_window() -> None:
+    pool, batch, q = decode_case((3, 90), 4, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    garbage = table.clone()
+    garbage[1, :90 - 37] = 10**9  # out of range: reading it would raise
+    got = paged_decode_attention_reference(q, k_cache, v_cache, garbage, lens, 0.125, window=37)
+    torch.testing.assert_close(got, paged_decode_attention_reference(
+        q, k_cache, v_cache, table, lens, 0.125, window=37))
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_a_window_is_a_positive_int(window: object) -> None:
+    pool, batch, q = decode_case((3,), 4, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    for fn in (paged_decode_attention_reference, paged_decode_attention):
+        with pytest.raises(ValueError, match="window must be None"):
+            fn(q, *pool.get_kv(0), *batch.slot_table(), 0.125, window=window)
 
 
 def test_reference_ignores_the_table_past_seq_len() -> None:
@@ -203,6 +243,26 @@ def test_kernel_matches_reference(dtype: torch.dtype, ratio: int, head_dim: int)
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("window", WINDOWS)
+def test_windowed_kernel_matches_reference(dtype: torch.dtype, window: int) -> None:
+    """Each row from max(0, len - W) on, never the poisoned slots before it nor past it."""
+    pytest.importorskip("cupy")
+    pool, batch, q = decode_case(SEQ_LENS, KV_HEADS * 4, KV_HEADS, HEAD_DIM, dtype, "cuda")
+    k_cache, v_cache = pool.get_kv(0)
+    table, lens = batch.slot_table()
+    table = table.clone()
+    for s, n in enumerate(lens.tolist()):
+        table[s, :max(0, n - window)] = 0  # slot 0: the NaN padding page, before the window
+    got = paged_decode_attention(q, k_cache, v_cache, table, lens, 0.3, window=window)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, table, lens, 0.3,
+                                            window=window)
+    assert torch.isfinite(got).all()
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@requires_cuda
 def test_kernel_ignores_padding_and_takes_strided_q() -> None:
     pytest.importorskip("cupy")
     pool, batch, q = decode_case((1, 130), 8, KV_HEADS, HEAD_DIM, torch.float32, "cuda")
@@ -218,12 +278,14 @@ def test_kernel_ignores_padding_and_takes_strided_q() -> None:
 
 
 @requires_cuda
-def test_cuda_backend_decode_matches_torch_attention() -> None:
+@pytest.mark.parametrize(("window", "scale"), [(None, None), (37, None), (70, 0.3)])
+def test_cuda_backend_decode_matches_torch_attention(window: int | None,
+                                                     scale: float | None) -> None:
     pytest.importorskip("cupy")
     pool, batch, q = decode_case(SEQ_LENS, 8, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
     k = q[:, :KV_HEADS]
-    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool)
-    want = TorchAttention().forward(q, k, k, 0, batch, pool)
+    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool, window=window, scale=scale)
+    want = TorchAttention().forward(q, k, k, 0, batch, pool, window=window, scale=scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
@@ -234,9 +296,9 @@ def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyP
 
     calls: list[int] = []
 
-    def reference(*args: object) -> torch.Tensor:
+    def reference(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
-        return paged_decode_attention_reference(*args)  # type: ignore[arg-type]
+        return paged_decode_attention_reference(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention, "paged_decode_attention", reference)
     pool, batch, q = decode_case(SEQ_LENS, 8, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
@@ -245,12 +307,17 @@ def test_cuda_backend_glue_on_cpu_with_the_reference(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(got, TorchAttention().forward(q, k, k, 0, batch, pool),
                                rtol=1e-5, atol=1e-5)
     assert calls == [1]
+    # a sliding-window layer with its own scale takes the kernel too (no SDPA fallback)
+    got = CudaPagedAttention().forward(q, k, k, 0, batch, pool, window=37, scale=0.3)
+    want = TorchAttention().forward(q, k, k, 0, batch, pool, window=37, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 1]
     prefill = ForwardBatch(torch.zeros(3, dtype=torch.int64), torch.arange(3),
                            batch.seq_slots[4][:3], [batch.seq_slots[4][:3]], [0], [3])
     qp = q[:3]
     torch.testing.assert_close(CudaPagedAttention().forward(qp, k[:3], k[:3], 0, prefill, pool),
                                TorchAttention().forward(qp, k[:3], k[:3], 0, prefill, pool))
-    assert calls == [1]  # prefill did not go through the decode kernel
+    assert calls == [1, 1]  # prefill did not go through the decode kernel
 
 
 def test_cuda_backend_falls_back_past_the_kernel_limits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +325,8 @@ def test_cuda_backend_falls_back_past_the_kernel_limits(monkeypatch: pytest.Monk
     from hicache_server.models import attention
 
     calls: list[int] = []
-    monkeypatch.setattr(attention, "paged_decode_attention", lambda *a: calls.append(1))
+    monkeypatch.setattr(attention, "paged_decode_attention",
+                        lambda *a, **kw: calls.append(1))
     head_dim = MAX_HEAD_DIM + 32
     pool, batch, q = decode_case((3, 9), 4, KV_HEADS, head_dim, torch.float32, "cpu")
     k = q[:, :KV_HEADS]
@@ -309,7 +377,7 @@ def test_launch_matches_the_kernel_signature(monkeypatch: pytest.MonkeyPatch) ->
     k_cache, v_cache = pool.get_kv(0)
     table, lens = batch.slot_table()
     out = torch.empty_like(q)
-    paged_attention._launch(q, k_cache, v_cache, table, lens, out, 0.125)
+    paged_attention._launch(q, k_cache, v_cache, table, lens, out, 0.125, 37)
     name, (grid, block, args) = launches
     source = cuda_utils.kernel_source(paged_attention.SOURCE)
     assert name == "paged_decode_attention_bf16" and name in source
@@ -322,3 +390,4 @@ def test_launch_matches_the_kernel_signature(monkeypatch: pytest.MonkeyPatch) ->
     assert [int(a) for a in args[:6]] == [t.data_ptr() for t in ptrs]
     assert [int(a) for a in args[6:10]] == [8, KV_HEADS, HEAD_DIM, table.shape[1]]
     assert args[10] == np.float32(0.125)
+    assert args[11] == np.int64(37)  # the window

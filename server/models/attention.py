@@ -1,8 +1,10 @@
 """Attention backends: how a layer's queries read the paged KV cache.
 
 Every backend computes, for sequence i of a ForwardBatch and its new token t (0-based within
-the extend), causal attention over the keys at positions `0 .. prefix_lens[i] + t`, read from
-the pool through `seq_slots[i]`. GQA: query head h reads KV head `h // (heads // kv_heads)`.
+the extend, position p = prefix_lens[i] + t), causal attention over the keys at positions
+`0 .. p`, read from the pool through `seq_slots[i]`, or for a sliding-window layer (`window`
+W) over its W latest, `p - W < j <= p`. GQA: query head h reads KV head
+`h // (heads // kv_heads)`.
 
 `TorchAttention` batches a layer's work instead of looping over sequences in Python:
 
@@ -26,11 +28,13 @@ What a batch needs for this (tables, masks, index tensors) is built at the first
 kept on the ForwardBatch (`ForwardBatch.memo`). `ReferenceAttention` is the plain per-sequence
 loop, kept as the reference the tests compare against.
 
-On the CPU in float32 the engine's default is `CpuKernelAttention`, one call of the C kernel
-(kernels/src/cpu_attention.c) per layer for the whole batch, K/V read through the slots; it
-computes each row alike however its sequence was split, so prefilled, extended and decoded
-tokens (and their K/V) are bit-identical. TorchAttention serves where the kernel cannot
-(no AVX-512 or C compiler, bfloat16, `HICACHE_CPU_ATTENTION=sdpa`).
+On the CPU in float32 and bfloat16 the engine's default is `CpuKernelAttention`, one call
+of the C kernel (kernels/src/cpu_attention.c) per layer for the whole batch, K/V read through
+the slots, windows and scales included; it computes each row alike however its sequence was
+split, so prefilled, extended and decoded tokens (and their K/V) are bit-identical.
+TorchAttention serves where the kernel cannot (no AVX-512 or C compiler, float16, head dims
+it does not take, `HICACHE_CPU_ATTENTION=sdpa`). On CUDA `CudaPagedAttention` runs decode
+batches, windowed or not, on the CuPy kernel (kernels/src/paged_attention.cu).
 """
 
 from __future__ import annotations
@@ -312,8 +316,9 @@ class ReferenceAttention(AttentionBackend):
 
 
 class CudaPagedAttention(AttentionBackend):
-    """Decode batches through the CuPy paged kernel; prefill and mixed batches, and decode
-    shapes past the kernel's limits (head_dim, sequences per launch), through TorchAttention.
+    """Decode batches through the CuPy paged kernel (a window layer's too: each row reads its
+    W latest keys); prefill and mixed batches, and decode shapes past the kernel's limits
+    (head_dim, sequences per launch), through TorchAttention.
 
     The kernel runs on torch's current stream, after `set_kv` wrote the new token's K/V there.
     """
@@ -327,25 +332,26 @@ class CudaPagedAttention(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         if (not batch.is_decode or q.shape[-1] > MAX_HEAD_DIM
-                or batch.num_seqs > MAX_NUM_SEQS or window is not None):
+                or batch.num_seqs > MAX_NUM_SEQS):
             return self._prefill.forward(q, k, v, layer, batch, kv_pool, window=window,
                                          scale=scale)
         k_cache, v_cache = kv_pool.get_kv(layer)
         table, lens = batch.slot_table()  # built once per batch, shared by every layer
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out = paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, table, lens, scale)
+        out = paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, table, lens, scale,
+                                     window=window)
         return out.to(q.dtype)
 
 
 class CpuKernelAttention(AttentionBackend):
-    """Every float32 or bfloat16 CPU batch (prefill, extend, decode, mixed) in one call of
-    the C kernel
+    """Every float32 or bfloat16 CPU batch (prefill, extend, decode, mixed; full or
+    sliding-window layers, any scale) in one call of the C kernel
     (kernels/src/cpu_attention.c), K/V read from the pool through each sequence's slots: no
-    gather, no mask, no per-sequence loop. A row's result depends only on its query and its
-    keys, so a token gets the same bits prefilled, extended on a cached prefix, or decoded,
-    and recomputed and cached K/V agree bit for bit across every path. Other dtypes (and a
-    pool of another dtype than q), and head dims the kernel does not take, go to
-    TorchAttention."""
+    gather, no mask, no per-sequence loop; a window layer's rows skip the key blocks before
+    their window. A row's result depends only on its query and its keys, so a token gets the
+    same bits prefilled, extended on a cached prefix, or decoded, and recomputed and cached
+    K/V agree bit for bit across every path. Other dtypes (and a pool of another dtype than
+    q), and head dims the kernel does not take, go to TorchAttention."""
 
     def __init__(self, kernel: cpu_attention.CpuAttentionKernel) -> None:
         self.kernel = kernel
@@ -357,14 +363,15 @@ class CpuKernelAttention(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
-        if (k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1])
-                or window is not None):
+        if k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1]):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
                                           scale=scale)
+        # the same indices for every layer, full or windowed: the window is the kernel's
         slots, seqs = batch.memo("cpu_kernel_attention",
                                  lambda: _kernel_plan(batch, q, k_cache, v_cache))
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        return self.kernel(q, k_cache, v_cache, slots, seqs, scale, checked=True)
+        return self.kernel(q, k_cache, v_cache, slots, seqs, scale, checked=True,
+                           window=window)
 
     @staticmethod
     def takes(dtype: torch.dtype, head_dim: int) -> bool:

@@ -8,8 +8,9 @@ Layouts (the device KV pool's, hicache/memory/device.py)::
     seq_lens        [S] int64                 tokens of sequence s (>= 1); padding is never read
 
 GQA: query head h reads KV head `h // (H // KVH)` (consecutive heads share a KV head, as in
-transformers' `repeat_kv`). Softmax and accumulation run in float32 for every input dtype;
-the output has q's dtype.
+transformers' `repeat_kv`). With a `window` W (a sliding-window layer) sequence s reads only
+its W latest keys, `max(0, seq_lens[s] - W) .. seq_lens[s] - 1`. Softmax and accumulation
+run in float32 for every input dtype; the output has q's dtype.
 
 Two implementations, one signature: `paged_decode_attention` (the CuPy kernel of
 paged_attention.cu, CUDA tensors only) and `paged_decode_attention_reference` (pure torch, any
@@ -40,10 +41,12 @@ MAX_NUM_SEQS = 65535  # CUDA's limit on gridDim.y, which indexes sequences
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention by the CUDA kernel; `[S, H, D]` in q's dtype. See the module docstring."""
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
+    w = _window_arg(window)
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs CUDA tensors, got device {q.device}")
     if q.shape[2] > MAX_HEAD_DIM or q.shape[0] > MAX_NUM_SEQS:
@@ -56,27 +59,39 @@ def paged_decode_attention(
     out = torch.empty_like(q)  # [S, H, D]
     if q.numel() == 0:  # no sequence, head or dim: a (0, ...) grid is an invalid launch
         return out
-    _launch(q, k_cache, v_cache, slot_table, seq_lens, out, scale)
+    _launch(q, k_cache, v_cache, slot_table, seq_lens, out, scale, w)
     return out
 
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch decode attention with the kernel's semantics (float32 math, q's dtype out)."""
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
+    w = _window_arg(window)
     group = q.shape[1] // k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [S, H, D]
     for s, n in enumerate(seq_lens.tolist()):
         if n == 0:
             continue
-        slots = slot_table[s, :n]  # [n]
-        k = k_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [n, H, D]
-        v = v_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [n, H, D]
-        scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale  # [H, n]
+        first = max(0, n - w) if w else 0  # the window's W latest keys, or every key
+        slots = slot_table[s, first:n]  # [keys]
+        k = k_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [keys, H, D]
+        v = v_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [keys, H, D]
+        scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale  # [H, keys]
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
+
+
+def _window_arg(window: int | None) -> int:
+    """The kernel's window argument: W, or 0 for every key (None); ValueError unless W >= 1."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None (every key) or an int >= 1, got {window!r}")
+    return window
 
 
 def _validate(
@@ -116,6 +131,7 @@ def _validate(
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
+    window: int = 0,
 ) -> None:
     cupy = import_cupy()  # imported here: CuPy is optional and only this path needs it
     num_seqs, heads, head_dim = q.shape
@@ -126,7 +142,7 @@ def _launch(
         np.uint64(slot_table.data_ptr()), np.uint64(seq_lens.data_ptr()),
         np.uint64(out.data_ptr()),
         np.int32(heads), np.int32(k_cache.shape[1]), np.int32(head_dim),
-        np.int64(slot_table.shape[1]), np.float32(scale),
+        np.int64(slot_table.shape[1]), np.float32(scale), np.int64(window),
     )
     with torch.cuda.device(device), cupy.cuda.Device(device.index), \
             cupy.cuda.ExternalStream(stream.cuda_stream, device.index):

@@ -4,14 +4,18 @@
 // The wrapper is kernels/paged_attention.py; its pure-torch reference defines the semantics:
 //
 //   out[s, h] = softmax_j(scale * q[s, h] . K[slot(s, j), kvh]) @ V[slot(s, j), kvh]
-//   slot(s, j) = slot_table[s * max_len + j]   for j < seq_lens[s]
+//   slot(s, j) = slot_table[s * max_len + j]   for first(s) <= j < seq_lens[s]
+//   first(s) = max(0, seq_lens[s] - window)    (a sliding-window layer's W latest keys;
+//                                               window 0: every key, first(s) = 0)
 //   kvh = h / (num_heads / num_kv_heads)        (GQA: consecutive heads share a KV head)
 //
 // Layouts (all contiguous): q, out [S, H, D]; k_cache, v_cache [num_slots, KVH, D];
-// slot_table [S, max_len] int64; seq_lens [S] int64. Slot table entries at j >= seq_lens[s] and
-// every slot not listed are never read (they may hold garbage or NaN).
+// slot_table [S, max_len] int64; seq_lens [S] int64. Slot table entries outside
+// [first(s), seq_lens[s]) and every slot not listed are never read (they may hold garbage or
+// NaN).
 //
-// One block per (head, sequence), THREADS threads. Keys are processed in tiles of TILE:
+// One block per (head, sequence), THREADS threads. Keys from first(s) on are processed in
+// tiles of TILE:
 //   1. scores: each warp takes keys of the tile, its lanes stride over D; shuffle reduce
 //   2. online softmax: running max m and sum l are identical in every thread (each thread
 //      reduces the tile from shared memory), so no broadcast is needed
@@ -75,7 +79,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
                              const T* __restrict__ v_cache, const i64* __restrict__ slot_table,
                              const i64* __restrict__ seq_lens, T* __restrict__ out,
                              int num_heads, int num_kv_heads, int head_dim, i64 max_len,
-                             float scale) {
+                             float scale, i64 window) {
   const int head = blockIdx.x;
   const i64 seq = blockIdx.y;
   const int tid = threadIdx.x;
@@ -83,6 +87,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
   const int warp = tid / WARP_SIZE;
   const int kv_head = head / (num_heads / num_kv_heads);
   const i64 len = seq_lens[seq];
+  const i64 first = window > 0 && len > window ? len - window : 0;
   const i64* slots = slot_table + seq * max_len;
   const i64 token_stride = static_cast<i64>(num_kv_heads) * head_dim;
 
@@ -101,7 +106,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
   for (int i = 0; i < DIMS_PER_THREAD; ++i) acc[i] = 0.0f;
   __syncthreads();
 
-  for (i64 start = 0; start < len; start += TILE) {
+  for (i64 start = first; start < len; start += TILE) {
     const int n = static_cast<int>(len - start < TILE ? len - start : TILE);
     // 1. scores of keys start .. start + n - 1
     for (int j = warp; j < n; j += NUM_WARPS) {
@@ -134,7 +139,8 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
       if (d < head_dim) {
         float a = acc[i] * alpha;
         for (int j = 0; j < n; ++j) {
-          const T* v_row = v_cache + s_slot[j] * token_stride + static_cast<i64>(kv_head) * head_dim;
+          const T* v_row =
+              v_cache + s_slot[j] * token_stride + static_cast<i64>(kv_head) * head_dim;
           a += s_p[j] * to_float(v_row[d]);
         }
         acc[i] = a;
@@ -156,9 +162,9 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
   extern "C" __global__ void __launch_bounds__(THREADS)                                       \
   NAME(const T* q, const T* k_cache, const T* v_cache, const i64* slot_table,                \
        const i64* seq_lens, T* out, int num_heads, int num_kv_heads, int head_dim,             \
-       i64 max_len, float scale) {                                                            \
+       i64 max_len, float scale, i64 window) {                                                \
     paged_decode<T>(q, k_cache, v_cache, slot_table, seq_lens, out, num_heads, num_kv_heads,   \
-                    head_dim, max_len, scale);                                                 \
+                    head_dim, max_len, scale, window);                                         \
   }
 
 DEFINE_KERNEL(paged_decode_attention_f32, float)
