@@ -4,12 +4,19 @@ On any machine: the page table hicache hands FlashInfer (CSR `kv_indptr` / `kv_i
 `kv_last_page_len`, `qo_indptr`), read back the way FlashInfer reads it
 (`paged_kv_reference`), gives the engine's per-sequence reference attention on mixed
 prefill / extend / decode batches over scattered pages of a NaN pool (a wrong page or an
-off-by-one length reads NaN); a batch whose slots are not whole pages gets no table (and
-takes the fallback). Where a GPU and `flashinfer` are there (`make gpu-check`): FlashInfer
-itself against both, in bfloat16 and float16, decode and mixed batches.
+off-by-one length reads NaN), sliding-window layers included; a batch whose slots are not
+whole pages gets no table (and takes the fallback). The planning, with FlashInfer replaced
+by a stand-in that keeps each plan in its wrapper as FlashInfer does: a window W is planned
+as `window_left = W - 1`, a scale as `sm_scale`, one plan per kind. Where a GPU and
+`flashinfer` are there (`make gpu-check`): FlashInfer itself against both, in bfloat16 and
+float16, decode and mixed batches, full and windowed layers.
 """
 
 from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -23,6 +30,7 @@ from hicache_server.models.attention_choice import (
 )
 from hicache_server.models.flashinfer_attention import (
     FlashInferAttention,
+    PagedKV,
     flashinfer_available,
     paged_kv,
     paged_kv_reference,
@@ -36,6 +44,9 @@ KV_HEADS, HEAD_DIM, NUM_PAGES = 2, 64, 80
 # not), decodes at page boundaries and inside pages
 MIXED = ((0, 37), (120, 1), (0, 1), (64, 1), (48, 17), (5, 1), (200, 64), (1, 2), (31, 1))
 DECODE = tuple((n, 1) for n in (0, 15, 16, 17, 255, 300))
+# (window, scale) kinds of layer: full attention at the default scale, sliding windows
+# cutting pages (16) in the middle with Gemma-like scales of their own, one key
+KINDS = ((None, None), (37, None), (45, 0.3), (1, 0.3))
 
 
 def paged_case(seqs: tuple[tuple[int, int], ...], heads: int, dtype: torch.dtype,
@@ -68,9 +79,11 @@ def paged_case(seqs: tuple[tuple[int, int], ...], heads: int, dtype: torch.dtype
     return pool, batch, q
 
 
+@pytest.mark.parametrize("window", [None, 37, 1000])
 @pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
 @pytest.mark.parametrize("ratio", [1, 4])
-def test_the_page_table_reads_back_each_sequences_keys(seqs, ratio: int) -> None:
+def test_the_page_table_reads_back_each_sequences_keys(seqs, ratio: int,
+                                                       window: int | None) -> None:
     pool, batch, q = paged_case(seqs, KV_HEADS * ratio, torch.float32)
     table = paged_kv(batch, PAGE)
     assert table is not None
@@ -82,8 +95,8 @@ def test_the_page_table_reads_back_each_sequences_keys(seqs, ratio: int) -> None
     assert {t.dtype for t in (table.qo_indptr, table.kv_indptr, table.kv_indices,
                               table.kv_last_page_len)} == {torch.int32}
     k_cache, v_cache = pool.get_kv(0)
-    got = paged_kv_reference(q, k_cache, v_cache, table, HEAD_DIM ** -0.5)
-    want = ReferenceAttention().forward(q, None, None, 0, batch, pool)
+    got = paged_kv_reference(q, k_cache, v_cache, table, HEAD_DIM ** -0.5, window=window)
+    want = ReferenceAttention().forward(q, None, None, 0, batch, pool, window=window)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -98,6 +111,62 @@ def test_slots_that_are_not_whole_pages_get_no_table() -> None:
     offset = ForwardBatch(batch.input_ids[:1], batch.positions[:1], batch.out_slots[:1],
                           [batch.seq_slots[0][1:2]], [0], [1])  # starts inside a page
     assert paged_kv(offset, PAGE) is None
+
+
+class StandIn:
+    """A FlashInfer wrapper that keeps its plan in itself, as FlashInfer's do, and runs it
+    as `paged_kv_reference` of the planned table, window (`window_left + 1`) and scale."""
+
+    plans: ClassVar[list[dict]] = []  # every plan of every stand-in, in order
+
+    def __init__(self, workspace: torch.Tensor, layout: str) -> None:
+        assert layout == "NHD"
+        self.planned: dict | None = None
+
+    def plan(self, *args, **kwargs) -> None:
+        if len(args) == 7:  # a decode plan: no qo_indptr, one new token per sequence
+            args = (torch.arange(args[0].numel(), dtype=torch.int32), *args)
+        self.planned = dict(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len",
+                                 "heads", "kv_heads", "dim", "page_size"), args), **kwargs)
+        StandIn.plans.append(self.planned)
+
+    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        p = self.planned
+        table = PagedKV(p["qo_indptr"], p["kv_indptr"], p["kv_indices"],
+                        p["kv_last_page_len"], p["page_size"])
+        k_pages, v_pages = kv  # [pages, page_size, kv_heads, dim]
+        window = None if p["window_left"] < 0 else p["window_left"] + 1
+        return paged_kv_reference(q, k_pages.flatten(0, 1), v_pages.flatten(0, 1), table,
+                                  p["sm_scale"], window=window)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_each_kind_of_layer_gets_its_own_plan(monkeypatch: pytest.MonkeyPatch, seqs) -> None:
+    """Layers of several kinds in one batch, interleaved as in Gemma 3 (sliding, sliding,
+    global, ...): each kind is planned once with `window_left = W - 1` and its `sm_scale`,
+    on wrappers of its own (a second plan on one wrapper would replace the first), and every
+    layer gives the reference's answer for its window and scale; nothing falls back."""
+    fake = SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=StandIn,
+                           BatchPrefillWithPagedKVCacheWrapper=StandIn)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(StandIn, "plans", [])
+    pool, batch, q = paged_case(seqs, KV_HEADS * 4, torch.float16)
+    backend = FlashInferAttention(fallback=Refuse())
+    for window, scale in (*KINDS, *KINDS):
+        got = backend.forward(q, None, None, 0, batch, pool, window=window, scale=scale)
+        want = ReferenceAttention().forward(q.float(), None, None, 0, batch,
+                                            as_float(pool), window=window, scale=scale)
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    planned = [(p["window_left"], p["sm_scale"]) for p in StandIn.plans]
+    assert planned == [(-1, HEAD_DIM ** -0.5), (36, HEAD_DIM ** -0.5), (44, 0.3), (0, 0.3)]
+    assert all(("causal" in p) != (seqs is DECODE) for p in StandIn.plans)
+
+
+def as_float(pool: DeviceKVPool) -> DeviceKVPool:
+    out = DeviceKVPool(NUM_PAGES, PAGE, 1, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    for src, dst in zip((*pool.k_buffers, *pool.v_buffers), (*out.k_buffers, *out.v_buffers)):
+        dst.copy_(src)
+    return out
 
 
 def test_the_cuda_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +190,7 @@ def test_flashinfer_matches_the_reference_on_the_pool(seqs, dtype: torch.dtype) 
     backend = make_attention_backend("cuda")
     assert isinstance(backend, FlashInferAttention)
     got = backend.forward(q, None, None, 0, batch, pool)
-    assert batch.memo("flashinfer", lambda: None) is not None  # it planned, no fallback
+    assert batch.memo("flashinfer/None/None", lambda: None) is not None  # planned, no fallback
     want = ReferenceAttention().forward(q, None, None, 0, batch, pool)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -135,8 +204,30 @@ def test_flashinfer_matches_the_reference_on_the_pool(seqs, dtype: torch.dtype) 
 class Refuse(AttentionBackend):
     """A fallback that fails the test: every layer of every batch went through FlashInfer."""
 
-    def forward(self, q, k, v, layer, batch, kv_pool):
+    def forward(self, q, k, v, layer, batch, kv_pool, *, window=None, scale=None):
         raise AssertionError("FlashInferAttention fell back")
+
+
+@needs_flashinfer
+@pytest.mark.parametrize(("window", "scale"), KINDS[1:])
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_flashinfer_windows_match_the_reference(seqs, window: int, scale: float | None) -> None:
+    """Sliding-window layers through FlashInfer itself (`window_left = W - 1`), with their
+    own scale, between full layers of the same batch, against both references."""
+    pool, batch, q = paged_case(seqs, KV_HEADS * 4, torch.bfloat16, device="cuda")
+    backend = FlashInferAttention(fallback=Refuse())
+    full = backend.forward(q, None, None, 0, batch, pool)
+    got = backend.forward(q, None, None, 0, batch, pool, window=window, scale=scale)
+    again = backend.forward(q, None, None, 0, batch, pool)  # the full plan is still there
+    assert torch.equal(again, full)
+    want = ReferenceAttention().forward(q, None, None, 0, batch, pool, window=window,
+                                        scale=scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    k_cache, v_cache = pool.get_kv(0)
+    ref = paged_kv_reference(q.float(), k_cache.float(), v_cache.float(), paged_kv(batch, PAGE),
+                             scale or HEAD_DIM ** -0.5, window=window)
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def use_backend(lm, backend: AttentionBackend) -> None:

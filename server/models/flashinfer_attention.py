@@ -17,10 +17,14 @@ batch takes the CuPy / torch path). A decode batch runs through
 `BatchDecodeWithPagedKVCacheWrapper`, any other batch through
 `BatchPrefillWithPagedKVCacheWrapper` with the causal mask aligned to each sequence's end
 (new token t of a sequence with a cached prefix attends keys 0 .. prefix + t), both planned
-once per batch and run at every layer.
+once per batch and run at every layer. A sliding-window layer (window W: the W latest keys,
+`prefix + t - W < j <= prefix + t`) plans with FlashInfer's `window_left = W - 1` (the keys
+left of the query it reads, as vLLM passes it), and a layer's `scale` as `sm_scale`: one
+plan per (window, scale) kind per batch, each on its own pair of wrappers (a plan lives in
+its wrapper), all sharing one float workspace as their runs never overlap on the stream.
 
 `paged_kv_reference` is that contract in plain torch (pages -> slots, SDPA with the
-offset-causal mask): the tests check the page table against the engine's reference
+offset-causal mask, windowed for a window layer): the tests check the page table against the engine's reference
 attention on any machine, and FlashInfer against both where a GPU is lent.
 
 Threading: the scheduler thread (the model's forward), like every AttentionBackend.
@@ -97,10 +101,12 @@ def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV | None:
 
 
 def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       table: PagedKV, scale: float) -> torch.Tensor:
+                       table: PagedKV, scale: float, *, window: int | None = None
+                       ) -> torch.Tensor:
     """What FlashInfer computes from `table`, in plain torch: per sequence, its pages'
     slots (the last page cut at its length), KV heads repeated, SDPA with the causal mask
-    aligned to the sequence's end. `q` `[T, H, D]`, the caches `[num_slots, KVH, D]`."""
+    aligned to the sequence's end (and with a `window` W, each row's W latest keys only).
+    `q` `[T, H, D]`, the caches `[num_slots, KVH, D]`."""
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty_like(q)
     p = table.page_size
@@ -113,8 +119,11 @@ def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         new, keys = qo[i + 1] - qo[i], slots.numel()
         ks = k_cache.index_select(0, slots).repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v_cache.index_select(0, slots).repeat_interleave(group, dim=1).transpose(0, 1)
-        allowed = (torch.arange(keys, device=q.device)[None, :]
-                   <= torch.arange(keys - new, keys, device=q.device)[:, None])
+        key = torch.arange(keys, device=q.device)[None, :]
+        query = torch.arange(keys - new, keys, device=q.device)[:, None]  # its position
+        allowed = key <= query  # [new, keys]
+        if window is not None:
+            allowed &= key > query - window
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=allowed,
                                            scale=scale)
         out[rows] = o.transpose(0, 1)
@@ -133,36 +142,43 @@ class FlashInferAttention(AttentionBackend):
         self._flashinfer = flashinfer
         self._fallback = fallback or CudaPagedAttention()
         self._workspace: torch.Tensor | None = None
-        self._decode = self._prefill = None
+        # (window_left, sm_scale) -> its (decode, prefill) wrappers: a model has one kind
+        # per attention type (Gemma 3: its sliding and its global layers)
+        self._kinds: dict[tuple[int, float], tuple] = {}
 
-    def _wrappers(self, device: torch.device):
+    def _wrappers(self, device: torch.device, kind: tuple[int, float]) -> tuple:
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if kind not in self._kinds:
             fi = self._flashinfer
-            self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-            self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        return self._decode, self._prefill
+            self._kinds[kind] = (fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                                 fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
+        return self._kinds[kind]
 
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
-              page_size: int):
-        """(the planned wrapper, or None for the fallback), once per batch."""
+              page_size: int, window: int | None, scale: float | None):
+        """(the wrapper planned for this window and scale, or None for the fallback), once
+        per batch and kind."""
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
         if dim not in HEAD_DIMS or heads % kv_heads or k_cache.dtype not in DTYPES:
             return None
-        table = paged_kv(batch, page_size)
+        table = batch.memo("flashinfer/table", lambda: paged_kv(batch, page_size))
         if table is None:
             return None
-        decode, prefill = self._wrappers(q.device)
-        scale = 1.0 / math.sqrt(dim)
+        # FlashInfer's window_left counts the keys left of the query: W - 1 (-1: every key)
+        window_left = -1 if window is None else window - 1
+        sm_scale = 1.0 / math.sqrt(dim) if scale is None else scale
+        decode, prefill = self._wrappers(q.device, (window_left, sm_scale))
         if batch.is_decode:
             decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len, heads,
-                        kv_heads, dim, page_size, sm_scale=scale, q_data_type=q.dtype,
-                        kv_data_type=k_cache.dtype)
+                        kv_heads, dim, page_size, window_left=window_left, sm_scale=sm_scale,
+                        q_data_type=q.dtype, kv_data_type=k_cache.dtype)
             return decode
         prefill.plan(table.qo_indptr, table.kv_indptr, table.kv_indices,
                      table.kv_last_page_len, heads, kv_heads, dim, page_size, causal=True,
-                     sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+                     window_left=window_left, sm_scale=sm_scale, q_data_type=q.dtype,
+                     kv_data_type=k_cache.dtype)
         return prefill
 
     def forward(
@@ -172,8 +188,8 @@ class FlashInferAttention(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         page_size = kv_pool.page_size
-        wrapper = None if window is not None or scale is not None else batch.memo(
-            "flashinfer", lambda: self._plan(batch, q, k_cache, page_size))
+        wrapper = batch.memo(f"flashinfer/{window}/{scale}", lambda: self._plan(
+            batch, q, k_cache, page_size, window, scale))
         if wrapper is None:
             return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
                                           scale=scale)
