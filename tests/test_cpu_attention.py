@@ -1,6 +1,8 @@
-"""The CPU attention kernel (kernels/src/cpu_attention.c) against its torch reference, the
-row-invariance it promises (a token's bits do not depend on how its sequence was split into
-prefix, extend and decode), and the model on it: cached and recomputed K/V bit-identical.
+"""The CPU attention kernel (kernels/src/cpu_attention.c) against its torch reference (full
+and sliding-window layers; windows through the backends in tests/test_attention_window.py),
+the row-invariance it promises (a token's bits do not depend on how its sequence was split
+into prefix, extend and decode), and the model on it: cached and recomputed K/V
+bit-identical.
 
 Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
 skipped elsewhere, and a supported machine whose build fails fails here.
@@ -66,6 +68,37 @@ def test_mixed_batches_match_the_reference(kernel, ratio: int, dim: int) -> None
     got = kernel(q, kc, vc, slots, seqs, dim ** -0.5)
     want = paged_attention_reference(q, kc, vc, slots, seqs, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("window", (1, 37, 64, 100))
+@pytest.mark.parametrize("dim", (64, 80))
+def test_windowed_batches_match_the_reference(kernel, dim: int, window: int) -> None:
+    """A sliding-window layer: each row reads its `window` latest keys (the backends' own
+    tests: tests/test_attention_window.py)."""
+    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * 4, dim)
+    got = kernel(q, kc, vc, slots, seqs, SCALE, window=window)
+    want = paged_attention_reference(q, kc, vc, slots, seqs, SCALE, window=window)
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+    full = paged_attention_reference(q, kc, vc, slots, seqs, SCALE)
+    assert not torch.allclose(got, full)  # the window hid keys of the longer rows
+
+
+def test_bound_layers_take_each_layers_window(kernel) -> None:
+    """`bind_layers` with a window per layer (Gemma's sliding and global layers): each bound
+    call gives the bits of a direct call with that layer's window."""
+    q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * 4)
+    q = q.contiguous()
+    caches = [(kc, vc), (vc.clone(), kc.clone()), (kc, vc)]
+    windows = [37, None, 1]
+    out = torch.empty_like(q)
+    bound = kernel.bind_layers(q, caches, slots, seqs, SCALE, out, 2, windows=windows)
+    for layer, ((k, v), window) in enumerate(zip(caches, windows)):
+        bound(layer)
+        assert torch.equal(out, kernel(q, k, v, slots, seqs, SCALE, window=window)), layer
+    with pytest.raises(ValueError, match="one window per layer"):
+        kernel.bind_layers(q, caches, slots, seqs, SCALE, out, 2, windows=[37])
+    with pytest.raises(ValueError, match="window must be None"):
+        kernel.bind_layers(q, caches, slots, seqs, SCALE, out, 2, windows=[37, 0, None])
 
 
 BF16_PATHS = ("avx512f", "avx512bf16", "amx")
@@ -161,6 +194,9 @@ def test_bad_inputs_are_value_errors(kernel) -> None:
         kernel(q, kc, vc, slots + 4096, seqs, SCALE)  # past the pool: never read
     with pytest.raises(ValueError, match="does not fit"):
         kernel(q, kc, vc, slots[:4], seqs, SCALE)  # fewer slots than the sequence has
+    for window in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=r"window must be None \(full attention\) or an"):
+            kernel(q, kc, vc, slots, seqs, SCALE, window=window)
 
 
 def test_the_backend_matches_torch_attention_on_a_pool(kernel) -> None:
