@@ -290,8 +290,9 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
 #undef PAIR_ROWS
 #endif
 
-/* `workspace` holds hicache_paged_attention_workspace(...) floats (64-byte aligned, any
- * content). Returns 0, -1 for an unsupported shape, -2 when memory ran out. */
+/* `workspace` holds hicache_paged_attention_workspace(...) floats for this window or window 0
+ * (64-byte aligned, any content). `window` W > 0: each row reads its W latest keys; 0: every
+ * key. Returns 0, -1 for an unsupported shape or window, -2 when memory ran out. */
 int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache,
                                 const T *v_cache, const int64_t *slots, const int64_t *seqs,
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
