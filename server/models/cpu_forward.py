@@ -45,6 +45,9 @@ from hicache_server.models.linear import Linear
 LEAN_MAX_ROWS = 64
 # Plans kept per thread, one per batch size (and thread count, kernel paths) seen lately.
 MAX_PLANS = 16
+# The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, full
+# attention at the default scale); any other (Gemma 3) runs its modules.
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 class _Layer(NamedTuple):
@@ -136,7 +139,9 @@ class LeanForward:
     def build(cls, model: nn.Module, config: ModelArchConfig,
               dtype: torch.dtype) -> LeanForward | None:
         """A LeanForward for `model` (a LlamaModel) when all of it runs on the CPU kernels
-        (the module docstring); None otherwise."""
+        (the module docstring); None otherwise, and for any other architecture."""
+        if config.architecture not in LEAN_ARCHITECTURES:
+            return None
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         kernels = {m.kernel for m in linears}
         layer_kernels = {model.norm.kernel, model.rotary_emb.kernel,

@@ -31,10 +31,12 @@ from tqdm import tqdm
 
 from hicache.memory.device import resolve_device
 from hicache_server.models.attention_choice import make_attention_backend
-from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.causal_lm import CausalLM
+from hicache_server.models.config import GEMMA3, ModelArchConfig
 from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.folders import write_folder
+from hicache_server.models.gemma3 import Gemma3ForCausalLM
 from hicache_server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
 from hicache_server.models.llama import LlamaForCausalLM
 from hicache_server.models.named import named_model_file
@@ -99,10 +101,15 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+# config.json's architecture -> the class that runs it (every one in SUPPORTED_ARCHITECTURES)
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM, GEMMA3: Gemma3ForCausalLM,
+}
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelArchConfig
     path: Path  # the resolved folder
     dtype: torch.dtype
@@ -252,15 +259,16 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     """
     folder, gguf = resolve_model(path)
     config = ModelArchConfig.from_file(folder)
-    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+    if (config.sliding_window is not None and not config.layer_windows
+            and config.sliding_window < config.max_position_embeddings):
         logger.warning("%s: sliding_window=%d is not applied (full attention): logits are exact "
                        "only while a context stays within %d tokens", folder,
                        config.sliding_window, config.sliding_window)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
     kernel_dir = hicache_home() / KERNELS_DIR
-    model = LlamaForCausalLM(config, make_attention_backend(dev, kernel_dir=kernel_dir),
-                             torch_dtype, dev)
+    model = MODEL_CLASSES[config.architecture](
+        config, make_attention_backend(dev, kernel_dir=kernel_dir), torch_dtype, dev)
     model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
     model.use_layer_kernel(make_layer_kernel(dev, torch_dtype, kernel_dir))
     if gguf is not None:
