@@ -1,25 +1,31 @@
 """server/models/gguf.py: GGUF files load as transformers loads them (every quantisation type
-the issue names, Llama and Qwen2, tied and untied), their tokenizer and chat template come
-from the metadata, their fingerprint follows the file, and what cannot be served is refused
-by name. The files are written by `tests/gguf_files.py` with llama.cpp's own writer."""
+the issue names, Llama, Qwen2 and Gemma 3, tied and untied), their tokenizer and chat template
+come from the metadata, their fingerprint follows the file, and what cannot be served is
+refused by name. The files are written by `tests/gguf_files.py` (and `write_gemma3_gguf`
+here) with llama.cpp's own writer."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from gguf_files import CHATML, CONTROL, write_gguf
+from gguf_files import CHATML, CONTROL, MERGES, vocabulary, write_gguf
 from test_model import assert_rel_close, hf_logits, make_pool, run
 
 from hicache_server.chat_template import NoChatTemplate, load_chat_template
 from hicache_server.models import named
+from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.fingerprint import model_fingerprint
-from hicache_server.models.gguf import GGUFError, export_hf_folder, find_gguf
+from hicache_server.models.gguf import GGUFError, export_hf_folder, find_gguf, hf_config
 from hicache_server.models.loader import load_model, resolve_model, resolve_model_path
 from hicache_server.tokenizer import load_tokenizer
 
@@ -158,3 +164,126 @@ def test_exported_folder_serves_the_same_model(tmp_path: Path) -> None:
         TEXTS[1])
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     assert_rel_close(ours, hf_logits(hf, PROMPT))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3
+
+# Head dim 256: transformers' GGUF reader leaves query_pre_attn_scalar at its default, 256,
+# where llama.cpp takes the head dim; the two agree there only (as for every Gemma 3 but 27B).
+G3_HIDDEN, G3_INTER, G3_HEADS, G3_KV_HEADS, G3_HEAD_DIM = 64, 128, 2, 1, 256
+G3_LAYERS, G3_WINDOW = 6, 8  # llama.cpp's fixed pattern: layers 0-4 slide, layer 5 is full
+G3_NORM_STD = 0.3
+
+
+def write_gemma3_gguf(path: Path) -> Path:
+    """A tiny gemma3 file as llama.cpp's converter writes one: no layer pattern and no local
+    RoPE base in the metadata, q/k rows as in the checkpoint, every norm weight stored as
+    `1 + w`, no output.weight (a tied head); a byte-level BPE vocabulary."""
+    rng = np.random.default_rng(0)
+    tokens, types = vocabulary()
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny-gemma3")
+    for add, value in ((w.add_block_count, G3_LAYERS), (w.add_context_length, 2048),
+                       (w.add_embedding_length, G3_HIDDEN), (w.add_head_count, G3_HEADS),
+                       (w.add_feed_forward_length, G3_INTER), (w.add_head_count_kv, G3_KV_HEADS),
+                       (w.add_key_length, G3_HEAD_DIM), (w.add_value_length, G3_HEAD_DIM),
+                       (w.add_sliding_window, G3_WINDOW), (w.add_vocab_size, len(tokens))):
+        add(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(tokens.index(CONTROL[0]))
+    w.add_eos_token_id(tokens.index(CONTROL[1]))
+    for name, shape in _gemma3_shapes(len(tokens)).items():
+        if name.endswith("norm.weight"):
+            data = 1 + rng.normal(0, G3_NORM_STD, shape)
+        else:
+            data = rng.normal(0, 1 / np.sqrt(shape[-1]), shape)
+        w.add_tensor(name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gemma3_shapes(vocab: int) -> dict[str, tuple[int, ...]]:
+    q, kv = G3_HEADS * G3_HEAD_DIM, G3_KV_HEADS * G3_HEAD_DIM
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, G3_HIDDEN),
+                                          "output_norm.weight": (G3_HIDDEN,)}
+    for i in range(G3_LAYERS):
+        b = f"blk.{i}."
+        shapes |= {b + n: (G3_HIDDEN,) for n in ("attn_norm.weight", "post_attention_norm.weight",
+                                                 "ffn_norm.weight", "post_ffw_norm.weight")}
+        shapes |= {b + "attn_q_norm.weight": (G3_HEAD_DIM,),
+                   b + "attn_k_norm.weight": (G3_HEAD_DIM,),
+                   b + "attn_q.weight": (q, G3_HIDDEN), b + "attn_k.weight": (kv, G3_HIDDEN),
+                   b + "attn_v.weight": (kv, G3_HIDDEN), b + "attn_output.weight": (G3_HIDDEN, q),
+                   b + "ffn_gate.weight": (G3_INTER, G3_HIDDEN),
+                   b + "ffn_up.weight": (G3_INTER, G3_HIDDEN),
+                   b + "ffn_down.weight": (G3_HIDDEN, G3_INTER)}
+    return shapes
+
+
+def test_gemma3_file_gives_transformers_logits(tmp_path: Path) -> None:
+    """Its norms' stored 1 was taken off once, its names mapped, its q/k left unpermuted,
+    its windows applied: transformers' logits over a prompt of several windows."""
+    path = write_gemma3_gguf(tmp_path / "tiny-gemma3.gguf")
+    lm = load_model(str(path), dtype="float32", device="cpu")
+    c = lm.config
+    assert c.architecture == "Gemma3ForCausalLM" and c.tie_word_embeddings
+    assert c.layer_windows == (G3_WINDOW,) * 5 + (None,)
+    prompt = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    pool = make_pool(c)
+    slots = pool.alloc(48)[:len(prompt)]
+    assert_rel_close(run(lm, pool, prompt, slots, prefix=0), hf_logits(reference(path), prompt))
+
+
+def _gemma3_meta(layers: int = 18, hidden: int = 640, heads: int = 4,
+                 head_dim: int = 256, **extra: Any) -> dict[str, Any]:
+    """Gemma 3 270M's metadata (its GGUF's keys), the vocabulary cut to 300 tokens."""
+    g = "gemma3."
+    return {"general.architecture": "gemma3", g + "context_length": 32768,
+            g + "embedding_length": hidden, g + "block_count": layers,
+            g + "feed_forward_length": 2048, g + "attention.head_count": heads,
+            g + "attention.head_count_kv": 1, g + "attention.key_length": head_dim,
+            g + "attention.value_length": head_dim,
+            g + "attention.layer_norm_rms_epsilon": 1e-6, g + "rope.freq_base": 1e6,
+            g + "attention.sliding_window": 512, "tokenizer.ggml.tokens": ["t"] * 300,
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1} | extra
+
+
+def _gemma3_config(meta: dict[str, Any]) -> ModelArchConfig:
+    def tensor(name: str, shape: list[int], kind: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, shape=shape, tensor_type=SimpleNamespace(name=kind))
+    reader = SimpleNamespace(tensors=[tensor("token_embd.weight", [640, 300], "Q8_0"),
+                                      tensor("output_norm.weight", [640], "F32")])
+    config = hf_config(meta, reader, Path("g.gguf"), "0" * 32)
+    assert config["model_type"] == "gemma3_text"
+    return ModelArchConfig.from_hf_dict(config)
+
+
+def test_gemma3_metadata_gives_llama_cpp_hyperparameters() -> None:
+    """What the file does not say is what llama.cpp assumes: every 6th layer full, local
+    RoPE base 10000, q.k scaled by the head dim (by hidden / heads for the 62-layer 27B)."""
+    c = _gemma3_config(_gemma3_meta())
+    assert c.architecture == "Gemma3ForCausalLM" and c.tie_word_embeddings
+    assert c.layer_windows == ((512,) * 5 + (None,)) * 3
+    assert (c.head_dim, c.query_pre_attn_scalar) == (256, 256.0)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 1e4, None)
+    assert (c.vocab_size, c.max_position_embeddings, c.hidden_act) == (
+        300, 32768, "gelu_pytorch_tanh")
+    big = _gemma3_config(_gemma3_meta(layers=62, hidden=5376, heads=32, head_dim=128))
+    assert (big.head_dim, big.query_pre_attn_scalar) == (128, 168.0)
+
+
+def test_gemma3_metadata_refuses_what_is_not_computed() -> None:
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        _gemma3_config(_gemma3_meta(**{"gemma3.final_logit_softcapping": 30.0}))
+    with pytest.raises(GGUFError, match="value_length 128"):
+        _gemma3_config(_gemma3_meta(**{"gemma3.attention.value_length": 128}))

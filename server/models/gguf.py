@@ -16,7 +16,9 @@ What must stay true:
 - The tokenizer is built from the metadata by `server/models/gguf_tokenizer.py`.
 - Tensors come out under transformers' names and layout: llama.cpp stores a Llama's q and k
   rows permuted for its RoPE (`convert_hf_to_gguf.py`'s `permute`), undone here
-  (`_unpermute`); Qwen2 files are not permuted.
+  (`_unpermute`); Qwen2 and Gemma 3 files are not permuted. Gemma's norm weights are stored
+  as `1 + w` (the converter's `norm_shift`); the 1 is taken off in float32 as transformers'
+  GGUF loader does, so the model's `1 + w` gives transformers' bits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import json
 import logging
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,6 +36,7 @@ import torch
 import xxhash
 from tqdm import tqdm
 
+from hicache_server.models.config import GEMMA3_LAYER_PATTERN
 from hicache_server.models.fingerprint import GGUF_IDENTITY_KEY
 from hicache_server.models.folders import write_folder
 from hicache_server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
@@ -53,17 +56,8 @@ _IDENTITY_SAMPLE_BYTES = 4096
 COMPANION_VERSION = 1
 
 
-class _Architecture(NamedTuple):
-    hf_class: str  # the transformers class this engine runs it as
-    model_type: str
-    permuted_qk: bool  # q/k rows stored permuted for llama.cpp's RoPE (undone at load)
-
-
-# Mistral's GGUFs say "llama" (the same decoder).
-_ARCHITECTURES = {"llama": _Architecture("LlamaForCausalLM", "llama", True),
-                  "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", False)}
 # GGUF tensor name -> transformers name; `{}` is the layer index.
-_TENSOR_NAMES = {
+_LLAMA_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
@@ -79,6 +73,39 @@ _TENSOR_NAMES = {
     "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
     "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
     "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+# Gemma 3's four norms a layer and q/k norms (gguf-py's tensor map): its `ffn_norm` is the
+# norm before the MLP, the one after attention has a name of its own.
+_GEMMA3_TENSOR_NAMES = {
+    **{k: v for k, v in _LLAMA_TENSOR_NAMES.items() if ".bias" not in k},
+    "blk.{}.ffn_norm.weight": "model.layers.{}.pre_feedforward_layernorm.weight",
+    "blk.{}.post_attention_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.post_ffw_norm.weight": "model.layers.{}.post_feedforward_layernorm.weight",
+    "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+    "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+}
+# What llama.cpp assumes of every gemma3 file, which the metadata does not say
+# (llama-model.cpp, `llama_load_hparams_gemma3`): every 6th layer full (GEMMA3_LAYER_PATTERN),
+# the sliding layers' RoPE base, and q.k scaled by 1/sqrt(head dim) except in the 27B model
+# (62 layers), by 1/sqrt(hidden / heads) as its config.json's query_pre_attn_scalar (168).
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
+
+
+class _Architecture(NamedTuple):
+    hf_class: str  # the transformers class this engine runs it as
+    model_type: str
+    permuted_qk: bool  # q/k rows stored permuted for llama.cpp's RoPE (undone at load)
+    tensor_names: dict[str, str]
+    norm_shift: float = 0.0  # added to every norm weight by the converter (taken off here)
+
+
+# Mistral's GGUFs say "llama" (the same decoder).
+_ARCHITECTURES = {
+    "llama": _Architecture("LlamaForCausalLM", "llama", True, _LLAMA_TENSOR_NAMES),
+    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", False, _LLAMA_TENSOR_NAMES),
+    "gemma3": _Architecture("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_TENSOR_NAMES,
+                            norm_shift=1.0),
 }
 logger = logging.getLogger(__name__)
 
@@ -181,8 +208,8 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise GGUFError(f"{file}: GGUF architecture {arch!r} is not supported; supported: "
-                        f"{', '.join(_ARCHITECTURES)} (Llama, Mistral, Qwen2)")
-    hf_arch, model_type, _ = _ARCHITECTURES[arch]
+                        f"{', '.join(_ARCHITECTURES)} (Llama, Mistral, Qwen2, Gemma 3)")
+    hf_arch, model_type = _ARCHITECTURES[arch].hf_class, _ARCHITECTURES[arch].model_type
     names = {t.name for t in reader.tensors}
     _refuse_unsupported(meta, names, arch, file)
 
@@ -219,7 +246,28 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
     }
     if model_type == "qwen2":
         config["use_sliding_window"] = False
+    if arch == "gemma3":
+        config |= _gemma3_config(meta, key, head_dim, file)
     return config
+
+
+def _gemma3_config(meta: dict[str, Any], key: Callable[..., Any], head_dim: int,
+                   file: Path) -> dict[str, Any]:
+    """Gemma 3's config.json keys beyond the Llama ones: its window from the file, the rest
+    as llama.cpp assumes them (GEMMA3_LOCAL_ROPE_BASE's comment); softcapping, should a file
+    carry it, is passed on for the config to refuse."""
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{file}: gemma3 value_length {key('attention.value_length')} differs "
+                        f"from key_length {head_dim}")
+    layers, hidden = int(key("block_count")), int(key("embedding_length"))
+    scalar = (hidden // int(key("attention.head_count")) if layers == GEMMA3_27B_LAYERS
+              else head_dim)
+    return {"sliding_window": int(key("attention.sliding_window")),
+            "sliding_window_pattern": GEMMA3_LAYER_PATTERN,
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": scalar,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),
+            "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping")}
 
 
 def _refuse_unsupported(meta: dict[str, Any], names: set[str], arch: str, file: Path) -> None:
@@ -289,7 +337,7 @@ def iter_gguf_tensors(file: str | Path, heads: int, kv_heads: int
     reader = _reader(file)
     arch = _ARCHITECTURES[str(reader.fields["general.architecture"].contents())]
     for t in tqdm(reader.tensors, desc="Dequantising GGUF", unit="tensor", file=sys.stderr):
-        name = _hf_name(t.name, file)
+        name = _hf_name(t.name, arch.tensor_names, file)
         try:
             values = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -301,18 +349,20 @@ def iter_gguf_tensors(file: str | Path, heads: int, kv_heads: int
             values = values.copy()
         if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = _unpermute(values, heads if "q_proj" in name else kv_heads)
+        if arch.norm_shift and t.name.endswith("norm.weight"):
+            values = values - np.float32(arch.norm_shift)  # float32, as transformers
         yield name, torch.from_numpy(values)
 
 
-def _hf_name(name: str, file: Path) -> str:
+def _hf_name(name: str, names: dict[str, str], file: Path) -> str:
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
         template = ".".join(["blk", "{}", *parts[2:]])
-        if template in _TENSOR_NAMES:
-            return _TENSOR_NAMES[template].format(parts[1])
-    elif name in _TENSOR_NAMES:
-        return _TENSOR_NAMES[name]
-    raise GGUFError(f"{file}: tensor {name!r} has no place in a Llama-family model")
+        if template in names:
+            return names[template].format(parts[1])
+    elif name in names:
+        return names[name]
+    raise GGUFError(f"{file}: tensor {name!r} has no place in the file's architecture")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
