@@ -1,5 +1,6 @@
-"""The model side of the engine: Llama-family decoder over the paged KV pool, its loader and
-the ForwardBatch contract with the model runner."""
+"""The model side of the engine: decoders over the paged KV pool (the Llama family, Gemma 3;
+`CausalLM` is what the engine holds of either), their loader and the ForwardBatch contract
+with the model runner."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from hicache_server.models.attention import (
     TorchAttention,
 )
 from hicache_server.models.attention_choice import make_attention_backend
+from hicache_server.models.causal_lm import CausalLM
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.gemma3 import Gemma3ForCausalLM
 from hicache_server.models.llama import LlamaForCausalLM
 from hicache_server.models.loader import (
     EMBEDDED_TINY_LLAMA,
@@ -26,9 +29,11 @@ from hicache_server.models.loader import (
 __all__ = [
     "EMBEDDED_TINY_LLAMA",
     "AttentionBackend",
+    "CausalLM",
     "CpuKernelAttention",
     "CudaPagedAttention",
     "ForwardBatch",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelArchConfig",
