@@ -86,9 +86,10 @@ def prompt() -> torch.Tensor:
                          generator=torch.Generator().manual_seed(SEED))
 
 
-def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32) -> DeviceKVPool:
+def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> DeviceKVPool:
     return DeviceKVPool(POOL_PAGES, PAGE_SIZE, config.num_hidden_layers,
-                        config.num_key_value_heads, config.head_dim, dtype, "cpu")
+                        config.num_key_value_heads, config.head_dim, dtype, device)
 
 
 def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
@@ -99,7 +100,7 @@ def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
 def greedy(lm: LoadedModel, prompt: list[int], steps: int) -> list[int]:
     """Our greedy tokens after `prompt`: prefilled, then each token decoded alone through
     the KV pool."""
-    pool = make_pool(lm.config, lm.dtype)
+    pool = make_pool(lm.config, lm.dtype, lm.device)
     slots = alloc(pool, len(prompt) + steps)
     tokens = torch.tensor(prompt)
     logits = lm.model(extend_batch([(tokens, slots[:len(tokens)], 0)]), pool)
@@ -199,6 +200,20 @@ def test_no_lean_path_and_only_rope_on_the_layer_kernel(
     on_layer_kernel = [name for name, m in lm.model.named_modules()
                        if hasattr(m, "kernel") and not isinstance(m, Linear)]
     assert on_layer_kernel == ["model.rotary_emb", "model.rotary_emb_local"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float32_matches_transformers(checkpoint: tuple[Path, torch.nn.Module],
+                                           prompt: torch.Tensor) -> None:
+    """On CUDA (TorchAttention for prefills, the paged kernel for decodes, windows on both):
+    transformers' logits and greedy tokens."""
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cuda")
+    pool = make_pool(lm.config, torch.float32, lm.device)
+    ours = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0).cpu()
+    assert_rel_close(ours, hf_logits(hf, prompt))
+    ids = prompt.tolist()
+    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
 
 
 # ---------------------------------------------------------------------------------------------
