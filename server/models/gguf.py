@@ -318,6 +318,11 @@ def _checkpoint_dtype(reader: Any) -> str:
 
 def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if meta.get("general.architecture") == "gemma3":
+        # A Gemma 3 chat turn ends at <end_of_turn>, which its GGUF names nowhere (no eot
+        # id): an eos beside <eos>, as its generation_config.json has it ([1, 106]).
+        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+        eos += [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]
     eos_ids = sorted({int(e) for e in eos if e is not None})
     return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
             # None, not []: load_tokenizer then falls back on tokenizer_config's eos_token
