@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import missing_tool
 
+from hicache_server.config import load_config
 from hicache_server.models import named
 from hicache_server.models.named import NAMED_MODELS, ModelPart, NamedModel, named_model_file
 
@@ -124,3 +125,10 @@ def test_gemma3_joins_into_the_pinned_file(home: Path) -> None:
     assert path is not None and path.name == "gemma-3-270m-q4_k_m.gguf"
     assert path.stat().st_size == NAMED_MODELS[GEMMA3].size
     assert sha256_of(path) == GEMMA3_SHA256 == NAMED_MODELS[GEMMA3].sha256
+
+
+def test_gemma3_config_serves_the_named_model() -> None:
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "gemma3-270m.yaml")
+    assert config.model.path == GEMMA3 and config.cache.hierarchical
+    # L1 holds one request of the model's whole context (32,768 tokens); pages tile its window.
+    assert config.cache.max_total_tokens == 32768 and 512 % config.cache.page_size == 0
