@@ -86,6 +86,35 @@ def test_rope_is_torchs_arithmetic_bit_for_bit(layer) -> None:
         layer.rope_(view.transpose(0, 1), positions, rope.cos, rope.sin)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rope_is_transformers_arithmetic_bit_for_bit(layer, dtype: torch.dtype) -> None:
+    """Partial rotary (Phi-4-mini's, tables of rotary_dim // 2 columns): the first 48 values
+    of each 64-value head rotated with rotate-half pairs over those 48, the other 16 kept:
+    transformers' Phi-3 `apply_rotary_pos_emb` bit for bit, the tables scaled as longrope's
+    attention factor scales them, in place on q|k of a strided q|k|v row."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    rotary_dim, factor = 48, 1.19
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(4096).float(), inv_freq)  # [positions, rotary_dim // 2]
+    cos, sin = (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
+    positions = torch.tensor([0, 1, 7, 4095, 1000, 3, 3, 2048])
+    qkv = randn(8, 12 * 64, scale=5.0).to(dtype)
+    view = qkv[:, :10 * 64].view(8, 10, 64)
+    doubled = [torch.cat([t[positions], t[positions]], dim=-1)[None] for t in (cos, sin)]
+    heads_first = view.transpose(0, 1)[None]  # transformers' [batch, heads, T, head_dim]
+    want = apply_rotary_pos_emb(heads_first, heads_first, *doubled)[0][0].transpose(0, 1)
+    v_before = qkv[:, 10 * 64:].clone()
+    passed = view[:, :, rotary_dim:].clone()
+    got = layer.rope_(view, positions, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(got, want)
+    assert torch.equal(got[:, :, rotary_dim:], passed)  # the rest of each head untouched
+    assert torch.equal(qkv[:, 10 * 64:], v_before)
+    with pytest.raises(ValueError, match="rotary_dim // 2 <= 32"):
+        layer.rope_(view, positions, torch.zeros(4096, 33, dtype=dtype),
+                    torch.zeros(4096, 33, dtype=dtype))
+
+
 def test_silu_mul(layer) -> None:
     gate_up = randn(19, 2 * 1000, scale=4.0)
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0, 1e-30, -1e-30])

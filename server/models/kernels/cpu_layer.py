@@ -6,6 +6,7 @@ OpenMP).
     out = layer.rms_norm(x, weight, eps)             # or, with the residual add first:
     out, h = layer.rms_norm(x, weight, eps, residual)  # h = residual + x, out = norm(h)
     layer.rope_(qk, positions, cos, sin)             # in place, [T, heads, head_dim]
+                                                     # (the first 2 * cos.shape[1] of each head)
     act = layer.silu_mul(gate_up)                    # [M, 2I] -> [M, I]
 
 Each is one pass over its rows where torch dispatches four to eight ops; every row is
@@ -64,7 +65,7 @@ class CpuLayerKernel:
         self._norm.argtypes = [ptr, i64, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
         self._rope = library.hicache_rope_f32
         self._rope.restype = None
-        self._rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32]
         self._silu = library.hicache_silu_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, i64, ptr, i32]
@@ -119,8 +120,10 @@ class CpuLayerKernel:
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """Rotate `x` `[T, heads, head_dim]` (each row's heads contiguous, rows any stride)
-        in place by `positions` (int64 `[T]`, each below cos's rows): rotate-half pairs,
-        cos and sin `[max_positions, head_dim // 2]` contiguous, of x's dtype. Returns x.
+        in place by `positions` (int64 `[T]`, each below cos's rows): rotate-half pairs of
+        the first `rotary_dim` values of each head, the rest kept, cos and sin
+        `[max_positions, rotary_dim // 2]` contiguous, of x's dtype (`rotary_dim` <= head_dim,
+        head_dim for full rotary). Returns x.
         `checked`: the caller already checked the positions' range (once per batch)."""
         _check_rope(x, positions, cos, sin)
         if not checked:
@@ -141,7 +144,7 @@ class CpuLayerKernel:
         tokens, heads, dim = x.shape
         return functools.partial(
             self._fn("rope", x.dtype), x.data_ptr(), _row_stride(x), tokens, heads, dim,
-            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), threads)
+            2 * cos.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of contiguous `[M, 2 I]` (gate | up) -> `[M, I]`."""
@@ -197,10 +200,10 @@ def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          f"{x.stride()}")
     tokens, _, dim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
-        if (t.dtype != x.dtype or t.dim() != 2 or t.shape[1] != dim // 2
-                or not t.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous {x.dtype} [positions, "
-                             f"{dim // 2}], got {t.dtype} {tuple(t.shape)}")
+        if (t.dtype != x.dtype or t.dim() != 2 or not 1 <= t.shape[1] <= dim // 2
+                or t.shape != cos.shape or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {x.dtype} [positions, rotary_dim // 2 "
+                             f"<= {dim // 2}], cos's shape, got {t.dtype} {tuple(t.shape)}")
     if (positions.dtype != torch.int64 or positions.shape != (tokens,)
             or not positions.is_contiguous()):
         raise ValueError(f"positions must be contiguous int64 [{tokens}], got "

@@ -8,7 +8,9 @@
  *   rms_norm   x [M, H] rows `ldx` apart; residual and sum [M, H] contiguous, or NULL;
  *              weight [H]; out [M, H] contiguous
  *   rope       x [T, heads, head_dim] rows `ldx` apart, each row's heads contiguous;
- *              positions [T] int64; cos, sin [max_positions, head_dim / 2]
+ *              positions [T] int64; cos, sin [max_positions, rotary_dim / 2]: the first
+ *              rotary_dim (even, <= head_dim) values of each head are rotated, the rest
+ *              kept (partial rotary, Phi-4-mini's; rotary_dim = head_dim for the others)
  *   silu_mul   gate_up [M, 2 I] contiguous (gate | up); out [M, I] contiguous
  *
  * What must stay true: every row is computed alone, the same way whatever rows share the
@@ -72,11 +74,11 @@ void hicache_rms_norm_f32(const float *x, int64_t ldx, const float *residual, fl
     }
 }
 
-/* Rotate-half RoPE of every head of every row, in place. */
+/* Rotate-half RoPE of the first rotary_dim values of every head of every row, in place. */
 void hicache_rope_f32(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t head_dim,
-                      const int64_t *positions, const float *cos_table, const float *sin_table,
-                      int threads) {
-    const int64_t half = head_dim / 2;
+                      int64_t rotary_dim, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int threads) {
+    const int64_t half = rotary_dim / 2;
     #pragma omp parallel for schedule(static) num_threads(threads) \
         if (T * heads * head_dim >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < T; ++t) {
@@ -149,11 +151,11 @@ void hicache_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *resid
     }
 }
 
-/* cos and sin: bfloat16 [max_positions, head_dim / 2] (torch's cos.to(bfloat16)). */
+/* cos and sin: bfloat16 [max_positions, rotary_dim / 2] (torch's cos.to(bfloat16)). */
 void hicache_rope_bf16(uint16_t *x, int64_t ldx, int64_t T, int64_t heads, int64_t head_dim,
-                       const int64_t *positions, const uint16_t *cos_table,
+                       int64_t rotary_dim, const int64_t *positions, const uint16_t *cos_table,
                        const uint16_t *sin_table, int threads) {
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
     #pragma omp parallel for schedule(static) num_threads(threads) \
         if (T * heads * head_dim >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < T; ++t) {
