@@ -34,7 +34,9 @@ the slots, windows and scales included; it computes each row alike however its s
 split, so prefilled, extended and decoded tokens (and their K/V) are bit-identical.
 TorchAttention serves where the kernel cannot (no AVX-512 or C compiler, float16, head dims
 it does not take, `HICACHE_CPU_ATTENTION=sdpa`). On CUDA `CudaPagedAttention` runs decode
-batches, windowed or not, on the CuPy kernel (kernels/src/paged_attention.cu).
+batches, windowed or not, on the CuPy kernel (kernels/src/paged_attention.cu). Every backend
+soft-caps a layer's scores where asked (`softcap`: Gemma 2); SDPA cannot, so TorchAttention
+and the reference compute such a layer's scores themselves (`softcapped`).
 """
 
 from __future__ import annotations
@@ -74,14 +76,16 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention output `[T, heads, head_dim]` in q's dtype.
 
         `window` W (a sliding-window layer, transformers' `sliding_window`): the query at
         position p reads only the keys at positions `p - W < j <= p`, the W latest, itself
         included; None reads every earlier key. `scale` multiplies q.k (None: 1/sqrt(head_dim);
-        Gemma's is `query_pre_attn_scalar ** -0.5`).
+        Gemma's is `query_pre_attn_scalar ** -0.5`). `softcap` c (Gemma 2's
+        `attn_logit_softcapping`) caps the scaled scores s to `c * tanh(s / c)` before the mask
+        and the softmax, as transformers' eager attention does; None leaves them.
 
         `q` is `[T, heads, head_dim]`, `k`/`v` are `[T, kv_heads, head_dim]` (RoPE applied to q
         and k), all for the batch's new tokens. K/V of the new tokens are already written into
@@ -188,10 +192,8 @@ def causal_flag_is_exact(dtype: torch.dtype, kv_heads: int, group: int, dim: int
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True: attend) as SDPA's additive one: 0 where allowed, -inf elsewhere.
-    SDPA turns a boolean mask into this itself, on every call: built once per batch instead,
-    a decode layer's attention at batch 8 over 700 keys took 1,135 -> 636 us (2 cores), with
-    bit-identical output."""
+    """A boolean mask (True: attend) as SDPA's additive one: 0 where allowed, -inf elsewhere
+    (SDPA builds this itself on every call: once per batch halves a decode layer's time)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, float("-inf"))
 
@@ -229,31 +231,35 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)  # each [num_slots, kv_heads, head_dim]
         cpu = q.device.type == "cpu"
         lower_right = not cpu if self.lower_right is None else self.lower_right
-        # full and window layers plan apart (one plan per window size)
-        plan = batch.memo(f"torch_attention/{window}", lambda: _plan(
-            batch, cpu and not lower_right and causal_flag_is_exact(
+        # full and window layers plan apart (one plan per window size); a softcapped layer's
+        # scores are computed here (`softcapped`), its masks tensors
+        tensors = softcap is not None
+        plan = batch.memo(f"torch_attention/{window}" + "/masks" * tensors, lambda: _plan(
+            batch, cpu and not lower_right and not tensors and causal_flag_is_exact(
                 q.dtype, k_cache.shape[1], q.shape[1] // k_cache.shape[1], q.shape[2]),
-            lower_right, q.dtype, window))
+            lower_right and not tensors, q.dtype, window))
         if plan.all_decode:
-            return _decode(q, k_cache, v_cache, plan, scale)
+            return _decode(q, k_cache, v_cache, plan, scale, softcap)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         if plan.decode_rows is not None:
             out[plan.decode_rows] = _decode(q.index_select(0, plan.decode_rows),
-                                            k_cache, v_cache, plan, scale)
+                                            k_cache, v_cache, plan, scale, softcap)
         keys = k_cache.index_select(0, plan.prefill_slots).to(q.dtype)  # [sum seq_len, kvh, d]
         values = v_cache.index_select(0, plan.prefill_slots).to(q.dtype)
         for p in plan.prefills:
-            out[p.rows] = _prefill(q[p.rows], keys[p.keys], values[p.keys], p.mask, scale)
+            out[p.rows] = _prefill(q[p.rows], keys[p.keys], values[p.keys], p.mask, scale,
+                                   softcap)
         return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            plan: _Plan, scale: float | None = None) -> torch.Tensor:
+            plan: _Plan, scale: float | None = None, softcap: float | None = None
+            ) -> torch.Tensor:
     """One query token per sequence: `q` `[Sd, heads, d]` -> `[Sd, heads, d]`."""
     s, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -265,14 +271,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     values = v_cache.index_select(0, table.view(-1)).to(q.dtype).view(
         *table.shape, kv_heads, dim).transpose(1, 2)
     queries = q.view(s, kv_heads, heads // kv_heads, dim)  # [Sd, kvh, group, d]
-    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask,
-                                       scale=scale)
-    return o.reshape(s, heads, dim)
+    attend = (F.scaled_dot_product_attention if softcap is None
+              else functools.partial(softcapped, softcap=softcap))
+    return attend(queries, keys, values, plan.decode_mask, scale=scale).reshape(s, heads, dim)
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor | CausalBias | None, scale: float | None = None
-             ) -> torch.Tensor:
+             mask: torch.Tensor | CausalBias | None, scale: float | None = None,
+             softcap: float | None = None) -> torch.Tensor:
     """One sequence's new tokens: `q` `[extend, heads, d]`, keys/values `[seq_len, kvh, d]`."""
     extend, heads, dim = q.shape
     seq_len, kv_heads = keys.shape[:2]
@@ -281,11 +287,26 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     shape = (kv_heads, group, seq_len, dim)  # each KV head seen by its group: stride 0
     ks = keys.permute(1, 0, 2)[:, None].expand(shape)
     vs = values.permute(1, 0, 2)[:, None].expand(shape)
-    if mask is None:
+    if softcap is not None:  # its plan's masks are tensors (TorchAttention.forward)
+        o = softcapped(queries, ks, vs, mask, scale, softcap)
+    elif mask is None:
         o = F.scaled_dot_product_attention(queries, ks, vs, is_causal=True, scale=scale)
     else:
         o = F.scaled_dot_product_attention(queries, ks, vs, attn_mask=mask, scale=scale)
     return o.permute(2, 0, 1, 3).reshape(extend, heads, dim)
+
+
+def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None, softcap: float) -> torch.Tensor:
+    """SDPA with the scores soft-capped, which SDPA cannot do: `s = scale * q.k` in float32,
+    `softcap * tanh(s / softcap)`, the mask (boolean, True: attend; additive; or None),
+    softmax, P V; q's dtype out. transformers' eager attention applies them in this order (in
+    q's dtype). q `[..., L, d]`, k/v `[..., S, d]`, mask broadcast to `[..., L, S]`."""
+    s = q.float() @ k.float().transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
 
 
 class ReferenceAttention(AttentionBackend):
@@ -296,7 +317,7 @@ class ReferenceAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         group = q.shape[1] // k_cache.shape[1]
@@ -309,16 +330,17 @@ class ReferenceAttention(AttentionBackend):
             vs = v_cache.index_select(0, slots).to(q.dtype).repeat_interleave(group, dim=1)
             mask = (None if extend == 1 and window is None
                     else _causal_mask(prefix, extend, q.device, window))
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1), vs.transpose(0, 1),
-                                               attn_mask=mask, scale=scale)
+            attend = (F.scaled_dot_product_attention if softcap is None
+                      else functools.partial(softcapped, softcap=softcap))
+            o = attend(qs, ks.transpose(0, 1), vs.transpose(0, 1), mask, scale=scale)
             out[start:start + extend] = o.transpose(0, 1)
         return out
 
 
 class CudaPagedAttention(AttentionBackend):
-    """Decode batches through the CuPy paged kernel (a window layer's too: each row reads its
-    W latest keys); prefill and mixed batches, and decode shapes past the kernel's limits
-    (head_dim, sequences per launch), through TorchAttention.
+    """Decode batches through the CuPy paged kernel (window and softcapped layers too: each
+    row reads its W latest keys); prefill and mixed batches, and decode shapes past the
+    kernel's limits (head_dim, sequences per launch), through TorchAttention.
 
     The kernel runs on torch's current stream, after `set_kv` wrote the new token's K/V there.
     """
@@ -329,23 +351,23 @@ class CudaPagedAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         if (not batch.is_decode or q.shape[-1] > MAX_HEAD_DIM
                 or batch.num_seqs > MAX_NUM_SEQS):
             return self._prefill.forward(q, k, v, layer, batch, kv_pool, window=window,
-                                         scale=scale)
+                                         scale=scale, softcap=softcap)
         k_cache, v_cache = kv_pool.get_kv(layer)
         table, lens = batch.slot_table()  # built once per batch, shared by every layer
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, table, lens, scale,
-                                     window=window)
+                                     window=window, softcap=softcap)
         return out.to(q.dtype)
 
 
 class CpuKernelAttention(AttentionBackend):
     """Every float32 or bfloat16 CPU batch (prefill, extend, decode, mixed; full or
-    sliding-window layers, any scale) in one call of the C kernel
+    sliding-window layers, any scale and softcap) in one call of the C kernel
     (kernels/src/cpu_attention.c), K/V read from the pool through each sequence's slots: no
     gather, no mask, no per-sequence loop; a window layer's rows skip the key blocks before
     their window. A row's result depends only on its query and its keys, so a token gets the
@@ -360,18 +382,18 @@ class CpuKernelAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         if k_cache.dtype != q.dtype or not self.takes(q.dtype, q.shape[-1]):
             return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
-                                          scale=scale)
+                                          scale=scale, softcap=softcap)
         # the same indices for every layer, full or windowed: the window is the kernel's
         slots, seqs = batch.memo("cpu_kernel_attention",
                                  lambda: _kernel_plan(batch, q, k_cache, v_cache))
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return self.kernel(q, k_cache, v_cache, slots, seqs, scale, checked=True,
-                           window=window)
+                           window=window, softcap=softcap)
 
     @staticmethod
     def takes(dtype: torch.dtype, head_dim: int) -> bool:

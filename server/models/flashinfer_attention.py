@@ -19,13 +19,16 @@ batch takes the CuPy / torch path). A decode batch runs through
 (new token t of a sequence with a cached prefix attends keys 0 .. prefix + t), both planned
 once per batch and run at every layer. A sliding-window layer (window W: the W latest keys,
 `prefix + t - W < j <= prefix + t`) plans with FlashInfer's `window_left = W - 1` (the keys
-left of the query it reads, as vLLM passes it), and a layer's `scale` as `sm_scale`: one
-plan per (window, scale) kind per batch, each on its own pair of wrappers (a plan lives in
-its wrapper), all sharing one float workspace as their runs never overlap on the stream.
+left of the query it reads, as vLLM passes it), a layer's `scale` as `sm_scale` and its
+`softcap` c (Gemma 2) as `logits_soft_cap` (FlashInfer's LogitsSoftCap variant computes
+`c * tanh(sm_scale * q.k / c)`, as transformers does): one plan per (window, scale, softcap)
+kind per batch, each on its own pair of wrappers (a plan lives in its wrapper), all sharing
+one float workspace as their runs never overlap on the stream.
 
 `paged_kv_reference` is that contract in plain torch (pages -> slots, SDPA with the
-offset-causal mask, windowed for a window layer): the tests check the page table against the engine's reference
-attention on any machine, and FlashInfer against both where a GPU is lent.
+offset-causal mask, windowed for a window layer, scores soft-capped for a softcapped one):
+the tests check the page table against the engine's reference attention on any machine,
+and FlashInfer against both where a GPU is lent.
 
 Threading: the scheduler thread (the model's forward), like every AttentionBackend.
 """
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.memory.device import DeviceKVPool
-from hicache_server.models.attention import AttentionBackend, CudaPagedAttention
+from hicache_server.models.attention import AttentionBackend, CudaPagedAttention, softcapped
 from hicache_server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -101,11 +104,12 @@ def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV | None:
 
 
 def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       table: PagedKV, scale: float, *, window: int | None = None
-                       ) -> torch.Tensor:
+                       table: PagedKV, scale: float, *, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     """What FlashInfer computes from `table`, in plain torch: per sequence, its pages'
     slots (the last page cut at its length), KV heads repeated, SDPA with the causal mask
-    aligned to the sequence's end (and with a `window` W, each row's W latest keys only).
+    aligned to the sequence's end (and with a `window` W, each row's W latest keys only;
+    with a `softcap`, the scores capped: attention.softcapped).
     `q` `[T, H, D]`, the caches `[num_slots, KVH, D]`."""
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty_like(q)
@@ -124,8 +128,11 @@ def paged_kv_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         allowed = key <= query  # [new, keys]
         if window is not None:
             allowed &= key > query - window
-        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs, attn_mask=allowed,
-                                           scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), ks, vs,
+                                               attn_mask=allowed, scale=scale)
+        else:
+            o = softcapped(q[rows].transpose(0, 1), ks, vs, allowed, scale, softcap)
         out[rows] = o.transpose(0, 1)
     return out
 
@@ -142,11 +149,11 @@ class FlashInferAttention(AttentionBackend):
         self._flashinfer = flashinfer
         self._fallback = fallback or CudaPagedAttention()
         self._workspace: torch.Tensor | None = None
-        # (window_left, sm_scale) -> its (decode, prefill) wrappers: a model has one kind
-        # per attention type (Gemma 3: its sliding and its global layers)
-        self._kinds: dict[tuple[int, float], tuple] = {}
+        # (window_left, sm_scale, logits_soft_cap) -> its (decode, prefill) wrappers: a model
+        # has one kind per attention type (Gemma 2 and 3: their sliding and global layers)
+        self._kinds: dict[tuple[int, float, float | None], tuple] = {}
 
-    def _wrappers(self, device: torch.device, kind: tuple[int, float]) -> tuple:
+    def _wrappers(self, device: torch.device, kind: tuple[int, float, float | None]) -> tuple:
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         if kind not in self._kinds:
@@ -156,9 +163,10 @@ class FlashInferAttention(AttentionBackend):
         return self._kinds[kind]
 
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
-              page_size: int, window: int | None, scale: float | None):
-        """(the wrapper planned for this window and scale, or None for the fallback), once
-        per batch and kind."""
+              page_size: int, window: int | None, scale: float | None,
+              softcap: float | None):
+        """(the wrapper planned for this window, scale and softcap, or None for the
+        fallback), once per batch and kind."""
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
         if dim not in HEAD_DIMS or heads % kv_heads or k_cache.dtype not in DTYPES:
@@ -169,30 +177,32 @@ class FlashInferAttention(AttentionBackend):
         # FlashInfer's window_left counts the keys left of the query: W - 1 (-1: every key)
         window_left = -1 if window is None else window - 1
         sm_scale = 1.0 / math.sqrt(dim) if scale is None else scale
-        decode, prefill = self._wrappers(q.device, (window_left, sm_scale))
+        decode, prefill = self._wrappers(q.device, (window_left, sm_scale, softcap))
         if batch.is_decode:
             decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len, heads,
                         kv_heads, dim, page_size, window_left=window_left, sm_scale=sm_scale,
-                        q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+                        logits_soft_cap=softcap, q_data_type=q.dtype,
+                        kv_data_type=k_cache.dtype)
             return decode
         prefill.plan(table.qo_indptr, table.kv_indptr, table.kv_indices,
                      table.kv_last_page_len, heads, kv_heads, dim, page_size, causal=True,
-                     window_left=window_left, sm_scale=sm_scale, q_data_type=q.dtype,
-                     kv_data_type=k_cache.dtype)
+                     window_left=window_left, sm_scale=sm_scale, logits_soft_cap=softcap,
+                     q_data_type=q.dtype, kv_data_type=k_cache.dtype)
         return prefill
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
         batch: ForwardBatch, kv_pool: DeviceKVPool, *, window: int | None = None,
-        scale: float | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.get_kv(layer)
         page_size = kv_pool.page_size
-        wrapper = batch.memo(f"flashinfer/{window}/{scale}", lambda: self._plan(
-            batch, q, k_cache, page_size, window, scale))
+        kind = f"flashinfer/{window}/{scale}" + ("" if softcap is None else f"/{softcap}")
+        wrapper = batch.memo(kind, lambda: self._plan(batch, q, k_cache, page_size, window,
+                                                      scale, softcap))
         if wrapper is None:
             return self._fallback.forward(q, k, v, layer, batch, kv_pool, window=window,
-                                          scale=scale)
+                                          scale=scale, softcap=softcap)
         shape = (-1, page_size, *k_cache.shape[1:])  # [pages, page_size, kv_heads, dim]
         out = wrapper.run(q.contiguous().to(k_cache.dtype),
                           (k_cache.view(shape), v_cache.view(shape)))

@@ -11,8 +11,9 @@ Layouts (float32 or bfloat16, one dtype for q, the pool and the output)::
 
 New token t of sequence i (position `p = prefix_len + t`) attends keys `0 .. p` of that
 sequence, or with a `window` W (a sliding-window layer) its W latest, `p - W < j <= p`;
-query head h reads KV head `h // (H // KVH)`. Decode rows are the case `extend_len == 1`;
-one call serves any mix.
+query head h reads KV head `h // (H // KVH)`. With a `softcap` c (Gemma 2's attention logit
+soft-capping) each scaled score s becomes `c * tanh(s / c)` before the softmax. Decode rows
+are the case `extend_len == 1`; one call serves any mix.
 
 The kernel computes each row the same way whatever else is in the call, so a token gets the
 same bits prefilled from scratch, extending a cached prefix, or decoded (cpu_attention.c says
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,7 +69,7 @@ class CpuAttentionKernel:
             fn.argtypes = [
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_float,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ]
             self._fns[dtype] = fn
@@ -97,9 +99,11 @@ class CpuAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, seqs: torch.Tensor, scale: float,
-                 checked: bool = False, *, window: int | None = None) -> torch.Tensor:
+                 checked: bool = False, *, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         """Attention output `[T, H, D]` in q's dtype (see the module docstring for the
-        layouts; `window`: a sliding-window layer's W, None for full attention).
+        layouts; `window`: a sliding-window layer's W, None for full attention; `softcap`:
+        the scores' cap, None for none).
 
         The kernel reads wherever its arguments point, so they are checked first (`check`),
         unless the caller already did for tensors of these very shapes, strides and indices
@@ -110,26 +114,27 @@ class CpuAttentionKernel:
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         if tokens == 0:
             return out
-        w = window_arg(window)
+        w, cap = window_arg(window), softcap_arg(softcap)
         threads, kv_heads = torch.get_num_threads(), k_cache.shape[1]
         need = self._workspace_fn(seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, w,
                                   threads)
         rc = self._function(q.dtype, dim)(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale, w,
-            out.data_ptr(), self._workspace(need).data_ptr(), threads)
+            cap, out.data_ptr(), self._workspace(need).data_ptr(), threads)
         raise_on_error(rc)
         return out
 
     def bind_layers(self, q: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     slots: torch.Tensor, seqs: torch.Tensor, scale: float, out: torch.Tensor,
-                    threads: int, *, windows: Sequence[int | None] | None = None
-                    ) -> BoundLayers:
+                    threads: int, *, windows: Sequence[int | None] | None = None,
+                    softcaps: Sequence[float | None] | None = None) -> BoundLayers:
         """The attention of q over each `(k_cache, v_cache)` of `caches` (one per layer,
         every one of the first's layout) into `out` (contiguous, q's shape), as calls with
         every argument checked and bound now: `bound(i)` runs layer i reading q and the
         caches wherever they are at that moment. `windows`: each layer's window (None: full
-        attention), or None for every layer full. For a caller that runs every layer of one
+        attention), or None for every layer full; `softcaps` likewise each layer's softcap
+        (None: none), or None for none on any layer. For a caller that runs every layer of one
         batch over buffers it keeps (server/models/cpu_forward.py)."""
         k0, v0 = caches[0]
         check(q, k0, v0, slots, seqs)
@@ -146,11 +151,8 @@ class CpuAttentionKernel:
                              f"got {out.dtype} {tuple(out.shape)}")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        windows = [None] * len(caches) if windows is None else list(windows)
-        if len(windows) != len(caches):
-            raise ValueError(f"windows must name one window per layer ({len(caches)}), got "
-                             f"{len(windows)}")
-        ws = [window_arg(w) for w in windows]
+        ws = [window_arg(w) for w in _per_layer("windows", windows, len(caches))]
+        caps = [softcap_arg(c) for c in _per_layer("softcaps", softcaps, len(caches))]
         _, heads, dim = q.shape
         kv_heads = k0.shape[1]
         # window 0 (full attention) needs the most workspace: its size serves every layer
@@ -160,7 +162,8 @@ class CpuAttentionKernel:
         head = (slots.data_ptr(), seqs.data_ptr(), seqs.shape[0], heads, kv_heads, dim, scale)
         tail = (out.data_ptr(), workspace.data_ptr(), threads)
         calls = [functools.partial(fn, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
-                                   *head, w, *tail) for (k, v), w in zip(caches, ws)]
+                                   *head, w, cap, *tail)
+                 for (k, v), w, cap in zip(caches, ws, caps)]
         return BoundLayers(calls, (q, caches, slots, seqs, out, workspace))
 
     def _function(self, dtype: torch.dtype, dim: int) -> Callable[..., int]:
@@ -189,6 +192,16 @@ class BoundLayers:
         raise_on_error(self._calls[layer]())
 
 
+def _per_layer(name: str, values: Sequence | None, layers: int) -> list:
+    """`values` (`windows`, `softcaps`) as a list of one per layer (None: `layers` Nones);
+    ValueError naming them for another length."""
+    values = [None] * layers if values is None else list(values)
+    if len(values) != layers:
+        raise ValueError(f"{name} must name one {name[:-1]} per layer ({layers}), got "
+                         f"{len(values)}")
+    return values
+
+
 def window_arg(window: int | None) -> int:
     """The kernel's window argument: W, or 0 for full attention (None); ValueError unless
     W >= 1."""
@@ -199,6 +212,17 @@ def window_arg(window: int | None) -> int:
     return window
 
 
+def softcap_arg(softcap: float | None) -> float:
+    """A kernel's softcap argument (this one's and paged_attention.cu's): c, or 0.0 for none
+    (None); ValueError unless c is a finite number > 0."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not (
+            0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None (none) or a finite number > 0, got {softcap!r}")
+    return float(softcap)
+
+
 def raise_on_error(rc: int) -> None:
     """RuntimeError naming the kernel's error code, unless it is 0."""
     if rc != 0:
@@ -207,9 +231,12 @@ def raise_on_error(rc: int) -> None:
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slots: torch.Tensor, seqs: torch.Tensor, scale: float, *,
-                              window: int | None = None) -> torch.Tensor:
+                              window: int | None = None, softcap: float | None = None
+                              ) -> torch.Tensor:
     """The kernel's signature in plain torch: per sequence, gather, repeat KV heads, SDPA
-    with the offset-causal mask (keys before a row's `window` hidden too)."""
+    with the offset-causal mask (keys before a row's `window` hidden too); with a `softcap`
+    c, the scores `scale * q.k` computed in float32, capped to `c * tanh(s / c)`, masked,
+    softmax, P V."""
     _validate(q, k_cache, v_cache, slots, seqs)
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -223,7 +250,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if window is not None:
             allowed &= keys > queries - window_arg(window)
         qs = q[first:first + extend].transpose(0, 1)  # [H, extend, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        else:
+            s = qs.float() @ ks.float().transpose(-1, -2) * scale
+            s = (torch.tanh(s / softcap_arg(softcap)) * softcap).masked_fill(~allowed, -math.inf)
+            o = s.softmax(-1) @ vs.float()
         out[first:first + extend] = o.transpose(0, 1)
     return out
 

@@ -9,7 +9,8 @@ Layouts (the device KV pool's, hicache/memory/device.py)::
 
 GQA: query head h reads KV head `h // (H // KVH)` (consecutive heads share a KV head, as in
 transformers' `repeat_kv`). With a `window` W (a sliding-window layer) sequence s reads only
-its W latest keys, `max(0, seq_lens[s] - W) .. seq_lens[s] - 1`. Softmax and accumulation
+its W latest keys, `max(0, seq_lens[s] - W) .. seq_lens[s] - 1`. With a `softcap` c (Gemma 2)
+each scaled score s becomes `c * tanh(s / c)` before the softmax. Softmax and accumulation
 run in float32 for every input dtype; the output has q's dtype.
 
 Two implementations, one signature: `paged_decode_attention` (the CuPy kernel of
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from hicache.kernels.cuda_utils import import_cupy, raw_module
+from hicache_server.models.kernels.cpu_attention import softcap_arg
 
 SOURCE = Path(__file__).with_name("src") / "paged_attention.cu"
 _KERNELS = {
@@ -42,11 +44,11 @@ MAX_NUM_SEQS = 65535  # CUDA's limit on gridDim.y, which indexes sequences
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention by the CUDA kernel; `[S, H, D]` in q's dtype. See the module docstring."""
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
-    w = _window_arg(window)
+    w, cap = _window_arg(window), softcap_arg(softcap)
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs CUDA tensors, got device {q.device}")
     if q.shape[2] > MAX_HEAD_DIM or q.shape[0] > MAX_NUM_SEQS:
@@ -59,18 +61,18 @@ def paged_decode_attention(
     out = torch.empty_like(q)  # [S, H, D]
     if q.numel() == 0:  # no sequence, head or dim: a (0, ...) grid is an invalid launch
         return out
-    _launch(q, k_cache, v_cache, slot_table, seq_lens, out, scale, w)
+    _launch(q, k_cache, v_cache, slot_table, seq_lens, out, scale, w, cap)
     return out
 
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Pure-torch decode attention with the kernel's semantics (float32 math, q's dtype out)."""
     _validate(q, k_cache, v_cache, slot_table, seq_lens)
-    w = _window_arg(window)
+    w, cap = _window_arg(window), softcap_arg(softcap)
     group = q.shape[1] // k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [S, H, D]
     for s, n in enumerate(seq_lens.tolist()):
@@ -81,6 +83,8 @@ def paged_decode_attention_reference(
         k = k_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [keys, H, D]
         v = v_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [keys, H, D]
         scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale  # [H, keys]
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
 
@@ -131,7 +135,7 @@ def _validate(
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
-    window: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> None:
     cupy = import_cupy()  # imported here: CuPy is optional and only this path needs it
     num_seqs, heads, head_dim = q.shape
@@ -142,7 +146,7 @@ def _launch(
         np.uint64(slot_table.data_ptr()), np.uint64(seq_lens.data_ptr()),
         np.uint64(out.data_ptr()),
         np.int32(heads), np.int32(k_cache.shape[1]), np.int32(head_dim),
-        np.int64(slot_table.shape[1]), np.float32(scale), np.int64(window),
+        np.int64(slot_table.shape[1]), np.float32(scale), np.int64(window), np.float32(softcap),
     )
     with torch.cuda.device(device), cupy.cuda.Device(device.index), \
             cupy.cuda.ExternalStream(stream.cuda_stream, device.index):

@@ -3,8 +3,8 @@
  * STORE(p, v) (v as 16 elements of T) and NAME(f) (f with the type's suffix) come from
  * cpu_attention.c. The math in between is float32 either way. With AMX_PATH or DP_PATH
  * (bfloat16 only) the work items multiply bfloat16 pairs (pair_run_item), on AMX's tiles
- * or with vdpbf16ps, phase 1 packing K and V in pairs (pack_k_pairs,
- * pack_v_pairs) instead of transposing K. */
+ * or with vdpbf16ps, phase 1 packing K and V in pairs (pack_k_pairs, pack_v_pairs of
+ * cpu_attention_pairs.h) instead of transposing K. */
 #ifndef AMX_PATH
 #define AMX_PATH 0
 #define AMX_PATH_DEFAULTED
@@ -124,7 +124,7 @@ static inline void NAME(pv_tile)(float *o, const float *p, const float *alpha, c
 static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_stride,
                      const float *kt, const T *k_cache, const T *v_cache,
                      const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
-                     int64_t dim, float scale, int64_t window, T *out) {
+                     int64_t dim, float scale, int64_t window, float softcap, T *out) {
     const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
     const int64_t from = kt_from(seq, window);
     const int64_t ld = round_up(prefix + seq[2], KEY_BLOCK) - from;
@@ -159,48 +159,13 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
             qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
         for (int64_t r = 0; r < padded; ++r)
             w->alpha[r] = softmax_step(w->s + r * KEY_BLOCK, first_key(w->pos[r], window) - j0,
-                                       w->pos[r] - j0 + 1, &w->m[r], &w->l[r]);
+                                       w->pos[r] - j0 + 1, softcap, &w->m[r], &w->l[r]);
         for (int64_t r = 0; r < padded; r += MICRO_ROWS)
             NAME(pv_tile)(w->o + r * dim, w->s + r * KEY_BLOCK, w->alpha + r, v_cache,
                     slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
     }
     NAME(store_rows)(it, w, seq, heads, group, dim, out);
 }
-
-#elif DP_PATH
-/* O[r][d0 .. d0 + 16 * CHUNK) = alpha_r * O[r] + sum over the block's key pairs of
- * (P[r][2j], P[r][2j+1]) . (v_2j, v_2j+1)[...] for 4 rows, one vdpbf16ps per pair of keys:
- * V as pack_v_pairs lays it out, P's pair (bfloat16) broadcast. */
-#define DP_PV_TILE(CHUNK)                                                                   \
-    static inline __attribute__((always_inline, target("avx512bf16"))) void                 \
-    dp_pv_tile_##CHUNK(float *o, const uint16_t *p16, const float *alpha,                   \
-                       const uint32_t *v_tiles, int64_t key_pairs, int64_t dim, int64_t d0) { \
-        const int64_t groups = dim / VEC;                                                   \
-        __m512 acc[MICRO_ROWS][CHUNK];                                                      \
-        for (int i = 0; i < MICRO_ROWS; ++i) {                                              \
-            const __m512 a = _mm512_set1_ps(alpha[i]);                                      \
-            for (int c = 0; c < CHUNK; ++c)                                                 \
-                acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dim + d0 + c * VEC), a);  \
-        }                                                                                   \
-        for (int64_t j = 0; j < key_pairs; ++j) {                                           \
-            const uint32_t *row = v_tiles + ((j >> 4) * groups + d0 / VEC) * 256            \
-                                  + (j & 15) * 16;                                          \
-            __m512i vv[CHUNK];                                                              \
-            for (int c = 0; c < CHUNK; ++c) vv[c] = _mm512_loadu_si512(row + c * 256);      \
-            for (int i = 0; i < MICRO_ROWS; ++i) {                                          \
-                uint32_t pp;                                                                \
-                memcpy(&pp, p16 + i * KEY_BLOCK + 2 * j, sizeof pp);                        \
-                const __m512i pv = _mm512_set1_epi32((int)pp);                              \
-                for (int c = 0; c < CHUNK; ++c)                                             \
-                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)vv[c], (__m512bh)pv); \
-            }                                                                               \
-        }                                                                                   \
-        for (int i = 0; i < MICRO_ROWS; ++i)                                                \
-            for (int c = 0; c < CHUNK; ++c)                                                 \
-                _mm512_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                    \
-    }
-DP_PV_TILE(4)
-DP_PV_TILE(1)
 
 #endif
 
@@ -222,7 +187,7 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
         const Item *it, Scratch *w, const uint16_t *q, int64_t q_stride,
         const uint32_t *tiles, const uint16_t *k_cache, const uint16_t *v_cache,
         const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
-        int64_t dim, float scale, int64_t window, uint16_t *out) {
+        int64_t dim, float scale, int64_t window, float softcap, uint16_t *out) {
     const int64_t rows = it->num_tokens * (heads / kv_heads);
     const int64_t padded = round_up(rows, PAIR_ROWS);
     const int64_t num_keys = load_pair_rows(it, w, q, q_stride, seq, heads, kv_heads, dim,
@@ -249,7 +214,7 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
             dp_qk_tile(w->s + r * KEY_BLOCK, w->q16 + r * dim, k_tiles, dim);
 #endif
         for (int64_t r = 0; r < live; ++r)
-            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc,
+            w->alpha[r] = softmax_step_p16(w->s + r * KEY_BLOCK, sc, softcap,
                                            first_key(w->pos[r], window) - j0,
                                            w->pos[r] - j0 + 1, &w->m[r], &w->l[r],
                                            w->p16 + r * KEY_BLOCK);
@@ -292,14 +257,15 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
 
 /* `workspace` holds hicache_paged_attention_workspace(...) floats for this window or window 0
  * (64-byte aligned, any content). `window` W > 0: each row reads its W latest keys; 0: every
- * key. Returns 0, -1 for an unsupported shape or window, -2 when memory ran out. */
+ * key. `softcap` c > 0: the scaled scores s become c * tanh(s / c) before the softmax; 0: not.
+ * Returns 0, -1 for an unsupported shape, window or softcap, -2 when memory ran out. */
 int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache,
                                 const T *v_cache, const int64_t *slots, const int64_t *seqs,
                                 int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                                float scale, int64_t window, T *out, float *workspace,
-                                int num_threads) {
+                                float scale, int64_t window, float softcap, T *out,
+                                float *workspace, int num_threads) {
     if (dim % VEC != 0 || dim > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads != 0
-        || window < 0
+        || window < 0 || !(softcap >= 0.0f && softcap < INFINITY)
         || (AMX_PATH && dim % KEY_BLOCK != 0) || (DP_PATH && dim % PAIR_DIMS != 0))
         return -1;
     /* Kt of every sharing (seq, kv head) at kt_off in the workspace; work items, heaviest
@@ -386,12 +352,12 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
             const uint32_t *own = shares_kt(sq)
                 ? (const uint32_t *)(kt + kt_off[it->seq * kv_heads + it->kv_head]) : NULL;
             NAME(pair_run_item)(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
-                                kv_heads, dim, scale, window, out);
+                                kv_heads, dim, scale, window, softcap, out);
 #else
             const float *own = shares_kt(sq) ? kt + kt_off[it->seq * kv_heads + it->kv_head]
                                              : NULL;
             NAME(run_item)(it, &w, q, q_stride, own, k_cache, v_cache, slots, sq, heads,
-                           kv_heads, dim, scale, window, out);
+                           kv_heads, dim, scale, window, softcap, out);
 #endif
         }
 #if AMX_PATH

@@ -3,7 +3,9 @@
 // No #include: NVRTC (CuPy RawModule) compiles this file as-is, and so does `nvcc --cubin`.
 // The wrapper is kernels/paged_attention.py; its pure-torch reference defines the semantics:
 //
-//   out[s, h] = softmax_j(scale * q[s, h] . K[slot(s, j), kvh]) @ V[slot(s, j), kvh]
+//   out[s, h] = softmax_j(cap(scale * q[s, h] . K[slot(s, j), kvh])) @ V[slot(s, j), kvh]
+//   cap(x) = softcap * tanh(x / softcap)       (Gemma 2's attention logit soft-capping;
+//                                               softcap 0: cap(x) = x)
 //   slot(s, j) = slot_table[s * max_len + j]   for first(s) <= j < seq_lens[s]
 //   first(s) = max(0, seq_lens[s] - window)    (a sliding-window layer's W latest keys;
 //                                               window 0: every key, first(s) = 0)
@@ -16,7 +18,8 @@
 //
 // One block per (head, sequence), THREADS threads. Keys from first(s) on are processed in
 // tiles of TILE:
-//   1. scores: each warp takes keys of the tile, its lanes stride over D; shuffle reduce
+//   1. scores: each warp takes keys of the tile, its lanes stride over D; shuffle reduce;
+//      soft-capped by the lane that stores it
 //   2. online softmax: running max m and sum l are identical in every thread (each thread
 //      reduces the tile from shared memory), so no broadcast is needed
 //   3. P @ V: thread t owns output dims t, t + THREADS, ... and accumulates in fp32 registers
@@ -79,7 +82,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
                              const T* __restrict__ v_cache, const i64* __restrict__ slot_table,
                              const i64* __restrict__ seq_lens, T* __restrict__ out,
                              int num_heads, int num_kv_heads, int head_dim, i64 max_len,
-                             float scale, i64 window) {
+                             float scale, i64 window, float softcap) {
   const int head = blockIdx.x;
   const i64 seq = blockIdx.y;
   const int tid = threadIdx.x;
@@ -116,7 +119,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
       for (int d = lane; d < head_dim; d += WARP_SIZE) dot += s_q[d] * to_float(k_row[d]);
       dot = warp_sum(dot);
       if (lane == 0) {
-        s_score[j] = dot;
+        s_score[j] = softcap > 0.0f ? tanhf(dot / softcap) * softcap : dot;
         s_slot[j] = slot;
       }
     }
@@ -162,9 +165,9 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
   extern "C" __global__ void __launch_bounds__(THREADS)                                       \
   NAME(const T* q, const T* k_cache, const T* v_cache, const i64* slot_table,                \
        const i64* seq_lens, T* out, int num_heads, int num_kv_heads, int head_dim,             \
-       i64 max_len, float scale, i64 window) {                                                \
+       i64 max_len, float scale, i64 window, float softcap) {                                 \
     paged_decode<T>(q, k_cache, v_cache, slot_table, seq_lens, out, num_heads, num_kv_heads,   \
-                    head_dim, max_len, scale, window);                                         \
+                    head_dim, max_len, scale, window, softcap);                                \
   }
 
 DEFINE_KERNEL(paged_decode_attention_f32, float)
