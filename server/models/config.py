@@ -1,37 +1,25 @@
-"""ModelArchConfig: the architecture of a checkpoint (the Llama family, Gemma 3), read from its
-`config.json`.
+"""ModelArchConfig: the architecture of a checkpoint, read from its `config.json`.
 
-Both config.json generations are understood: the old one (`rope_theta` and `rope_scaling` at
-the top level, Gemma's `rope_local_base_freq`, `torch_dtype`) and transformers 5's
-(`rope_parameters`, per layer type for Gemma 3; `dtype`).
+The keys every architecture shares are read here; an architecture's own keys, defaults and
+refusals are its file's (`Architecture.config_fields`, found through registry.py). Both
+config.json generations are understood: the old one (`rope_theta` and `rope_scaling` at the
+top level, `torch_dtype`) and transformers 5's (`rope_parameters`, `dtype`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-GEMMA3 = "Gemma3ForCausalLM"
-# transformers' layer types (Gemma 3's `layer_types`)
+from hicache_server.models import registry
+
+# transformers' layer types (config.json's `layer_types`)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-# Gemma3TextConfig's defaults, for the keys a config.json may leave out
-_GEMMA3_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
-    "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "hidden_activation": "gelu_pytorch_tanh",
-}
-GEMMA3_ROPE_THETAS = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
-# Without `layer_types`, every Nth layer is full, the others slide (transformers' default N)
-GEMMA3_LAYER_PATTERN = 6
-GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU, tanh approximation (F.gelu's "tanh")
 SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 _ROPE_KEYS = {  # the keys each scaling type needs
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -136,15 +124,14 @@ class ModelArchConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelArchConfig:
         """Parse a Hugging Face config dict; ValueError for an unsupported model."""
-        arch = _architecture(d)
-        defaults, own_fields = _ARCHITECTURES[arch]
-        d = {**defaults, **d}
+        arch = registry.architecture_of_config(d)
+        d = {**arch.config_defaults, **d}
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         if d.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
         return cls(
-            architecture=arch,
+            architecture=arch.name,
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
             num_hidden_layers=int(d["num_hidden_layers"]),
@@ -159,108 +146,13 @@ class ModelArchConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
             hicache_embedded=d.get("hicache_embedded"),
-            **own_fields(d, arch),
+            **arch.config_fields(d),
         )
 
 
-def _llama_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The Llama family's own keys: RoPE, the q/k/v (Qwen2) or every (Llama) bias, the
-    window (not applied)."""
-    theta, scaling = _rope(d)
-    qwen2 = arch == "Qwen2ForCausalLM"
-    bias = bool(d.get("attention_bias", qwen2))
-    return {"rope_theta": theta, "rope_scaling": scaling, "attention_bias": bias,
-            "o_proj_bias": bias and not qwen2,
-            "sliding_window": d.get("sliding_window") if d.get("use_sliding_window", True)
-            else None}
-
-
-def _gemma3_fields(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """Gemma 3's own keys: a window per sliding layer, a RoPE base per layer type, the
-    attention scale, the activation. What transformers' Gemma3ForCausalLM computes and this
-    engine does not (softcapping, bidirectional attention, biases) is refused."""
-    refused = {key: d.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping",
-                                           "use_bidirectional_attention", "attention_bias")}
-    for key, value in refused.items():
-        if value:
-            raise ValueError(f"config.json: {key}={value} is not supported for {arch}")
-    if d["hidden_activation"] not in GEMMA3_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_activation {d['hidden_activation']!r} is not "
-                         f"supported; supported: {', '.join(GEMMA3_ACTIVATIONS)}")
-    window = None if d["sliding_window"] is None else int(d["sliding_window"])
-    types = _gemma3_layer_types(d)
-    if window is None and SLIDING_ATTENTION in types:
-        raise ValueError("config.json: sliding layers need a sliding_window, got none")
-    (theta, scaling), local_theta = _gemma3_rope(d)
-    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
-            "sliding_window": window, "query_pre_attn_scalar": float(d["query_pre_attn_scalar"]),
-            "layer_windows": tuple(window if t == SLIDING_ATTENTION else None for t in types),
-            "hidden_act": d["hidden_activation"]}
-
-
-def _gemma3_layer_types(d: Mapping[str, Any]) -> list[str]:
-    """`layer_types`, or as transformers derives it: every `sliding_window_pattern`th layer
-    full, the others sliding."""
-    layers = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if types is None:
-        pattern = int(d.get("sliding_window_pattern") or GEMMA3_LAYER_PATTERN)
-        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                 for i in range(layers)]
-    unknown = set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}
-    if unknown or len(types) != layers:
-        raise ValueError(f"config.json: layer_types must name each of the {layers} layers "
-                         f"{FULL_ATTENTION} or {SLIDING_ATTENTION}, got {types}")
-    return list(types)
-
-
-def _gemma3_rope(d: Mapping[str, Any]) -> tuple[tuple[float, dict[str, Any] | None], float]:
-    """((theta, scaling) of the full layers, theta of the sliding ones) from either
-    generation: `rope_parameters` per layer type, or `rope_theta` and `rope_scaling` (the full
-    layers') and `rope_local_base_freq`."""
-    params = dict(d.get("rope_parameters") or {})
-    if not set(params) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ValueError(f"config.json: Gemma 3's rope_parameters must be keyed by layer type "
-                         f"({FULL_ATTENTION}, {SLIDING_ATTENTION}), got {params}")
-    full = {"rope_theta": d.get("rope_theta", GEMMA3_ROPE_THETAS[FULL_ATTENTION]),
-            **(d.get("rope_scaling") or {}), **(params.get(FULL_ATTENTION) or {})}
-    local = {"rope_theta": d.get("rope_local_base_freq", GEMMA3_ROPE_THETAS[SLIDING_ATTENTION]),
-             **(params.get(SLIDING_ATTENTION) or {})}
-    local_theta, local_scaling = _rope({"rope_parameters": local})
-    if local_scaling is not None:
-        raise ValueError(f"config.json: rope scaling of the sliding layers ({local}) is not "
-                         "supported")
-    return _rope({"rope_parameters": full}), local_theta
-
-
-# architecture -> (its config class's defaults for keys a config.json may omit, its own keys)
-_ARCHITECTURES: dict[str, tuple[dict[str, Any],
-                                Callable[[Mapping[str, Any], str], dict[str, Any]]]] = {
-    "LlamaForCausalLM": ({}, _llama_fields),
-    "MistralForCausalLM": ({}, _llama_fields),
-    "Qwen2ForCausalLM": ({}, _llama_fields),
-    GEMMA3: (_GEMMA3_DEFAULTS, _gemma3_fields),
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
-
-
-def _architecture(d: Mapping[str, Any]) -> str:
-    archs = d.get("architectures") or []
-    if not archs:  # a config saved from a bare config object: fall back on model_type
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "gemma3_text": GEMMA3}
-        archs = [by_type.get(str(d.get("model_type")), str(d.get("model_type")))]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"config.json: architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def _rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either config.json generation."""
+def parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config.json generation (`rope_theta`
+    and `rope_scaling`, or `rope_parameters`); ValueError for a scaling not computed."""
     params = dict(d.get("rope_parameters") or {})
     legacy = dict(d.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA)))
@@ -280,6 +172,23 @@ def _rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if missing:
         raise ValueError(f"config.json: {rope_type} rope scaling needs {missing}, got {scaling}")
     return theta, scaling
+
+
+def layer_types(d: Mapping[str, Any], default_type: Callable[[int], str]) -> list[str]:
+    """Each layer's type from config.json's `layer_types`, or, where it has none,
+    `default_type(i)`: the type transformers gives layer i."""
+    layers = int(d["num_hidden_layers"])
+    types: Sequence[str] = d.get("layer_types") or [default_type(i) for i in range(layers)]
+    if set(types) - {FULL_ATTENTION, SLIDING_ATTENTION} or len(types) != layers:
+        raise ValueError(f"config.json: layer_types must name each of the {layers} layers "
+                         f"{FULL_ATTENTION} or {SLIDING_ATTENTION}, got {list(types)}")
+    return list(types)
+
+
+def windows_of(types: Sequence[str], window: int | None) -> tuple[int | None, ...]:
+    """`layer_windows` of these layer types: `window` for a sliding layer, None for a full
+    one (and for every layer without a window, as transformers' masks are then)."""
+    return tuple(window if t == SLIDING_ATTENTION else None for t in types)
 
 
 def _dtype_name(d: Mapping[str, Any]) -> str:

@@ -10,6 +10,9 @@ Where it differs from Llama, each computed as transformers computes it:
   window (`config.window_of`) and rotates with the local RoPE base, a full layer with the
   global base (and its scaling).
 
+Its registry entry (`ARCHITECTURES`) reads its config.json keys (Gemma3TextConfig's defaults
+for those left out) and llama.cpp's `gemma3` GGUF form.
+
 Every layer's K/V is written to the pool at `batch.out_slots` (the cache keeps all layers'
 KV of every token). Of the layer kernel only RoPE applies: its RMSNorm is Llama's arithmetic
 and its activation SiLU. There is no lean path (`LeanForward` is Llama's).
@@ -20,8 +23,9 @@ Threading: `forward` runs on the scheduler thread, which owns the KV pool it wri
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +34,34 @@ from torch import nn
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.causal_lm import CausalLM
-from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelArchConfig,
+    layer_types,
+    parse_rope,
+    windows_of,
+)
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.linear import Linear, make_param
+from hicache_server.models.llama import LLAMA_TENSOR_NAMES
+from hicache_server.models.registry import Architecture, GGUFForm, GGUFSource
 from hicache_server.models.rope import RotaryEmbedding
 
+GEMMA3 = "Gemma3ForCausalLM"
+# Gemma3TextConfig's defaults, for the keys a config.json may leave out
+_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+ROPE_THETAS = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
+# Without `layer_types`, every Nth layer is full, the others slide (transformers' default N)
+LAYER_PATTERN = 6
 # config.hidden_act -> the function (transformers' ACT2FN["gelu_pytorch_tanh"] is this call)
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
@@ -165,3 +192,97 @@ class Gemma3ForCausalLM(CausalLM):
     def _layer_kernel_modules(self) -> list[nn.Module]:
         """RoPE, both bases: the kernel's RMSNorm is Llama's and its activation SiLU."""
         return [self.model.rotary_emb, self.model.rotary_emb_local]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry entry: config.json keys, the GGUF form
+
+
+def _config_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own keys: a window per sliding layer, a RoPE base per layer type, the
+    attention scale, the activation. What transformers' Gemma3ForCausalLM computes and this
+    engine does not (softcapping, bidirectional attention, biases) is refused."""
+    refused = {key: d.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping",
+                                           "use_bidirectional_attention", "attention_bias")}
+    for key, value in refused.items():
+        if value:
+            raise ValueError(f"config.json: {key}={value} is not supported for {GEMMA3}")
+    if d["hidden_activation"] not in _ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_activation {d['hidden_activation']!r} is not "
+                         f"supported; supported: {', '.join(_ACTIVATIONS)}")
+    window = None if d["sliding_window"] is None else int(d["sliding_window"])
+    pattern = int(d.get("sliding_window_pattern") or LAYER_PATTERN)
+    types = layer_types(d, lambda i: SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION)
+    if window is None and SLIDING_ATTENTION in types:
+        raise ValueError("config.json: sliding layers need a sliding_window, got none")
+    (theta, scaling), local_theta = _rope(d)
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
+            "sliding_window": window, "query_pre_attn_scalar": float(d["query_pre_attn_scalar"]),
+            "layer_windows": windows_of(types, window), "hidden_act": d["hidden_activation"]}
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[tuple[float, dict[str, Any] | None], float]:
+    """((theta, scaling) of the full layers, theta of the sliding ones) from either
+    generation: `rope_parameters` per layer type, or `rope_theta` and `rope_scaling` (the full
+    layers') and `rope_local_base_freq`."""
+    params = dict(d.get("rope_parameters") or {})
+    if not set(params) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(f"config.json: Gemma 3's rope_parameters must be keyed by layer type "
+                         f"({FULL_ATTENTION}, {SLIDING_ATTENTION}), got {params}")
+    full = {"rope_theta": d.get("rope_theta", ROPE_THETAS[FULL_ATTENTION]),
+            **(d.get("rope_scaling") or {}), **(params.get(FULL_ATTENTION) or {})}
+    local = {"rope_theta": d.get("rope_local_base_freq", ROPE_THETAS[SLIDING_ATTENTION]),
+             **(params.get(SLIDING_ATTENTION) or {})}
+    local_theta, local_scaling = parse_rope({"rope_parameters": local})
+    if local_scaling is not None:
+        raise ValueError(f"config.json: rope scaling of the sliding layers ({local}) is not "
+                         "supported")
+    return parse_rope({"rope_parameters": full}), local_theta
+
+
+# Four norms a layer and q/k norms (gguf-py's tensor map): its `ffn_norm` is the norm before
+# the MLP, the one after attention has a name of its own.
+GGUF_TENSOR_NAMES = {
+    **{k: v for k, v in LLAMA_TENSOR_NAMES.items() if ".bias" not in k},
+    "blk.{}.ffn_norm.weight": "model.layers.{}.pre_feedforward_layernorm.weight",
+    "blk.{}.post_attention_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.post_ffw_norm.weight": "model.layers.{}.post_feedforward_layernorm.weight",
+    "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+    "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+}
+# What llama.cpp assumes of every gemma3 file, which the metadata does not say
+# (llama-model.cpp, `llama_load_hparams_gemma3`): every 6th layer full (LAYER_PATTERN), the
+# sliding layers' RoPE base, and q.k scaled by 1/sqrt(head dim) except in the 27B model (62
+# layers), by 1/sqrt(hidden / heads) as its config.json's query_pre_attn_scalar (168).
+GGUF_LOCAL_ROPE_BASE = 10000.0
+GGUF_27B_LAYERS = 62
+
+
+def _gguf_config(source: GGUFSource) -> dict[str, Any]:
+    """Gemma 3's config.json keys beyond the shared ones: its window from the file, the rest
+    as llama.cpp assumes them; softcapping, should a file carry it, is passed on for
+    `_config_fields` to refuse."""
+    layers, hidden = int(source.key("block_count")), int(source.key("embedding_length"))
+    heads = int(source.key("attention.head_count"))
+    head_dim = int(source.key("attention.key_length", hidden // heads))
+    if int(source.key("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{source.file}: gemma3 value_length "
+                        f"{source.key('attention.value_length')} differs from key_length "
+                        f"{head_dim}")
+    return {"sliding_window": int(source.key("attention.sliding_window")),
+            "sliding_window_pattern": LAYER_PATTERN,
+            "rope_local_base_freq": GGUF_LOCAL_ROPE_BASE,
+            "query_pre_attn_scalar": hidden // heads if layers == GGUF_27B_LAYERS else head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": source.meta.get("gemma3.attn_logit_softcapping"),
+            "final_logit_softcapping": source.meta.get("gemma3.final_logit_softcapping")}
+
+
+ARCHITECTURES = (
+    Architecture(GEMMA3, Gemma3ForCausalLM, _config_fields, model_types=("gemma3_text",),
+                 config_defaults=_DEFAULTS,
+                 # the converter's norm_shift: every norm weight stored as 1 + w; a chat turn
+                 # ends at <end_of_turn>, which the file names nowhere (no eot id)
+                 gguf=GGUFForm("gemma3", GGUF_TENSOR_NAMES, norm_shift=1.0,
+                               config=_gguf_config, eos_tokens=("<end_of_turn>",))),
+)

@@ -14,11 +14,11 @@ What must stay true:
   and samples of its data), so page hashes of two quantisations, or of two fine-tunes, never
   meet; the file's path is not part of it (two machines share pages of the same file).
 - The tokenizer is built from the metadata by `server/models/gguf_tokenizer.py`.
-- Tensors come out under transformers' names and layout: llama.cpp stores a Llama's q and k
-  rows permuted for its RoPE (`convert_hf_to_gguf.py`'s `permute`), undone here
-  (`_unpermute`); Qwen2 and Gemma 3 files are not permuted. Gemma's norm weights are stored
-  as `1 + w` (the converter's `norm_shift`); the 1 is taken off in float32 as transformers'
-  GGUF loader does, so the model's `1 + w` gives transformers' bits.
+- Tensors come out under transformers' names and layout, as the architecture's `GGUFForm`
+  (registry.py, declared in its file) says: llama.cpp stores a Llama's q and k rows permuted
+  for its RoPE (`convert_hf_to_gguf.py`'s `permute`), undone here (`_unpermute`); a
+  `norm_shift` the converter added to every norm weight (Gemma's `1 + w`) is taken off in
+  float32 as transformers' GGUF loader does, so the model's `1 + w` gives its bits.
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ import json
 import logging
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 from tqdm import tqdm
 
-from hicache_server.models.config import GEMMA3_LAYER_PATTERN
+from hicache_server.models import registry
 from hicache_server.models.fingerprint import GGUF_IDENTITY_KEY
 from hicache_server.models.folders import write_folder
 from hicache_server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
+from hicache_server.models.registry import GGUFSource
 
 GGUF_SUFFIX = ".gguf"
 COMPANION_DIR = "gguf"  # under hicache_home()/models
@@ -56,57 +57,6 @@ _IDENTITY_SAMPLE_BYTES = 4096
 COMPANION_VERSION = 1
 
 
-# GGUF tensor name -> transformers name; `{}` is the layer index.
-_LLAMA_TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
-    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
-    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
-    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
-}
-# Gemma 3's four norms a layer and q/k norms (gguf-py's tensor map): its `ffn_norm` is the
-# norm before the MLP, the one after attention has a name of its own.
-_GEMMA3_TENSOR_NAMES = {
-    **{k: v for k, v in _LLAMA_TENSOR_NAMES.items() if ".bias" not in k},
-    "blk.{}.ffn_norm.weight": "model.layers.{}.pre_feedforward_layernorm.weight",
-    "blk.{}.post_attention_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "blk.{}.post_ffw_norm.weight": "model.layers.{}.post_feedforward_layernorm.weight",
-    "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
-    "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
-}
-# What llama.cpp assumes of every gemma3 file, which the metadata does not say
-# (llama-model.cpp, `llama_load_hparams_gemma3`): every 6th layer full (GEMMA3_LAYER_PATTERN),
-# the sliding layers' RoPE base, and q.k scaled by 1/sqrt(head dim) except in the 27B model
-# (62 layers), by 1/sqrt(hidden / heads) as its config.json's query_pre_attn_scalar (168).
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_27B_LAYERS = 62
-
-
-class _Architecture(NamedTuple):
-    hf_class: str  # the transformers class this engine runs it as
-    model_type: str
-    permuted_qk: bool  # q/k rows stored permuted for llama.cpp's RoPE (undone at load)
-    tensor_names: dict[str, str]
-    norm_shift: float = 0.0  # added to every norm weight by the converter (taken off here)
-
-
-# Mistral's GGUFs say "llama" (the same decoder).
-_ARCHITECTURES = {
-    "llama": _Architecture("LlamaForCausalLM", "llama", True, _LLAMA_TENSOR_NAMES),
-    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", False, _LLAMA_TENSOR_NAMES),
-    "gemma3": _Architecture("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_TENSOR_NAMES,
-                            norm_shift=1.0),
-}
 logger = logging.getLogger(__name__)
 
 
@@ -178,7 +128,7 @@ def _write_companion(reader: Any, file: Path, identity: str, final: Path) -> Non
     of two processes writing it at once one wins, and both see it whole)."""
     meta = _metadata(reader)
     files = {"config.json": hf_config(meta, reader, file, identity),
-             "generation_config.json": _generation_config(meta),
+             "generation_config.json": _generation_config(meta, file),
              "tokenizer_config.json": tokenizer_config(meta)}
     tokenizer = tokenizer_json(meta, file)
 
@@ -203,22 +153,15 @@ def _metadata(reader: Any) -> dict[str, Any]:
 
 
 def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> dict[str, Any]:
-    """config.json (transformers' keys) of a GGUF file's metadata; GGUFError for an
-    architecture or a feature the engine does not run."""
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise GGUFError(f"{file}: GGUF architecture {arch!r} is not supported; supported: "
-                        f"{', '.join(_ARCHITECTURES)} (Llama, Mistral, Qwen2, Gemma 3)")
-    hf_arch, model_type = _ARCHITECTURES[arch].hf_class, _ARCHITECTURES[arch].model_type
-    names = {t.name for t in reader.tensors}
-    _refuse_unsupported(meta, names, arch, file)
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise GGUFError(f"{file}: metadata {arch}.{name} is missing")
-        return value
-
+    """config.json (transformers' keys) of a GGUF file's metadata: the keys every file gives,
+    then its architecture's own (`GGUFForm.config`); GGUFError for an architecture or a
+    feature the engine does not run."""
+    arch = registry.architecture_of_gguf(meta.get("general.architecture"), file)
+    tensors = {t.name: t for t in reader.tensors}
+    source = GGUFSource(file, meta, frozenset(tensors),
+                        read=lambda name: dequantise(tensors[name], file))
+    _refuse_unsupported(source)
+    key = source.key
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     head_dim = int(key("attention.key_length", hidden // heads))
     if int(key("rope.dimension_count", head_dim)) != head_dim:
@@ -226,76 +169,50 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
                         f"{key('rope.dimension_count')} < head dim {head_dim}) are not supported")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = {
-        "architectures": [hf_arch], "model_type": model_type,
+        "architectures": [arch.name], "model_type": arch.model_types[0],
         "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)), "head_dim": head_dim,
-        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "vocab_size": int(key("vocab_size", len(tokens))),
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, arch, file),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        "rope_scaling": _rope_scaling(source),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": _checkpoint_dtype(reader),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         GGUF_IDENTITY_KEY: {"identity": identity, "version": COMPANION_VERSION,
                             "name": meta.get("general.name"),
-                          "tensor_types": _tensor_types(reader)},
+                            "tensor_types": _tensor_types(reader)},
     }
-    if model_type == "qwen2":
-        config["use_sliding_window"] = False
-    if arch == "gemma3":
-        config |= _gemma3_config(meta, key, head_dim, file)
-    return config
+    return config | arch.gguf.config(source)
 
 
-def _gemma3_config(meta: dict[str, Any], key: Callable[..., Any], head_dim: int,
-                   file: Path) -> dict[str, Any]:
-    """Gemma 3's config.json keys beyond the Llama ones: its window from the file, the rest
-    as llama.cpp assumes them (GEMMA3_LOCAL_ROPE_BASE's comment); softcapping, should a file
-    carry it, is passed on for the config to refuse."""
-    if int(key("attention.value_length", head_dim)) != head_dim:
-        raise GGUFError(f"{file}: gemma3 value_length {key('attention.value_length')} differs "
-                        f"from key_length {head_dim}")
-    layers, hidden = int(key("block_count")), int(key("embedding_length"))
-    scalar = (hidden // int(key("attention.head_count")) if layers == GEMMA3_27B_LAYERS
-              else head_dim)
-    return {"sliding_window": int(key("attention.sliding_window")),
-            "sliding_window_pattern": GEMMA3_LAYER_PATTERN,
-            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": scalar,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),
-            "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping")}
-
-
-def _refuse_unsupported(meta: dict[str, Any], names: set[str], arch: str, file: Path) -> None:
-    """GGUFError, before any weight is read, for what a Llama/Qwen2 file may hold that this
-    engine does not run."""
+def _refuse_unsupported(source: GGUFSource) -> None:
+    """GGUFError, before any weight is read, for what a file of any architecture may hold
+    that this engine does not run (its architecture's `config` refuses its own)."""
     refused = {
         "a split GGUF (split.count > 1; merge it with llama-gguf-split --merge)":
-            int(meta.get("split.count", 1)) > 1,
-        f"mixture of experts ({arch}.expert_count)": int(meta.get(f"{arch}.expert_count", 0)) > 0,
-        "per-frequency RoPE factors (rope_freqs, Llama 3.1's rope scaling)":
-            "rope_freqs.weight" in names,
-        "attention biases in a Llama file": arch == "llama" and any(
-            n.endswith(("attn_q.bias", "attn_output.bias")) for n in names),
+            int(source.meta.get("split.count", 1)) > 1,
+        f"mixture of experts ({source.arch}.expert_count)":
+            int(source.key("expert_count", 0)) > 0,
     }
     for what, present in refused.items():
         if present:
-            raise GGUFError(f"{file}: {what} is not supported in GGUF files; serve the "
+            raise GGUFError(f"{source.file}: {what} is not supported in GGUF files; serve the "
                             "model's Hugging Face folder instead")
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, file: Path) -> dict[str, Any] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+def _rope_scaling(source: GGUFSource) -> dict[str, Any] | None:
+    kind = source.key("rope.scaling.type", "none")
     if kind == "none":
         return None
-    factor = meta.get(f"{arch}.rope.scaling.factor")
+    factor = source.meta.get(f"{source.arch}.rope.scaling.factor")
     if kind == "linear" and factor is not None:
         return {"rope_type": "linear", "factor": float(factor)}
-    raise GGUFError(f"{file}: rope scaling {kind!r} (factor {factor}) is not supported; "
+    raise GGUFError(f"{source.file}: rope scaling {kind!r} (factor {factor}) is not supported; "
                     "supported: none, linear with a factor")
 
 
@@ -316,13 +233,13 @@ def _checkpoint_dtype(reader: Any) -> str:
     return "float16" if kinds == {"F16"} else "bfloat16"
 
 
-def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+def _generation_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    if meta.get("general.architecture") == "gemma3":
-        # A Gemma 3 chat turn ends at <end_of_turn>, which its GGUF names nowhere (no eot
-        # id): an eos beside <eos>, as its generation_config.json has it ([1, 106]).
-        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-        eos += [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]
+    # tokens that end a turn which the file names nowhere (Gemma 3's <end_of_turn>: an eos
+    # beside <eos>, as its generation_config.json has it, [1, 106])
+    ends = registry.architecture_of_gguf(meta.get("general.architecture"), file).gguf.eos_tokens
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    eos += [i for i, t in enumerate(tokens) if t in ends]
     eos_ids = sorted({int(e) for e in eos if e is not None})
     return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
             # None, not []: load_tokenizer then falls back on tokenizer_config's eos_token
@@ -336,27 +253,37 @@ def iter_gguf_tensors(file: str | Path, heads: int, kv_heads: int
     at a time (`gguf.quants.dequantize`: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, ...);
     GGUFError for a tensor of no known name or of a type the reader cannot dequantise.
     `heads`, `kv_heads`: the model's query and KV heads (the q/k rows' un-permute)."""
-    from gguf.quants import dequantize  # here, not at import: only GGUF models need it
-
     file = Path(file)
     reader = _reader(file)
-    arch = _ARCHITECTURES[str(reader.fields["general.architecture"].contents())]
+    form = registry.architecture_of_gguf(reader.fields["general.architecture"].contents(),
+                                         file).gguf
     for t in tqdm(reader.tensors, desc="Dequantising GGUF", unit="tensor", file=sys.stderr):
-        name = _hf_name(t.name, arch.tensor_names, file)
-        try:
-            values = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise GGUFError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which the gguf "
-                            "package cannot dequantise") from None
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape(
-            [int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
-            values = values.copy()
-        if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if t.name in form.config_tensors:  # read into config.json, not a weight
+            continue
+        name = _hf_name(t.name, form.tensor_names, file)
+        values = dequantise(t, file)
+        if form.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = _unpermute(values, heads if "q_proj" in name else kv_heads)
-        if arch.norm_shift and t.name.endswith("norm.weight"):
-            values = values - np.float32(arch.norm_shift)  # float32, as transformers
+        if form.norm_shift and t.name.endswith("norm.weight"):
+            values = values - np.float32(form.norm_shift)  # float32, as transformers
         yield name, torch.from_numpy(values)
+
+
+def dequantise(t: Any, file: Path) -> np.ndarray:
+    """A reader tensor's values as a writable float32 array of its transformers shape (GGUF
+    lists dims innermost first); GGUFError for a type the gguf package cannot dequantise."""
+    from gguf.quants import dequantize  # here, not at import: only GGUF models need it
+
+    try:
+        values = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise GGUFError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which the gguf "
+                        "package cannot dequantise") from None
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(
+        [int(d) for d in reversed(t.shape)])
+    if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
+        values = values.copy()
+    return values
 
 
 def _hf_name(name: str, names: dict[str, str], file: Path) -> str:

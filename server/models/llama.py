@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2) over the paged KV pool.
+"""The Llama family (Llama, Mistral, Qwen2) over the paged KV pool, and its registry entries
+(`ARCHITECTURES`: the config.json keys of each, the GGUF forms `llama` and `qwen2`).
 
 Numerics follow transformers' modelling code: RMSNorm in float32, RoPE with the rotate-half
 convention (HF checkpoints' q/k rows are permuted for it), GQA by repeating KV heads, SwiGLU.
@@ -9,6 +10,9 @@ Threading: `forward` runs on the scheduler thread, which owns the KV pool it wri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,15 +20,18 @@ from torch import nn
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.causal_lm import CausalLM
-from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.config import ModelArchConfig, parse_rope
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.kernels.cpu_layer import CpuLayerKernel
 from hicache_server.models.linear import Linear, make_param
+from hicache_server.models.registry import Architecture, GGUFForm, GGUFSource
 from hicache_server.models.rope import RotaryEmbedding
 
-__all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["ARCHITECTURES", "LLAMA_TENSOR_NAMES", "LlamaForCausalLM", "RMSNorm",
+           "RotaryEmbedding"]
 
 
 class RMSNorm(nn.Module):
@@ -162,3 +169,79 @@ class LlamaForCausalLM(CausalLM):
     def _refresh_lean(self) -> None:
         """The lean path for the kernels and packed weights the model has now (or none)."""
         self.model.lean = LeanForward.build(self.model, self.config, self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry entries: config.json keys, GGUF forms
+
+
+def _llama_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE and the biases: Llama's `attention_bias` puts one on q, k, v and o."""
+    theta, scaling = parse_rope(d)
+    bias = bool(d.get("attention_bias", False))
+    return {"rope_theta": theta, "rope_scaling": scaling, "attention_bias": bias,
+            "o_proj_bias": bias}
+
+
+def _mistral_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Llama's keys and the window (not applied: full attention)."""
+    return {**_llama_fields(d), "sliding_window": d.get("sliding_window")}
+
+
+def _qwen2_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Llama's keys, biases on q, k and v only (Qwen2Config has them by default), the window
+    where `use_sliding_window` (not applied: full attention)."""
+    theta, scaling = parse_rope(d)
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    return {"rope_theta": theta, "rope_scaling": scaling,
+            "attention_bias": bool(d.get("attention_bias", True)), "o_proj_bias": False,
+            "sliding_window": window}
+
+
+# GGUF tensor name -> transformers name; `{}` is the layer index (gguf-py's tensor map)
+LLAMA_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+
+
+def _llama_gguf_config(source: GGUFSource) -> dict[str, Any]:
+    """A `llama` file's own keys: none, once what it may hold and this engine does not run
+    is refused."""
+    if any(n.endswith(("attn_q.bias", "attn_output.bias")) for n in source.tensor_names):
+        raise GGUFError(f"{source.file}: attention biases in a Llama file are not supported in "
+                        "GGUF files; serve the model's Hugging Face folder instead")
+    if "rope_freqs.weight" in source.tensor_names:
+        raise GGUFError(f"{source.file}: per-frequency RoPE factors (rope_freqs, Llama 3.1's "
+                        "rope scaling) are not supported in GGUF files; serve the model's "
+                        "Hugging Face folder instead")
+    return {}
+
+
+def _qwen2_gguf_config(source: GGUFSource) -> dict[str, Any]:
+    return {"use_sliding_window": False}  # llama.cpp's qwen2 attends to everything
+
+
+# Mistral's GGUFs say "llama" (the same decoder, run by llama.cpp without a window).
+ARCHITECTURES = (
+    Architecture("LlamaForCausalLM", LlamaForCausalLM, _llama_fields, model_types=("llama",),
+                 gguf=GGUFForm("llama", LLAMA_TENSOR_NAMES, permuted_qk=True,
+                               config=_llama_gguf_config)),
+    Architecture("MistralForCausalLM", LlamaForCausalLM, _mistral_fields,
+                 model_types=("mistral",)),
+    Architecture("Qwen2ForCausalLM", LlamaForCausalLM, _qwen2_fields, model_types=("qwen2",),
+                 gguf=GGUFForm("qwen2", LLAMA_TENSOR_NAMES, config=_qwen2_gguf_config)),
+)

@@ -30,15 +30,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hicache.memory.device import resolve_device
+from hicache_server.models import registry
 from hicache_server.models.attention_choice import make_attention_backend
 from hicache_server.models.causal_lm import CausalLM
-from hicache_server.models.config import GEMMA3, ModelArchConfig
+from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.folders import write_folder
-from hicache_server.models.gemma3 import Gemma3ForCausalLM
 from hicache_server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
-from hicache_server.models.llama import LlamaForCausalLM
 from hicache_server.models.named import named_model_file
 from hicache_server.tokenizer import (
     BOS_ID,
@@ -101,11 +100,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-# config.json's architecture -> the class that runs it (every one in SUPPORTED_ARCHITECTURES)
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM, GEMMA3: Gemma3ForCausalLM,
-}
 
 
 class LoadedModel(NamedTuple):
@@ -267,7 +261,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
     kernel_dir = hicache_home() / KERNELS_DIR
-    model = MODEL_CLASSES[config.architecture](
+    model: CausalLM = registry.architecture(config.architecture).model_class(
         config, make_attention_backend(dev, kernel_dir=kernel_dir), torch_dtype, dev)
     model.use_linear_kernel(make_linear_kernel(dev, torch_dtype, kernel_dir))
     model.use_layer_kernel(make_layer_kernel(dev, torch_dtype, kernel_dir))
