@@ -53,12 +53,13 @@ class ModelArchConfig:
     dtype: str = "float32"  # the checkpoint's dtype name
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral's window is not applied (full attention, exact within `sliding_window` tokens);
-    # Gemma 3's is, on the layers `layer_windows` names
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # config.json's window, applied where layer_windows says
     hicache_embedded: str | None = None  # set for the generated embedded model
+    # per layer its window W, None: full; () for a model without windows (Llama). Mistral's on
+    # every layer, Qwen2's (use_sliding_window) on its upper layers, Gemma 3's on its
+    # sliding layers
+    layer_windows: tuple[int | None, ...] = ()
     # Gemma 3 (the Llama family leaves these at their defaults)
-    layer_windows: tuple[int | None, ...] = ()  # per layer its window W, None: full; () none
     query_pre_attn_scalar: float | None = None  # q.k scaled by this ** -0.5 (None: head_dim)
     rope_local_theta: float | None = None  # the RoPE base of the window layers
     hidden_act: str = "silu"  # the MLP's gate activation

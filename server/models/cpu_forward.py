@@ -9,8 +9,8 @@ same kernels in the same order on the same inputs: the modules' bits (tests comp
 
 It takes a batch of at most LEAN_MAX_ROWS new tokens when every Linear runs on the linear
 kernel's panels, RMSNorm, RoPE and SiLU * up on the layer kernel and every layer's attention
-on one CpuKernelAttention, in float32 or bfloat16, over a CPU pool of the model's dtype;
-otherwise `LlamaModel.forward` runs the modules.
+(full or over its window) on one CpuKernelAttention, in float32 or bfloat16, over a CPU pool
+of the model's dtype; otherwise `LlamaModel.forward` runs the modules.
 
 What must stay true: a plan's calls hold raw pointers into its buffers and into the model's
 packed weights, so a plan keeps references to every tensor it bound, and is dropped when a
@@ -45,8 +45,8 @@ from hicache_server.models.linear import Linear
 LEAN_MAX_ROWS = 64
 # Plans kept per thread, one per batch size (and thread count, kernel paths) seen lately.
 MAX_PLANS = 16
-# The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, full
-# attention at the default scale); any other (Gemma 3) runs its modules.
+# The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, attention
+# at the default scale, full or windowed); any other (Gemma 3) runs its modules.
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -133,6 +133,8 @@ class LeanForward:
         self.model, self.config, self.dtype = model, config, dtype
         self.linear_kernel, self.layer_kernel = linear_kernel, layer_kernel
         self.rope_tables = rope_tables
+        # each layer's window (Mistral's, Qwen2's), None: full attention
+        self.windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
         self._local = threading.local()
 
     @classmethod
@@ -172,7 +174,8 @@ class LeanForward:
         k_buffers, v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
         attention = backend.kernel.bind_layers(
             plan.q, list(zip(k_buffers, v_buffers)), slots, seqs,
-            1.0 / math.sqrt(self.config.head_dim), plan.attention_out, plan.threads)
+            1.0 / math.sqrt(self.config.head_dim), plan.attention_out, plan.threads,
+            windows=self.windows)
         hook, out_slots = batch.layer_hook, batch.out_slots
         for i, layer in enumerate(plan.layers):
             _run(layer.before_attention)

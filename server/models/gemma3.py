@@ -155,7 +155,8 @@ class Gemma3Model(nn.Module):
             raise ValueError(f"Gemma 3: hidden_act {config.hidden_act!r} is not one of "
                              f"{list(_ACTIVATIONS)}")
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype, device)
+        self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype,
+                                              device)
         # transformers' Gemma3TextScaledWordEmbedding: sqrt(hidden) as a float32 scalar, cast
         # to the model dtype before the product (bfloat16 rounds it)
         scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32)

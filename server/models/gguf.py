@@ -2,11 +2,11 @@
 file's metadata, and its tensors dequantised with the `gguf` package, llama.cpp's own reader.
 
 A GGUF file is served through a *companion folder*, written once under
-`hicache_home()/models/gguf/<stem>-<identity>-v<COMPANION_VERSION>/`: an ordinary Hugging Face folder without the
-weights (`config.json`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
-with the chat template) built from the metadata, so the tokenizer, the chat template and
-transformers' AutoTokenizer all read it as they read any model folder, and the weights are
-streamed from the GGUF file itself at every load (`iter_gguf_tensors`).
+`hicache_home()/models/gguf/<stem>-<identity>-v<COMPANION_VERSION>/`: an ordinary Hugging
+Face folder without the weights (`config.json`, `generation_config.json`, `tokenizer.json`,
+`tokenizer_config.json` with the chat template) built from the metadata, so the tokenizer,
+the chat template and transformers' AutoTokenizer all read it as they read any model folder,
+and the weights are streamed from the GGUF file itself at every load (`iter_gguf_tensors`).
 
 What must stay true:
 - `config.json` carries `hicache_gguf` with the file's identity (`gguf_identity`: its size,

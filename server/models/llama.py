@@ -20,7 +20,14 @@ from torch import nn
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.causal_lm import CausalLM
-from hicache_server.models.config import ModelArchConfig, parse_rope
+from hicache_server.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelArchConfig,
+    layer_types,
+    parse_rope,
+    windows_of,
+)
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
@@ -68,6 +75,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
+        self.window = config.window_of(layer_id)  # Mistral's, Qwen2's upper layers'
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.split = [config.q_size, config.kv_size, config.kv_size]
@@ -88,7 +96,8 @@ class LlamaAttention(nn.Module):
         if batch.layer_hook is not None:  # the runner waits here for this layer's loads
             batch.layer_hook(self.layer_id)
         kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
-        o = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool)  # [T, heads, hd]
+        o = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool,
+                                 window=self.window)  # [T, heads, hd]
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
 
 
@@ -131,7 +140,8 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype, device)
+        self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype,
+                                              device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, dtype, device)
             for i in range(config.num_hidden_layers)
@@ -184,20 +194,31 @@ def _llama_fields(d: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mistral_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Llama's keys and the window (not applied: full attention)."""
-    return {**_llama_fields(d), "sliding_window": d.get("sliding_window")}
+    """Llama's keys and the window, on every layer (transformers' MistralForCausalLM; a
+    `layer_types` it warns about and ignores)."""
+    window = d.get("sliding_window")
+    windows = () if window is None else (int(window),) * int(d["num_hidden_layers"])
+    return {**_llama_fields(d), "sliding_window": window, "layer_windows": windows}
 
 
 def _qwen2_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     """Llama's keys, biases on q, k and v only (Qwen2Config has them by default), the window
-    where `use_sliding_window` (not applied: full attention)."""
+    where `use_sliding_window`: on the layers `layer_types` names, or, without it, on layers
+    `max_window_layers` and up (Qwen2Config's derivation)."""
     theta, scaling = parse_rope(d)
     window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    first = int(d.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS))
+    types = layer_types(d, lambda i: SLIDING_ATTENTION if window is not None and i >= first
+                        else FULL_ATTENTION)
+    windows = windows_of(types, None if window is None else int(window))
     return {"rope_theta": theta, "rope_scaling": scaling,
             "attention_bias": bool(d.get("attention_bias", True)), "o_proj_bias": False,
-            "sliding_window": window}
+            "sliding_window": window,
+            "layer_windows": windows if any(w is not None for w in windows) else ()}
 
 
+# Qwen2Config's default: without `layer_types`, layers from this one up slide (when any do)
+QWEN2_MAX_WINDOW_LAYERS = 28
 # GGUF tensor name -> transformers name; `{}` is the layer index (gguf-py's tensor map)
 LLAMA_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

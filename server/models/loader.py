@@ -214,7 +214,8 @@ def embedded_weights(seed: int = EMBEDDED_SEED,
             p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
             p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
         }
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
     gen = torch.Generator().manual_seed(seed)
@@ -253,11 +254,6 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto") -> LoadedMo
     """
     folder, gguf = resolve_model(path)
     config = ModelArchConfig.from_file(folder)
-    if (config.sliding_window is not None and not config.layer_windows
-            and config.sliding_window < config.max_position_embeddings):
-        logger.warning("%s: sliding_window=%d is not applied (full attention): logits are exact "
-                       "only while a context stays within %d tokens", folder,
-                       config.sliding_window, config.sliding_window)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
     kernel_dir = hicache_home() / KERNELS_DIR
