@@ -2,7 +2,9 @@
 
 `write_gguf` lays out a 2-layer Llama or Qwen2 of hidden 256 (a K-quant block is 256 values)
 as llama.cpp's converter does: its metadata keys, q/k rows permuted for a Llama, a byte-level
-BPE vocabulary with a few merges and two control tokens, and a ChatML template. Weights of the
+BPE vocabulary with a few merges and two control tokens, and a ChatML template; for a Llama
+3.x, Llama 3's RoPE scaling as the converter stores it, a `rope_freqs.weight` tensor of
+per-frequency factors (`llama3_rope_factors`) and no scaling metadata. Weights of the
 types `gguf.quants.quantize` implements are quantised from seeded normal weights; the K-quants,
 which it cannot quantise, are seeded random blocks whose float16 scales are set small, so
 every dequantised weight is finite and small.
@@ -10,7 +12,9 @@ every dequantised weight is finite and small.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -91,11 +95,44 @@ def _tensor(name: str, shape: tuple[int, ...], qtype: Q, arch: str,
     return gguf.quants.quantize(w, qtype), qtype
 
 
+def llama3_rope_factors(theta: float, scaling: dict[str, Any],
+                        hparams: dict[str, Any] | None = None) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for a llama3 `scaling` (its
+    LlamaModel.generate_extra_tensors, line for line): 1 for short wavelengths, `factor`
+    for long ones, the smoothed band between. As there, the original context length comes
+    from the config's top level (`hparams`), not from the scaling dict: 8192 (Llama 3.1's
+    and 3.2's value) when the top level has none."""
+    import torch
+
+    dim = HEAD_DIM
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = scaling.get("factor", 8.0)
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context_len = (hparams or {}).get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = ((old_context_len / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
+
+
 def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool = False,
                seed: int = 0, pre: str = "smollm", chat_template: str | None = CHATML,
-               extra: dict[str, int] | None = None) -> Path:
+               extra: dict[str, int | float | str] | None = None, rope_theta: float = 10000.0,
+               rope_freqs: np.ndarray | None = None) -> Path:
     """A small model of `arch` with its matrices in `qtype`, written to `path`; `extra`:
-    more uint32 metadata (`split.count`, ...)."""
+    more metadata (`split.count`, ...: an int as uint32, a float as float32); `rope_freqs`: the per-frequency RoPE factors
+    tensor, written first as the converter does."""
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary()
     w = gguf.GGUFWriter(str(path), arch)
@@ -108,7 +145,7 @@ def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool 
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -121,7 +158,10 @@ def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool 
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (extra or {}).items():
-        w.add_uint32(key, value)
+        add = {str: w.add_string, float: w.add_float32}.get(type(value), w.add_uint32)
+        add(key, value)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32), raw_dtype=Q.F32)
     for name, shape in _shapes(arch, tied).items():
         data, kind = _tensor(name, shape, qtype, arch, rng)
         w.add_tensor(name, data, raw_dtype=kind)

@@ -20,10 +20,15 @@ from hicache_server.models import registry
 
 # transformers' layer types (config.json's `layer_types`)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+# "rope_freqs" is this engine's own, not transformers': a GGUF's per-frequency factors
+# (llama.cpp's `rope_freqs.weight`, Llama 3.x's scaling as its converter stores it), each
+# inverse frequency divided by its factor
+ROPE_FREQS = "rope_freqs"
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", ROPE_FREQS)
 _ROPE_KEYS = {  # the keys each scaling type needs
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
+    ROPE_FREQS: ("factors",),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
@@ -32,8 +37,9 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shapes and hyper-parameters the model needs; `rope_scaling` is None or a llama3/linear
-    dict (the keys of transformers' `rope_parameters`)."""
+    """Shapes and hyper-parameters the model needs; `rope_scaling` is None, a llama3 or linear
+    dict (the keys of transformers' `rope_parameters`), a ROPE_FREQS one (`factors`, one a
+    frequency)."""
 
     architecture: str
     hidden_size: int
@@ -77,6 +83,10 @@ class ModelArchConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+        factors = (self.rope_scaling or {}).get("factors")
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ValueError(f"config.json: {ROPE_FREQS} scaling needs head_dim / 2 = "
+                             f"{self.head_dim // 2} factors, got {len(factors)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"config.json: dtype {self.dtype!r} is not one of {list(_DTYPES)}")
         if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:

@@ -22,6 +22,7 @@ from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.causal_lm import CausalLM
 from hicache_server.models.config import (
     FULL_ATTENTION,
+    ROPE_FREQS,
     SLIDING_ATTENTION,
     ModelArchConfig,
     layer_types,
@@ -217,6 +218,7 @@ def _qwen2_fields(d: Mapping[str, Any]) -> dict[str, Any]:
             "layer_windows": windows if any(w is not None for w in windows) else ()}
 
 
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # a llama file's RoPE factors, read into config.json
 # Qwen2Config's default: without `layer_types`, layers from this one up slide (when any do)
 QWEN2_MAX_WINDOW_LAYERS = 28
 # GGUF tensor name -> transformers name; `{}` is the layer index (gguf-py's tensor map)
@@ -240,16 +242,21 @@ LLAMA_TENSOR_NAMES = {
 
 
 def _llama_gguf_config(source: GGUFSource) -> dict[str, Any]:
-    """A `llama` file's own keys: none, once what it may hold and this engine does not run
-    is refused."""
+    """A `llama` file's own keys: Llama 3.x's RoPE scaling, which llama.cpp's converter stores
+    as per-frequency factors (`rope_freqs.weight`: 1, `factor`, or the smoothed band between)
+    and leaves out of the metadata, applied as llama.cpp applies it (each inverse frequency
+    divided by its factor). What a file may hold and this engine does not run is refused."""
     if any(n.endswith(("attn_q.bias", "attn_output.bias")) for n in source.tensor_names):
         raise GGUFError(f"{source.file}: attention biases in a Llama file are not supported in "
                         "GGUF files; serve the model's Hugging Face folder instead")
-    if "rope_freqs.weight" in source.tensor_names:
-        raise GGUFError(f"{source.file}: per-frequency RoPE factors (rope_freqs, Llama 3.1's "
-                        "rope scaling) are not supported in GGUF files; serve the model's "
-                        "Hugging Face folder instead")
-    return {}
+    if ROPE_FREQS_TENSOR not in source.tensor_names:
+        return {}
+    kind = source.key("rope.scaling.type", "none")
+    if kind != "none":  # llama.cpp would apply both; no checkpoint we know of has both
+        raise GGUFError(f"{source.file}: {ROPE_FREQS_TENSOR} beside rope scaling {kind!r} is "
+                        "not supported; supported: rope_freqs alone")
+    factors = source.read(ROPE_FREQS_TENSOR).reshape(-1)
+    return {"rope_scaling": {"rope_type": ROPE_FREQS, "factors": factors.tolist()}}
 
 
 def _qwen2_gguf_config(source: GGUFSource) -> dict[str, Any]:
@@ -260,7 +267,8 @@ def _qwen2_gguf_config(source: GGUFSource) -> dict[str, Any]:
 ARCHITECTURES = (
     Architecture("LlamaForCausalLM", LlamaForCausalLM, _llama_fields, model_types=("llama",),
                  gguf=GGUFForm("llama", LLAMA_TENSOR_NAMES, permuted_qk=True,
-                               config=_llama_gguf_config)),
+                               config=_llama_gguf_config,
+                               config_tensors=(ROPE_FREQS_TENSOR,))),
     Architecture("MistralForCausalLM", LlamaForCausalLM, _mistral_fields,
                  model_types=("mistral",)),
     Architecture("Qwen2ForCausalLM", LlamaForCausalLM, _qwen2_fields, model_types=("qwen2",),

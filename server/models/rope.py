@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from hicache_server.models.config import ModelArchConfig
+from hicache_server.models.config import ROPE_FREQS, ModelArchConfig
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
@@ -27,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == ROPE_FREQS:  # as llama.cpp applies a GGUF's rope_freqs
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     return _llama3_inv_freq(inv_freq, scaling)
 
 
