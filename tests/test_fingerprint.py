@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from hicache.storage.hashing import PageHasher
+from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.fingerprint import model_fingerprint
 
 
@@ -103,3 +104,18 @@ def test_model_fingerprint_rejects_incomplete_folders(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 12)
     with pytest.raises(ValueError, match="not a safetensors file"):
         model_fingerprint(tmp_path)
+
+
+def test_mistral_window_is_part_of_the_fingerprint(tmp_path: Path) -> None:
+    """Mistral's window is applied, so two windows are two models: their pages never meet,
+    whatever the weights."""
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "vocab_size": 4}
+    prints, windows = [], []
+    for window in (32, 64):
+        config = mistral | {"sliding_window": window}
+        prints.append(model_fingerprint(write_model(tmp_path / str(window), config, weights())))
+        windows.append(ModelArchConfig.from_hf_dict(config).layer_windows)
+    assert windows == [(32, 32), (64, 64)]
+    assert prints[0] != prints[1]
