@@ -39,7 +39,7 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 class ModelArchConfig:
     """Shapes and hyper-parameters the model needs; `rope_scaling` is None, a llama3 or linear
     dict (the keys of transformers' `rope_parameters`), a ROPE_FREQS one (`factors`, one a
-    frequency)."""
+    frequency), or Phi-3's longrope (phi3.py)."""
 
     architecture: str
     hidden_size: int
@@ -69,6 +69,8 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # q.k scaled by this ** -0.5 (None: head_dim)
     rope_local_theta: float | None = None  # the RoPE base of the window layers
     hidden_act: str = "silu"  # the MLP's gate activation
+    # RoPE rotates the first `rotary_dim` values of each head (Phi-4-mini: 0.75), keeps the rest
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -94,6 +96,10 @@ class ModelArchConfig:
                              f"{self.num_hidden_layers} layers")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"config.json: sliding_window must be >= 1, got {self.layer_windows}")
+        if not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"config.json: partial_rotary_factor={self.partial_rotary_factor} "
+                             f"rotates {self.rotary_dim} of head_dim {self.head_dim}; RoPE "
+                             "needs an even number from 2 to head_dim")
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of `layer`: its query at position p reads the keys at
@@ -108,6 +114,11 @@ class ModelArchConfig:
         if self.query_pre_attn_scalar is None:
             return None
         return self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The values of each head RoPE rotates, as transformers counts them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,6 +152,8 @@ class ModelArchConfig:
         hidden = int(d["hidden_size"])
         if d.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
+        own = arch.config_fields(d)  # it may set the context (Phi-3's under longrope)
+        context = own.pop("max_position_embeddings", d.get("max_position_embeddings", 2048))
         return cls(
             architecture=arch.name,
             hidden_size=hidden,
@@ -151,13 +164,13 @@ class ModelArchConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             vocab_size=int(d["vocab_size"]),
             rms_norm_eps=float(d.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(context),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             dtype=_dtype_name(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
             hicache_embedded=d.get("hicache_embedded"),
-            **arch.config_fields(d),
+            **own,
         )
 
 

@@ -47,7 +47,8 @@ LEAN_MAX_ROWS = 64
 MAX_PLANS = 16
 # The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, attention
 # at the default scale, full or windowed); any other (Gemma 3) runs its modules.
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Phi3ForCausalLM")
 
 
 class _Layer(NamedTuple):

@@ -30,6 +30,7 @@ from hicache_server.models.gguf_tokenizer import GGUFError
 _MODULES = (
     "llama",  # Llama, Mistral, Qwen2
     "gemma3",
+    "phi3",  # Phi-3, Phi-4-mini
 )
 
 

@@ -1,7 +1,9 @@
 """Rotary position embeddings as transformers computes them: the inverse frequencies of its rope
-init functions (default, linear, llama3), cos/sin tables in float32 (and bfloat16, the tables a
-bfloat16 model rotates with), the rotate-half pairing. Shared by every architecture; a model
-with two bases (Gemma 3's global and local layers) holds two RotaryEmbeddings.
+init functions (default, linear, llama3, longrope's short factors), cos/sin tables in float32
+(and bfloat16, the tables a bfloat16 model rotates with) times longrope's attention factor, the
+rotate-half pairing over the first `config.rotary_dim` values of each head (partial rotary).
+Shared by every architecture; a model with two bases (Gemma 3's global and local layers) holds
+two RotaryEmbeddings.
 
 Threading: `forward` runs on the scheduler thread.
 """
@@ -29,6 +31,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == ROPE_FREQS:  # as llama.cpp applies a GGUF's rope_freqs
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if scaling["rope_type"] == "longrope":  # within original_max_position_embeddings (phi3.py)
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * theta ** exponents)
     return _llama3_inv_freq(inv_freq, scaling)
 
 
@@ -52,11 +57,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelArchConfig, device: torch.device) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim // 2]
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+        freqs = torch.outer(pos, inv_freq)  # [max_positions, rotary_dim // 2]
+        scale = (config.rope_scaling or {}).get("attention_factor", 1.0)  # longrope's
+        self.register_buffer("cos", (freqs.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
         # the tables as a bfloat16 model's RoPE uses them (transformers: cos.to(x.dtype))
         self.register_buffer("cos_bf16", self.cos.to(torch.bfloat16), persistent=False)
         self.register_buffer("sin_bf16", self.sin.to(torch.bfloat16), persistent=False)
@@ -65,15 +71,15 @@ class RotaryEmbedding(nn.Module):
         self._memo_key = f"rope/{config.rope_theta}/{config.rope_scaling}"
 
     def cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, head_dim // 2]` of the batch's positions, once per forward."""
+        """cos and sin `[T, 1, rotary_dim // 2]` of the batch's positions, once per forward."""
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             return (self.cos[batch.positions].to(dtype)[:, None, :],
                     self.sin[batch.positions].to(dtype)[:, None, :])
         return batch.memo(f"{self._memo_key}/{dtype}", build)
 
     def forward(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
-        """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs);
-        on the kernel in place (the same bits)."""
+        """`x` `[T, heads, head_dim]` rotated by the batch's positions (rotate-half pairs of
+        the first rotary_dim values, the rest kept); on the kernel in place (the same bits)."""
         if self.kernel is not None and x.dtype in KERNEL_DTYPES and self.cos.device.type == "cpu":
             batch.memo("rope_positions",
                        lambda: check_positions(batch.positions, self.cos.shape[0]))
@@ -81,9 +87,12 @@ class RotaryEmbedding(nn.Module):
                         else (self.cos, self.sin))
             return self.kernel.rope_(x, batch.positions, cos, sin, checked=True)
         cos, sin = self.cos_sin(batch, x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
+        rotary = 2 * cos.shape[-1]
+        x1, x2 = x[..., :rotary].chunk(2, dim=-1)  # each [T, heads, rotary_dim // 2]
         out = torch.empty_like(x)
-        o1, o2 = out.chunk(2, dim=-1)
+        o1, o2 = out[..., :rotary].chunk(2, dim=-1)
         torch.sub(x1 * cos, x2 * sin, out=o1)
         torch.add(x2 * cos, x1 * sin, out=o2)
+        if rotary < x.shape[-1]:  # partial rotary: the rest of each head as it was
+            out[..., rotary:] = x[..., rotary:]
         return out
