@@ -18,16 +18,19 @@ import transformers
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import (
     EMBEDDED_TINY_LLAMA,
+    CausalLM,
     ForwardBatch,
     LoadedModel,
     ModelArchConfig,
     TorchAttention,
     load_model,
     make_attention_backend,
+    registry,
     resolve_model_path,
 )
 from hicache_server.models import loader as loader_mod
 from hicache_server.models.cpu_kernels import CPU_LINEAR_CHOICES, CPU_LINEAR_ENV
+from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.kernels import cpu_linear
 from hicache_server.models.linear import (
     ONEDNN_MAX_ROWS,
@@ -249,6 +252,31 @@ def test_config_defaults_and_legacy_keys() -> None:
 def test_config_rejects_unsupported(extra: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ModelArchConfig.from_hf_dict(_base_config(**extra))
+
+
+def test_registry_finds_each_architecture_and_refuses_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    names = registry.supported()
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+            "Gemma3ForCausalLM"} <= set(names)
+    assert all(issubclass(registry.architecture(n).model_class, CausalLM) for n in names)
+    assert registry.architecture_of_config({"model_type": "qwen2"}).name == "Qwen2ForCausalLM"
+    assert registry.architecture_of_gguf("gemma3", Path("g.gguf")).name == "Gemma3ForCausalLM"
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: .*"
+                                         r"llama.*\(architectures: LlamaForCausalLM"):
+        registry.architecture_of_config({"model_type": "gpt2"})
+    with pytest.raises(GGUFError, match=r"x.gguf: GGUF architecture 'falcon' is not "
+                                        r"supported; supported: llama \(LlamaForCausalLM\)"):
+        registry.architecture_of_gguf("falcon", Path("x.gguf"))
+    monkeypatch.setattr(registry, "_MODULES", ("llama", "llama"))
+    registry._table.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="'LlamaForCausalLM' is already registered"):
+            registry.supported()
+    finally:
+        monkeypatch.undo()
+        registry._table.cache_clear()
+    assert registry.supported() == names
 
 
 def test_load_weights_rejects_bad_checkpoints(checkpoint: tuple[Path, torch.nn.Module]) -> None:
