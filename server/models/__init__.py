@@ -1,6 +1,7 @@
-"""The model side of the engine: decoders over the paged KV pool (the Llama family, Gemma 3;
-`CausalLM` is what the engine holds of either), their loader and the ForwardBatch contract
-with the model runner."""
+"""The model side of the engine: decoders over the paged KV pool, one file per architecture
+(`registry.py` lists them; `CausalLM` is what the engine holds of any), their loader and the
+ForwardBatch contract with the model runner. docs/models.md says what runs and how each is
+tested."""
 
 from __future__ import annotations
 
