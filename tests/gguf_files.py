@@ -129,7 +129,7 @@ def llama3_rope_factors(theta: float, scaling: dict[str, Any],
 def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool = False,
                seed: int = 0, pre: str = "smollm", chat_template: str | None = CHATML,
                extra: dict[str, int | float | str] | None = None, rope_theta: float = 10000.0,
-               rope_freqs: np.ndarray | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, context_length: int = 2048) -> Path:
     """A small model of `arch` with its matrices in `qtype`, written to `path`; `extra`:
     more metadata (`split.count`, ...: an int as uint32, a float as float32); `rope_freqs`: the per-frequency RoPE factors
     tensor, written first as the converter does."""
@@ -138,7 +138,7 @@ def write_gguf(path: Path, qtype: Q = Q.F32, *, arch: str = "llama", tied: bool 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(LAYERS)
-    w.add_context_length(2048)
+    w.add_context_length(context_length)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTER)
     w.add_head_count(HEADS)

@@ -30,6 +30,7 @@ THETA = 500_000.0  # Llama 3's
 # Llama 3.1's scaling (8B, 70B, 405B): transformers' rope_parameters
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+CONTEXT = 16384  # past the original 8192, as transformers wants of a llama3 scaling
 PROMPT_LEN = 300  # long enough for the slow frequencies to turn: where the factors act
 POOL_PAGES = 19  # 304 slots
 
@@ -46,7 +47,7 @@ def files(request: pytest.FixtureRequest, factors: np.ndarray,
     scaling, as transformers reads the file)."""
     tmp = tmp_path_factory.mktemp(f"llama31-{request.param.name}")
     path = write_gguf(tmp / "tiny-llama31.gguf", request.param, rope_theta=THETA,
-                      rope_freqs=factors)
+                      rope_freqs=factors, context_length=CONTEXT)
     read = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp), gguf_file=path.name, dtype=torch.float32)
     fields = {k: v for k, v in read.config.to_dict().items() if k != "quantization_config"}
