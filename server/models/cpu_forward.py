@@ -46,9 +46,10 @@ LEAN_MAX_ROWS = 64
 # Plans kept per thread, one per batch size (and thread count, kernel paths) seen lately.
 MAX_PLANS = 16
 # The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, attention
-# at the default scale, full or windowed); any other (Gemma 3) runs its modules.
+# at the default scale, full or windowed), with q/k norms where the attention has them
+# (Qwen3's, `_qk_norms`); any other (Gemma 3) runs its modules.
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Phi3ForCausalLM")
+                      "Phi3ForCausalLM", "Qwen3ForCausalLM")
 
 
 class _Layer(NamedTuple):
@@ -79,6 +80,15 @@ class _Plan:
         self.q = self.qkv[:, :q_size].view(rows, heads, dim)
         self.k = self.qkv[:, q_size:q_size + kv_size].view(rows, kv_heads, dim)
         self.v = self.qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
+        if _qk_norms(model.layers[0].self_attn):
+            # q and k normalised per head: each norm runs over every head row of qkv (one
+            # uniform [rows * all heads, dim] view: one call, a few spare rows) into its own
+            # buffer, of which q's (k's) heads are read
+            all_heads = heads + 2 * kv_heads
+            self.qkv_heads = self.qkv.view(rows * all_heads, dim)
+            self.q_normed, self.k_normed = (empty(rows * all_heads, dim) for _ in range(2))
+            self.q = self.q_normed.view(rows, all_heads, dim)[:, :heads]
+            self.k = self.k_normed.view(rows, all_heads, dim)[:, heads:heads + kv_heads]
         self.attention_out = empty(rows, heads, dim)
         self.gate_up = empty(rows, 2 * config.intermediate_size)
         self.act = empty(rows, config.intermediate_size)
@@ -96,11 +106,19 @@ class _Plan:
                                         threads=self.threads)
         else:  # the previous layer's h + mlp, added here (the same bits as apart)
             in_norm = self._norm(ops, layer.input_layernorm, self.m, self.x)
-        rotated = self.qkv[:, :attn.split[0] + attn.split[1]].view(
-            self.rows, attn.heads + attn.kv_heads, attn.head_dim)
         cos, sin = lean.rope_tables
-        before = (in_norm, self._linear(lean, attn.qkv_proj, self.x, self.qkv),
-                  ops.bind_rope_(rotated, self.positions, cos, sin, self.threads))
+        before = (in_norm, self._linear(lean, attn.qkv_proj, self.x, self.qkv))
+        norms = _qk_norms(attn)
+        if norms:  # q and k normalised into their buffers, then each rotated
+            before += tuple(ops.bind_rms_norm(self.qkv_heads, norm.weight, norm.eps, out,
+                                              threads=self.threads)
+                            for norm, out in zip(norms, (self.q_normed, self.k_normed)))
+            rotated = (self.q, self.k)
+        else:  # q and k are neighbours in qkv: one rotation of both
+            rotated = (self.qkv[:, :attn.split[0] + attn.split[1]].view(
+                self.rows, attn.heads + attn.kv_heads, attn.head_dim),)
+        before += tuple(ops.bind_rope_(x, self.positions, cos, sin, self.threads)
+                        for x in rotated)
         after = (self._linear(lean, attn.o_proj, self.attention_out.view(self.rows, -1),
                               self.a),
                  self._norm(ops, layer.post_attention_layernorm, self.a, self.x),
@@ -148,7 +166,9 @@ class LeanForward:
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         kernels = {m.kernel for m in linears}
         layer_kernels = {model.norm.kernel, model.rotary_emb.kernel,
-                         *(layer.mlp.kernel for layer in model.layers)}
+                         *(layer.mlp.kernel for layer in model.layers),
+                         *(norm.kernel for layer in model.layers
+                           for norm in _qk_norms(layer.self_attn))}
         if (dtype not in KERNEL_DTYPES or model.norm.weight.device.type != "cpu"
                 or len(kernels) != 1 or None in kernels
                 or any(m.panels is None for m in linears)
@@ -215,6 +235,12 @@ class LeanForward:
                 plans.popitem(last=False)
         plans.move_to_end(key)
         return plan
+
+
+def _qk_norms(attention: nn.Module) -> tuple[nn.Module, ...]:
+    """The attention's per-head RMSNorms of q and of k (Qwen3's), or () where it has none."""
+    q_norm = getattr(attention, "q_norm", None)
+    return () if q_norm is None else (q_norm, attention.k_norm)
 
 
 def _run(calls: tuple[Callable[[], object], ...]) -> None:

@@ -31,6 +31,7 @@ _MODULES = (
     "llama",  # Llama, Mistral, Qwen2
     "gemma3",
     "phi3",  # Phi-3, Phi-4-mini
+    "qwen3",  # Qwen3 dense
 )
 
 

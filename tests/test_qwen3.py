@@ -1,0 +1,602 @@
+"""server/models/qwen3.py: Qwen3 dense against transformers' Qwen3ForCausalLM.
+
+Random-weight checkpoints written by transformers (`save_pretrained`), built from a
+ModelArchConfig by hand and loaded by `load_model`: every position's logits of a prompt,
+prefilled whole and extended on a cached prefix, in float32 (tight) and bfloat16 (loose),
+greedy tokens decoded through the KV pool against transformers' greedy `generate`, the lean
+path's bits against the modules'. Through the engine (the byte tokenizer written into the
+folder): the same greedy tokens from a cached prefix, an L2 load-back, L3 after flushing L1
+and L2 and after a restart. Then the same weights as llama.cpp's `qwen3` GGUF against
+transformers reading that file, the config.json keys, and the fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from gguf_files import CONTROL, MERGES, vocabulary
+from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits
+
+from hicache.memory.device import DeviceKVPool
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.models import (
+    CpuKernelAttention,
+    LoadedModel,
+    ModelArchConfig,
+    load_model,
+    make_attention_backend,
+)
+from hicache_server.models.causal_lm import CausalLM
+from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
+from hicache_server.models.fingerprint import model_fingerprint
+from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.gguf import GGUFError
+from hicache_server.models.kernels import cpu_attention
+from hicache_server.models.loader import KERNELS_DIR, embedded_tokenizer_files, hicache_home
+from hicache_server.models.qwen3 import QWEN3, Qwen3ForCausalLM
+
+SEED = 5
+VOCAB = 300
+PROMPT_LEN = 80
+PREFIX = 50  # a cached prefix the rest of the prompt extends
+GREEDY_STEPS = 16
+POOL_PAGES = 16  # 256 slots: two prompts and a decode
+BF16_REL = 0.04  # bfloat16 against transformers' bfloat16 (measured 1-3%): noise, not garbage
+WINDOW = 24  # the window config's: the prompt crosses it several times
+
+_COMMON = {"vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 1024,
+           "initializer_range": 0.2, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+CONFIGS: dict[str, dict[str, Any]] = {
+    # head_dim 32, not hidden / heads = 16; an untied head
+    "untied": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False},
+    # head_dim = hidden / heads, one KV head, the head tied to the embeddings
+    "tied": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": True},
+    # use_sliding_window: layers from max_window_layers on read only their window
+    "window": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "use_sliding_window": True,
+               "sliding_window": WINDOW, "max_window_layers": 1},
+}
+
+
+def qwen3_config(kind: str, **overrides: Any) -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(**{**_COMMON, **CONFIGS[kind], **overrides})
+
+
+def random_qwen3(config: transformers.Qwen3Config, seed: int = SEED) -> torch.nn.Module:
+    """transformers' float32 Qwen3 of `config`, its norms (all ones at init) given shape."""
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return hf
+
+
+def arch_config(c: transformers.Qwen3Config) -> ModelArchConfig:
+    """Our config of a full-attention Qwen3Config, written out by hand."""
+    return ModelArchConfig(
+        architecture=QWEN3, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_parameters["rope_theta"],
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings)
+
+
+def build(config: ModelArchConfig, hf: torch.nn.Module, dtype: torch.dtype) -> CausalLM:
+    """Our Qwen3ForCausalLM of `config` on the CPU kernels (as `load_model` builds it),
+    holding transformers' weights."""
+    kernels = hicache_home() / KERNELS_DIR
+    model = Qwen3ForCausalLM(config, make_attention_backend("cpu", kernel_dir=kernels), dtype)
+    model.use_linear_kernel(make_linear_kernel("cpu", dtype, kernels))
+    model.use_layer_kernel(make_layer_kernel("cpu", dtype, kernels))
+    model.load_weights(hf.state_dict().items())
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """(folder written by transformers, transformers' float32 model) of each config."""
+    hf = random_qwen3(qwen3_config(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(SEED))
+
+
+def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32) -> DeviceKVPool:
+    return DeviceKVPool(POOL_PAGES, PAGE_SIZE, config.num_hidden_layers,
+                        config.num_key_value_heads, config.head_dim, dtype, "cpu")
+
+
+def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
+    """`n` slots (whole pages taken)."""
+    return pool.alloc(-(-n // PAGE_SIZE) * PAGE_SIZE)[:n]
+
+
+def run(model: CausalLM, pool: DeviceKVPool, tokens: torch.Tensor, slots: torch.Tensor,
+        prefix: int) -> torch.Tensor:
+    """Logits `[len - prefix, vocab]` of tokens[prefix:], the prefix already in the pool."""
+    return model.forward_all_logits(extend_batch([(tokens, slots, prefix)]), pool)
+
+
+def prefilled_and_extended(model: CausalLM, prompt: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of the prompt prefilled whole, of its tokens past PREFIX extended on it)."""
+    pool = make_pool(model.config, model.dtype)
+    whole = run(model, pool, prompt, alloc(pool, len(prompt)), prefix=0)
+    slots = alloc(pool, len(prompt))
+    run(model, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
+    return whole, run(model, pool, prompt, slots, prefix=PREFIX)
+
+
+def greedy(model: CausalLM, prompt: list[int], steps: int) -> list[int]:
+    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone."""
+    pool = make_pool(model.config, model.dtype)
+    slots = alloc(pool, len(prompt) + steps)
+    tokens = torch.tensor(prompt)
+    logits = model(extend_batch([(tokens, slots[:len(tokens)], 0)]), pool)
+    out: list[int] = []
+    while True:
+        out.append(int(logits[0].argmax()))
+        if len(out) == steps:
+            return out
+        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
+        n = len(tokens)
+        logits = model(extend_batch([(tokens, slots[:n], n - 1)]), pool)
+
+
+def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights against transformers
+
+
+def test_built_from_a_config_by_hand_matches_transformers(record_property: Any) -> None:
+    """The model class alone: a ModelArchConfig written out, transformers' state dict."""
+    hf = random_qwen3(qwen3_config("untied"))
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,))
+    whole, extended = prefilled_and_extended(build(arch_config(hf.config), hf, torch.float32),
+                                             prompt)
+    ref = hf_logits(hf, prompt)
+    assert_rel_close(whole, ref)
+    assert_rel_close(extended, ref[PREFIX:])
+    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+
+
+def test_float32_logits_match_transformers_prefilled_and_extended(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor,
+        record_property: Any) -> None:
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    assert type(lm.model) is Qwen3ForCausalLM and lm.config.head_dim == hf.config.head_dim
+    ref = hf_logits(hf, prompt)
+    whole, extended = prefilled_and_extended(lm.model, prompt)
+    assert_rel_close(whole, ref)
+    assert_rel_close(extended, ref[PREFIX:])
+    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+
+
+def test_the_qk_norms_and_the_windows_matter(checkpoint: tuple[Path, torch.nn.Module],
+                                             prompt: torch.Tensor) -> None:
+    """Without its q/k norms, or (the window config) without its windows, the same weights
+    give other logits: the comparisons above see both."""
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    ref = hf_logits(hf, prompt)
+    for layer in lm.model.model.layers:
+        layer.self_attn.q_norm.weight.data.fill_(1.0)
+        layer.self_attn.k_norm.weight.data.fill_(1.0)
+    assert max_rel(prefilled_and_extended(lm.model, prompt)[0], ref) > 1e-2
+    if hf.config.use_sliding_window:
+        assert lm.config.layer_windows == (None, WINDOW, WINDOW)
+        full = transformers.Qwen3ForCausalLM(qwen3_config("window", use_sliding_window=False))
+        full.load_state_dict(hf.state_dict())
+        assert max_rel(hf_logits(full.eval(), prompt), ref) > 1e-2
+
+
+def test_bfloat16_logits_stay_near_transformers_bfloat16(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor,
+        record_property: Any) -> None:
+    folder, _ = checkpoint
+    lm = load_model(str(folder), dtype="bfloat16", device="cpu")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ref = hf_logits(hf, prompt).float()
+    ours = prefilled_and_extended(lm.model, prompt)[0]
+    assert ours.dtype == torch.float32
+    record_property("bfloat16_max_rel", max_rel(ours, ref))
+    assert_rel_close(ours, ref, rel=BF16_REL)
+
+
+def test_greedy_decode_through_the_pool_is_transformers_greedy(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor) -> None:
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    ids = prompt.tolist()
+    assert greedy(lm.model, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+
+
+def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor) -> None:
+    lm = load_model(str(checkpoint[0]), device="cpu")
+    pool = make_pool(lm.config)
+    slots = alloc(pool, PROMPT_LEN)
+    seen: list[int] = []
+    batch = extend_batch([(prompt, slots, 0)])
+    batch.layer_hook = seen.append
+    lm.model(batch, pool)
+    assert seen == list(range(lm.config.num_hidden_layers))
+    for layer in range(lm.config.num_hidden_layers):
+        k, v = pool.get_kv(layer)
+        assert k[slots].abs().sum(-1).gt(0).all() and v[slots].abs().sum(-1).gt(0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The lean path: small CPU batches on the C kernels alone, q/k norms included
+
+needs_kernels = pytest.mark.skipif(not cpu_attention.supported(),
+                                   reason="needs AVX-512F and a C compiler")
+
+
+def decode_batch(lm: LoadedModel, pool: DeviceKVPool, prompt: torch.Tensor,
+                 new: list[int]) -> ForwardBatch:
+    """Sequences of the prompt's first 30 + 7i tokens cached in `pool`, `new[i]` tokens each
+    to extend them with."""
+    seqs = []
+    for i, n in enumerate(new):
+        length = 30 + 7 * i
+        tokens = torch.cat([prompt[:length], prompt[-n:]])
+        slots = alloc(pool, length + n)
+        lm.model(extend_batch([(tokens[:length], slots[:length], 0)]), pool)
+        seqs.append((tokens, slots, length))
+    return extend_batch(seqs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("new", [[1], [1, 1, 1], [3, 1, 9]], ids=["decode-1", "decode-3",
+                                                                  "mixed"])
+def test_lean_path_gives_the_modules_bits(checkpoint: tuple[Path, torch.nn.Module],
+                                          prompt: torch.Tensor, dtype: str,
+                                          new: list[int]) -> None:
+    lm = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
+    assert isinstance(lm.model.attn_backend, CpuKernelAttention)
+    assert lm.model.model.lean is not None and lm.model.layer_ops == "CpuLayerKernel"
+    lean_pool, pool = make_pool(lm.config, lm.dtype), make_pool(lm.config, lm.dtype)
+    batch = decode_batch(lm, lean_pool, prompt, new)
+    decode_batch(lm, pool, prompt, new)
+    got = lm.model.forward_all_logits(batch, lean_pool)
+    lean, lm.model.model.lean = lm.model.model.lean, None
+    want = lm.model.forward_all_logits(batch, pool)  # the modules
+    lm.model.model.lean = lean
+    assert torch.equal(got, want)
+    for layer in range(lm.config.num_hidden_layers):
+        assert torch.equal(lean_pool.k_buffers[layer], pool.k_buffers[layer])
+        assert torch.equal(lean_pool.v_buffers[layer], pool.v_buffers[layer])
+
+
+@needs_kernels
+def test_a_decode_step_runs_on_the_lean_path_alone(checkpoint: tuple[Path, torch.nn.Module],
+                                                   prompt: torch.Tensor,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = load_model(str(checkpoint[0]), dtype="float32", device="cpu")
+    pool = make_pool(lm.config)
+    batch = decode_batch(lm, pool, prompt, [1, 1])
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a module ran where the lean path should have")
+    for layer in lm.model.model.layers:
+        monkeypatch.setattr(layer, "forward", refuse)
+    logits = lm.model(batch, pool)
+    assert logits.shape == (2, VOCAB) and torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine and every tier (test_gemma3_tiers' workload)
+
+ENGINE_PAGE = 16
+ENGINE_GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The untied config (head_dim 32, not hidden / heads) saved with the byte tokenizer,
+    whose ids (bos 256, eos 257, pad 258) fit its vocabulary, so the engine can serve it."""
+    folder = tmp_path_factory.mktemp("served")
+    random_qwen3(qwen3_config("untied", max_position_embeddings=2048, bos_token_id=256,
+                              eos_token_id=257, pad_token_id=258)).save_pretrained(folder)
+    for name, text in embedded_tokenizer_files().items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def conversations(n: int = 3, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
+    """Per conversation the prompt of each turn: a shared 96-token system prompt, then a
+    history growing by a 40-token question and an 8-token stand-in answer."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(96)]
+    convs = []
+    for _ in range(n):
+        history, prompts = list(system), []
+        for _ in range(turns):
+            history = history + [rng.randrange(256) for _ in range(40)]
+            prompts.append(list(history))
+            history = history + [rng.randrange(256) for _ in range(8)]
+        convs.append(prompts)
+    return convs
+
+
+def run_workload(e: Engine, between_turns: Any = None) -> list[list[int]]:
+    outs = []
+    for turn in range(3):
+        for conv in conversations():
+            outs.append(e.generate(input_ids=conv[turn],
+                                   sampling_params=ENGINE_GREEDY)["output_ids"])
+        if between_turns is not None:
+            between_turns(e)
+    return outs
+
+
+def engine(folder: Path, **overrides: object) -> Engine:
+    return Engine(load_config(None, {
+        "model.path": str(folder), "model.device": "cpu", "cache.page_size": ENGINE_PAGE,
+        "cache.max_total_tokens": 2048, "storage.prefill_warmup_s": 0.0, **overrides}))
+
+
+def tiered(folder: Path, lmdb: Path, **overrides: object) -> Engine:
+    return engine(folder, **{"cache.hierarchical": True, "storage.backend": "lmdb",
+                             "storage.lmdb.path": str(lmdb),
+                             "storage.prefetch_policy": "wait_complete",
+                             "storage.prefetch_threshold": 32, "storage.overlap": False,
+                             **overrides})
+
+
+@pytest.fixture(scope="module")
+def recomputed(served: Path) -> list[list[int]]:
+    with engine(served, **{"cache.enable_radix_cache": False}) as e:
+        return run_workload(e)
+
+
+def test_engine_recomputation_gives_transformers_greedy_tokens(
+        served: Path, recomputed: list[list[int]]) -> None:
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(served, dtype=torch.float32).eval()
+    convs = conversations()
+    for i in (0, 8):  # the shortest prompt (136 tokens) and the longest (232)
+        prompt = convs[i % 3][i // 3]
+        ids = list(prompt)
+        with torch.no_grad():  # plain greedy decoding, recomputing everything each step
+            for _ in range(ENGINE_GREEDY["max_new_tokens"]):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert recomputed[i] == ids[len(prompt):]
+
+
+def test_engine_cached_prefix_plus_extend_gives_the_same_tokens(
+        served: Path, recomputed: list[list[int]]) -> None:
+    with engine(served) as e:
+        assert run_workload(e) == recomputed
+        assert e.stats()["counters"]["cached_device"] > 0
+
+
+def test_engine_l2_load_back_gives_the_same_tokens(served: Path, tmp_path: Path,
+                                                   recomputed: list[list[int]]) -> None:
+    with tiered(served, tmp_path / "lmdb", **{"cache.max_total_tokens": 256,
+                                              "storage.backend": "none",
+                                              "host.ratio": 8.0}) as e:
+        assert run_workload(e) == recomputed
+        host = e.stats()["tiers"]["host"]
+    assert host["hits"] > 0 and host["load_back_tokens"] > 0
+
+
+def test_engine_l3_after_flushing_l1_and_l2_and_after_a_restart(
+        served: Path, tmp_path: Path, recomputed: list[list[int]]) -> None:
+    with tiered(served, tmp_path / "lmdb") as e:
+        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device", "host"])) \
+            == recomputed
+        assert e.stats()["counters"]["cached_storage"] > 0
+    prompt = conversations()[0][2]
+    with tiered(served, tmp_path / "lmdb") as again:  # a new process sees the same LMDB
+        out = again.generate(input_ids=prompt, sampling_params=ENGINE_GREEDY)
+    assert out["output_ids"] == recomputed[6]
+    details = out["meta_info"]["cached_tokens_details"]
+    assert details == {"device": 0, "host": 0,
+                       "storage": (len(prompt) - 1) // ENGINE_PAGE * ENGINE_PAGE}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+
+def _qwen3_dict(**extra: Any) -> dict[str, Any]:
+    return {"architectures": [QWEN3], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "vocab_size": 300} | extra
+
+
+def test_config_json_of_transformers_parses_to_the_config_by_hand() -> None:
+    for kind in ("untied", "tied"):
+        c = qwen3_config(kind)
+        d = json.loads(c.to_json_string()) | {"architectures": [QWEN3]}
+        assert ModelArchConfig.from_hf_dict(d) == arch_config(c)
+
+
+def test_qwen3_defaults_and_model_type() -> None:
+    """What a config.json leaves out is Qwen3Config's default: head_dim 128 whatever
+    hidden / heads, untied, no window, no biases."""
+    c = ModelArchConfig.from_hf_dict({"model_type": "qwen3", "hidden_size": 64,
+                                      "num_attention_heads": 4, "num_key_value_heads": 1,
+                                      "num_hidden_layers": 2})
+    assert c.architecture == QWEN3 and c.head_dim == 128 and c.q_size == 512
+    assert not c.tie_word_embeddings and not c.attention_bias and c.layer_windows == ()
+    assert (c.rms_norm_eps, c.rope_theta, c.vocab_size) == (1e-6, 10000.0, 151_936)
+
+
+def test_windows_as_qwen3config_places_them() -> None:
+    off = ModelArchConfig.from_hf_dict(_qwen3_dict(sliding_window=16, max_window_layers=2))
+    assert off.layer_windows == () and off.sliding_window is None
+    on = ModelArchConfig.from_hf_dict(_qwen3_dict(use_sliding_window=True, sliding_window=16,
+                                                  max_window_layers=2))
+    assert on.layer_windows == (None, None, 16, 16)
+    typed = ModelArchConfig.from_hf_dict(_qwen3_dict(
+        use_sliding_window=True, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2))
+    assert typed.layer_windows == (16, None, 16, None)
+    biased = ModelArchConfig.from_hf_dict(_qwen3_dict(attention_bias=True))
+    assert biased.attention_bias and biased.o_proj_bias  # q, k, v and o, as transformers
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"]},
+     "each of the 4 layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+])
+def test_config_refuses_what_is_not_computed(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelArchConfig.from_hf_dict(_qwen3_dict(**extra))
+
+
+def test_fingerprint_sees_head_dim_and_rms_eps(tmp_path: Path) -> None:
+    """Two checkpoints of one seed differing only in head_dim, or only in rms_norm_eps (the
+    very same weights), key their pages apart."""
+    prints = []
+    for name, overrides in (("base", {}), ("head_dim", {"head_dim": 16}),
+                            ("eps", {"rms_norm_eps": 1e-5})):
+        random_qwen3(qwen3_config("untied", **overrides)).save_pretrained(tmp_path / name)
+        prints.append(model_fingerprint(tmp_path / name))
+    assert len(set(prints)) == 3
+    assert (tmp_path / "base" / "model.safetensors").read_bytes() == (
+        tmp_path / "eps" / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's qwen3 GGUF
+
+# transformers reads a qwen3 file's head dim as Qwen3Config's 128 (its GGUF key map has no
+# attention.key_length for qwen3), so the reference's files have head_dim 128: 4x hidden/heads
+GGUF_CONFIG = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 128}
+# transformers' names -> llama.cpp's (gguf-py's tensor map for qwen3)
+_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    _, _, layer, *module, kind = name.split(".")  # model.layers.<i>.<module>.<kind>
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES['.'.join(module)]}.{kind}"
+
+
+def write_qwen3_gguf(path: Path, hf: torch.nn.Module, qtype: Q = Q.F32,
+                     extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """`hf`'s weights as convert_hf_to_gguf.py writes a Qwen3: q/k rows as they are (not
+    permuted), matrices in `qtype`, norms in F32, no output.weight when tied; the metadata
+    of its Qwen2 base with the head dim in attention.key_length, a byte-level vocabulary."""
+    c, (tokens, types) = hf.config, vocabulary()
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_name("tiny-qwen3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(tokens.index(CONTROL[1]))
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = tensor.numpy().astype(np.float32)
+        if data.ndim == 2 and qtype == Q.Q8_0:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), data)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(("qtype", "tied"), [(Q.F32, False), (Q.Q8_0, True)],
+                         ids=["f32-untied", "q8_0-tied"])
+def test_gguf_gives_transformers_reading_the_file(qtype: Q, tied: bool, tmp_path: Path,
+                                                  prompt: torch.Tensor,
+                                                  record_property: Any) -> None:
+    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF (the reference)
+    hf = random_qwen3(transformers.Qwen3Config(
+        **{**_COMMON, **GGUF_CONFIG, "vocab_size": len(vocabulary()[0]),
+           "tie_word_embeddings": tied}))
+    path = write_qwen3_gguf(tmp_path / f"tiny-{qtype.name}.gguf", hf, qtype)
+    lm = load_model(str(path), dtype="float32", device="cpu")
+    assert type(lm.model) is Qwen3ForCausalLM
+    assert (lm.config.head_dim, lm.config.tie_word_embeddings) == (128, tied)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = prompt % len(vocabulary()[0])
+    ref = hf_logits(ref_model, ids)
+    whole, extended = prefilled_and_extended(lm.model, ids)
+    assert_rel_close(whole, ref)
+    assert_rel_close(extended, ref[PREFIX:])
+    record_property("gguf_float32_max_rel", max_rel(whole, ref))
+    if qtype == Q.F32:  # the very weights of the folder: transformers' own logits of them
+        assert_rel_close(whole, hf_logits(hf, ids))
+    steps = GREEDY_STEPS // 2
+    assert greedy(lm.model, ids.tolist(), steps) == transformers_greedy(ref_model, ids.tolist(),
+                                                                         steps)
+
+
+def test_gguf_with_attention_biases_is_refused(tmp_path: Path) -> None:
+    hf = random_qwen3(transformers.Qwen3Config(
+        **{**_COMMON, **GGUF_CONFIG, "vocab_size": len(vocabulary()[0])}))
+    bias = np.zeros(GGUF_CONFIG["num_attention_heads"] * GGUF_CONFIG["head_dim"], np.float32)
+    path = write_qwen3_gguf(tmp_path / "biased.gguf", hf,
+                            extra_tensors={"blk.0.attn_q.bias": bias})
+    with pytest.raises(GGUFError, match="attention biases"):
+        load_model(str(path), dtype="float32", device="cpu")
