@@ -69,6 +69,10 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # q.k scaled by this ** -0.5 (None: head_dim)
     rope_local_theta: float | None = None  # the RoPE base of the window layers
     hidden_act: str = "silu"  # the MLP's gate activation
+    # Gemma 2's soft caps, c * tanh(x / c): of the scaled attention scores, of the final
+    # logits (None: not capped)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # RoPE rotates the first `rotary_dim` values of each head (Phi-4-mini: 0.75), keeps the rest
     partial_rotary_factor: float = 1.0
 

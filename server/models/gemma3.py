@@ -84,19 +84,24 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
+    """`qk_norm=False`: Gemma 2's, with no q/k norms; its scores soft-capped by the config's
+    `attn_logit_softcapping` (None for Gemma 3)."""
+
     def __init__(self, config: ModelArchConfig, layer_id: int, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, qk_norm: bool = True) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
         self.window, self.scale = config.window_of(layer_id), config.attention_scale
+        self.softcap = config.attn_logit_softcapping
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.split = [config.q_size, config.kv_size, config.kv_size]
         self.qkv_proj = Linear(config.hidden_size, self.split, False, dtype, device)
         self.o_proj = Linear(config.q_size, [config.hidden_size], False, dtype, device)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+        norm = functools.partial(GemmaRMSNorm, config.head_dim, config.rms_norm_eps, dtype, device)
+        self.q_norm = norm() if qk_norm else nn.Identity()
+        self.k_norm = norm() if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
                 kv_pool: DeviceKVPool) -> torch.Tensor:
@@ -109,7 +114,7 @@ class Gemma3Attention(nn.Module):
             batch.layer_hook(self.layer_id)
         kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool, window=self.window,
-                                 scale=self.scale)  # [T, heads, head_dim]
+                                 scale=self.scale, softcap=self.softcap)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
 
 
@@ -129,11 +134,11 @@ class Gemma3MLP(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_id: int, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, qk_norm: bool = True) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
-        self.self_attn = Gemma3Attention(config, layer_id, backend, dtype, device)
+        self.self_attn = Gemma3Attention(config, layer_id, backend, dtype, device, qk_norm)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
         self.mlp = Gemma3MLP(config, dtype, device)
@@ -148,8 +153,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    """Gemma 3's body; Gemma 2's with `qk_norm=False` (gemma2.py)."""
+
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, qk_norm: bool = True) -> None:
         super().__init__()
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"Gemma 3: hidden_act {config.hidden_act!r} is not one of "
@@ -163,7 +170,7 @@ class Gemma3Model(nn.Module):
         self.register_buffer("embed_scale", scale.to(dtype=dtype, device=device),
                              persistent=False)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, backend, dtype, device)
+            Gemma3DecoderLayer(config, i, backend, dtype, device, qk_norm)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

@@ -30,6 +30,7 @@ from hicache_server.models.gguf_tokenizer import GGUFError
 _MODULES = (
     "llama",  # Llama, Mistral, Qwen2
     "gemma3",
+    "gemma2",  # Gemma 2: Gemma 3's body, soft-capped
     "phi3",  # Phi-3, Phi-4-mini
     "qwen3",  # Qwen3 dense
 )

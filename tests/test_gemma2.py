@@ -1,0 +1,537 @@
+"""server/models/gemma2.py: Gemma 2 against transformers' Gemma2ForCausalLM (eager
+attention, the one that soft-caps).
+
+Random-weight checkpoints written by transformers, with windows of 32 and 48 and caps small
+enough to bite (attention 5 and 3, final logits 3 or none; the weights' scale puts scores
+past them): every position's logits of a prompt several windows long, prefilled whole and
+extended on a cached prefix, in float32 (tight) on the C kernel and on TorchAttention, and
+bfloat16 (loose); greedy tokens through the KV pool. The same weights as a `gemma2` GGUF
+(llama.cpp's tensor names, norms stored as 1 + w, window and caps in the metadata), and a
+file without caps read by transformers itself. Through the engine: a cached prefix plus
+extend, an L2 load-back, L3 after a flush and after a restart give the tokens of
+recomputation (test_gemma3_tiers' pattern). Config parsing, refusals, fingerprints.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gguf
+import pytest
+import torch
+import transformers
+from gguf_files import MERGES, vocabulary
+from test_gemma3 import alloc, make_pool, max_rel
+from test_model import assert_rel_close, extend_batch, hf_logits, run
+
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+from hicache_server.models import LoadedModel, ModelArchConfig, load_model
+from hicache_server.models.attention import TorchAttention
+from hicache_server.models.fingerprint import model_fingerprint
+from hicache_server.models.gguf import GGUFError, hf_config
+from hicache_server.models.loader import embedded_tokenizer_files
+
+SEED = 5
+PROMPT_LEN = 160  # several windows of every config below
+PREFIX = 100  # a cached prefix the rest of the prompt extends
+GREEDY_STEPS = 12
+# bfloat16 against transformers' bfloat16 (measured 0.8% and 6.3%: the final cap of 3 makes
+# the scale small, and both runs stray from float32 alike, ours 0.7% and 5.8%, transformers'
+# 0.8% and 7.8%)
+BF16_REL = 0.08
+BF16_STRAY = 1.25  # ours may stray from float32 this much more than transformers' bfloat16
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+_COMMON = {"vocab_size": 300, "intermediate_size": 160, "max_position_embeddings": 2048,
+           "initializer_range": 0.2, "bos_token_id": None, "eos_token_id": None,
+           "pad_token_id": None}
+CONFIGS: dict[str, dict[str, Any]] = {
+    # transformers' default layer types (sliding from layer 0); query_pre_attn_scalar 24,
+    # not the head dim 32; both caps
+    "alternating": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 32,
+                    "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                    "final_logit_softcapping": 3.0},
+    # one KV head, layer types of its own, another RoPE base, no final cap
+    "listed": {"hidden_size": 128, "num_hidden_layers": 5, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 48,
+               "query_pre_attn_scalar": 64, "attn_logit_softcapping": 3.0,
+               "final_logit_softcapping": None, "rope_parameters": {"rope_theta": 5e4},
+               "layer_types": [FULL, SLIDING, SLIDING, FULL, SLIDING]},
+}
+
+
+def gemma2_config(**fields: Any) -> transformers.Gemma2Config:
+    return transformers.Gemma2Config(**{**_COMMON, **fields}, attn_implementation="eager")
+
+
+def random_gemma2(config: transformers.Gemma2Config, seed: int = SEED) -> torch.nn.Module:
+    """transformers' model of `config` with seeded random weights, its norms given shape
+    (Gemma's start at w = 0, i.e. x1)."""
+    torch.manual_seed(seed)
+    hf = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return hf
+
+
+def eager(folder: Path, dtype: torch.dtype = torch.float32, **changes: Any) -> torch.nn.Module:
+    """transformers' model of a folder (eager attention), with config `changes`."""
+    config = transformers.Gemma2Config.from_pretrained(folder, **changes)
+    return transformers.Gemma2ForCausalLM.from_pretrained(
+        folder, config=config, dtype=dtype, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """(folder written by transformers, transformers' float32 model) of each config."""
+    hf = random_gemma2(gemma2_config(**CONFIGS[request.param]))
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    return torch.randint(0, _COMMON["vocab_size"], (PROMPT_LEN,),
+                         generator=torch.Generator().manual_seed(SEED))
+
+
+def greedy(lm: LoadedModel, prompt: list[int], steps: int) -> list[int]:
+    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone through
+    the KV pool."""
+    pool = make_pool(lm.config, lm.dtype, lm.device)
+    slots = alloc(pool, len(prompt) + steps)
+    tokens = torch.tensor(prompt)
+    out: list[int] = []
+    prefix = 0
+    while len(out) < steps:
+        logits = lm.model(extend_batch([(tokens, slots[:len(tokens)], prefix)]), pool)
+        out.append(int(logits[0].argmax()))
+        prefix = len(tokens)
+        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
+    return out
+
+
+def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """Plain greedy decoding, recomputing every position each step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights against transformers
+
+
+def test_float32_logits_match_transformers_prefilled_and_extended(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor,
+        record_property: Any) -> None:
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    assert type(lm.model).__name__ == "Gemma2ForCausalLM"
+    assert None in lm.config.layer_windows and PROMPT_LEN > 3 * lm.config.sliding_window
+    ref = hf_logits(hf, prompt)
+    pool = make_pool(lm.config)
+    whole = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
+    assert_rel_close(whole, ref)
+    slots = alloc(pool, PROMPT_LEN)
+    run(lm, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
+    extended = run(lm, pool, prompt, slots, prefix=PREFIX)
+    assert_rel_close(extended, ref[PREFIX:])
+    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    # the caps and the windows bite: the same weights without one of them differ
+    for key, value in (("attn_logit_softcapping", None), ("final_logit_softcapping", None),
+                       ("sliding_window", 4096)):
+        if hf.config.to_dict()[key] != value:
+            other = hf_logits(eager(folder, **{key: value}), prompt)
+            assert max_rel(whole, other) > 100 * max_rel(whole, ref), key
+    cap = hf.config.final_logit_softcapping
+    if cap is not None:  # uncapped, some logits pass the cap
+        assert hf_logits(eager(folder, final_logit_softcapping=None), prompt).abs().max() > cap
+
+
+def test_torch_attention_gives_the_same_logits(checkpoint: tuple[Path, torch.nn.Module],
+                                               prompt: torch.Tensor) -> None:
+    """The model on TorchAttention (explicit capped scores) instead of the C kernel."""
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    for layer in lm.model.model.layers:
+        layer.self_attn.backend = TorchAttention()
+    pool = make_pool(lm.config)
+    slots = alloc(pool, PROMPT_LEN)
+    run(lm, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
+    assert_rel_close(run(lm, pool, prompt, slots, prefix=PREFIX), hf_logits(hf, prompt)[PREFIX:])
+
+
+def test_bfloat16_logits_stay_near_transformers_bfloat16(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor,
+        record_property: Any) -> None:
+    """Near transformers' bfloat16, and no farther from float32 than it is."""
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="bfloat16", device="cpu")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    ref = hf_logits(eager(folder, torch.bfloat16), prompt).float()
+    pool = make_pool(lm.config, torch.bfloat16)
+    ours = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
+    assert ours.dtype == torch.float32
+    record_property("bfloat16_max_rel", max_rel(ours, ref))
+    assert_rel_close(ours, ref, rel=BF16_REL)
+    exact = hf_logits(hf, prompt)
+    assert max_rel(ours, exact) <= BF16_STRAY * max_rel(ref, exact)
+
+
+def test_greedy_decode_through_the_pool_is_transformers_greedy(
+        checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor) -> None:
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    ids = prompt.tolist()
+    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+
+
+def test_no_q_k_norms_and_only_rope_on_the_layer_kernel(
+        checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    lm = load_model(str(checkpoint[0]), device="cpu")
+    names = dict(lm.model.named_parameters())
+    assert not any("q_norm" in n or "k_norm" in n for n in names)
+    assert sum(n.endswith("layernorm.weight") for n in names) == 4 * lm.config.num_hidden_layers
+    assert lm.model.layer_ops in ("torch", "CpuLayerKernel (RoPE)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float32_matches_transformers(checkpoint: tuple[Path, torch.nn.Module],
+                                           prompt: torch.Tensor) -> None:
+    """On CUDA (TorchAttention for prefills, the paged kernel for decodes, caps on both)."""
+    folder, hf = checkpoint
+    lm = load_model(str(folder), dtype="float32", device="cuda")
+    pool = make_pool(lm.config, torch.float32, lm.device)
+    assert_rel_close(run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0).cpu(),
+                     hf_logits(hf, prompt))
+    ids = prompt.tolist()
+    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+
+def _gemma2_dict(**extra: Any) -> dict[str, Any]:
+    return {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 300,
+            "sliding_window": 16} | extra
+
+
+def test_gemma2_defaults_and_model_type() -> None:
+    """What a config.json leaves out is Gemma2Config's default: layers alternate from a
+    sliding one, window 4096, caps 50 and 30, scalar 256, RoPE base 10000, tied."""
+    c = ModelArchConfig.from_hf_dict({"model_type": "gemma2", "hidden_size": 64,
+                                      "num_attention_heads": 8, "num_hidden_layers": 4})
+    assert c.architecture == "Gemma2ForCausalLM" and c.head_dim == 256
+    assert c.layer_windows == (4096, None, 4096, None)
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert (c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (1e4, 1e4, 256.0)
+    assert c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh"
+    legacy = ModelArchConfig.from_hf_dict(_gemma2_dict(rope_theta=5e4, torch_dtype="bfloat16",
+                                                       final_logit_softcapping=None))
+    assert legacy.rope_theta == legacy.rope_local_theta == 5e4 and legacy.dtype == "bfloat16"
+    assert legacy.final_logit_softcapping is None and legacy.attn_logit_softcapping == 50.0
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope scaling"),
+    ({"layer_types": [SLIDING] * 5}, "each of the 6 layers"),
+    ({"sliding_window": None}, "need a sliding_window"),
+    ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping must be null or a number > 0"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping must be null"),
+    ({"final_logit_softcapping": "30"}, "final_logit_softcapping must be null"),
+])
+def test_config_refuses_what_is_not_computed(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelArchConfig.from_hf_dict(_gemma2_dict(**extra))
+
+
+def test_configs_differing_only_in_a_cap_have_different_fingerprints(
+        checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+    """A cap changes every token: pages of one never serve the other."""
+    folder, _ = checkpoint
+    prints = {model_fingerprint(folder)}
+    for key, value in (("attn_logit_softcapping", 4.0), ("final_logit_softcapping", 2.5)):
+        other = shutil.copytree(folder, tmp_path / key)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, key: value}))
+        prints.add(model_fingerprint(other))
+    assert len(prints) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF: llama.cpp's gemma2 form
+
+
+GGUF_FIELDS = {"vocab_size": len(vocabulary()[0]), "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "max_position_embeddings": 2048, "initializer_range": 0.2,
+               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def write_gemma2_gguf(path: Path, hf: torch.nn.Module, caps: bool = True) -> Path:
+    """`hf`'s weights as llama.cpp's converter writes a gemma2 file: gguf-py's tensor names,
+    every norm weight stored as 1 + w, no output.weight (tied), the window and (`caps`) both
+    soft caps in the metadata; a byte-level BPE vocabulary."""
+    c = hf.config
+    tokens, types = vocabulary()
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_name("tiny-gemma2")
+    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, 2048),
+                       (w.add_embedding_length, c.hidden_size),
+                       (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads),
+                       (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_sliding_window, c.sliding_window), (w.add_vocab_size, len(tokens))):
+        add(value)
+    if caps:
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, c.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied: the converter writes the embeddings once
+            continue
+        data = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            data = data + 1  # the converter's Gemma norm: 1 + w
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gemma2_file_gives_its_checkpoints_logits(tmp_path: Path) -> None:
+    """A checkpoint with caps that bite (query_pre_attn_scalar = head dim, as llama.cpp
+    assumes), written as a gemma2 file: its norms' 1 taken off, names mapped, window and
+    caps read; transformers' logits of the checkpoint itself, and ours of its folder."""
+    hf = random_gemma2(gemma2_config(**GGUF_FIELDS, head_dim=32, query_pre_attn_scalar=32,
+                                     sliding_window=16, attn_logit_softcapping=4.0,
+                                     final_logit_softcapping=3.0))
+    path = write_gemma2_gguf(tmp_path / "tiny-gemma2.gguf", hf)
+    lm = load_model(str(path), dtype="float32", device="cpu")
+    c = lm.config
+    assert c.architecture == "Gemma2ForCausalLM" and c.tie_word_embeddings
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (4.0, 3.0)
+    assert c.layer_windows == (16, None) * 2 and c.query_pre_attn_scalar == 32
+    prompt = torch.randint(0, c.vocab_size, (60,), generator=torch.Generator().manual_seed(1))
+    pool = make_pool(c)
+    ours = run(lm, pool, prompt, alloc(pool, len(prompt)), prefix=0)
+    assert_rel_close(ours, hf_logits(hf, prompt))
+    hf.save_pretrained(tmp_path / "folder")
+    from_folder = load_model(str(tmp_path / "folder"), dtype="float32", device="cpu")
+    assert_rel_close(ours, run(from_folder, pool, prompt, alloc(pool, len(prompt)), prefix=0))
+
+
+def test_a_gemma2_file_without_caps_reads_as_transformers_reads_it(tmp_path: Path) -> None:
+    """A file with no caps in its metadata: llama.cpp's 50 and 30, transformers' defaults
+    too; transformers' own reading of the file (head dim 256: its reader leaves
+    query_pre_attn_scalar at 256, where llama.cpp takes the head dim) gives our logits."""
+    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
+    hf = random_gemma2(gemma2_config(**GGUF_FIELDS, head_dim=256, sliding_window=8))
+    path = write_gemma2_gguf(tmp_path / "no-caps.gguf", hf, caps=False)
+    lm = load_model(str(path), dtype="float32", device="cpu")
+    assert (lm.config.attn_logit_softcapping, lm.config.final_logit_softcapping) == (50.0, 30.0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+        attn_implementation="eager").eval()
+    prompt = torch.randint(0, lm.config.vocab_size, (40,),
+                           generator=torch.Generator().manual_seed(2))
+    pool = make_pool(lm.config)
+    ours = run(lm, pool, prompt, alloc(pool, len(prompt)), prefix=0)
+    assert_rel_close(ours, hf_logits(reference, prompt))
+    assert_rel_close(ours, hf_logits(hf, prompt))
+
+
+def _gemma2_meta(layers: int = 26, hidden: int = 2304, heads: int = 8,
+                 head_dim: int = 256, **extra: Any) -> dict[str, Any]:
+    """Gemma 2 2B's metadata (its GGUF's keys), the vocabulary cut to 300 tokens."""
+    g = "gemma2."
+    return {"general.architecture": "gemma2", g + "context_length": 8192,
+            g + "embedding_length": hidden, g + "block_count": layers,
+            g + "feed_forward_length": 9216, g + "attention.head_count": heads,
+            g + "attention.head_count_kv": 4, g + "attention.key_length": head_dim,
+            g + "attention.value_length": head_dim,
+            g + "attention.layer_norm_rms_epsilon": 1e-6, g + "rope.freq_base": 1e4,
+            "tokenizer.ggml.tokens": ["t"] * 300, "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1} | extra
+
+
+def _gemma2_config(meta: dict[str, Any]) -> ModelArchConfig:
+    reader = SimpleNamespace(tensors=[SimpleNamespace(
+        name="token_embd.weight", shape=[2304, 300], tensor_type=SimpleNamespace(name="Q8_0"))])
+    config = hf_config(meta, reader, Path("g.gguf"), "0" * 32)
+    assert config["model_type"] == "gemma2"
+    return ModelArchConfig.from_hf_dict(config)
+
+
+def test_gemma2_metadata_gives_llama_cpp_hyperparameters() -> None:
+    """What the file does not say is what llama.cpp assumes: window 4096, caps 50 and 30,
+    every other layer sliding from layer 0, q.k scaled by the head dim (by hidden / heads
+    for the 46-layer 27B)."""
+    c = _gemma2_config(_gemma2_meta())
+    assert c.layer_windows == (4096, None) * 13 and c.query_pre_attn_scalar == 256
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e4, 1e4, None)
+    g = "gemma2."
+    own = _gemma2_config(_gemma2_meta(**{g + "attention.sliding_window": 512,
+                                         g + "attn_logit_softcapping": 20.0,
+                                         g + "final_logit_softcapping": 10.0}))
+    assert own.layer_windows[:2] == (512, None)
+    assert (own.attn_logit_softcapping, own.final_logit_softcapping) == (20.0, 10.0)
+    big = _gemma2_config(_gemma2_meta(layers=46, hidden=4608, heads=32, head_dim=128))
+    assert (big.head_dim, big.query_pre_attn_scalar) == (128, 144.0)
+    with pytest.raises(GGUFError, match="value_length 128"):
+        _gemma2_config(_gemma2_meta(**{g + "attention.value_length": 128}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine's tiers (test_gemma3_tiers' pattern)
+
+PAGE = 16
+WINDOW = 40
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Gemma 2 (windows of 40, caps 5 and 3) saved as a folder with the byte
+    tokenizer (its ids fit the vocabulary), so the engine can serve it."""
+    folder = tmp_path_factory.mktemp("served")
+    hf = random_gemma2(gemma2_config(
+        hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258), seed=0)
+    hf.save_pretrained(folder)
+    for name, text in embedded_tokenizer_files().items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def conversations(n: int = 3, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
+    """Per conversation the prompt of each turn: a shared 96-token system prompt, then a
+    history growing by a 40-token question and an 8-token stand-in answer."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(96)]
+    convs = []
+    for _ in range(n):
+        history, prompts = list(system), []
+        for _ in range(turns):
+            history = history + [rng.randrange(256) for _ in range(40)]
+            prompts.append(list(history))
+            history = history + [rng.randrange(256) for _ in range(8)]
+        convs.append(prompts)
+    return convs
+
+
+def run_workload(e: Engine, between_turns=None) -> list[list[int]]:
+    outs = []
+    for turn in range(3):
+        for conv in conversations():
+            outs.append(e.generate(input_ids=conv[turn], sampling_params=GREEDY)["output_ids"])
+        if between_turns is not None:
+            between_turns(e)
+    return outs
+
+
+def engine(folder: Path, **overrides: object) -> Engine:
+    return Engine(load_config(None, {
+        "model.path": str(folder), "model.device": "cpu", "cache.page_size": PAGE,
+        "cache.max_total_tokens": 2048, "storage.prefill_warmup_s": 0.0, **overrides}))
+
+
+def tiered(folder: Path, lmdb: Path, **overrides: object) -> Engine:
+    return engine(folder, **{"cache.hierarchical": True, "storage.backend": "lmdb",
+                             "storage.lmdb.path": str(lmdb),
+                             "storage.prefetch_policy": "wait_complete",
+                             "storage.prefetch_threshold": 32, "storage.overlap": False,
+                             **overrides})
+
+
+@pytest.fixture(scope="module")
+def recomputed(served: Path) -> list[list[int]]:
+    with engine(served, **{"cache.enable_radix_cache": False}) as e:
+        return run_workload(e)
+
+
+def test_recomputation_gives_transformers_greedy_tokens(served: Path,
+                                                        recomputed: list[list[int]]) -> None:
+    convs = conversations()
+    hf = eager(served)
+    for i in (0, 8):  # the shortest prompt (136 tokens) and the longest (232)
+        prompt = convs[i % 3][i // 3]
+        assert recomputed[i] == transformers_greedy(hf, prompt, GREEDY["max_new_tokens"])
+
+
+def test_a_cached_prefix_plus_extend_gives_the_same_tokens(served: Path,
+                                                           recomputed: list[list[int]]) -> None:
+    with engine(served) as e:
+        assert run_workload(e) == recomputed
+        assert e.stats()["counters"]["cached_device"] > 0
+
+
+def test_l2_load_back_gives_the_same_tokens(served: Path, tmp_path: Path,
+                                            recomputed: list[list[int]]) -> None:
+    with tiered(served, tmp_path / "lmdb", **{"cache.max_total_tokens": 256,
+                                              "storage.backend": "none",
+                                              "host.ratio": 8.0}) as e:
+        assert run_workload(e) == recomputed
+        host = e.stats()["tiers"]["host"]
+    assert host["hits"] > 0 and host["load_back_tokens"] > 0
+
+
+def test_l3_after_flushing_l1_and_l2_and_after_a_restart(served: Path, tmp_path: Path,
+                                                         recomputed: list[list[int]]) -> None:
+    with tiered(served, tmp_path / "lmdb") as e:
+        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device", "host"])) \
+            == recomputed
+        assert e.stats()["counters"]["cached_storage"] > 0
+    prompt = conversations()[0][2]
+    with tiered(served, tmp_path / "lmdb") as again:  # a new process sees the same LMDB
+        out = again.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == recomputed[6]
+    details = out["meta_info"]["cached_tokens_details"]
+    assert details == {"device": 0, "host": 0, "storage": (len(prompt) - 1) // PAGE * PAGE}
+
+
+@pytest.fixture(scope="module")
+def bf16_recomputed(served: Path) -> Iterator[list[list[int]]]:
+    with engine(served, **{"cache.enable_radix_cache": False, "model.dtype": "bfloat16"}) as e:
+        yield run_workload(e)
+
+
+def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(
+        served: Path, tmp_path: Path, bf16_recomputed: list[list[int]]) -> None:
+    with tiered(served, tmp_path / "lmdb", **{"model.dtype": "bfloat16"}) as e:
+        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) \
+            == bf16_recomputed
