@@ -256,11 +256,11 @@ def test_gemma3_defaults_and_model_type() -> None:
     assert c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh"
 
 
-def test_llama_family_applies_no_window() -> None:
+def test_mistral_applies_its_window_on_every_layer() -> None:
     mistral = ModelArchConfig.from_hf_dict(_gemma3_dict(
         architectures=["MistralForCausalLM"], num_key_value_heads=2))
-    assert mistral.sliding_window == 16 and mistral.layer_windows == ()
-    assert mistral.window_of(0) is None and mistral.attention_scale is None
+    assert mistral.sliding_window == 16 and mistral.layer_windows == (16,) * 6
+    assert mistral.window_of(0) == 16 and mistral.attention_scale is None
 
 
 @pytest.mark.parametrize(("extra", "match"), [

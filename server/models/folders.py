@@ -1,4 +1,5 @@
-"""A folder written whole or not at all: filled in a temporary sibling, then renamed into place.
+"""Where hicache keeps what it writes (`hicache_home`), and a folder written whole or not at
+all: filled in a temporary sibling, then renamed into place.
 
 rename is atomic, so a process that sees the folder sees it whole, and of two processes
 writing it at once one wins (the other's copy is dropped). The folder gets the mode a plain
@@ -12,6 +13,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+DEFAULT_HICACHE_HOME = "~/.cache/hicache"
+
+
+def hicache_home() -> Path:
+    """`$HICACHE_HOME`, else `~/.cache/hicache` (not created here)."""
+    return Path(os.environ.get("HICACHE_HOME") or DEFAULT_HICACHE_HOME).expanduser()
 
 
 def write_folder(final: Path, fill: Callable[[Path], None]) -> None:

@@ -36,7 +36,7 @@ from hicache_server.models.causal_lm import CausalLM
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import make_layer_kernel, make_linear_kernel
 from hicache_server.models.fingerprint import model_fingerprint
-from hicache_server.models.folders import write_folder
+from hicache_server.models.folders import hicache_home, write_folder
 from hicache_server.models.gguf import companion_folder, find_gguf, iter_gguf_tensors
 from hicache_server.models.named import named_model_file
 from hicache_server.tokenizer import (
@@ -52,7 +52,6 @@ from hicache_server.tokenizer import (
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_NAME = "tiny-llama"
 EMBEDDED_TINY_LLAMA = EMBEDDED_PREFIX + EMBEDDED_NAME
-DEFAULT_HICACHE_HOME = "~/.cache/hicache"
 KERNELS_DIR = "kernels"  # under hicache_home(): compiled CPU kernels, keyed by source
 EMBEDDED_SEED = 20250101  # any fixed value; changing it changes every page hash of the model
 EMBEDDED_WEIGHT_STD = 0.02  # transformers' initializer_range default
@@ -109,11 +108,6 @@ class LoadedModel(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     fingerprint: str  # the weights' identity (`model_fingerprint`): the L3 page keys' root
-
-
-def hicache_home() -> Path:
-    """`$HICACHE_HOME`, else `~/.cache/hicache` (not created here)."""
-    return Path(os.environ.get("HICACHE_HOME") or DEFAULT_HICACHE_HOME).expanduser()
 
 
 class ModelSource(NamedTuple):

@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from hicache_server.models.folders import hicache_home
+
 NAMED_DIR = "named"  # under hicache_home()/models: files joined from several parts
 _COPY_CHUNK_BYTES = 8 << 20  # read size while joining the parts
 
@@ -84,8 +86,6 @@ def named_model_file(name: str) -> Path | None:
         return None
     if len(model.parts) == 1:
         return _part_files(name, model)[0]
-    # Here, not at import: loader.py imports this module.
-    from hicache_server.models.loader import hicache_home
 
     final = hicache_home() / "models" / NAMED_DIR / f"{name}-{model.version}" / model.file
     if final.is_file() and final.stat().st_size == model.size:
