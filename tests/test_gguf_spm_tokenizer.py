@@ -285,3 +285,15 @@ def test_other_tokenizer_models_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match=r"tokenizer model 't5' is not supported; supported: "
                                         r"gpt2 \(byte-level BPE\), llama \(SentencePiece\)"):
         tokenizer_json(meta, tmp_path / "t5.gguf")
+
+
+def test_a_gemma2_file_without_a_template_gets_gemma2s_which_refuses_a_system_turn() -> None:
+    from hicache_server.chat_template import ChatTemplate
+
+    source = tokenizer_config({"general.architecture": "gemma2",
+                               "tokenizer.ggml.model": "llama"})["chat_template"]
+    template = ChatTemplate(source, bos_token="<bos>")
+    assert template.render([{"role": "user", "content": "Hi"}]) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        template.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])

@@ -61,8 +61,13 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
+# Gemma 2's own: Gemma 3's turns, but a system message is refused (its official template
+# raises "System role not supported").
+GEMMA2_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ raise_exception('System role not supported') }}{%- endif -%}" + GEMMA3_CHAT_TEMPLATE)
 # `general.architecture` -> the chat template of a file that carries none.
-ARCHITECTURE_CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
+ARCHITECTURE_CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE, "gemma2": GEMMA2_CHAT_TEMPLATE}
 
 
 class GGUFError(ValueError):
