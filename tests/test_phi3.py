@@ -392,6 +392,8 @@ def write_phi3_gguf(path: Path, hf: torch.nn.Module) -> Path:
 GGUF_VOCAB = len(vocabulary()[0])
 GGUF_KINDS = {
     "plain": {},
+    # Phi-4-mini's partial rotary: rope.dimension_count below the head dim
+    "partial": {"partial_rotary_factor": 0.75},
     # longrope's factors as tensors, its attention factor, the original context and a window
     "longrope_window": {"sliding_window": WINDOW,
                         "original_max_position_embeddings": ORIGINAL_CONTEXT,
@@ -427,6 +429,9 @@ def test_phi3_file_gives_transformers_logits(gguf_file: tuple[Path, torch.nn.Mod
         assert (c.rotary_dim, c.rope_scaling, c.layer_windows) == (32, None, ())
         ref = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval(), prompt)
+    elif path.stem.endswith("partial"):
+        assert (c.rotary_dim, c.rope_scaling) == (24, None)
+        ref = hf_logits(hf, prompt)
     else:
         assert c.layer_windows == (WINDOW,) * 3 and c.max_position_embeddings == ORIGINAL_CONTEXT
         assert c.rope_scaling["short_factor"] == pytest.approx(

@@ -164,7 +164,7 @@ def hf_config(meta: dict[str, Any], reader: Any, file: Path, identity: str) -> d
     key = source.key
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
+    if not arch.gguf.partial_rotary and int(key("rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(f"{file}: partial rotary embeddings (rope.dimension_count "
                         f"{key('rope.dimension_count')} < head dim {head_dim}) are not supported")
     tokens = meta.get("tokenizer.ggml.tokens") or []

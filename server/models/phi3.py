@@ -187,5 +187,6 @@ ARCHITECTURES = (
     Architecture(PHI3, Phi3ForCausalLM, _config_fields, model_types=("phi3",),
                  config_defaults=_DEFAULTS,
                  gguf=GGUFForm("phi3", GGUF_TENSOR_NAMES, config=_gguf_config,
-                               config_tensors=(LONG_FACTORS, SHORT_FACTORS))),
+                               config_tensors=(LONG_FACTORS, SHORT_FACTORS),
+                               partial_rotary=True)),
 )

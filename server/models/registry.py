@@ -74,6 +74,9 @@ class GGUFForm:
     config: Callable[[GGUFSource], dict[str, Any]] = _no_keys
     config_tensors: tuple[str, ...] = ()  # tensors read by `config`, not weights
     eos_tokens: tuple[str, ...] = ()  # tokens that end a turn beside the file's eos ids
+    # `rope.dimension_count` below the head dim is read by `config` (partial rotary); a form
+    # without it refuses such a file
+    partial_rotary: bool = False
 
 
 @dataclass(frozen=True)
