@@ -204,6 +204,8 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
         specs += vllm_specs(args)
     if args.only in (None, HICACHE):
         specs += hicache_specs(args)
+    if args.cached_only:
+        specs = [s for s in specs if s.label not in (VLLM_NONE, HI_NONE)]
     return specs
 
 
@@ -817,6 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS)
     ap.add_argument("--decode-batch", type=int, default=DEFAULT_DECODE_BATCH)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cached-only", action="store_true",
+                    help="only the servers that cache (no 'no cache' ones): a shorter run")
     ap.add_argument("--long-docs", type=int, default=0, metavar="N",
                     help="also the long-document workload: N documents of 3-6k tokens, 4 "
                          "questions each (benchmarks/long_docs.py); 0: not run")

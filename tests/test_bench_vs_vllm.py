@@ -264,3 +264,9 @@ def test_the_report_names_vllms_preload_only_where_vllm_ran() -> None:
     assert bv.preload_clause({"vllm_preload": []}) == "; vLLM preloads nothing"
     assert bv.preload_clause({"vllm_preload": ["libtcmalloc_minimal.so.4", "libiomp5.so"]}) \
         == "; vLLM preloads libtcmalloc_minimal.so.4, libiomp5.so"
+
+
+def test_cached_only_leaves_out_the_no_cache_servers(model_dir: Path) -> None:
+    args = bv.parse_args(["--cached-only", "--quick"])
+    args.model_path = model_dir
+    assert [s.label for s in bv.server_specs(args)] == [bv.VLLM_PREFIX, bv.HI_L1, bv.HI_L2]
