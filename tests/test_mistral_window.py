@@ -198,3 +198,28 @@ def test_engine_greedy_tokens_from_scratch_and_from_a_cached_prefix(
                   for p in [first, *others]]
         assert e.stats()["counters"]["cached_device"] >= 2 * 80 // PAGE * PAGE
     assert cached == recomputed
+
+
+def test_l2_load_back_and_l3_after_a_restart_give_the_same_tokens(
+        checkpoint: tuple[str, Path], prompt: torch.Tensor, tmp_path: Path) -> None:
+    """The same prompts from L2 (L1 flushed between them) and from L3 (a new engine on the
+    same LMDB) give the tokens of their recomputation."""
+    _, folder = checkpoint
+    first = prompt.tolist()
+    others = [first[:80] + [(t * 7 + i) % 256 for t in range(i, i + 30)] for i in (1, 2)]
+    with engine(folder, **{"cache.enable_radix_cache": False}) as e:
+        recomputed = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+                      for p in [first, *others]]
+    tiers = {"cache.hierarchical": True, "storage.backend": "lmdb",
+             "storage.lmdb.path": str(tmp_path / "lmdb"), "storage.overlap": False,
+             "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 16}
+    with engine(folder, **tiers) as e:
+        from_l2 = []
+        for p in [first, *others]:
+            from_l2.append(e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"])
+            e.flush_cache(["device"])
+        assert e.stats()["tiers"]["host"]["load_back_tokens"] > 0
+    with engine(folder, **tiers) as again:  # a new process would see the same LMDB
+        out = again.generate(input_ids=first, sampling_params=GREEDY)
+    assert from_l2 == recomputed and out["output_ids"] == recomputed[0]
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == (len(first) - 1) // PAGE * PAGE
