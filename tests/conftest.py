@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import pytest
+
+pytest.register_assert_rewrite("tier_workload")
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer

@@ -6,20 +6,15 @@ and L2 were flushed, and from L3 after a restart."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tier_workload as tiers
 import torch
 
-from hicache_server.config import load_config
-from hicache_server.engine import Engine
 from hicache_server.models.loader import embedded_tokenizer_files
 
-PAGE = 16
-WINDOW = 40
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+WINDOW = 40  # pages are tier_workload.PAGE (16): a window edge falls inside a page
 # sliding, sliding, full, sliding, sliding, full: Gemma 3's pattern, shortened
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
@@ -53,115 +48,41 @@ def write_random_gemma3(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def conversations(n: int = 3, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
-    """Per conversation the prompt of each turn: a shared 96-token system prompt, then a
-    history growing by a 40-token question and an 8-token stand-in answer."""
-    rng = random.Random(seed)
-    system = [rng.randrange(256) for _ in range(96)]
-    convs = []
-    for _ in range(n):
-        history, prompts = list(system), []
-        for _ in range(turns):
-            history = history + [rng.randrange(256) for _ in range(40)]
-            prompts.append(list(history))
-            history = history + [rng.randrange(256) for _ in range(8)]
-        convs.append(prompts)
-    return convs
-
-
-def run_workload(e: Engine, between_turns=None) -> list[list[int]]:
-    outs = []
-    for turn in range(3):
-        for conv in conversations():
-            outs.append(e.generate(input_ids=conv[turn], sampling_params=GREEDY)["output_ids"])
-        if between_turns is not None:
-            between_turns(e)
-    return outs
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
-def engine(folder: Path, **overrides: object) -> Engine:
-    return Engine(load_config(None, {
-        "model.path": str(folder), "model.device": "cpu", "cache.page_size": PAGE,
-        "cache.max_total_tokens": 2048, "storage.prefill_warmup_s": 0.0, **overrides}))
-
-
-def tiered(folder: Path, lmdb: Path, **overrides: object) -> Engine:
-    return engine(folder, **{"cache.hierarchical": True, "storage.backend": "lmdb",
-                             "storage.lmdb.path": str(lmdb),
-                             "storage.prefetch_policy": "wait_complete",
-                             "storage.prefetch_threshold": 32, "storage.overlap": False,
-                             **overrides})
-
-
 @pytest.fixture(scope="module")
 def recomputed(folder: Path) -> list[list[int]]:
-    with engine(folder, **{"cache.enable_radix_cache": False}) as e:
-        return run_workload(e)
-
-
-def transformers_greedy(folder: Path, prompt: list[int], steps: int) -> list[int]:
-    from transformers import Gemma3ForCausalLM
-
-    model = Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():  # plain greedy decoding, recomputing everything each step
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return tiers.recompute(folder)
 
 
 def test_recomputation_gives_transformers_greedy_tokens(folder: Path,
                                                         recomputed: list[list[int]]) -> None:
-    convs = conversations()
-    for i in (0, 8):  # the shortest prompt (136 tokens) and the longest (232)
-        prompt = convs[i % 3][i // 3]
-        assert recomputed[i] == transformers_greedy(folder, prompt, GREEDY["max_new_tokens"])
+    from transformers import Gemma3ForCausalLM
+
+    model = Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tiers.check_transformers_greedy(model, recomputed)
 
 
 def test_a_cached_prefix_plus_extend_gives_the_same_tokens(folder: Path,
                                                            recomputed: list[list[int]]) -> None:
-    with engine(folder) as e:
-        assert run_workload(e) == recomputed
-        assert e.stats()["counters"]["cached_device"] > 0
+    tiers.check_cached_prefix(folder, recomputed)
 
 
 def test_l2_load_back_gives_the_same_tokens(folder: Path, tmp_path: Path,
                                             recomputed: list[list[int]]) -> None:
-    with tiered(folder, tmp_path / "lmdb", **{"cache.max_total_tokens": 256,
-                                              "storage.backend": "none",
-                                              "host.ratio": 8.0}) as e:
-        assert run_workload(e) == recomputed
-        host = e.stats()["tiers"]["host"]
-    assert host["hits"] > 0 and host["load_back_tokens"] > 0
+    tiers.check_l2_load_back(folder, tmp_path / "lmdb", recomputed)
 
 
 def test_l3_after_flushing_l1_and_l2_and_after_a_restart(folder: Path, tmp_path: Path,
                                                          recomputed: list[list[int]]) -> None:
-    with tiered(folder, tmp_path / "lmdb") as e:
-        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device", "host"])) \
-            == recomputed
-        assert e.stats()["counters"]["cached_storage"] > 0
-    prompt = conversations()[0][2]
-    with tiered(folder, tmp_path / "lmdb") as again:  # a new process sees the same LMDB
-        out = again.generate(input_ids=prompt, sampling_params=GREEDY)
-    assert out["output_ids"] == recomputed[6]
-    details = out["meta_info"]["cached_tokens_details"]
-    assert details == {"device": 0, "host": 0, "storage": (len(prompt) - 1) // PAGE * PAGE}
+    tiers.check_l3_flush_and_restart(folder, tmp_path / "lmdb", recomputed)
 
 
-@pytest.fixture(scope="module")
-def bf16_recomputed(folder: Path) -> Iterator[list[list[int]]]:
-    with engine(folder, **{"cache.enable_radix_cache": False, "model.dtype": "bfloat16"}) as e:
-        yield run_workload(e)
-
-
-def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(
-        folder: Path, tmp_path: Path, bf16_recomputed: list[list[int]]) -> None:
-    with tiered(folder, tmp_path / "lmdb", **{"model.dtype": "bfloat16"}) as e:
-        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) \
-            == bf16_recomputed
+def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(folder: Path,
+                                                                   tmp_path: Path) -> None:
+    want = tiers.recompute(folder, **{"model.dtype": "bfloat16"})
+    with tiers.tiered(folder, tmp_path / "lmdb", **{"model.dtype": "bfloat16"}) as e:
+        assert tiers.run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) == want
