@@ -16,21 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
+import tier_workload as tiers
 import torch
 import transformers
 from gguf_files import CONTROL, MERGES, vocabulary
 from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits, run
 
 from hicache.memory.device import DeviceKVPool
-from hicache_server.config import load_config
-from hicache_server.engine import Engine
 from hicache_server.models import LoadedModel, ModelArchConfig, load_model
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.fingerprint import model_fingerprint
@@ -446,8 +444,6 @@ def test_phi3_file_gives_transformers_logits(gguf_file: tuple[Path, torch.nn.Mod
 # ---------------------------------------------------------------------------------------------
 # Through the engine's tiers (tests/test_gemma3_tiers.py's workload)
 
-PAGE = 16
-ENGINE_GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -463,94 +459,29 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def conversations() -> list[list[list[int]]]:
-    """Per conversation the prompt of each turn: a shared 96-token system prompt, then a
-    history growing by a 40-token question and an 8-token stand-in answer."""
-    rng = random.Random(0)
-    system = [rng.randrange(256) for _ in range(96)]
-    convs = []
-    for _ in range(3):
-        history, prompts = list(system), []
-        for _ in range(3):
-            history = history + [rng.randrange(256) for _ in range(40)]
-            prompts.append(list(history))
-            history = history + [rng.randrange(256) for _ in range(8)]
-        convs.append(prompts)
-    return convs
-
-
-def run_workload(e: Engine, between_turns: Any = None) -> list[list[int]]:
-    outs = []
-    for turn in range(3):
-        for conv in conversations():
-            outs.append(e.generate(input_ids=conv[turn],
-                                   sampling_params=ENGINE_GREEDY)["output_ids"])
-        if between_turns is not None:
-            between_turns(e)
-    return outs
-
-
-def engine(folder: Path, **overrides: object) -> Engine:
-    return Engine(load_config(None, {
-        "model.path": str(folder), "model.device": "cpu", "cache.page_size": PAGE,
-        "cache.max_total_tokens": 2048, "storage.prefill_warmup_s": 0.0, **overrides}))
-
-
-def tiered(folder: Path, lmdb: Path, **overrides: object) -> Engine:
-    return engine(folder, **{"cache.hierarchical": True, "storage.backend": "lmdb",
-                             "storage.lmdb.path": str(lmdb),
-                             "storage.prefetch_policy": "wait_complete",
-                             "storage.prefetch_threshold": 32, "storage.overlap": False,
-                             **overrides})
-
-
 @pytest.fixture(scope="module")
 def recomputed(served: Path) -> list[list[int]]:
-    with engine(served, **{"cache.enable_radix_cache": False}) as e:
-        return run_workload(e)
+    return tiers.recompute(served)
 
 
 def test_engine_recomputation_gives_transformers_greedy_tokens(
         served: Path, recomputed: list[list[int]]) -> None:
-    hf = transformers.Phi3ForCausalLM.from_pretrained(served, dtype=torch.float32).eval()
-    convs = conversations()
-    for i in (0, 8):  # the shortest prompt (136 tokens) and the longest (232)
-        ids = list(convs[i % 3][i // 3])
-        with torch.no_grad():  # plain greedy decoding, recomputing everything each step
-            for _ in range(ENGINE_GREEDY["max_new_tokens"]):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert recomputed[i] == ids[len(convs[i % 3][i // 3]):]
+    tiers.check_transformers_greedy(transformers.Phi3ForCausalLM.from_pretrained(served, dtype=torch.float32).eval(), recomputed)
 
 
-def test_a_cached_prefix_plus_extend_gives_the_same_tokens(
+def test_engine_cached_prefix_plus_extend_gives_the_same_tokens(
         served: Path, recomputed: list[list[int]]) -> None:
-    with engine(served) as e:
-        assert run_workload(e) == recomputed
-        assert e.stats()["counters"]["cached_device"] > 0
+    tiers.check_cached_prefix(served, recomputed)
 
 
-def test_l2_load_back_gives_the_same_tokens(served: Path, tmp_path: Path,
-                                            recomputed: list[list[int]]) -> None:
-    with tiered(served, tmp_path / "lmdb", **{"cache.max_total_tokens": 256,
-                                              "storage.backend": "none",
-                                              "host.ratio": 8.0}) as e:
-        assert run_workload(e) == recomputed
-        host = e.stats()["tiers"]["host"]
-    assert host["hits"] > 0 and host["load_back_tokens"] > 0
+def test_engine_l2_load_back_gives_the_same_tokens(served: Path, tmp_path: Path,
+                                                   recomputed: list[list[int]]) -> None:
+    tiers.check_l2_load_back(served, tmp_path / "lmdb", recomputed)
 
 
-def test_l3_after_flushing_l1_and_l2_and_after_a_restart(
+def test_engine_l3_after_flushing_l1_and_l2_and_after_a_restart(
         served: Path, tmp_path: Path, recomputed: list[list[int]]) -> None:
-    with tiered(served, tmp_path / "lmdb") as e:
-        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device", "host"])) \
-            == recomputed
-        assert e.stats()["counters"]["cached_storage"] > 0
-    prompt = conversations()[0][2]
-    with tiered(served, tmp_path / "lmdb") as again:  # a new process sees the same LMDB
-        out = again.generate(input_ids=prompt, sampling_params=ENGINE_GREEDY)
-    assert out["output_ids"] == recomputed[6]
-    details = out["meta_info"]["cached_tokens_details"]
-    assert details == {"device": 0, "host": 0, "storage": (len(prompt) - 1) // PAGE * PAGE}
+    tiers.check_l3_flush_and_restart(served, tmp_path / "lmdb", recomputed)
 
 
 def _phi4_mini_source(**meta: Any) -> GGUFSource:
