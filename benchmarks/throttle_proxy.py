@@ -199,12 +199,14 @@ class ThrottleProxy:
             while (item := await queue.get()) is not None:
                 due_s, data = item
                 await asyncio.sleep(max(0.0, due_s - time.monotonic()))  # the link's clock
-                writer.write(data)
-                await writer.drain()
+                # counted before the write: a reader that has the bytes sees them counted
+                # (counted after `drain`, a client could read the reply first)
                 if up:
                     self.bytes_up += len(data)
                 else:
                     self.bytes_down += len(data)
+                writer.write(data)
+                await writer.drain()
                 window.release()
             if writer.can_write_eof():
                 writer.write_eof()
