@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import missing_tool, requires_cuda
 from test_attention import KV_HEADS, make_case
 from test_attention_window import (
     BATCHES,
@@ -66,13 +67,12 @@ from hicache_server.models.kernels.paged_attention import (
 SOFTCAPS = (1.0, 5.0, 50.0)
 WINDOWS = (None, 37, 70)  # full; cutting pages (16) and key blocks (64) in the middle
 SCALE = 0.3
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttentionKernel:
     if not cpu_attention.supported():
-        pytest.skip("the CPU attention kernel needs AVX-512F and a C compiler")
+        missing_tool("the CPU attention kernel needs AVX-512F and a C compiler")
     built = cpu_attention.load(tmp_path_factory.mktemp("kernels"))
     assert built is not None, "supported() is true, so the kernel must build and load"
     return built
