@@ -15,7 +15,8 @@ import logging
 import torch
 import zmq
 
-from hicache.config import BYTES_PER_GB, EventsConfig, TierSections
+from hicache.config import BYTES_PER_GB, EventsConfig
+from hicache.config_storage import TierSections
 from hicache.events import (
     EventPublisher,
     EventRecorder,

@@ -1,5 +1,5 @@
 """The cache's configuration: one frozen dataclass per cache-side YAML section (cache, host,
-storage, events), the validation every section shares, and the YAML reading and merging
+storage (in `hicache.config_storage`), events), the validation every section shares, and the YAML reading and merging
 the server's whole-file config (`hicache_server.config`, which adds model and server) builds on.
 
 Precedence: built-in defaults (the dataclass defaults below, which docs/configuration.md lists)
@@ -15,27 +15,17 @@ import dataclasses
 import difflib
 import functools
 import math
-import os
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import yaml
 
 from hicache.kernels.layouts import HOST_LAYOUTS as MEM_LAYOUTS
-from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
-
-TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
-TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
-# L3 fetch workers by default: reads of a local store are bounded by the copy and the
-# checksum (both release the GIL), reads of a remote one by round trips, which overlap.
-DEFAULT_FETCH_WORKERS = 4
-STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
-REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
+from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, WRITE_POLICIES
 
 # KV events (`hicache.events`): publishers by name (vLLM's --kv-events-config values), and
 # the ZMQ transports an endpoint may use.
@@ -43,7 +33,6 @@ EVENT_PUBLISHERS = ("null", "zmq")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
-TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
 REDACTED = "***"
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
 
@@ -180,115 +169,6 @@ class HostConfig(Section):
 
 
 @dataclass(frozen=True)
-class LmdbConfig(Section):
-    SECTION: ClassVar[str] = "storage.lmdb"
-    path: str = "~/.cache/hicache/lmdb"
-    max_size_gb: float = 32.0  # capacity bound; least recently used pages go first
-    prefault_gb: float = 0.0  # page cache faulted in at open for the writes that grow it
-
-    def _validate(self) -> None:
-        self._non_empty("path")
-        self._at_least("max_size_gb", 0, strict=True)
-        self._at_least("prefault_gb", 0)
-
-    @property
-    def resolved_path(self) -> Path:
-        """`~` and `$VARS` expanded; a relative path stays relative to the working directory."""
-        return Path(os.path.expandvars(self.path)).expanduser()
-
-    @property
-    def max_size_bytes(self) -> int:
-        return int(self.max_size_gb * BYTES_PER_GB)
-
-    @property
-    def prefault_bytes(self) -> int:
-        return int(self.prefault_gb * BYTES_PER_GB)
-
-
-@dataclass(frozen=True)
-class RedisConfig(Section):
-    SECTION: ClassVar[str] = "storage.redis"
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    key_prefix: str = "hicache:"  # may be empty
-    ttl_seconds: int | None = None  # None: pages never expire
-
-    def _validate(self) -> None:
-        self._non_empty("url")
-        scheme = urlsplit(self.url).scheme
-        if scheme not in REDIS_SCHEMES:
-            allowed = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
-            self._fail("url", f"{self.url!r} must start with one of {allowed}")
-        self._at_least("ttl_seconds", 1)
-
-
-@dataclass(frozen=True)
-class ThrottleConfig(Section):
-    """A slower medium in front of the chosen backend (`ThrottledBackend`): for trying what
-    L3 on a slow disk or network does, and for the benchmarks. Off by default."""
-
-    SECTION: ClassVar[str] = "storage.throttle"
-    bandwidth_mb_s: float | None = None  # MB/s (10^6 bytes) shared by reads and writes
-    latency_ms: float = 0.0  # added to every backend call
-
-    def _validate(self) -> None:
-        self._at_least("bandwidth_mb_s", 0, strict=True)
-        self._at_least("latency_ms", 0)
-
-    @property
-    def enabled(self) -> bool:
-        return self.bandwidth_mb_s is not None or self.latency_ms > 0
-
-
-@dataclass(frozen=True)
-class StorageConfig(Section):
-    SECTION: ClassVar[str] = "storage"
-    backend: str = "none"
-    prefetch_policy: str = "timeout"
-    prefetch_threshold: int = 256  # tokens; shorter L3 hits are not worth a prefetch
-    prefetch_timeout_base: float = 2.0  # seconds
-    prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
-    prefetch_timeout_max: float = 30.0  # seconds
-    fetch_workers: int = DEFAULT_FETCH_WORKERS  # threads reading L3 pages into L2
-    cost_model: bool = True  # fetch, recompute or split a hit by measured costs
-    overlap: bool = True  # compute a hit's head while its tail loads (needs cost_model)
-    prefill_warmup_s: float = 1.0  # seconds of timed forwards at start (0: none)
-    lmdb: LmdbConfig = field(default_factory=LmdbConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
-
-    def _validate(self) -> None:
-        self._choice("backend", STORAGE_BACKENDS)
-        self._choice("prefetch_policy", PREFETCH_POLICIES)
-        self._at_least("prefetch_threshold", 0)
-        self._at_least("fetch_workers", 1)
-        self._at_least("prefill_warmup_s", 0)
-        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                     "prefetch_timeout_max"):
-            self._at_least(name, 0)
-        if self.prefetch_timeout_base > self.prefetch_timeout_max:
-            self._fail("prefetch_timeout_base", f"must be <= prefetch_timeout_max "
-                       f"({self.prefetch_timeout_max!r}), got {self.prefetch_timeout_base!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.backend != "none"
-
-    @property
-    def backend_config(self) -> LmdbConfig | RedisConfig | dict[str, Any] | None:
-        """The chosen backend's own section, `{"lmdb": ..., "redis": ...}` for the tiered
-        backend (it reads both); None when storage is disabled."""
-        if self.backend == TIERED_BACKEND:
-            return {part: getattr(self, part) for part in TIERED_PARTS}
-        return {"lmdb": self.lmdb, "redis": self.redis}.get(self.backend)
-
-    def prefetch_timeout(self, num_tokens: int) -> float:
-        """Seconds the `timeout` policy waits for an L3 prefetch of `num_tokens` tokens."""
-        per_token = self.prefetch_timeout_per_ki_token / TOKENS_PER_KI
-        return min(self.prefetch_timeout_max, self.prefetch_timeout_base + per_token * num_tokens)
-
-
-@dataclass(frozen=True)
 class EventsConfig(Section):
     """KV cache events for cache-aware routers, vLLM's `--kv-events-config` keys. Off unless
     `publisher` is "zmq" (or `enable_kv_cache_events` is true with no publisher named)."""
@@ -319,23 +199,6 @@ class EventsConfig(Section):
         if self.enable_kv_cache_events is False or self.publisher == "null":
             return False
         return self.publisher == "zmq" or self.enable_kv_cache_events is True
-
-
-class TierSections(Protocol):
-    """What the cache reads of a configuration: its four cache-side sections (the server's
-    whole-file `hicache_server.config.Config` is one)."""
-
-    @property
-    def cache(self) -> CacheConfig: ...
-
-    @property
-    def host(self) -> HostConfig: ...
-
-    @property
-    def storage(self) -> StorageConfig: ...
-
-    @property
-    def events(self) -> EventsConfig: ...
 
 
 _S = TypeVar("_S", bound=Section)
@@ -403,11 +266,3 @@ def read_yaml(path: Path) -> Mapping[str, Any]:
         raise ConfigError("config", f"{path}: expected a mapping at the top level, "
                           f"got {type_label(data)}")
     return data
-
-
-def redact_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hicache.config import TierSections
+from hicache.config_storage import TierSections
 from hicache.events import EventPublisher, EventRecorder
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV

@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from hicache.config import MEM_LAYOUTS, STORAGE_BACKENDS, TIERED_BACKEND, TIERED_PARTS, ConfigError
+from hicache.config import MEM_LAYOUTS, ConfigError
+from hicache.config_storage import STORAGE_BACKENDS, TIERED_BACKEND, TIERED_PARTS
 from hicache.policies import EVICTION_POLICIES, IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
 from hicache_server.config import DEVICES, DTYPES, SCHEDULE_POLICIES, Config, load_config
 

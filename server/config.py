@@ -21,13 +21,12 @@ from hicache.config import (
     EventsConfig,
     HostConfig,
     Section,
-    StorageConfig,
     build_section,
     merge,
     nest,
     read_yaml,
-    redact_url,
 )
+from hicache.config_storage import StorageConfig, redact_url
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")

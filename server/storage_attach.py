@@ -15,13 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hicache.config import (
-    STORAGE_BACKENDS,
-    TIERED_BACKEND,
-    TIERED_PARTS,
-    ConfigError,
-    StorageConfig,
-)
+from hicache.config import ConfigError
+from hicache.config_storage import STORAGE_BACKENDS, TIERED_BACKEND, TIERED_PARTS, StorageConfig
 from hicache.door import CacheDoor
 from hicache.model_kv import ModelKV
 from hicache_server.args import extra_overrides, parse_extra

@@ -8,14 +8,8 @@ from typing import Any
 
 import pytest
 
-from hicache.config import (
-    CacheConfig,
-    ConfigError,
-    HostConfig,
-    LmdbConfig,
-    RedisConfig,
-    StorageConfig,
-)
+from hicache.config import CacheConfig, ConfigError, HostConfig
+from hicache.config_storage import LmdbConfig, RedisConfig, StorageConfig
 from hicache_server.config import (
     Config,
     ModelConfig,

@@ -195,7 +195,8 @@ def test_the_server_never_imports_the_tree() -> None:
 # What the server may import of hicache: the door (its contract `door`, `stack`, `build`, its
 # `handles`), and the shared vocabulary (config, stats, policies, pages, the model's KV shape,
 # kernels).
-SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.door", "hicache.handles",
+SERVER_MAY_IMPORT = ("hicache.build", "hicache.config", "hicache.config_storage",
+                     "hicache.door", "hicache.handles",
                      "hicache.kernels", "hicache.model_kv", "hicache.pages", "hicache.policies",
                      "hicache.stack", "hicache.stats")
 # The data plane besides: the model's forward reads and writes the L1 buffers

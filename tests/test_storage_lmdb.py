@@ -18,7 +18,7 @@ import torch
 import xxhash
 from typing_extensions import Self
 
-from hicache.config import LmdbConfig
+from hicache.config_storage import LmdbConfig
 from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from hicache.memory.device import slots_of
 from hicache.memory.host import HostKVPool

@@ -40,7 +40,8 @@ from test_storage_lmdb import (
     write_range,
 )
 
-from hicache.config import ConfigError, RedisConfig
+from hicache.config import ConfigError
+from hicache.config_storage import RedisConfig
 from hicache.kernels.layouts import LAYER_FIRST, PAGE_FIRST
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends import create_backend

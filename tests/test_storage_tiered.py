@@ -28,7 +28,7 @@ from test_storage_lmdb import (
     write_range,
 )
 
-from hicache.config import STORAGE_BACKENDS
+from hicache.config_storage import STORAGE_BACKENDS
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.base import STAT_KEYS
 from hicache.storage.backends.lmdb_store import LmdbStore

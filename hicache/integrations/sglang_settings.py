@@ -27,7 +27,8 @@ from typing import Any
 
 import xxhash
 
-from hicache.config import TIERED_PARTS, ConfigError
+from hicache.config import ConfigError
+from hicache.config_storage import TIERED_PARTS
 from hicache.integrations.store_sections import STORES, backend_config, store_sections
 from hicache.storage.backends.base import check_section_keys
 

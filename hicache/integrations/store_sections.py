@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hicache.config import TIERED_BACKEND, TIERED_PARTS, ConfigError
+from hicache.config import ConfigError
+from hicache.config_storage import TIERED_BACKEND, TIERED_PARTS
 from hicache.storage.backends import LMDB_KEYS
 from hicache.storage.backends.base import check_section_keys
 from hicache.storage.backends.redis_store import REDIS_KEYS

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hicache.config import DEFAULT_FETCH_WORKERS
+from hicache.config_storage import DEFAULT_FETCH_WORKERS
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import RateLimitedLog, StorageBackend
 from hicache.storage.fetch_queue import (

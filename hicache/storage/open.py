@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from hicache.config import TierSections
+from hicache.config_storage import TierSections
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV
 from hicache.storage.backends import create_backend

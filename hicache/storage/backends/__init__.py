@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hicache.config import TIERED_BACKEND, LmdbConfig
+from hicache.config_storage import TIERED_BACKEND, LmdbConfig
 from hicache.storage.backends.base import StorageBackend, check_section_keys
 from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.backends.redis_store import redis_factory

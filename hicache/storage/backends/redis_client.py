@@ -57,7 +57,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from hicache.config import redact_url
+from hicache.config_storage import redact_url
 from hicache.storage.backends.base import Counters, FaultLog, StoreClosed
 from hicache.storage.backends.redis_replies import BadReply, asking
 

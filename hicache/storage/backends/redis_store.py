@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from hicache.config import RedisConfig
+from hicache.config_storage import RedisConfig
 from hicache.storage.backends.base import (
     STAT_BYTES,
     STAT_CAPACITY,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hicache.config import TIERED_PARTS
+from hicache.config_storage import TIERED_PARTS
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import (
     STAT_BYTES,

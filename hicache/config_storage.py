@@ -1,0 +1,159 @@
+"""The storage (L3) sections of the configuration: `storage` and its backends' own
+sections (`storage.lmdb`, `storage.redis`, `storage.throttle`), on `hicache.config`'s
+shared validation; the redaction of passwords in a URL shown anywhere; and `TierSections`,
+what the cache reads of a whole configuration."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from hicache.config import BYTES_PER_GB, REDACTED, CacheConfig, EventsConfig, HostConfig, Section
+from hicache.policies import PREFETCH_POLICIES
+
+TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
+TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
+# L3 fetch workers by default: reads of a local store are bounded by the copy and the
+# checksum (both release the GIL), reads of a remote one by round trips, which overlap.
+DEFAULT_FETCH_WORKERS = 4
+STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
+
+TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
+
+
+@dataclass(frozen=True)
+class LmdbConfig(Section):
+    SECTION: ClassVar[str] = "storage.lmdb"
+    path: str = "~/.cache/hicache/lmdb"
+    max_size_gb: float = 32.0  # capacity bound; least recently used pages go first
+    prefault_gb: float = 0.0  # page cache faulted in at open for the writes that grow it
+
+    def _validate(self) -> None:
+        self._non_empty("path")
+        self._at_least("max_size_gb", 0, strict=True)
+        self._at_least("prefault_gb", 0)
+
+    @property
+    def resolved_path(self) -> Path:
+        """`~` and `$VARS` expanded; a relative path stays relative to the working directory."""
+        return Path(os.path.expandvars(self.path)).expanduser()
+
+    @property
+    def max_size_bytes(self) -> int:
+        return int(self.max_size_gb * BYTES_PER_GB)
+
+    @property
+    def prefault_bytes(self) -> int:
+        return int(self.prefault_gb * BYTES_PER_GB)
+
+
+@dataclass(frozen=True)
+class RedisConfig(Section):
+    SECTION: ClassVar[str] = "storage.redis"
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "hicache:"  # may be empty
+    ttl_seconds: int | None = None  # None: pages never expire
+
+    def _validate(self) -> None:
+        self._non_empty("url")
+        scheme = urlsplit(self.url).scheme
+        if scheme not in REDIS_SCHEMES:
+            allowed = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+            self._fail("url", f"{self.url!r} must start with one of {allowed}")
+        self._at_least("ttl_seconds", 1)
+
+
+@dataclass(frozen=True)
+class ThrottleConfig(Section):
+    """A slower medium in front of the chosen backend (`ThrottledBackend`): for trying what
+    L3 on a slow disk or network does, and for the benchmarks. Off by default."""
+
+    SECTION: ClassVar[str] = "storage.throttle"
+    bandwidth_mb_s: float | None = None  # MB/s (10^6 bytes) shared by reads and writes
+    latency_ms: float = 0.0  # added to every backend call
+
+    def _validate(self) -> None:
+        self._at_least("bandwidth_mb_s", 0, strict=True)
+        self._at_least("latency_ms", 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.bandwidth_mb_s is not None or self.latency_ms > 0
+
+
+@dataclass(frozen=True)
+class StorageConfig(Section):
+    SECTION: ClassVar[str] = "storage"
+    backend: str = "none"
+    prefetch_policy: str = "timeout"
+    prefetch_threshold: int = 256  # tokens; shorter L3 hits are not worth a prefetch
+    prefetch_timeout_base: float = 2.0  # seconds
+    prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
+    prefetch_timeout_max: float = 30.0  # seconds
+    fetch_workers: int = DEFAULT_FETCH_WORKERS  # threads reading L3 pages into L2
+    cost_model: bool = True  # fetch, recompute or split a hit by measured costs
+    overlap: bool = True  # compute a hit's head while its tail loads (needs cost_model)
+    prefill_warmup_s: float = 1.0  # seconds of timed forwards at start (0: none)
+    lmdb: LmdbConfig = field(default_factory=LmdbConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+
+    def _validate(self) -> None:
+        self._choice("backend", STORAGE_BACKENDS)
+        self._choice("prefetch_policy", PREFETCH_POLICIES)
+        self._at_least("prefetch_threshold", 0)
+        self._at_least("fetch_workers", 1)
+        self._at_least("prefill_warmup_s", 0)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                     "prefetch_timeout_max"):
+            self._at_least(name, 0)
+        if self.prefetch_timeout_base > self.prefetch_timeout_max:
+            self._fail("prefetch_timeout_base", f"must be <= prefetch_timeout_max "
+                       f"({self.prefetch_timeout_max!r}), got {self.prefetch_timeout_base!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+    @property
+    def backend_config(self) -> LmdbConfig | RedisConfig | dict[str, Any] | None:
+        """The chosen backend's own section, `{"lmdb": ..., "redis": ...}` for the tiered
+        backend (it reads both); None when storage is disabled."""
+        if self.backend == TIERED_BACKEND:
+            return {part: getattr(self, part) for part in TIERED_PARTS}
+        return {"lmdb": self.lmdb, "redis": self.redis}.get(self.backend)
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds the `timeout` policy waits for an L3 prefetch of `num_tokens` tokens."""
+        per_token = self.prefetch_timeout_per_ki_token / TOKENS_PER_KI
+        return min(self.prefetch_timeout_max, self.prefetch_timeout_base + per_token * num_tokens)
+
+
+class TierSections(Protocol):
+    """What the cache reads of a configuration: its four cache-side sections (the server's
+    whole-file `hicache_server.config.Config` is one)."""
+
+    @property
+    def cache(self) -> CacheConfig: ...
+
+    @property
+    def host(self) -> HostConfig: ...
+
+    @property
+    def storage(self) -> StorageConfig: ...
+
+    @property
+    def events(self) -> EventsConfig: ...
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
