@@ -34,7 +34,8 @@ ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 BYTES_PER_GB = 10**9  # decimal GB, as SGLang's --hicache-size
 REDACTED = "***"
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               tuple: "a list of strings"}
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,8 @@ def _check_type(key: str, value: object, base: type, nullable: bool) -> None:
     """Strict: a bool is not an int, a str is not a number; an int is a float (PEP 484)."""
     if value is None:
         ok = nullable
+    elif base is tuple:  # the only tuples in a config are of strings (lists in YAML)
+        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     elif base is float or base is int:
         ok = isinstance(value, (int, float) if base is float else int)
         ok = ok and not isinstance(value, bool)
@@ -77,7 +80,7 @@ def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
         hint = hints[f.name]
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         base = next(a for a in args if a is not type(None))
-        out[f.name] = (base, type(None) in args)
+        out[f.name] = (typing.get_origin(base) or base, type(None) in args)
     return out
 
 
@@ -220,6 +223,8 @@ def build_section(cls: type[_S], data: object) -> _S:
             value = build_section(base, value)
         elif base is float and type(value) is int:
             value = float(value)
+        elif base is tuple and isinstance(value, list):
+            value = tuple(value)
         kwargs[name] = value
     return cls(**kwargs)
 

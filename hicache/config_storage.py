@@ -102,12 +102,23 @@ class StorageConfig(Section):
     lmdb: LmdbConfig = field(default_factory=LmdbConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    # The fleet secret's file (docs/security.md); the secret itself never sits in YAML, a
+    # flag or a log. None: HICACHE_STORAGE_SECRET from the environment, if set.
+    secret_file: str | None = None
+    encrypt: bool = False  # AES-GCM on every stored payload (needs the fleet secret)
+    # Folders under which POST /admin/storage/attach may open an LMDB; empty: attach refused
+    # for LMDB paths (the start-up configuration is not limited by them).
+    attach_roots: tuple[str, ...] = ()
 
     def _validate(self) -> None:
         self._choice("backend", STORAGE_BACKENDS)
         self._choice("prefetch_policy", PREFETCH_POLICIES)
         self._at_least("prefetch_threshold", 0)
         self._at_least("fetch_workers", 1)
+        self._non_empty("secret_file")
+        for root in self.attach_roots:
+            if not os.path.isabs(os.path.expanduser(root)):
+                self._fail("attach_roots", f"each root must be an absolute path, got {root!r}")
         self._at_least("prefill_warmup_s", 0)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                      "prefetch_timeout_max"):

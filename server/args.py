@@ -36,7 +36,14 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--host", "server.host", {}, "address to bind (default 127.0.0.1)"),
     ("--port", "server.port", {"type": int}, "TCP port (0 = any free port)"),
     ("--admin-api-key", "server.admin_api_key", {},
-     "bearer token for /admin routes (without one they answer loopback clients only)"),
+     ("bearer token for /admin routes, or HICACHE_ADMIN_API_KEY (without one they answer "
+      "loopback clients only)")),
+    ("--api-key", "server.api_key", {},
+     ("bearer token of the inference routes, as vLLM's (or HICACHE_API_KEY); health and "
+      "metrics stay open")),
+    ("--api-keys-file", "server.api_keys_file", {},
+     ("JSON object of tenant name to key; each tenant's cached prefixes are its own in "
+      "every tier")),
     ("--served-model-name", "server.served_model_name", {},
      ("model id of OpenAI responses and /v1/models (default: --model-path as given; for "
       "the embedded model its local folder)")),

@@ -34,6 +34,8 @@ DEVICES = ("auto", "cuda", "cpu")
 # --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
 SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 MAX_PORT = 65535
+# server keys read from the environment when not configured
+KEY_ENVIRONMENT = {"admin_api_key": "HICACHE_ADMIN_API_KEY", "api_key": "HICACHE_API_KEY"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = 30000  # 0 = let the OS pick a free port
     admin_api_key: str | None = None  # None: admin routes answer loopback clients only
+    # Bearer key of the inference routes (vLLM's --api-key); None: they are open
+    api_key: str | None = None
+    # A JSON object of tenant name to key: each tenant's prefixes are its own in every tier
+    api_keys_file: str | None = None
     # The model id of every OpenAI response and of /v1/models (SGLang's and vLLM's
     # --served-model-name). None: derived from model.path (hicache_server.http.discovery).
     served_model_name: str | None = None
@@ -69,6 +75,8 @@ class ServerConfig(Section):
         if not 0 <= self.port <= MAX_PORT:
             self._fail("port", f"must be between 0 and {MAX_PORT}, got {self.port}")
         self._non_empty("admin_api_key")
+        self._non_empty("api_key")
+        self._non_empty("api_keys_file")
         self._non_empty("served_model_name")
         self._choice("schedule_policy", SCHEDULE_POLICIES)
 
@@ -93,7 +101,15 @@ def load_config(path: str | os.PathLike[str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> Config:
     """Built-in defaults < the YAML file at `path` < `overrides` (nested or dotted keys)."""
     data = read_yaml(Path(path)) if path is not None else {}
-    return build_section(Config, merge(data, nest(overrides or {})))
+    return keys_from_environment(build_section(Config, merge(data, nest(overrides or {}))))
+
+
+def keys_from_environment(cfg: Config) -> Config:
+    """Keys from the environment (so they stay out of `ps` and of the YAML) where neither the
+    file nor a flag set one."""
+    keys = {name: os.environ.get(env) for name, env in KEY_ENVIRONMENT.items()
+            if getattr(cfg.server, name) is None and os.environ.get(env)}
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **keys)) if keys else cfg
 
 
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
@@ -102,10 +118,11 @@ def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
 
 
 def config_to_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
-    """The YAML shape of `cfg`; `redact=True` hides the admin key and the Redis password."""
+    """The YAML shape of `cfg`; `redact=True` hides the keys and the Redis password."""
     data = dataclasses.asdict(cfg)
     if redact:
-        if data["server"]["admin_api_key"] is not None:
-            data["server"]["admin_api_key"] = REDACTED
+        for name in KEY_ENVIRONMENT:
+            if data["server"][name] is not None:
+                data["server"][name] = REDACTED
         data["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)
     return data

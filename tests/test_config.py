@@ -24,7 +24,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # configs/default.yaml and docs/configuration.md, copied by hand: a change to a default must change both.
 DESIGN_DEFAULTS: dict[str, Any] = {
     "model": {"path": "embedded:tiny-llama", "dtype": "auto", "device": "auto"},
-    "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None,
+    "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None, "api_key": None,
+               "api_keys_file": None,
                "served_model_name": None, "schedule_policy": "lpm"},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
               "max_total_tokens": None, "kv_cache_memory_bytes": None,
@@ -43,6 +44,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "redis": {"url": "redis://127.0.0.1:6379/0", "cluster": False,
                   "key_prefix": "hicache:", "ttl_seconds": None},
         "throttle": {"bandwidth_mb_s": None, "latency_ms": 0.0},
+        "secret_file": None, "encrypt": False, "attach_roots": (),
     },
     "events": {"publisher": None, "enable_kv_cache_events": None,
                "endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": "",
@@ -487,3 +489,30 @@ def test_kv_cache_memory_bytes_is_vllms_flag() -> None:
     err = raises({"cache.kv_cache_memory_bytes": 4096, "cache.max_total_tokens": 4096})
     assert err.key == "cache.kv_cache_memory_bytes" and "not both" in str(err)
     assert raises({"cache.kv_cache_memory_bytes": 0}).key == "cache.kv_cache_memory_bytes"
+
+
+# --- keys from the environment, lists of strings ---------------------------------------------
+
+
+def test_keys_come_from_the_environment_when_not_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_API_KEY", "from-env")
+    monkeypatch.setenv("HICACHE_ADMIN_API_KEY", "admin-from-env")
+    cfg = load_config()
+    assert (cfg.server.api_key, cfg.server.admin_api_key) == ("from-env", "admin-from-env")
+    assert load_config(overrides={"server.api_key": "flag"}).server.api_key == "flag"
+    shown = config_to_dict(cfg, redact=True)["server"]
+    assert (shown["api_key"], shown["admin_api_key"]) == ("***", "***")
+
+
+def test_an_empty_environment_key_is_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_API_KEY", "")
+    assert load_config().server.api_key is None
+
+
+def test_attach_roots_is_a_list_of_absolute_paths() -> None:
+    cfg = load_config(overrides={"storage.attach_roots": ["/data/lmdb", "~/stores"]})
+    assert cfg.storage.attach_roots == ("/data/lmdb", "~/stores")
+    with pytest.raises(ConfigError, match="storage.attach_roots: each root must be an absolute"):
+        load_config(overrides={"storage.attach_roots": ["relative/dir"]})
+    with pytest.raises(ConfigError, match="storage.attach_roots: expected a list of strings"):
+        load_config(overrides={"storage.attach_roots": "/data"})
