@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from hicache.config import BYTES_PER_GB, REDACTED, CacheConfig, EventsConfig, HostConfig, Section
 from hicache.policies import PREFETCH_POLICIES
@@ -22,6 +22,8 @@ DEFAULT_FETCH_WORKERS = 4
 STORAGE_BACKENDS = ("none", "lmdb", "redis", TIERED_BACKEND)
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 
+# A URL query parameter whose name holds one of these carries a secret (redact_url)
+SECRET_PARAMETER_WORDS = ("password", "passwd", "secret", "token", "key")
 TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
 
 
@@ -163,8 +165,21 @@ class TierSections(Protocol):
 
 
 def redact_url(url: str) -> str:
+    """`url` with every password hidden: `user:password@` and query parameters that carry one
+    (redis-py's `?password=`, any `*password*`, `*secret*`, `*token*` or `*key*` parameter)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
+    query = [(name, REDACTED if _secret_parameter(name) else value)
+             for name, value in parse_qsl(parts.query, keep_blank_values=True)]
+    if netloc == parts.netloc and query == parse_qsl(parts.query, keep_blank_values=True):
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    # built by hand: urlunsplit drops the `//` of a URL with an empty host (unix:///path)
+    shown = f"{parts.scheme}://{netloc}{parts.path}"
+    shown += f"?{urlencode(query, safe='*/')}" if query else ""
+    return shown + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def _secret_parameter(name: str) -> bool:
+    return any(word in name.lower() for word in SECRET_PARAMETER_WORDS)

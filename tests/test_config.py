@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hicache.config import CacheConfig, ConfigError, HostConfig
-from hicache.config_storage import LmdbConfig, RedisConfig, StorageConfig
+from hicache.config_storage import LmdbConfig, RedisConfig, StorageConfig, redact_url
 from hicache_server.config import (
     Config,
     ModelConfig,
@@ -516,3 +516,15 @@ def test_attach_roots_is_a_list_of_absolute_paths() -> None:
         load_config(overrides={"storage.attach_roots": ["relative/dir"]})
     with pytest.raises(ConfigError, match="storage.attach_roots: expected a list of strings"):
         load_config(overrides={"storage.attach_roots": "/data"})
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("redis://user:pw@host:1/0", "redis://user:***@host:1/0"),
+    ("redis://host:1/0?password=abc&db=2", "redis://host:1/0?password=***&db=2"),
+    ("rediss://:p%40ss@host/0?ssl_cert_reqs=none", "rediss://:***@host/0?ssl_cert_reqs=none"),
+    ("unix:///tmp/r.sock?db=0&password=x", "unix:///tmp/r.sock?db=0&password=***"),
+    ("redis://host/0?Password=a&auth_token=b", "redis://host/0?Password=***&auth_token=***"),
+])
+def test_redact_url_hides_every_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -53,7 +53,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except HttpError as e:
-        return error_response(e.status, e.message)
+        return error_response(e.status, e.message, headers=e.headers)
     except InvalidRequest as e:
         return error_response(400, str(e))
     except EngineClosed as e:

@@ -15,7 +15,8 @@ from aiohttp import web
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-               408: "timeout_error", 413: "invalid_request_error", 500: "internal_error",
+               408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "unavailable_error"}
 
 
@@ -26,10 +27,12 @@ class RequestFailed(Exception):
 class HttpError(Exception):
     """A client error with its status, turned into the JSON error shape by the middleware."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers  # e.g. a 429's Retry-After
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
