@@ -12,7 +12,9 @@
     chat.py       POST /v1/chat/completions: messages through the model's chat template
     discovery.py  /get_model_info, /get_server_info, /tokenize, /detokenize, /v1/models[/{id}];
                   served_model_name, the model id every OpenAI route answers with
-    admin.py      /admin/flush, /admin/tiers, SGLang's aliases; bearer-key or loopback access
+    admin.py      /admin/flush, /admin/tiers, SGLang's aliases, L3 attach and detach
+    admin_guard.py  who may call them: a bearer key, or loopback with no browser's Origin or
+                  Host; JSON bodies only
     generation.py parsed prompts -> engine requests (all validated before any runs)
     prompts.py    one prompt or a batch, per-prompt values
     fields.py     the field policy: unknown fields ignored (one warning per name), unsupported
@@ -34,7 +36,8 @@ chat templates, tokenization and any loop over a prompt go to the default execut
 
 from __future__ import annotations
 
-from hicache_server.http.admin import AdminDenied, add_admin_routes, check_admin_access, is_loopback
+from hicache_server.http.admin import add_admin_routes
+from hicache_server.http.admin_guard import AdminDenied, check_admin_access, is_loopback
 from hicache_server.http.app import attach_metrics, begin_shutdown, create_app
 from hicache_server.http.errors import HttpError, RequestFailed
 from hicache_server.http.state import STATE, Handler, ServerState

@@ -25,16 +25,15 @@ Attach and detach (`Engine.attach_storage` / `detach_storage`) answer 200
 backend name or extra config naming its key, L3 attached already, a store that cannot be
 opened, or a server that is not idle: SGLang's rule, refused at once rather than waited for).
 
-Access: with `server.admin_api_key` set, every admin route needs
+Access (`admin_guard`): with `server.admin_api_key` set, every admin route needs
 `Authorization: Bearer <key>` (401 without a bearer header, 403 with a wrong key); without a
-key they answer loopback clients only (403 otherwise).
+key they answer loopback clients only, and refuse a browser's foreign `Origin` or `Host`
+(403). A body must be JSON (`Content-Type: application/json`, 415 otherwise).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import ipaddress
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -44,13 +43,13 @@ from aiohttp import web
 from hicache.policies import TIERS
 from hicache.stats import StorageStats
 from hicache_server.engine import Engine
+from hicache_server.http.admin_guard import guarded
 from hicache_server.http.body import brief, check_fields, check_type, read_object
-from hicache_server.http.errors import HttpError, error_response
+from hicache_server.http.errors import HttpError
 from hicache_server.http.metrics import tier_summaries
 from hicache_server.http.offload import off_loop
-from hicache_server.http.state import STATE, Handler
+from hicache_server.http.state import STATE
 
-BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 SGLANG_FLUSH_TIERS = ("device", "host")  # SGLang's /flush_cache empties GPU and host memory
 # SGLang's PUT /hicache/storage-backend body (`AttachHiCacheStorageReqInput`)
 BACKEND_FIELD = "hicache_storage_backend"
@@ -58,62 +57,6 @@ EXTRA_FIELD = "hicache_storage_backend_extra_config_json"
 PREFETCH_FIELD = "hicache_storage_prefetch_policy"
 WRITE_FIELD = "hicache_write_policy"
 ATTACH_FIELDS = (BACKEND_FIELD, EXTRA_FIELD, PREFETCH_FIELD, WRITE_FIELD)
-
-
-class AdminDenied(Exception):
-    """An admin request without the right credentials; `status` is 401 or 403."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def is_loopback(remote: str | None) -> bool:
-    """Whether `remote` (aiohttp's `request.remote`) is a loopback address. A Unix socket
-    peer or anything unparsable is not."""
-    if not remote:
-        return False
-    try:
-        ip = ipaddress.ip_address(remote.split("%", 1)[0])  # drop an IPv6 zone id
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
-
-
-def check_admin_access(remote: str | None, authorization: str | None,
-                       api_key: str | None) -> None:
-    """Raise AdminDenied unless the caller may use the admin routes (see the module doc)."""
-    if api_key is None:
-        if not is_loopback(remote):
-            raise AdminDenied(403, f"admin routes answer loopback clients only (this one is "
-                              f"{remote}); start the server with --admin-api-key to allow "
-                              "others with a bearer key")
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != BEARER or not token.strip():
-        raise AdminDenied(401, "admin routes need the header `Authorization: Bearer <admin "
-                          "key>`")
-    # aiohttp hands header bytes that are not UTF-8 over as lone surrogates (surrogateescape):
-    # encoding them back the same way compares the bytes the client sent.
-    sent = token.strip().encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(sent, api_key.encode("utf-8")):
-        raise AdminDenied(403, "the admin key in the Authorization header is wrong")
-
-
-def _guarded(handler: Handler, api_key: str | None) -> Handler:
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        try:
-            check_admin_access(request.remote, request.headers.get("Authorization"), api_key)
-        except AdminDenied as e:
-            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-            return error_response(e.status, e.message, headers=headers)
-        if request.app[STATE].closing:
-            return error_response(503, "the server is shutting down")
-        return await handler(request)
-
-    return guarded
 
 
 def parse_tiers(body: dict[str, Any]) -> tuple[str, ...]:
@@ -248,4 +191,4 @@ def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) 
               ("/hicache/storage-backend", "DELETE", handle_storage_detach),
               ("/hicache/storage-backend", "GET", handle_storage_backend))
     for path, method, handler in routes:
-        app.router.add_route(method, path, _guarded(handler, api_key))
+        app.router.add_route(method, path, guarded(handler, api_key))
