@@ -3,7 +3,8 @@
     hicache-server --config configs/default.yaml --port 30000
 
 Exit codes: 0 after a clean shutdown (SIGINT or SIGTERM), 1 when start-up fails (the model
-folder is missing, the storage backend cannot open, not enough memory, the port is taken),
+folder is missing, the storage backend cannot open, not enough memory, the port is taken,
+the --api-keys-file cannot be read or is not a JSON object of tenant name to key),
 2 for a bad flag or config value (`hicache_server.args`), 70 when the scheduler thread died (a bug,
 logged with its traceback; one request's fault fails only that request and never gets
 here), 130 after a second signal cut the drain short.
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hicache.config import BYTES_PER_GB
+from hicache_server.api_keys import ApiKeys, ApiKeysError, load_api_keys
 from hicache_server.args import parse_config
 from hicache_server.config import Config
 
@@ -59,13 +61,31 @@ IDLE_CONNECTION_TIMEOUT_S = 75.0
 def main(argv: Sequence[str] | None = None) -> int:
     config, ns = parse_config(sys.argv[1:] if argv is None else argv)  # exits 2 when bad
     setup_logging(ns.log_level)
+    api_keys = read_api_keys(config)  # before the model loads: a bad file fails at once
+    if api_keys is None:
+        return EXIT_STARTUP_FAILED
     engine = build_engine(config)
     if engine is None:
         return EXIT_STARTUP_FAILED
     try:
-        return asyncio.run(serve(engine, config))
+        return asyncio.run(serve(engine, config, api_keys))
     finally:
         engine.shutdown()  # idempotent: a no-op after a graceful shutdown
+
+
+def read_api_keys(config: Config) -> ApiKeys | None:
+    """The inference routes' keys (`--api-key`, the tenants of `--api-keys-file`, read now),
+    or None after logging in one line why they cannot be used."""
+    try:
+        keys = load_api_keys(config.server.api_key, config.server.api_keys_file)
+    except ApiKeysError as e:
+        logger.error("hicache-server cannot start: %s", e)
+        return None
+    tenants = len(keys.tenant_names)
+    logger.info("inference routes: %s", "open to every client (no --api-key)"
+                if not keys.required else "bearer key required" + (
+                    f"; {tenants} tenant(s), each its own cache namespace" if tenants else ""))
+    return keys
 
 
 def build_engine(config: Config) -> Engine | None:
@@ -84,8 +104,9 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
 
 
-async def serve(engine: Engine, config: Config) -> int:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully; the exit code.
+async def serve(engine: Engine, config: Config, api_keys: ApiKeys | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; the exit code. `api_keys`:
+    those `read_api_keys` read (None: read from `config` now; ApiKeysError when bad).
 
     The signal handlers go in before the listener opens: a SIGTERM sent the moment /health
     first answers (a supervisor's quick restart) drains and exits 0 like any other."""
@@ -97,7 +118,9 @@ async def serve(engine: Engine, config: Config) -> int:
     engine.on_fatal = stop.fatal
     if engine.fatal_error is not None:  # died before the handler was in place
         stop.fatal(engine.fatal_error)
-    app = create_app(engine, metrics=attach_metrics(engine))
+    if api_keys is None:
+        api_keys = load_api_keys(config.server.api_key, config.server.api_keys_file)
+    app = create_app(engine, metrics=attach_metrics(engine), api_keys=api_keys)
     add_admin_routes(app, engine, config.server.admin_api_key)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S,
                            keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)

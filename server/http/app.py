@@ -3,6 +3,9 @@
     GET  /health            200 {"status": "ok"}; 503 once shutdown has begun
     GET  /metrics           Prometheus text (`metrics.CacheMetrics`)
 
+Both stay open; every other route `create_app` adds needs the API key when the server has
+one (`inference_routes`, `hicache_server.http.auth`).
+
 Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx status
 (`error_middleware`); a 500 is a bug and is logged with its traceback.
 
@@ -17,7 +20,9 @@ import time
 
 from aiohttp import web
 
-from hicache_server.engine import Engine, EngineClosed
+from hicache_server.api_keys import OPEN, ApiKeys
+from hicache_server.engine import Engine, EngineClosed, QueueFull
+from hicache_server.http.auth import protected
 from hicache_server.http.chat import chat_route
 from hicache_server.http.discovery import (
     handle_detokenize,
@@ -58,6 +63,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(400, str(e))
     except EngineClosed as e:
         return error_response(503, str(e))
+    except QueueFull as e:  # server.max_queued_requests wait already: nothing was queued
+        return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
     except RequestFailed as e:  # logged with its traceback where it failed
         return error_response(500, str(e))
     except ConnectionError:  # the client left (mid-body, say): nobody reads an answer
@@ -120,29 +127,40 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def create_app(engine: Engine, *, metrics: CacheMetrics | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               api_keys: ApiKeys = OPEN) -> web.Application:
     """The API over `engine`; without `metrics`, one is made and wired to the engine's hooks.
-    Admin routes are added separately (`hicache_server.http.admin.add_admin_routes`)."""
+    With `api_keys` (`hicache_server.api_keys.load_api_keys`), every route but /health and
+    /metrics needs one of them (`hicache_server.http.auth`). Admin routes are added
+    separately, with their own key (`hicache_server.http.admin.add_admin_routes`)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     app[STATE] = ServerState(engine, metrics or attach_metrics(engine), max_body_bytes,
-                             int(time.time()), body_timeout_s)
-    app.router.add_post("/generate", handle_generate)
-    app.router.add_post("/close_session", handle_close_session)  # SGLang's; a client route
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_post("/v1/chat/completions", chat_route(engine))
-    app.router.add_get("/v1/models", handle_models)
-    app.router.add_get("/v1/models/{id:.+}", handle_model)  # an id may hold slashes
-    for path in ("/get_model_info", "/model_info"):  # SGLang's old and new names
-        app.router.add_get(path, handle_model_info)
-    for path in ("/get_server_info", "/server_info"):
-        app.router.add_get(path, handle_server_info)
-    app.router.add_get("/get_load", handle_get_load)  # sglang-router's load monitor
-    app.router.add_post("/tokenize", handle_tokenize)
-    app.router.add_post("/detokenize", handle_detokenize)
-    app.router.add_get("/health", handle_health)
-    app.router.add_get("/metrics", handle_metrics)
+                             int(time.time()), body_timeout_s, api_keys)
+    add = {"GET": app.router.add_get, "POST": app.router.add_post}
+    for method, path, handler in inference_routes(engine):
+        add[method](path, protected(handler))
+    app.router.add_get("/health", handle_health)  # open, as vLLM's: probes carry no key
+    app.router.add_get("/metrics", handle_metrics)  # open, as vLLM's: scrapers carry no key
     return app
+
+
+def inference_routes(engine: Engine) -> list[tuple[str, str, Handler]]:
+    """(method, path, handler) of every route behind the API key."""
+    return [
+        ("POST", "/generate", handle_generate),
+        ("POST", "/close_session", handle_close_session),  # SGLang's; a client route
+        ("POST", "/v1/completions", handle_completions),
+        ("POST", "/v1/chat/completions", chat_route(engine)),
+        ("GET", "/v1/models", handle_models),
+        ("GET", "/v1/models/{id:.+}", handle_model),  # an id may hold slashes
+        *(("GET", path, handle_model_info)  # SGLang's old and new names
+          for path in ("/get_model_info", "/model_info")),
+        *(("GET", path, handle_server_info) for path in ("/get_server_info", "/server_info")),
+        ("GET", "/get_load", handle_get_load),  # sglang-router's load monitor
+        ("POST", "/tokenize", handle_tokenize),
+        ("POST", "/detokenize", handle_detokenize),
+    ]

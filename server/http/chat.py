@@ -38,6 +38,7 @@ from hicache_server.chat_template import (
     load_chat_template,
 )
 from hicache_server.engine import Engine
+from hicache_server.http.auth import scope_of
 from hicache_server.http.body import brief, check_type, flag, json_type, read_object
 from hicache_server.http.discovery import served_model_name
 from hicache_server.http.errors import HttpError
@@ -313,7 +314,8 @@ async def serve_chat(request: web.Request, chat: Chat, template: ChatTemplate
     prompts = Prompts([Prompt(None, ids)], False)
     submitted = await submit(engine, prompts, [chat.sampling_params], [chat.cache_salt],
                              [logprob_options(chat)], [chat.priority], chat.session_id,
-                             openai_names(chat.limit_field, "messages", "top_logprobs"))
+                             openai_names(chat.limit_field, "messages", "top_logprobs"),
+                             scope=scope_of(request))
     streams = await start_all(engine, submitted)
     model, name = served_model_name(engine), token_namer(engine.tokenizer, False)
     if not chat.stream:

@@ -4,7 +4,8 @@
 prompt in a batch refuses the whole batch, and nothing is left running), off the event loop
 (tokenizing and checking a prompt is a loop over it); `start_all` then starts them all at
 once. A prompt with `sampling_params.n > 1` is n requests, its choices
-in order; the engine makes them share the prompt's prefill through the tree.
+in order; the engine makes them share the prompt's prefill through the tree. Each request's
+cache namespace is its salt within the caller's tenant (`hicache_server.tenancy.Scope`).
 
     Submitted.groups[i][j]   prompt i's j-th choice
     Submitted.choices()      (i, request) for every choice, prompt-major: the order of the
@@ -22,6 +23,7 @@ from hicache_server.http.offload import off_loop
 from hicache_server.http.prompts import Prompts, item_message
 from hicache_server.http.streaming import start_streams
 from hicache_server.request import InvalidRequest, Request
+from hicache_server.tenancy import Scope
 from hicache_server.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -73,24 +75,28 @@ class Submitted(NamedTuple):
 async def submit(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
                  extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
                  priorities: Sequence[int | None] | None = None,
-                 session_id: str | None = None, names: FieldNames = SGLANG_NAMES
-                 ) -> Submitted:
+                 session_id: str | None = None, names: FieldNames = SGLANG_NAMES, *,
+                 scope: Scope) -> Submitted:
     """Every request of `prompts` (`params`, `extra_keys`, `logprobs`, `priorities`: one
     per prompt; `session_id` for all), built off the event loop; InvalidRequest naming the
-    prompt of a batch that is wrong, and the field as the client calls it (`names`)."""
+    prompt of a batch that is wrong, and the field as the client calls it (`names`).
+    `scope` (the caller's, `hicache_server.http.auth.scope_of`) salts each `extra_keys[i]`
+    and the session by the caller's tenant: required, so no route forgets it."""
     return await off_loop(_make_all, engine, prompts, params, extra_keys, logprobs,
-                          priorities, session_id, names)
+                          priorities, session_id, names, scope)
 
 
 def _make_all(engine: Engine, prompts: Prompts, params: Sequence[dict[str, Any]],
               extra_keys: Sequence[str | None], logprobs: Sequence[LogprobOptions],
               priorities: Sequence[int | None] | None, session_id: str | None,
-              names: FieldNames) -> Submitted:
+              names: FieldNames, scope: Scope) -> Submitted:
     groups = []
+    session_id = scope.session_id(session_id)
     for i, prompt in enumerate(prompts.items):
         try:
             groups.append(engine.make_requests(
-                prompt.text, prompt.input_ids, params[i], extra_keys[i],
+                prompt.text, prompt.input_ids, params[i],
+                scope.extra_key(extra_keys[i], names.option("extra_key")),
                 **logprobs[i]._asdict(),
                 priority=None if priorities is None else priorities[i],
                 session_id=session_id, field_names=names))

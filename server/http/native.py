@@ -21,7 +21,9 @@ never abort or mix up each other's requests. `priority` (SGLang's: an integer, d
 list for a batch) keeps the prompt's cache entries longer under the `priority` eviction
 policy. `session_id` (a string; or SGLang's `session_params: {"id": ...}`, its `id` only)
 names the session whose prefixes the cache keeps longer (`--enable-session-radix-cache`;
-POST /close_session ends it). docs/http.md has the table of every field.
+POST /close_session ends it). docs/http.md has the table of every field. On a server with
+tenants (`--api-keys-file`) both `extra_key` and `session_id` are the caller's tenant's own
+(`hicache_server.tenancy`): another tenant's same salt or session id names something else.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from hicache_server.http.auth import scope_of
 from hicache_server.http.body import brief, check_fields, check_type, read_object, session_of
 from hicache_server.http.errors import HttpError
 from hicache_server.http.fields import Only, known_fields, refuse_unsupported
@@ -197,7 +200,7 @@ async def handle_close_session(request: web.Request) -> web.Response:
     if session_id is None:
         raise HttpError(400, "`session_id` is required: the session to close")
     engine = live_engine(request)
-    closed = await off_loop(engine.close_session, session_id)
+    closed = await off_loop(engine.close_session, scope_of(request).session_id(session_id))
     message = (f"session {session_id!r} closed" if closed else
                f"session {session_id!r} is not open (never used, closed or timed out"
                + ("" if engine.config.cache.session_retention else
@@ -210,8 +213,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     generate = parse_generate(await read_object(request))
     engine = live_engine(request)
     submitted = await submit(engine, generate.prompts, generate.sampling_params,
-                       generate.extra_keys, generate.logprobs, generate.priorities,
-                       generate.session_id)
+                             generate.extra_keys, generate.logprobs, generate.priorities,
+                             generate.session_id, scope=scope_of(request))
     streams = await start_all(engine, submitted)
     rids = _choice_ids(generate, submitted)
     one = not generate.prompts.batch and len(streams) == 1

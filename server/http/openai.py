@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hicache_server.http.auth import scope_of
 from hicache_server.http.body import check_type, flag, read_object
 from hicache_server.http.discovery import served_model_name
 from hicache_server.http.errors import HttpError
@@ -111,7 +112,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
                              [completion.cache_salt] * count,
                              [logprob_options(completion)] * count,
                              [completion.priority] * count, completion.session_id,
-                             openai_names(completion.limit_field, "prompt", "logprobs"))
+                             openai_names(completion.limit_field, "prompt", "logprobs"),
+                             scope=scope_of(request))
     streams = await start_all(engine, submitted)
     model = served_model_name(engine)
     if not completion.stream:

@@ -1,4 +1,5 @@
-"""What every handler shares: the engine, the metrics, the server's limits, the closing flag.
+"""What every handler shares: the engine, the metrics, the server's limits, the API keys,
+the closing flag.
 
 Threading: a `ServerState`'s fields are read and written on the event loop only; `closing`
 flips once (`hicache_server.http.app.begin_shutdown`) and never back.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from hicache_server.api_keys import OPEN, ApiKeys
 from hicache_server.engine import Engine, EngineClosed
 from hicache_server.http.metrics import CacheMetrics
 
@@ -35,6 +37,7 @@ class ServerState:
     max_body_bytes: int
     started: int  # Unix time the app was built (OpenAI's `created` of the model)
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    api_keys: ApiKeys = OPEN  # the inference routes' keys (`hicache_server.http.auth`)
     closing: bool = False
 
 
