@@ -4,7 +4,9 @@ Every method runs on the scheduler thread between steps (`Engine._call`), and on
 request runs or waits: a busy engine refuses at once (StorageChangeRefused) rather than
 holding the caller until traffic stops, as SGLang does. The attachment owns the running
 config from then on: each change replaces `config` (never mutates it), and the engine reads
-it back; other threads read whichever whole Config they find.
+it back; other threads read whichever whole Config they find. What an attach may open is
+bounded by the start-up configuration (`attach_targets`: LMDB under `storage.attach_roots`,
+Redis at the start-up endpoint only), checked before anything is opened or created.
 """
 
 from __future__ import annotations
@@ -20,15 +22,10 @@ from hicache.config_storage import STORAGE_BACKENDS, TIERED_BACKEND, TIERED_PART
 from hicache.door import CacheDoor
 from hicache.model_kv import ModelKV
 from hicache_server.args import extra_overrides, parse_extra
+from hicache_server.attach_targets import AttachTargets, StorageChangeRefused, redact_urls
 from hicache_server.config import Config, apply_overrides, config_to_dict
-from hicache_server.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
-
-
-class StorageChangeRefused(InvalidRequest):
-    """An L3 attach or detach that was refused (HTTP 400, as SGLang answers); the message
-    says why. Nothing changed: the engine serves as before."""
 
 
 def _plural(n: int, noun: str) -> str:
@@ -47,6 +44,26 @@ def _extra_object(extra: object) -> dict[str, Any]:
     return extra
 
 
+def _sections(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`extra_overrides`' answer by part name: {"storage.lmdb": {...}} -> {"lmdb": {...}}."""
+    return {key.removeprefix("storage."): value for key, value in overrides.items()
+            if isinstance(value, dict)}
+
+
+def _open_failure(error: OSError | ValueError, config: Config) -> str:
+    """Why a store did not open, as a client may read it: the OS's reason alone when there
+    is one (not the path it resolved), else the message with the LMDB path as configured
+    (never `~`-expanded) and no password in any URL."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error)
+    lmdb = config.storage.lmdb
+    expanded = str(lmdb.resolved_path)
+    if expanded != lmdb.path:
+        text = text.replace(expanded, lmdb.path)
+    return redact_urls(text)
+
+
 class StorageAttachment:
     """Attach, detach and describe L3 over one cache (scheduler thread only). `pending`
     tells the requests running and waiting (a change needs none)."""
@@ -58,26 +75,29 @@ class StorageAttachment:
         self.model = model
         self.pending = pending
         # The storage section the engine was started with: every attach merges over it,
-        # every detach returns to it (backend "none").
+        # every detach returns to it (backend "none"); it also bounds what an attach may
+        # open (`AttachTargets`).
         self._launch_storage = config.storage
+        self._targets = AttachTargets(config.storage)
 
     def attach(self, backend: str, extra_config: dict | str | None,
                     prefetch_policy: str | None, write_policy: str | None) -> dict:
-        config = self._config_with(backend, extra_config, prefetch_policy, write_policy)
         if "host" not in self.cache.admin.tiers():
             raise StorageChangeRefused("L3 needs the host tier (L2), which this server was "
                                        "started without: restart it with "
                                        "--enable-hierarchical-cache")
+        config = self._config_with(backend, extra_config, prefetch_policy, write_policy)
         self._require_idle("attach")
         if "storage" in self.cache.admin.tiers():
             return self._reattach(config, prefetch_policy is not None)
         try:
             self.cache.admin.attach_storage(config, self.model)
         except (OSError, ValueError) as e:
-            logger.error("attaching L3 (%s) failed; serving without L3: %s", backend, e)
-            raise StorageChangeRefused(f"could not open L3 ({backend}: "
-                                       f"{json.dumps(self._section(config))}): {e}; the "
-                                       "server goes on without L3") from None
+            logger.error("attaching L3 (%s) failed; serving without L3: %s", backend,
+                         redact_urls(str(e)))
+            raise StorageChangeRefused(f"could not open L3 ({backend}): "
+                                       f"{_open_failure(e, config)}; the server goes on "
+                                       "without L3") from None
         self.config = config
         logger.info("L3 (%s) attached at runtime", backend)
         return {"success": True, "message": f"L3 ({backend}) attached",
@@ -134,10 +154,12 @@ class StorageAttachment:
             overrides["storage.prefetch_policy"] = prefetch_policy
         base = dataclasses.replace(self.config, storage=self._launch())
         try:
-            overrides.update(extra_overrides(backend, _extra_object(extra_config)))
-            return apply_overrides(base, overrides)
-        except ConfigError as e:
-            raise StorageChangeRefused(str(e)) from None
+            sent = extra_overrides(backend, _extra_object(extra_config))
+            config = apply_overrides(base, {**overrides, **sent})
+        except ConfigError as e:  # it may quote a URL the request sent, password and all
+            raise StorageChangeRefused(redact_urls(str(e))) from None
+        self._targets.check(backend, _sections(sent), config.storage)
+        return config
 
     def _launch(self) -> StorageConfig:
         """The launch storage section."""

@@ -25,6 +25,7 @@ from hicache_server.storage_attach import StorageChangeRefused
 
 ROUTE = "/hicache/storage-backend"
 KEY = "attach-admin-key"
+QS_PASSWORD = "qs-secret-4711"  # the start-up Redis URL's ?password=, never to be shown
 PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
 OTHER = [(11 * i + 3) % 250 for i in range(8 * PAGE)]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -37,13 +38,27 @@ NONE_ATTACHED = {"hicache_storage_backend": None, "hicache_storage_backend_extra
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+def redis_port() -> int:
+    """The port of the module engine's start-up `storage.redis.url`: the one Redis endpoint
+    an attach may reach. Nobody listens there unless a test starts a server on it."""
+    from redis_fixtures import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, redis_port: int) -> Iterator[Engine]:
     """L1 + L2 on the CPU, no L3 at start; prefetches waited for (as `tiered_engine`) and
-    hits fetched whole (overlap off: the tests count the tokens L3 serves)."""
+    hits fetched whole (overlap off: the tests count the tokens L3 serves). LMDB attaches
+    may open stores under the session's temporary folder (every `tmp_path`); the start-up
+    Redis URL carries a password in its query string, as redis-py reads it."""
     with Engine(load_config(None, {
             "cache.max_total_tokens": 2048, "cache.hierarchical": True,
             "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 32,
-            "storage.overlap": False, "model.device": "cpu"})) as e:
+            "storage.overlap": False, "model.device": "cpu",
+            "storage.attach_roots": [str(tmp_path_factory.getbasetemp())],
+            "storage.redis.url": f"redis://127.0.0.1:{redis_port}/0?password={QS_PASSWORD}"})
+            ) as e:
         yield e
 
 
@@ -220,16 +235,14 @@ async def test_bad_attach_is_400_naming_the_key(client: TestClient, body: dict[s
 
 
 async def test_a_store_that_cannot_open_leaves_the_server_without_l3(
-        client: TestClient, tmp_path: Path) -> None:
+        client: TestClient, tmp_path: Path, redis_port: int) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     message = await error_of(await client.put(ROUTE, json=lmdb_body(blocker / "l3")))
     assert "could not open L3 (lmdb" in message and "without L3" in message
-    with socket.socket() as s:  # a port nobody listens on: Redis is down
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    down = {"hicache_storage_backend": "redis", "hicache_storage_backend_extra_config_json":
-            {"url": f"redis://:hunter2@127.0.0.1:{port}/0"}}
+    down = {"hicache_storage_backend": "redis",  # nobody listens there: Redis is down
+            "hicache_storage_backend_extra_config_json":
+            {"url": f"redis://:hunter2@127.0.0.1:{redis_port}/0"}}
     message = await error_of(await client.put(ROUTE, json=down))
     assert "did not answer" in message and "hunter2" not in message
     assert await backend(client) == NONE_ATTACHED
@@ -297,10 +310,10 @@ async def test_admin_access(engine: Engine, tmp_path: Path, method: str) -> None
 # ---------------------------------------------------------------------------------- Redis
 
 
-async def test_attach_redis(client: TestClient, tmp_path: Path) -> None:
+async def test_attach_redis(client: TestClient, tmp_path: Path, redis_port: int) -> None:
     from redis_fixtures import RedisServer
 
-    with RedisServer.start(tmp_path / "redis", password="hunter2") as server:
+    with RedisServer.start(tmp_path / "redis", redis_port, password="hunter2") as server:
         url = f"redis://:hunter2@127.0.0.1:{server.port}/0"
         body = await attach(client, {
             "hicache_storage_backend": "redis",
@@ -320,7 +333,8 @@ def test_a_store_that_fails_to_close_is_detached_all_the_same(tmp_path: Path,
     """Closing L3 at its detach raises: the detach still succeeds (logged), the server goes
     on without L3 and can attach one again."""
     with Engine(load_config(None, {"cache.max_total_tokens": 2048, "cache.hierarchical": True,
-                                   "model.device": "cpu"})) as e:
+                                   "model.device": "cpu",
+                                   "storage.attach_roots": [str(tmp_path)]})) as e:
         e.attach_storage("lmdb", {"path": str(tmp_path / "a")})
 
         def broken_close() -> None:
