@@ -50,6 +50,15 @@ _FLAGS: list[tuple[str, str, dict[str, Any], str]] = [
     ("--schedule-policy", "server.schedule_policy", {"choices": SCHEDULE_POLICIES},
      ("order of the waiting requests: lpm (longest cached prefix first), fcfs, random, "
       "dfs-weight (requests sharing a prefix back to back)")),
+    ("--max-queued-requests", "server.max_queued_requests", {"type": int},
+     ("requests handed in and not yet admitted past which a new one is answered 429 "
+      "with Retry-After (default 1024)")),
+    ("--stream-write-timeout", "server.stream_write_timeout_s", {"type": float},
+     ("seconds a stream's write may wait for its reader before the reader is dropped and "
+      "its request aborted (default 30)")),
+    ("--max-prompt-logprobs", "server.max_prompt_logprobs", {"type": int},
+     ("prompt-logprob entries a request may ask for: prompt positions x (top entries + 1) "
+      "x n (default 262144)")),
     ("--disable-radix-cache", "cache.enable_radix_cache", {"action": "store_const",
                                                            "const": False},
      "recompute every prompt (no prefix reuse)"),

@@ -34,6 +34,21 @@ DEVICES = ("auto", "cuda", "cpu")
 # --schedule-policy names: lpm (longest cached prefix first) is its default with a cache.
 SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight")
 MAX_PORT = 65535
+# Requests handed in and not yet admitted (SGLang's --max-queued-requests, unbounded there):
+# 16 full batches of the scheduler's 64 running requests. Past it a request is a 429: a
+# queue that long already waits minutes, and each waiting request holds its prompt (up to
+# the 8 MiB body limit) and an L3 prefetch.
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+# How long one write of a stream may wait for its reader (seconds) before the reader is
+# dropped and its request aborted: the body timeout's 30 s (a client that takes no byte for
+# as long as a whole body may take to arrive is gone; nginx's send_timeout, the same rule,
+# is 60 s).
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
+# Prompt-logprob entries one request may ask for: prompt positions x (top entries + 1) x n.
+# 2^18 = a 128 Ki-token prompt with its top-1 (lm-eval's loglikelihood asks `echo` with
+# `logprobs: 1`); ~50 MB of answer at ~200 bytes an entry (top-20 with text measured
+# 4.3 KB a position in issue 55).
+DEFAULT_MAX_PROMPT_LOGPROBS = 1 << 18
 # server keys read from the environment when not configured
 KEY_ENVIRONMENT = {"admin_api_key": "HICACHE_ADMIN_API_KEY", "api_key": "HICACHE_API_KEY"}
 
@@ -69,6 +84,12 @@ class ServerConfig(Section):
     # --served-model-name). None: derived from model.path (hicache_server.http.discovery).
     served_model_name: str | None = None
     schedule_policy: str = "lpm"  # the order waiting requests are admitted in
+    # Past this many requests handed in and not yet admitted, a new one is a 429
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    # A stream whose reader takes nothing for this long is dropped, its request aborted
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S
+    # Prompt positions x (top entries + 1) x n a request may ask logprobs of (else a 400)
+    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
 
     def _validate(self) -> None:
         self._non_empty("host")
@@ -79,6 +100,9 @@ class ServerConfig(Section):
         self._non_empty("api_keys_file")
         self._non_empty("served_model_name")
         self._choice("schedule_policy", SCHEDULE_POLICIES)
+        self._at_least("max_queued_requests", 1)
+        self._at_least("stream_write_timeout_s", 0, strict=True)
+        self._at_least("max_prompt_logprobs", 1)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     "model": {"path": "embedded:tiny-llama", "dtype": "auto", "device": "auto"},
     "server": {"host": "127.0.0.1", "port": 30000, "admin_api_key": None, "api_key": None,
                "api_keys_file": None,
-               "served_model_name": None, "schedule_policy": "lpm"},
+               "served_model_name": None, "schedule_policy": "lpm",
+               "max_queued_requests": 1024, "stream_write_timeout_s": 30.0,
+               "max_prompt_logprobs": 262144},
     "cache": {"enable_radix_cache": True, "hierarchical": False, "page_size": 16,
               "max_total_tokens": None, "kv_cache_memory_bytes": None,
               "eviction_policy": "lru",
@@ -278,6 +280,26 @@ def test_server_flag_over_yaml(tmp_path: Path, key: str, flag: str, default: str
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize(("flag", "key", "value"), [
+    ("--max-queued-requests", "max_queued_requests", 8),
+    ("--stream-write-timeout", "stream_write_timeout_s", 2.5),
+    ("--max-prompt-logprobs", "max_prompt_logprobs", 4096),
+])
+def test_bound_flags_over_yaml(tmp_path: Path, flag: str, key: str, value: float) -> None:
+    """The bounds' flags (SGLang's --max-queued-requests, ours beside it) set their server
+    key over the YAML; a value the key refuses exits with 2, as a bad flag does."""
+    from hicache_server.args import parse_config
+
+    yaml = write(tmp_path, f"server:\n  {key}: {value * 2}\n")
+    assert getattr(parse_config(["--config", str(yaml)])[0].server, key) == value * 2
+    cfg, _ = parse_config(["--config", str(yaml), flag, str(value)])
+    assert getattr(cfg.server, key) == value
+    for refused in ("0", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config([flag, refused])
+        assert exit_info.value.code == 2
+
+
 def test_config_to_dict_redacts_secrets_on_request() -> None:
     cfg = load_config(overrides={"server.admin_api_key": "s3cret",
                                  "storage.redis.url": "redis://user:pw@db:6379/1"})
@@ -385,6 +407,9 @@ def test_null_where_allowed() -> None:
     ("server.host", " ", "must be a non-empty string, got ' '", "0.0.0.0"),
     ("server.admin_api_key", "", "must be a non-empty string, got ''", "k"),
     ("server.served_model_name", " ", "must be a non-empty string, got ' '", "my-model"),
+    ("server.max_queued_requests", 0, "must be >= 1, got 0", 1),
+    ("server.stream_write_timeout_s", 0, "must be > 0, got 0.0", 0.01),
+    ("server.max_prompt_logprobs", 0, "must be >= 1, got 0", 1),
     ("storage.lmdb.path", "", "must be a non-empty string, got ''", "l3"),
     ("storage.redis.url", "", "must be a non-empty string, got ''", "unix:///tmp/redis.sock"),
     ("storage.redis.url", "127.0.0.1:6379",
