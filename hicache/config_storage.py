@@ -5,14 +5,25 @@ what the cache reads of a whole configuration."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from hicache.config import BYTES_PER_GB, REDACTED, CacheConfig, EventsConfig, HostConfig, Section
+from hicache.config import (
+    BYTES_PER_GB,
+    REDACTED,
+    CacheConfig,
+    ConfigError,
+    EventsConfig,
+    HostConfig,
+    Section,
+)
 from hicache.policies import PREFETCH_POLICIES
+
+logger = logging.getLogger(__name__)
 
 TIERED_BACKEND = "lmdb+redis"  # a local LMDB in front of a shared Redis
 TIERED_PARTS = ("lmdb", "redis")  # the sections it reads: the local part, the shared part
@@ -25,6 +36,12 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 # A URL query parameter whose name holds one of these carries a secret (redact_url)
 SECRET_PARAMETER_WORDS = ("password", "passwd", "secret", "token", "key")
 TOKENS_PER_KI = 1024  # prefetch_timeout_per_ki_token is seconds per 1024 tokens
+SECRET_ENV = "HICACHE_STORAGE_SECRET"  # the fleet secret, where storage.secret_file is unset
+# The fleet secret's least length: 256 bits, the keys derived from it (AES-256); what
+# `openssl rand -hex 32` prints is 64 bytes.
+MIN_SECRET_BYTES = 32
+# Permission bits that let others than the owner read a secret file (warned about, as ssh does)
+OTHERS_CAN_READ = 0o077
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,9 @@ class StorageConfig(Section):
         self._at_least("prefetch_threshold", 0)
         self._at_least("fetch_workers", 1)
         self._non_empty("secret_file")
+        if self.encrypt and self.secret_file is None and not os.environ.get(SECRET_ENV):
+            self._fail("encrypt", f"true needs the fleet secret: set storage.secret_file or "
+                       f"{SECRET_ENV}")
         for root in self.attach_roots:
             if not os.path.isabs(os.path.expanduser(root)):
                 self._fail("attach_roots", f"each root must be an absolute path, got {root!r}")
@@ -145,6 +165,37 @@ class StorageConfig(Section):
         """Seconds the `timeout` policy waits for an L3 prefetch of `num_tokens` tokens."""
         per_token = self.prefetch_timeout_per_ki_token / TOKENS_PER_KI
         return min(self.prefetch_timeout_max, self.prefetch_timeout_base + per_token * num_tokens)
+
+
+def storage_secret(storage: StorageConfig) -> bytes | None:
+    """The fleet secret's bytes: `storage.secret_file`'s content (trailing whitespace
+    stripped, so `openssl rand -hex 32 > FILE` works), else HICACHE_STORAGE_SECRET; None when
+    neither is set. ConfigError for a file that cannot be read or a secret shorter than
+    MIN_SECRET_BYTES; no message, log line or repr ever holds the secret itself."""
+    if storage.secret_file is None:
+        value = os.environ.get(SECRET_ENV)
+        if not value:
+            return None
+        return _long_enough(SECRET_ENV, "it", value.strip().encode())
+    path = Path(storage.secret_file).expanduser()
+    try:
+        secret = path.read_bytes().rstrip()
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ConfigError("storage.secret_file", f"cannot read {str(path)!r}: "
+                          f"{e.strerror}") from None
+    if mode & OTHERS_CAN_READ:
+        logger.warning("storage.secret_file %s may be read by other users (mode %o); "
+                       "chmod 600 it", path, mode & 0o777)
+    return _long_enough("storage.secret_file", repr(str(path)), secret)
+
+
+def _long_enough(key: str, where: str, secret: bytes) -> bytes:
+    """`secret`, or ConfigError naming `key` and `where` it came from (never the secret)."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(key, f"{where} holds {len(secret)} bytes; the fleet secret needs "
+                          f"at least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
+    return secret
 
 
 class TierSections(Protocol):

@@ -49,6 +49,7 @@ from hicache.integrations import sglang_pages as pages
 from hicache.integrations.sglang_settings import (
     CONFIG_FLAG,
     StoreSettings,
+    namespace_bytes,
     namespace_root,
     page_namespace,
     store_key,
@@ -93,10 +94,11 @@ class HiCacheStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         if self.settings.interface_v1:
             pages.check_in_place(mem_pool_host)
-        codec = pages.page_codec(mem_pool_host)
         namespace = page_namespace(self.storage_config, pages.pool_format(mem_pool_host),
                                    self.settings.namespace)
-        self._root = namespace_root(namespace)
+        fleet = self.settings.fleet
+        codec = pages.page_codec(mem_pool_host, namespace_bytes(namespace), fleet)
+        self._root = namespace_root(namespace, fleet)
         self.page_size = mem_pool_host.page_size
         if self.store is not None:
             self.store.close()
@@ -131,8 +133,9 @@ class HiCacheStore(HiCacheStorage):
         store, pool = self._store(), self.mem_pool_host
         starts = self._page_indices(keys, host_indices)
         begin = time.perf_counter()
-        served = store.get_values(self._keys(keys), lambda i, value: store.codec.copy_into(
-            value, pages.page_runs(pool, starts[i])))
+        ids = self._keys(keys)
+        served = store.get_values(ids, lambda i, value: store.codec.copy_into(
+            ids[i], value, pages.page_runs(pool, starts[i])))
         self._record("prefetch", sum(served), begin)
         return served
 
@@ -156,8 +159,9 @@ class HiCacheStore(HiCacheStorage):
         targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page()
                                        for _ in keys]
         begin = time.perf_counter()
-        served = store.get_values(self._keys(keys), lambda i, value: store.codec.copy_into(
-            value, pages.tensor_bytes(targets[i])))
+        ids = self._keys(keys)
+        served = store.get_values(ids, lambda i, value: store.codec.copy_into(
+            ids[i], value, pages.tensor_bytes(targets[i])))
         self._record("prefetch", sum(served), begin)
         return [target if ok else None for target, ok in zip(targets, served)]
 

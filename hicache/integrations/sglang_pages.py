@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage.page_seal import FleetKeys
 
 
 def flat_page_bytes(pool: Any) -> int:
@@ -57,11 +58,13 @@ def pool_format(pool: Any) -> dict[str, Any]:
     }
 
 
-def page_codec(pool: Any) -> PageCodec:
-    """The codec of `pool`'s pages: its geometry in the header, its flat page's length."""
+def page_codec(pool: Any, namespace: bytes = b"", fleet: FleetKeys | None = None) -> PageCodec:
+    """The codec of `pool`'s pages in `namespace`: its geometry in the header, its flat
+    page's length, sealed with `fleet`'s keys where given (`page_seal`)."""
     geometry = PageGeometry(pool.layer_num, getattr(pool, "head_num", 1), _head_dim(pool),
                             pool.page_size, pool.dtype)
-    return PageCodec(geometry, payload_bytes=flat_page_bytes(pool))
+    return PageCodec(geometry, payload_bytes=flat_page_bytes(pool), namespace=namespace,
+                     keys=fleet)
 
 
 def _head_dim(pool: Any) -> int:

@@ -9,12 +9,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from hicache.config import ConfigError
-from hicache.config_storage import TIERED_BACKEND, TIERED_PARTS
+from hicache.config_storage import TIERED_BACKEND, TIERED_PARTS, StorageConfig, storage_secret
 from hicache.storage.backends import LMDB_KEYS
 from hicache.storage.backends.base import check_section_keys
 from hicache.storage.backends.redis_store import REDIS_KEYS
+from hicache.storage.page_seal import FleetKeys
 
 STORES = ("lmdb", "redis", TIERED_BACKEND)
+# The fleet secret's keys in an engine's extra config (`storage.secret_file`, `storage.encrypt`
+# of a hicache server): without `secret_file`, HICACHE_STORAGE_SECRET from the environment.
+SECRET_KEYS = ("secret_file", "encrypt")
 # What each store reads: its parts' sections (the tiered one reads both).
 PARTS = {"lmdb": ("lmdb",), "redis": ("redis",), TIERED_BACKEND: TIERED_PARTS}
 SECTION_KEYS = {"lmdb": LMDB_KEYS, "redis": REDIS_KEYS}
@@ -34,6 +38,19 @@ def store_sections(where: str, extra: Mapping[str, Any], store: str,
                           f"given, but the store {store!r} reads only "
                           f"{', '.join(sections) or 'none'}")
     return sections
+
+
+def fleet_keys(where: str, extra: Mapping[str, Any]) -> FleetKeys | None:
+    """The fleet secret's keys from `extra`'s `secret_file` (else the environment), with its
+    `encrypt`; None without a secret. ConfigError naming `where` and the key for a value of
+    the wrong type, `encrypt` without a secret, or a secret that cannot be used."""
+    try:
+        storage = StorageConfig(secret_file=extra.get("secret_file"),
+                                encrypt=extra.get("encrypt", False))
+        secret = storage_secret(storage)
+    except ConfigError as e:
+        raise ConfigError(f"{where} {e.key.removeprefix('storage.')}", e.problem) from None
+    return None if secret is None else FleetKeys(secret, storage.encrypt)
 
 
 def backend_config(store: str, sections: Sections) -> Mapping[str, Any]:

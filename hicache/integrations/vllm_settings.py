@@ -11,6 +11,9 @@ The extra config holds hicache's tier keys::
     write_buffer_gb   host memory for pages waiting for the L3 writer (GB, made at start);
                       a block it has no room for is kept in L2 only (counted)
     namespace         a salt: servers with different salts never share pages
+    secret_file       the fleet secret's file (else HICACHE_STORAGE_SECRET): keyed page
+                      keys and a MAC on every page (docs/architecture.md, "Stored page format")
+    encrypt           true: pages AES-GCM encrypted (needs the fleet secret)
 
 A page is one vLLM block of every layer, keyed by hicache's page hash (`PageHasher`: xxh3 over
 the block's token ids, chained from the first block) from a root that names everything that
@@ -34,14 +37,22 @@ import xxhash
 
 from hicache.config import ConfigError
 from hicache.config_storage import TIERED_PARTS
-from hicache.integrations.store_sections import STORES, backend_config, store_sections
+from hicache.integrations.store_sections import (
+    SECRET_KEYS,
+    STORES,
+    backend_config,
+    fleet_keys,
+    store_sections,
+)
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.base import ValueStore, check_section_keys
 from hicache.storage.hashing import PageHasher
 from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage.page_seal import FleetKeys
 
 CONFIG_KEY = "kv_connector_extra_config"
-KEYS = ("host_size_gb", "storage_backend", "write_buffer_gb", "namespace", *TIERED_PARTS)
+KEYS = ("host_size_gb", "storage_backend", "write_buffer_gb", "namespace", *TIERED_PARTS,
+        *SECRET_KEYS)
 NO_STORAGE = "none"
 BACKENDS = (*STORES, NO_STORAGE)
 # Apart from a hicache server's own L3 (and SGLang's), so the two never share a clear. The
@@ -65,6 +76,7 @@ class ConnectorSettings:
     sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     write_buffer_gb: float = DEFAULT_WRITE_BUFFER_GB
     namespace: str = ""
+    fleet: FleetKeys | None = None  # the fleet secret's keys (secret_file, encrypt)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -89,7 +101,8 @@ class ConnectorSettings:
         if host == 0 and backend == NO_STORAGE:
             raise ConfigError(f"{CONFIG_KEY}", "host_size_gb 0 and storage_backend none "
                               "leave hicache nothing to keep")
-        return cls(float(host), backend, sections, float(ring), namespace)
+        return cls(float(host), backend, sections, float(ring), namespace,
+                   fleet_keys(CONFIG_KEY, extra))
 
     @property
     def has_storage(self) -> bool:
@@ -192,12 +205,15 @@ class ConnectorSpace:
         self.settings = settings
         self.geometry = geometry
         self.block_size = geometry.block_size
+        fleet = settings.fleet
         self.hasher = PageHasher(geometry.block_size, fingerprint, geometry.dtype,
-                                 geometry.num_layers, geometry.kv_heads, geometry.head_dim)
+                                 geometry.num_layers, geometry.kv_heads, geometry.head_dim,
+                                 root_key=None if fleet is None else fleet.root_key)
         dtype = getattr(torch, geometry.dtype)
         self.codec = PageCodec(PageGeometry(geometry.num_layers, geometry.kv_heads,
                                             geometry.head_dim, geometry.block_size, dtype),
-                               payload_bytes=geometry.page_bytes)
+                               payload_bytes=geometry.page_bytes,
+                               namespace=self.hasher.namespace, keys=fleet)
         self.slots = settings.host_slots(geometry.page_bytes)
         self.store: ValueStore | None = None
 
@@ -209,9 +225,12 @@ class ConnectorSpace:
         work lands on a request; where both sides share a process, the first to open wins
         (the worker, which registers vLLM's caches before the scheduler exists)."""
         if self.store is None and self.settings.has_storage:
+            # and the root (of the namespace, the secret and the protection): a store seals
+            # pages as its codec does
             self._store_key = json.dumps([self.settings.backend,
                                           self.settings.backend_config(prefault=False),
-                                          self.geometry._asdict()], sort_keys=True, default=str)
+                                          self.geometry._asdict(), self.hasher.root().hex()],
+                                         sort_keys=True, default=str)
             with _OPEN_LOCK:
                 entry = _OPEN_STORES.get(self._store_key)
                 if entry is None:

@@ -43,7 +43,6 @@ from hicache.integrations.vllm_layers import (
 )
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
-from hicache.storage.page_format import PageCodec
 from hicache.threads import background_priority
 
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
@@ -236,13 +235,14 @@ class ConnectorWorker:
                 self._read.append(read)
 
     def _read_l3(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> list[bool]:
-        """L3's pages (at most `chunk`'s) into `chunk`, each checked (header and checksum)
-        as it is copied: which arrived whole."""
+        """L3's pages (at most `chunk`'s) into `chunk`, each checked (header and tag, under
+        its key) as it is copied: which arrived whole."""
         store = self.c.store
         if store is None:
             return [False] * len(loads)
-        return store.get_values([store_key(x.page_hash, self.tp_rank) for x in loads],
-                                lambda i, value: _take(self.c.codec, value, chunk[i]))
+        keys = [store_key(x.page_hash, self.tp_rank) for x in loads]
+        return store.get_values(keys, lambda i, value: self.c.codec.copy_into(
+            keys[i], value, _bytes(chunk[i])))
 
     def _place(self, r: _Read) -> None:
         """Pages the loader read into their blocks, on vLLM's thread; those that did not
@@ -366,15 +366,6 @@ class ConnectorWorker:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
-
-
-def _take(codec: PageCodec, value: memoryview | bytes, page: torch.Tensor) -> bool:
-    """Copy a stored value's payload into `page` if its header and checksum pass."""
-    payload = codec.check(value)
-    if payload is None:
-        return False
-    _bytes(page)[:] = payload
-    return True
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -2,8 +2,13 @@
 
 The chain (docs/architecture.md, "Page hash")::
 
-    h_0 = xxh3_128(b"hicache/v1" + namespace)
+    h_0 = xxh3_128(b"hicache/v1" + namespace)                     no fleet secret
+    h_0 = BLAKE2b-128(b"hicache/v1" + namespace, key = root key)  with one (`FleetKeys`)
     h_i = xxh3_128(h_{i-1} + tokens of page i as little-endian uint32)
+
+With the fleet secret's root key no one without it can compute a key, nor test by looking
+one up whether a guessed prompt was ever stored; the rest of the chain stays xxh3 for speed
+(its input begins with a 16-byte value they cannot know).
 
 `namespace` is the canonical JSON of everything that makes two KV pages of the same tokens
 differ: the model's identity (a fingerprint string its caller computes from the weights, the
@@ -16,7 +21,10 @@ of the same model agree on every key; two different models (or geometries) never
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +36,11 @@ HASH_DOMAIN = b"hicache/v1"  # bump with any change to the chain or the namespac
 DIGEST_BYTES = 16  # xxh3_128 digest: one page key
 MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as uint32
 _TOKEN_DTYPE = np.dtype("<u4")
+# Roots kept per hasher, least recently used dropped first: one per live salt (tenant, LoRA,
+# cache_salt); a miss costs one hash of the namespace (~1 us), so the bound is about memory
+# under a stream of unique salts, not speed. ~100 bytes each.
+MAX_CACHED_ROOTS = 4096
+SALT_DIGEST_BYTES = 32  # the root cache's key: a BLAKE2b of the salt, whatever its length
 
 
 def canonical_json(value: Any) -> bytes:
@@ -78,8 +91,11 @@ def _tokens_as_uint32(tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
 class PageHasher:
     """Hashes token sequences into page keys for one model, geometry and TP rank.
 
-    Threading: immutable after construction except the cache of roots per `extra_key`; any
-    thread may call it (a racing cache fill computes the same value twice, harmlessly).
+    `root_key`: the fleet secret's key for the chain's root (`page_seal.FleetKeys.root_key`);
+    None, the unkeyed root anyone can compute.
+
+    Threading: immutable after construction except the cache of roots per `extra_key` (an
+    LRU of MAX_CACHED_ROOTS under one lock); any thread may call it.
     """
 
     def __init__(
@@ -92,6 +108,7 @@ class PageHasher:
         head_dim: int,
         tp_rank: int = 0,
         tp_size: int = 1,
+        root_key: bytes | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -103,17 +120,42 @@ class PageHasher:
             "num_layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim,
             "tp_rank": tp_rank, "tp_size": tp_size,
         }
-        self._roots: dict[str | None, bytes] = {}
+        self._root_key = root_key
+        # salt digest (None: no salt) -> root; a long salt costs what a short one does
+        self._roots: OrderedDict[bytes | None, bytes] = OrderedDict()
+        self._roots_lock = threading.Lock()
+
+    @property
+    def namespace(self) -> bytes:
+        """The namespace of this model and geometry without a salt: what a stored page's
+        seal binds (`page_format.PageCodec`)."""
+        return namespace(**self._fields)
 
     def root(self, extra_key: str | None = None) -> bytes:
         """`h_0` of the namespace with `extra_key`: the hash before the first page."""
-        found = self._roots.get(extra_key)
-        if found is None:
-            found = xxhash.xxh3_128_digest(
-                HASH_DOMAIN + namespace(**self._fields, extra_key=extra_key)
-            )
-            self._roots[extra_key] = found
+        slot = None if extra_key is None else hashlib.blake2b(
+            extra_key.encode("utf-8", "surrogatepass"), digest_size=SALT_DIGEST_BYTES).digest()
+        with self._roots_lock:
+            found = self._roots.get(slot)
+            if found is not None:
+                self._roots.move_to_end(slot)
+                return found
+        found = self._hash_root(HASH_DOMAIN + namespace(**self._fields, extra_key=extra_key))
+        with self._roots_lock:
+            self._roots[slot] = found
+            if len(self._roots) > MAX_CACHED_ROOTS:
+                self._roots.popitem(last=False)
         return found
+
+    def _hash_root(self, data: bytes) -> bytes:
+        if self._root_key is None:
+            return xxhash.xxh3_128_digest(data)
+        return hashlib.blake2b(data, key=self._root_key, digest_size=DIGEST_BYTES).digest()
+
+    def cached_roots(self) -> int:
+        """How many roots the cache holds now (at most MAX_CACHED_ROOTS)."""
+        with self._roots_lock:
+            return len(self._roots)
 
     def hash_pages(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from hicache.config_storage import TierSections
+from hicache.config_storage import TierSections, storage_secret
 from hicache.memory.host import HostKVPool
 from hicache.model_kv import ModelKV
 from hicache.storage.backends import create_backend
@@ -22,20 +22,34 @@ from hicache.storage.backends.throttled import ThrottledBackend
 from hicache.storage.hashing import PageHasher
 from hicache.storage.io import StorageController
 from hicache.storage.page_format import PageCodec, PageGeometry
+from hicache.storage.page_seal import FleetKeys, Protection
 from hicache.storage.tier import StorageTier
 from hicache.tree.hiradix import HiRadixCache
 
 logger = logging.getLogger(__name__)
 
+# What the start-up log says of each protection (never a key or the secret).
+PROTECTION_NAMES = {Protection.CHECKSUM: "checksum (no fleet secret)",
+                    Protection.MAC: "MAC (fleet secret)",
+                    Protection.ENCRYPTED: "AES-GCM encrypted (fleet secret)"}
 MB = 10**6  # storage.throttle.bandwidth_mb_s is in decimal megabytes
 MS_PER_S = 1000.0
 
 
+def fleet_keys(config: TierSections) -> FleetKeys | None:
+    """The keys of the fleet secret (`storage.secret_file` or HICACHE_STORAGE_SECRET), or
+    None without one; ConfigError for one that cannot be read or is too short."""
+    secret = storage_secret(config.storage)
+    return None if secret is None else FleetKeys(secret, config.storage.encrypt)
+
+
 def page_hasher(config: TierSections, model: ModelKV) -> PageHasher:
-    """The L3 page keys of this model and geometry (the KV events' block hashes too)."""
+    """The L3 page keys of this model and geometry (the KV events' block hashes too),
+    rooted in the fleet secret where there is one."""
     dtype_name = str(model.dtype).removeprefix("torch.")
+    keys = fleet_keys(config)
     return PageHasher(config.cache.page_size, model.fingerprint, dtype_name,
-                      *model.geometry)
+                      *model.geometry, root_key=None if keys is None else keys.root_key)
 
 
 def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, host: HostKVPool,
@@ -45,12 +59,14 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
     is closed and StorageUnavailable raised; at start a Redis that is down is served
     around instead (misses behind a back-off until it returns)."""
     s, ps = config.storage, config.cache.page_size
-    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype))
+    events = tree.events  # one hasher for both: the same keys, each node's hashed once
+    hasher = events.hasher if events is not None else page_hasher(config, model)
+    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype),
+                      namespace=hasher.namespace, keys=fleet_keys(config))
+    logger.info("L3 pages: format v3, %s", PROTECTION_NAMES[codec.protection])
     backend = create_backend(s.backend, s.backend_config, codec)
     if must_answer:
         check_answers(s.backend, backend)
-    events = tree.events  # one hasher for both: the same keys, each node's hashed once
-    hasher = events.hasher if events is not None else page_hasher(config, model)
     if s.throttle.enabled:
         bandwidth = s.throttle.bandwidth_mb_s
         backend = ThrottledBackend(backend, None if bandwidth is None else bandwidth * MB,

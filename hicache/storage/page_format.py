@@ -1,31 +1,34 @@
-"""The stored page format: one value per KV page, a fixed header then the payload.
+"""The stored page format: one value per KV page, a fixed header, the payload, its tag.
 
 Value layout (all integers little-endian; offsets in bytes)::
 
     0   magic            4s   b"HKV1"
-    4   format version   u16  2 written (FORMAT_VERSION); 1 and 2 read (READABLE_VERSIONS)
+    4   format version   u16  3 (FORMAT_VERSION), the only one read
     6   num_layers       u32
     10  kv_heads         u32
     14  head_dim         u32
     18  page_size        u32
     22  dtype code       u8   DTYPE_CODES
-    23  (pad)            1    zero
+    23  protection       u8   `page_seal.Protection`: checksum, MAC or encrypted
     24  payload length   u64
-    32  payload checksum u64  PAYLOAD_CHECKSUMS[version]: version 1 xxh64, version 2 xxh3_64
-    40  (reserved)       8    zero, not checked; puts the payload at a multiple of 16
-    48  payload               [num_layers, 2, page_size, kv_heads, head_dim], K then V per layer
+    32  salt             16   random per write with the fleet secret; zero without
+    48  payload               [num_layers, 2, page_size, kv_heads, head_dim], K then V per
+                              layer (AES-GCM ciphertext when encrypted); 16-byte aligned
+    48+len  tag          16   `page_seal`: over the page key, the namespace, bytes 0-47 and
+                              the payload
 
-The versions differ only in the checksum. A value is served only when bytes 0-31 are exactly
-those of a readable version and this codec's geometry and dtype, and the payload matches that
-version's checksum: anything else (another model's page under a colliding key, a torn or
-truncated write, flipped bits, a version this code does not know) is a miss, never data.
+A value is served only under the key it was written under: the tag covers the page key and
+the codec's namespace with the header and payload, so a value moved, swapped or copied to
+another key, a foreign page, a torn or truncated write, flipped bits, another secret or
+protection, are all a miss, never data. Bytes 0-31 must be exactly this codec's; versions 1
+and 2 (a checksum of the payload alone: they cannot prove their key) are misses too, so an
+upgrade to v3 starts with a cold L3 (docs/architecture.md, "Stored page format").
 
 A payload may arrive in parts (`Payload`: the K and V blocks of a page that lie apart in
-another engine's host pool): the value holds them back to back, and the checksum is that of
-the concatenation, hashed part by part (xxhash's streaming digest equals its one-shot one).
-Another engine's page whose layout is not `[num_layers, 2, page_size, kv_heads, head_dim]`
-(SGLang's MLA latent has one part per layer, not two) states its length (`payload_bytes`):
-the header then describes its geometry and true length, and hicache's own pools refuse it.
+another engine's host pool): the value holds them back to back. Another engine's page whose
+layout is not `[num_layers, 2, page_size, kv_heads, head_dim]` (SGLang's MLA latent has one
+part per layer, not two) states its length (`payload_bytes`): the header then describes its
+geometry and true length, and hicache's own pools refuse it.
 """
 
 from __future__ import annotations
@@ -34,37 +37,25 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
-import xxhash
 
 from hicache.kernels.layouts import PAGE_FIRST
 from hicache.memory.host import HostKVPool
+from hicache.storage.page_seal import (
+    SALT_BYTES,
+    TAG_BYTES,
+    FleetKeys,
+    make_seal,
+)
 
 MAGIC = b"HKV1"
-FORMAT_VERSION = 2  # the version every value is written in
-# The payload checksum of each format version. Append only: every version ever written stays
-# readable (docs/architecture.md, "Stored page format"). Measured on docs/benchmarks.md's 2-core EPYC (AVX2):
-# xxh64 ~9 GB/s, xxh3_64 ~25-45 GB/s on pages in cache; python-xxhash hashes with the GIL
-# released.
-Checksum = Callable[[memoryview | bytes], int]  # payload -> its u64 checksum
-PAYLOAD_CHECKSUMS: dict[int, Checksum] = {
-    1: xxhash.xxh64_intdigest,
-    2: xxhash.xxh3_64_intdigest,
-}
-# The same checksums fed part by part (a payload in parts), one per version as above.
-PAYLOAD_HASHERS: dict[int, Callable[[], xxhash.xxh64 | xxhash.xxh3_64]] = {
-    1: xxhash.xxh64,
-    2: xxhash.xxh3_64,
-}
-READABLE_VERSIONS = frozenset(PAYLOAD_CHECKSUMS)
+FORMAT_VERSION = 3  # the version written, and the only one read (docs/architecture.md)
 Buffer = memoryview | bytes | bytearray
 # A page's payload: one buffer, or its parts in order (a list or tuple of buffers).
 Payload = Buffer | Sequence[Buffer]
-_FIELDS = struct.Struct("<4sHIIIIBxQ")  # magic .. payload length: compared as bytes
-_CHECKSUM = struct.Struct("<Q")  # at _FIELDS.size
-_HEADER = struct.Struct("<4sHIIIIBxQQ8x")
-HEADER_BYTES = _HEADER.size  # 48
+_FIELDS = struct.Struct("<4sHIIIIBBQ")  # magic .. payload length: compared as bytes
+HEADER_BYTES = _FIELDS.size + SALT_BYTES  # 48: where the payload starts (16-byte aligned)
+VALUE_OVERHEAD = HEADER_BYTES + TAG_BYTES  # a value's bytes beyond its payload
 
 # Stored dtype codes. Append only: a code, once written to disk, keeps its meaning. 0 is never
 # a valid code, so a zeroed header can not pass.
@@ -98,26 +89,6 @@ def payload_parts(payload: Payload) -> tuple[memoryview, ...]:
     return tuple(memoryview(part).cast("B") for part in parts)
 
 
-def digest(version: int, parts: Sequence[memoryview]) -> int:
-    """Version `version`'s checksum of the concatenation of `parts`."""
-    if len(parts) == 1:
-        return PAYLOAD_CHECKSUMS[version](parts[0])
-    hasher = PAYLOAD_HASHERS[version]()
-    for part in parts:
-        hasher.update(part)
-    return hasher.intdigest()
-
-
-def copy_bytes(dst: memoryview | bytearray, src: memoryview | bytes) -> None:
-    """`dst[:] = src` with the GIL released: numpy drops it for a copy this large (a memoryview
-    slice assignment holds it for the whole memcpy), so fetch threads copying pages at once
-    run in parallel."""
-    to, frm = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
-    if to.size != frm.size:  # np.copyto would broadcast a 1-byte source
-        raise ValueError(f"copy of {frm.size} bytes into a buffer of {to.size}")
-    np.copyto(to, frm)
-
-
 class PageGeometry(NamedTuple):
     """Shape and dtype of one stored KV page."""
 
@@ -140,19 +111,21 @@ class PageGeometry(NamedTuple):
 
 
 class PageCodec:
-    """Encodes and checks stored pages of one geometry, and moves them to and from a pool.
+    """Encodes and checks stored pages of one geometry and namespace, and moves them to and
+    from a pool.
 
-    Values are written in FORMAT_VERSION and read in any of READABLE_VERSIONS, each checked
-    with its own version's checksum. `payload_bytes`: the length of a page of another
-    engine's layout (see the module docstring); None, hicache's `geometry.payload_bytes`.
+    `namespace`: the bytes every key of this store is rooted in (the page hasher's namespace
+    of the model and geometry, an integration's own); `keys`: the fleet secret's keys (None:
+    a checksum, no secret). `payload_bytes`: the length of a page of another engine's layout
+    (see the module docstring); None, hicache's `geometry.payload_bytes`. Every method that
+    writes or reads a value takes the key (the 16-byte page hash) it is stored under.
 
-    Threading: immutable; any thread may call any method. Buffers: `check` returns a view
-    into the value it was given, valid only as long as that value's memory is (for an LMDB
-    `buffers=True` read, until the transaction ends). The functions from `payload_reader`
+    Threading: immutable; any thread may call any method. The functions from `payload_reader`
     and `value_writer` touch only the host page they are given.
     """
 
-    def __init__(self, geometry: PageGeometry, payload_bytes: int | None = None) -> None:
+    def __init__(self, geometry: PageGeometry, payload_bytes: int | None = None, *,
+                 namespace: bytes = b"", keys: FleetKeys | None = None) -> None:
         dims = (geometry.num_layers, geometry.kv_heads, geometry.head_dim, geometry.page_size)
         if min(dims) < 1:
             raise ValueError(f"page geometry must be all >= 1, got {geometry}")
@@ -160,44 +133,41 @@ class PageCodec:
             raise ValueError(f"a page payload must be >= 1 byte, got {payload_bytes}")
         self.geometry = PageGeometry(*geometry[:4], dtype_from_name(geometry.dtype))
         self.payload_bytes = payload_bytes or self.geometry.payload_bytes
-        self.value_bytes = HEADER_BYTES + self.payload_bytes
+        self.value_bytes = VALUE_OVERHEAD + self.payload_bytes
+        self.seal = make_seal(namespace, keys)
         g = self.geometry
-        self._fields = (g.num_layers, g.kv_heads, g.head_dim, g.page_size,
-                        DTYPE_CODES[g.dtype], self.payload_bytes)
-        # Bytes 0-31 of every value this codec serves, one per readable version -> that
-        # version (whose checksum its payloads carry).
-        self._version_of: dict[bytes, int] = {
-            _FIELDS.pack(MAGIC, version, *self._fields): version
-            for version in PAYLOAD_CHECKSUMS}
+        # Bytes 0-31 of every value this codec writes, and the only ones it serves.
+        self._fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, g.num_layers, g.kv_heads,
+                                    g.head_dim, g.page_size, DTYPE_CODES[g.dtype],
+                                    self.seal.protection, self.payload_bytes)
 
-    def header_for(self, payload: Payload) -> bytes:
-        """The header (FORMAT_VERSION) of a value holding `payload`, one page of this codec."""
-        parts = self._parts_of_a_page(payload)
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, *self._fields,
-                            digest(FORMAT_VERSION, parts))
+    @property
+    def protection(self) -> int:
+        """`page_seal.Protection` of the values this codec writes and reads."""
+        return self.seal.protection
 
-    def encode_into(self, payload: Payload,
+    def encode_into(self, key: bytes, payload: Payload,
                     out: bytearray | memoryview | None = None) -> bytes | memoryview:
-        """The stored value of `payload`: header + payload, copying the payload once.
+        """The value storing `payload` under `key`: header, sealed payload, tag.
 
         Into `out` (a writable buffer of `value_bytes`, reused across pages: no allocation,
         and the copy runs with the GIL released), returning a view of it; without `out`, a
-        new bytes.
+        new bytes. A payload in parts is joined first (one more copy).
         """
         parts = self._parts_of_a_page(payload)
-        header = self.header_for(parts)
-        if out is None:
-            return b"".join((header, *parts))
-        value = memoryview(out)
+        value = memoryview(bytearray(self.value_bytes) if out is None else out)
         if len(value) != self.value_bytes:
             raise ValueError(f"a stored value of {self.geometry} is {self.value_bytes} "
                              f"bytes, got a buffer of {len(value)}")
-        value[:HEADER_BYTES] = header
-        start = HEADER_BYTES
-        for part in parts:
-            copy_bytes(value[start:start + part.nbytes], part)
-            start += part.nbytes
-        return value
+        salt = self.seal.salt()
+        value[:HEADER_BYTES] = self._fields + salt
+        whole = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+        self.seal.seal(self._binding(key), salt, whole, value[HEADER_BYTES:])
+        return value if out is not None else value.tobytes()
+
+    def _binding(self, key: bytes) -> bytes:
+        """What the tag covers beside the payload (and the namespace, in the seal)."""
+        return bytes(key) + self._fields
 
     def _parts_of_a_page(self, payload: Payload) -> tuple[memoryview, ...]:
         parts = payload_parts(payload)
@@ -207,52 +177,31 @@ class PageCodec:
                              f"bytes, got {size}")
         return parts
 
-    def _version_for(self, value: memoryview | bytes) -> int | None:
-        """The version of `value` when its size and header fields (bytes 0-31) are exactly
-        those of a readable version of this codec; else None."""
-        if len(value) != self.value_bytes:
-            return None
-        return self._version_of.get(bytes(memoryview(value)[:_FIELDS.size]))
-
     def header_ok(self, value: memoryview | bytes) -> bool:
-        """Whether `value` is this codec's size and its header describes this geometry
-        exactly, in a readable version."""
-        return self._version_for(value) is not None
+        """Whether `value` is this codec's size and its bytes 0-31 are exactly this codec's
+        (version, geometry, dtype, protection, length)."""
+        return (len(value) == self.value_bytes
+                and memoryview(value)[:_FIELDS.size] == self._fields)
 
-    def checksum_ok(self, value: memoryview | bytes, payload: Payload) -> bool:
-        """Whether `payload` (the value's payload, or a copy of it, maybe in parts) matches
-        value's checksum, computed as value's version computes it."""
-        version = self._version_for(value)
-        if version is None:
-            return False
-        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(
-            version, payload_parts(payload))
-
-    def check(self, value: memoryview | bytes) -> memoryview | None:
-        """The payload (a view of `value`) when the header and checksum match, else None.
-
-        Never raises on garbage: short, long, foreign or corrupted values all give None.
+    def copy_into(self, key: bytes, value: memoryview | bytes, parts: Payload) -> bool:
+        """Copy the payload of `value`, stored under `key`, into `parts` (writable buffers,
+        in order, `payload_bytes` in all; decrypted where encrypted) and check its tag; False
+        when the header is not this codec's or the tag fails (a value of another key,
+        namespace, secret or protection, or damaged). The stored value is read once (for
+        LMDB: the mapped file). After False the parts hold undefined bytes.
         """
         if not self.header_ok(value):
-            return None
-        payload = memoryview(value)[HEADER_BYTES:]
-        return payload if self.checksum_ok(value, payload) else None
-
-    def copy_into(self, value: memoryview | bytes, parts: Payload) -> bool:
-        """Copy `value`'s payload into `parts` (writable buffers, in order, `payload_bytes`
-        in all) and check it there; False, without copying, when the header is not this
-        codec's. The stored value is read once (for LMDB: the mapped file) and what is
-        checked is exactly what the parts received. After False they hold undefined bytes.
-        """
-        version = self._version_for(value)
-        if version is None:
             return False
-        dst = self._parts_of_a_page(parts)
-        src, start = memoryview(value), HEADER_BYTES
-        for part in dst:
-            copy_bytes(part, src[start:start + part.nbytes])
-            start += part.nbytes
-        return _CHECKSUM.unpack_from(value, _FIELDS.size)[0] == digest(version, dst)
+        view = memoryview(value)
+        salt = bytes(view[_FIELDS.size:HEADER_BYTES])
+        return self.seal.open_into(self._binding(key), salt, view[HEADER_BYTES:],
+                                   self._parts_of_a_page(parts))
+
+    def decode(self, key: bytes, value: memoryview | bytes) -> bytearray | None:
+        """The payload of `value` stored under `key`, a new buffer, if it checks; else None.
+        Never raises on garbage: short, long, foreign or corrupted values all give None."""
+        payload = bytearray(self.payload_bytes)
+        return payload if self.copy_into(key, value, payload) else None
 
     def check_pool(self, pool: HostKVPool) -> None:
         """ValueError unless `pool` holds pages of exactly this geometry and dtype."""
@@ -270,28 +219,26 @@ class PageCodec:
             return pool.page_buffer
         return lambda page: memoryview(pool.get_page(page).reshape(-1).view(torch.uint8).numpy())
 
-    def value_writer(self, pool: HostKVPool) -> Callable[[memoryview | bytes, int], bool]:
-        """(stored value, page id) -> copy its payload into the page; False when it is bad.
-
-        As `copy_into`: copied first, checked on the copy. After False the page holds
-        undefined bytes. layer_first pages go through a scratch page (not thread-safe: one
-        writer per thread).
+    def value_writer(self, pool: HostKVPool) -> Callable[[bytes, memoryview | bytes, int], bool]:
+        """(page key, stored value, page id) -> copy its payload into the page; False when
+        it is bad (`copy_into`). After False the page holds undefined bytes. layer_first
+        pages go through a scratch page (not thread-safe: one writer per thread).
         """
         if pool.layout == PAGE_FIRST:
             # [num_pages, page_bytes], the pool's memory: a page's view in ~0.2 us, where
             # `page_buffer` (a torch view per call) takes ~6 us, 15% of a 128 KiB page's read.
             pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
 
-            def copy_page_first(value: memoryview | bytes, page: int) -> bool:
+            def copy_page_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
                 if not 0 <= page < pool.num_pages:  # numpy would wrap a negative id
                     raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
-                return self.copy_into(value, pages[page])
+                return self.copy_into(key, value, pages[page])
             return copy_page_first
         scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
         scratch_bytes = memoryview(scratch.view(-1).view(torch.uint8).numpy())
 
-        def copy_layer_first(value: memoryview | bytes, page: int) -> bool:
-            if not self.copy_into(value, scratch_bytes):
+        def copy_layer_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
+            if not self.copy_into(key, value, scratch_bytes):
                 return False
             pool.set_page(page, scratch)
             return True

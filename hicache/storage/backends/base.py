@@ -124,7 +124,8 @@ class StorageBackend(ABC):
 # (index of the key in the call, its stored value) -> whether the value was good. Called inside
 # the read, so the value may be a view valid only during the call (an LMDB map).
 ValueTaker = Callable[[int, memoryview | bytes], bool]
-# index of the key in the call -> the payload to store under it (`page_format.Payload`).
+# index of the key in the call -> the payload to store under it (`page_format.Payload`),
+# encoded (sealed) by the store under that key.
 PayloadSource = Callable[[int], Payload]
 
 
@@ -140,7 +141,8 @@ class ValueStore(StorageBackend):
 
     Same threads, faults and counters as the pool-level calls, which are these two over a
     pool (`batch_get`, `batch_set` below): a value is handed to `take` only once its size
-    and header may be this codec's, and `take` must check it (`PageCodec.copy_into` does).
+    and header may be this codec's, and `take` must check it under keys[i]
+    (`PageCodec.copy_into(keys[i], ...)` does: a value is good under its own key only).
     """
 
     codec: PageCodec
@@ -157,7 +159,7 @@ class ValueStore(StorageBackend):
                   host_indices: torch.Tensor) -> list[bool]:
         pages = check_batch(self.codec, keys, host_pool, host_indices)
         copy_in = self.codec.value_writer(host_pool)
-        return self.get_values(keys, lambda i, value: copy_in(value, pages[i]))
+        return self.get_values(keys, lambda i, value: copy_in(keys[i], value, pages[i]))
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:

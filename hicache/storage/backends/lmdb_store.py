@@ -2,7 +2,8 @@
 
 The environment at `path` (a directory holding data.mdb and lock.mdb) has two databases::
 
-    pages   page hash (16 B) -> stored page (`page_format`: 48-byte header + payload)
+    pages   page hash (16 B) -> stored page (`page_format`: header, payload, tag; valid
+            under this key only)
     atime   page hash (16 B) -> last access, uint64 little-endian `time.time_ns()`
 
 Several processes may open one path at once: LMDB locks across processes (lock.mdb), so
@@ -136,7 +137,7 @@ class LmdbStore(ValueStore):
                 # Looked up before encoding: a page stored already costs one B-tree lookup,
                 # not a checksum and a copy of the page that `put(overwrite=False)` drops.
                 if txn.get(key, db=self.env.pages) is None:
-                    txn.put(key, self.codec.encode_into(payload_of(i), scratch),
+                    txn.put(key, self.codec.encode_into(key, payload_of(i), scratch),
                             db=self.env.pages)
                     written += 1
                 txn.put(key, stamp, db=self.env.atime)

@@ -1,7 +1,8 @@
 """L3 shared by several servers: Redis (one server or a Redis Cluster), one key per KV page.
 
     key    key_prefix + page_hash.hex()       e.g. "hicache:" + 32 hex digits
-    value  stored page (`page_format`: 48-byte header + payload), as LMDB stores it
+    value  stored page (`page_format`: header, payload, tag), as LMDB stores it; its tag
+           binds the page hash, so a value renamed or copied to another key is a miss
 
 Every batch is one round trip per server (a Cluster pipeline groups commands by node):
 
@@ -162,7 +163,7 @@ class RedisStore(ValueStore):
 
         def queue_sets(pipe: Any, start: int, names: list[str]) -> None:
             for i, name in enumerate(names, start):
-                pipe.set(name, self.codec.encode_into(payload_of(i)), nx=True,
+                pipe.set(name, self.codec.encode_into(keys[i], payload_of(i)), nx=True,
                          ex=self.ttl_seconds)
 
         def body(client: Client) -> None:

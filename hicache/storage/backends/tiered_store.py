@@ -51,7 +51,6 @@ from hicache.storage.backends.base import (
     ValueStore,
     ValueTaker,
 )
-from hicache.storage.page_format import HEADER_BYTES
 
 LOCAL, SHARED = TIERED_PARTS  # "lmdb", "redis": config sections, and keys in `stats()`
 STAT_PROMOTED = "promoted_pages"  # pages served by the shared part and written locally
@@ -105,12 +104,16 @@ class TieredStore(ValueStore):
         served = self.local.get_values(keys, take)
         missed = [i for i, ok in enumerate(served) if not ok]
         if missed:
-            promoted: dict[int, bytes] = {}  # index in missed -> the shared value taken
+            # index in missed -> the payload of the shared value taken, decoded again (the
+            # taker's copy is its own; an encrypted value's bytes are not the payload)
+            promoted: dict[int, bytearray] = {}
 
             def take_shared(j: int, value: memoryview | bytes) -> bool:
                 if not take(missed[j], value):
                     return False
-                promoted[j] = bytes(value)
+                payload = self.codec.decode(keys[missed[j]], value)
+                if payload is not None:
+                    promoted[j] = payload
                 return True
 
             self.shared.get_values([keys[i] for i in missed], take_shared)
@@ -120,7 +123,7 @@ class TieredStore(ValueStore):
                 order = sorted(promoted)
                 stored = self.local.put_values(
                     [keys[missed[j]] for j in order],
-                    lambda k: memoryview(promoted[order[k]])[HEADER_BYTES:])
+                    lambda k: promoted[order[k]])
                 self._counts.add(STAT_PROMOTED, sum(stored))
         self._counts.add(STAT_HITS, sum(served))
         self._counts.add(STAT_MISSES, len(keys) - sum(served))
