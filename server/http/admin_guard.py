@@ -27,7 +27,6 @@ import ipaddress
 
 from aiohttp import web
 
-from hicache_server.http.body import brief
 from hicache_server.http.errors import error_response
 from hicache_server.http.state import STATE, Handler
 
@@ -37,6 +36,9 @@ BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HTTP_DEFAULT_PORT = 80  # a Host or Origin without a port means 80 (RFC 9110, http scheme)
 JSON_TYPE = "application/json"  # the one body type the admin routes take
+# A header value quoted in an error, cut to this many characters: a real Origin, Host or
+# Content-Type is well under it; a hostile one must not fill the answer.
+SHOWN_CHARS = 100
 NO_KEY_HINT = "start the server with --admin-api-key (or HICACHE_ADMIN_API_KEY) to use " \
               "a bearer key instead"
 
@@ -83,6 +85,10 @@ def check_admin_access(remote: str | None, authorization: str | None,
         raise AdminDenied(403, "the admin key in the Authorization header is wrong")
 
 
+def _shown(value: str) -> str:
+    return repr(value[:SHOWN_CHARS])
+
+
 def own_hosts(port: int | None) -> tuple[str, ...]:
     """The Host values that name this server on loopback at `port` (lower case)."""
     if port is None:  # not a TCP listener (a Unix socket): no name is this server's
@@ -98,13 +104,13 @@ def check_own_origin(host: str | None, origin: str | None, port: int | None) -> 
     if origin is not None and origin.lower() not in {f"http://{h}" for h in hosts}:
         allowed = ", ".join(f"http://{h}" for h in hosts[:len(LOOPBACK_NAMES)]) or "none"
         raise AdminDenied(403, f"admin routes refuse requests sent by a web page: Origin "
-                          f"{brief(origin)} is not this server's own ({allowed}); send no "
+                          f"{_shown(origin)} is not this server's own ({allowed}); send no "
                           f"Origin header (curl, scripts), or {NO_KEY_HINT}")
     if host is not None and host.lower() not in hosts:
         allowed = ", ".join(hosts[:len(LOOPBACK_NAMES)]) or "none"
         raise AdminDenied(403, f"admin routes answer only this server's loopback names "
                           f"(Host one of {allowed}), against DNS rebinding: Host "
-                          f"{brief(host)} is refused; address the server by one of those, "
+                          f"{_shown(host)} is refused; address the server by one of those, "
                           f"or {NO_KEY_HINT}")
 
 
@@ -112,7 +118,7 @@ def check_json_body(request: web.BaseRequest) -> None:
     """Raise AdminDenied (415) when the request has a body that is not declared JSON."""
     if request.body_exists and request.content_type != JSON_TYPE:
         raise AdminDenied(415, f"admin routes take a JSON body only (Content-Type: "
-                          f"{JSON_TYPE}), got {brief(request.content_type)}; send the body "
+                          f"{JSON_TYPE}), got {_shown(request.content_type)}; send the body "
                           "with that header, or no body at all")
 
 
