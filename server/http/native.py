@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from hicache_server.field_names import FieldNames
 from hicache_server.http.auth import scope_of
 from hicache_server.http.body import brief, check_fields, check_type, read_object, session_of
 from hicache_server.http.errors import HttpError
@@ -93,6 +94,7 @@ class Generate(NamedTuple):
     stream: bool
     priorities: list[int | None]  # one per prompt; None: the default
     session_id: str | None = None  # every prompt's; None: no session
+    salt_field: str = "extra_key"  # the name the client gave the salt (or `cache_salt`)
 
 
 def parse_generate(body: dict[str, Any]) -> Generate:
@@ -106,10 +108,11 @@ def parse_generate(body: dict[str, Any]) -> Generate:
     params = [_sampling_params(p) for p in per_prompt("sampling_params",
                                                       body.get("sampling_params"), count, batch)]
     check_batch_size(count, max(_choices(p) for p in params))
-    return Generate(prompts, params, _rids(body.get("rid"), count, batch),
-                    _extra_keys(body, count, batch), _logprobs(body, count, batch), stream,
+    salt_field, extra_keys = _extra_keys(body, count, batch)
+    return Generate(prompts, params, _rids(body.get("rid"), count, batch), extra_keys,
+                    _logprobs(body, count, batch), stream,
                     _priorities(body.get("priority"), count, batch),
-                    _session_params(body))
+                    _session_params(body), salt_field)
 
 
 def _session_params(body: dict[str, Any]) -> str | None:
@@ -166,12 +169,14 @@ def _rids(rid: Any, count: int, batch: bool) -> list[str | None]:
     return rids
 
 
-def _extra_keys(body: dict[str, Any], count: int, batch: bool) -> list[str | None]:
+def _extra_keys(body: dict[str, Any], count: int, batch: bool
+                ) -> tuple[str, list[str | None]]:
+    """The name the client gave the cache namespace, and each prompt's."""
     if body.get("extra_key") is not None and body.get("cache_salt") is not None:
         raise HttpError(400, "give at most one of `extra_key` or `cache_salt` (both name "
                         "the cache namespace)")
-    name = "extra_key" if body.get("extra_key") is not None else "cache_salt"
-    return per_prompt(name, body.get(name), count, batch)
+    name = "cache_salt" if body.get("cache_salt") is not None else "extra_key"
+    return name, per_prompt(name, body.get(name), count, batch)
 
 
 def _priorities(priority: Any, count: int, batch: bool) -> list[int | None]:
@@ -214,7 +219,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     engine = live_engine(request)
     submitted = await submit(engine, generate.prompts, generate.sampling_params,
                              generate.extra_keys, generate.logprobs, generate.priorities,
-                             generate.session_id, scope=scope_of(request))
+                             generate.session_id,
+                             FieldNames({"extra_key": generate.salt_field}),
+                             scope=scope_of(request))
     streams = await start_all(engine, submitted)
     rids = _choice_ids(generate, submitted)
     one = not generate.prompts.batch and len(streams) == 1
