@@ -8,15 +8,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from conftest import app_client, small_engine
+from conftest import WAIT_S, app_client, small_engine, tiered_engine_in
 from http_helpers import PAGE, backed_up, error_of, tiers
+from typing_extensions import Self
 
 from hicache.config import REDACTED
 from hicache_server.config import load_config
@@ -26,6 +29,10 @@ from hicache_server.storage_attach import StorageChangeRefused
 ROUTE = "/hicache/storage-backend"
 KEY = "attach-admin-key"
 QS_PASSWORD = "qs-secret-4711"  # the start-up Redis URL's ?password=, never to be shown
+ENV_PASSWORD = "env-secret-0815"  # HICACHE_REDIS_PASSWORD, sent to the start-up Redis only
+CANARY = "canary-value-9d2c"  # an environment variable's value no answer may hold
+RECV_BYTES = 1 << 16  # what a `Recorder` reads per packet; a handshake is far smaller
+ACCEPT_POLL_S = 0.05  # how soon a `Recorder` notices stop()
 PROMPT = [(7 * i) % 250 for i in range(8 * PAGE)]  # 8 full pages
 OTHER = [(11 * i + 3) % 250 for i in range(8 * PAGE)]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -227,6 +234,10 @@ async def test_not_idle_is_400_and_changes_nothing(engine: Engine, client: TestC
     ({"hicache_storage_backend": "lmdb", "hicache_write_policy": "write_back"},
      "host.write_policy: 'write_back'"),
     ({"hicache_storage_backend": "lmdb", "backend": "lmdb"}, "unknown field(s) 'backend'"),
+    ({"hicache_storage_backend": "lmdb"}, "storage.lmdb.path is required"),
+    ({"hicache_storage_backend": "lmdb",
+      "hicache_storage_backend_extra_config_json": {"path": "relative/l3"}},
+     "must be an absolute folder"),
 ])
 async def test_bad_attach_is_400_naming_the_key(client: TestClient, body: dict[str, Any],
                                                 words: str) -> None:
@@ -343,3 +354,178 @@ def test_a_store_that_fails_to_close_is_detached_all_the_same(tmp_path: Path,
         assert e.detach_storage()["success"] is True
         assert e.storage_backend()["hicache_storage_backend"] is None
         assert e.attach_storage("lmdb", {"path": str(tmp_path / "b")})["success"] is True
+
+
+# ------------------------------------------------------------------------ attach targets
+
+
+def lmdb_at(path: str) -> dict[str, Any]:
+    """An LMDB attach naming `path` exactly as given (no Path normalisation)."""
+    return {"hicache_storage_backend": "lmdb",
+            "hicache_storage_backend_extra_config_json": json.dumps({"path": path})}
+
+
+async def test_lmdb_outside_the_roots_is_refused(client: TestClient, tmp_path: Path,
+                                                 tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """Outside the root, through a symlink out of it, or climbing with `..`: refused before
+    any folder is made, and the symlink's target never shown."""
+    outside = tmp_path_factory.getbasetemp().parent / f"hicache-outside-{tmp_path.name}"
+    escape = tmp_path / "escape"
+    escape.symlink_to(outside, target_is_directory=True)
+    tiered = {"hicache_storage_backend": "lmdb+redis",
+              "hicache_storage_backend_extra_config_json": {"lmdb": {"path": str(escape)}}}
+    for body in (lmdb_at(str(outside / "l3")), lmdb_at(str(escape / "l3")), lmdb_at(str(escape)),
+                 tiered):
+        message = await error_of(await client.put(ROUTE, json=body))
+        assert "does not lie under any of storage.attach_roots" in message
+        if "escape" in json.dumps(body):
+            assert str(outside) not in message  # where the link leads is not told
+    message = await error_of(await client.put(ROUTE, json=lmdb_at(f"{tmp_path}/../../x")))
+    assert "must not hold `..`" in message
+    assert not outside.exists() and not (tmp_path.parent.parent / "x").exists()
+    assert await backend(client) == NONE_ATTACHED
+    inside = tmp_path / "inside"  # a symlink that stays inside a root is followed
+    inside.mkdir()
+    (tmp_path / "link").symlink_to(inside, target_is_directory=True)
+    assert (await attach(client, lmdb_at(str(tmp_path / "link" / "l3"))))["success"] is True
+    assert (inside / "l3" / "data.mdb").exists()
+
+
+async def test_no_variable_is_expanded_nor_echoed(client: TestClient, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The desk review's leak: a `$VAR` in the path came back expanded in the 400."""
+    monkeypatch.setenv("HICACHE_TEST_CANARY", CANARY)
+    paths = ("/proc/$HICACHE_TEST_CANARY/x", f"{tmp_path}/${{HICACHE_TEST_CANARY}}/x",
+             f"{tmp_path}/$HICACHE_TEST_CANARY", "~/hicache-l3", "~root/x")
+    for path in paths:
+        resp = await client.put(ROUTE, json=lmdb_at(path))
+        text = await resp.text()
+        assert resp.status == 400 and "never expanded" in text, text
+        assert CANARY not in text and os.path.expanduser("~/hicache-l3") not in text
+    assert CANARY not in caplog.text
+    assert list(tmp_path.iterdir()) == []  # nothing created, under any name
+    assert await backend(client) == NONE_ATTACHED
+
+
+@pytest.fixture(scope="module")
+def no_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """Started with LMDB (all three tiers) and no `storage.attach_roots`."""
+    yield from tiered_engine_in(tmp_path_factory, "no_roots_lmdb")
+
+
+async def test_without_roots_only_the_start_up_store(no_roots: Engine, tmp_path: Path) -> None:
+    start_up = no_roots.config.storage.lmdb.path
+    async with app_client(no_roots, admin=True) as client:
+        message = await error_of(await client.put(ROUTE, json=lmdb_body(tmp_path / "l3")))
+        assert "started without storage.attach_roots" in message
+        assert "leave `path` out to reopen the start-up store" in message
+        assert not (tmp_path / "l3").exists()
+        await ok(await client.delete(ROUTE))
+        again = await attach(client, {"hicache_storage_backend": "lmdb"})  # no path
+        assert again["backend_config"]["path"] == start_up
+        await ok(await client.delete(ROUTE))
+        named = await attach(client, lmdb_at(start_up))  # named as configured: the same
+        assert named["backend_config"]["path"] == start_up
+
+
+class Recorder:
+    """A TCP listener on 127.0.0.1 that keeps every byte sent to it and answers nothing:
+    each connection is closed after its first packet (a client sees a dead Redis at once).
+    `connections` counts those accepted; `stop` (the end of the block) joins its thread."""
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener.settimeout(ACCEPT_POLL_S)
+        self.port = self.listener.getsockname()[1]
+        self.received = bytearray()
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="recorder", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                self.connections += 1
+                conn.settimeout(WAIT_S)
+                self.received += conn.recv(RECV_BYTES)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.listener.close()
+
+
+async def test_redis_elsewhere_is_refused_and_no_password_leaves(
+        client: TestClient, tmp_path: Path, redis_port: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_REDIS_PASSWORD", ENV_PASSWORD)
+    with Recorder(0) as elsewhere:
+        urls = (f"redis://127.0.0.1:{elsewhere.port}/0", f"redis://localhost:{redis_port}/0",
+                f"redis://:{ENV_PASSWORD}x@127.0.0.1:{elsewhere.port}/0",
+                f"unix://{tmp_path}/redis.sock")
+        for url in urls:
+            for body in ({"hicache_storage_backend": "redis",
+                          "hicache_storage_backend_extra_config_json": {"url": url}},
+                         {"hicache_storage_backend": "lmdb+redis",
+                          "hicache_storage_backend_extra_config_json": {
+                              "lmdb": {"path": str(tmp_path / "l3")}, "redis": {"url": url}}}):
+                message = await error_of(await client.put(ROUTE, json=body))
+                assert f"only the Redis this server was configured with at start " \
+                       f"(127.0.0.1:{redis_port})" in message
+                assert ENV_PASSWORD not in message and QS_PASSWORD not in message
+        assert elsewhere.connections == 0 and elsewhere.received == b""
+    assert not (tmp_path / "l3").exists()
+    assert await backend(client) == NONE_ATTACHED
+    # The control: the start-up endpoint is sent the password (the recorder does hear it).
+    with Recorder(redis_port) as configured:
+        bare = {"hicache_storage_backend": "redis", "hicache_storage_backend_extra_config_json":
+                {"url": f"redis://127.0.0.1:{redis_port}/0"}}
+        assert "did not answer" in await error_of(await client.put(ROUTE, json=bare))
+    assert configured.connections >= 1 and ENV_PASSWORD.encode() in configured.received
+
+
+async def test_a_query_string_password_is_never_shown(client: TestClient, tmp_path: Path,
+                                                      redis_port: int,
+                                                      caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """The start-up URL's `?password=` opens the store and shows nowhere: not in the attach
+    answer, GET /hicache/storage-backend, /get_server_info, /admin/tiers, /metrics, a
+    refusal quoting the attached section, or the log."""
+    from redis_fixtures import RedisServer
+
+    with RedisServer.start(tmp_path / "redis", redis_port, password=QS_PASSWORD):
+        body = await attach(client, {"hicache_storage_backend": "redis"})  # start-up URL
+        url = f"redis://127.0.0.1:{redis_port}/0?password={REDACTED}"
+        assert body["backend_config"]["url"] == url
+        await generate(client, OTHER)
+        await backed_up(client, len(OTHER))  # the password did open the store
+        shown = [json.dumps(body)]
+        for route in (ROUTE, "/get_server_info", "/server_info", "/admin/tiers", "/metrics"):
+            resp = await client.get(route)
+            assert resp.status == 200
+            shown.append(await resp.text())
+        other = {"hicache_storage_backend": "redis",
+                 "hicache_storage_backend_extra_config_json": {"key_prefix": "other:"}}
+        shown.append(await error_of(await client.put(ROUTE, json=other)))
+        assert "attached already" in shown[-1] and url in shown[-1]
+        await ok(await client.delete(ROUTE))
+    assert json.loads(shown[2])["config"]["storage"]["redis"]["url"] == url
+    assert all(QS_PASSWORD not in text for text in shown)
+    assert QS_PASSWORD not in caplog.text
+
+
+async def test_an_error_quoting_a_sent_url_hides_its_password(client: TestClient) -> None:
+    body = {"hicache_storage_backend": "redis",
+            "hicache_storage_backend_extra_config_json": {"url": "http://:pw-9a7e@x:1/0"}}
+    message = await error_of(await client.put(ROUTE, json=body))
+    assert "must start with one of" in message and "pw-9a7e" not in message
