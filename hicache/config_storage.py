@@ -83,7 +83,7 @@ class RedisConfig(Section):
         scheme = urlsplit(self.url).scheme
         if scheme not in REDIS_SCHEMES:
             allowed = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
-            self._fail("url", f"{self.url!r} must start with one of {allowed}")
+            self._fail("url", f"{redact_url(self.url)!r} must start with one of {allowed}")
         self._at_least("ttl_seconds", 1)
 
 
