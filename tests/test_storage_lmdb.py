@@ -29,7 +29,13 @@ from hicache.storage.backends import (
     registered_backends,
 )
 from hicache.storage.backends.lmdb_store import MIN_MAP_BYTES, LmdbStore
-from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry, dtype_from_name
+from hicache.storage.page_format import (
+    HEADER_BYTES,
+    VALUE_OVERHEAD,
+    PageCodec,
+    PageGeometry,
+    dtype_from_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4  # 2 KiB of float32 payload per page
@@ -94,19 +100,19 @@ def read_matches(store: LmdbStore, src: HostKVPool, first: int, count: int) -> l
 
 
 def test_codec_round_trip_and_garbage_never_raises() -> None:
-    codec = PageCodec(GEOMETRY)
+    codec, key = PageCodec(GEOMETRY), keys_of(0, 1)[0]
     payload = bytes(range(256)) * (codec.payload_bytes // 256)
-    value = codec.encode_into(memoryview(payload))
-    assert len(value) == HEADER_BYTES + len(payload) and value[:4] == b"HKV1"
-    assert bytes(codec.check(value)) == payload
-    assert bytes(codec.check(memoryview(value))) == payload
+    value = codec.encode_into(key, memoryview(payload))
+    assert len(value) == VALUE_OVERHEAD + len(payload) and value[:4] == b"HKV1"
+    assert codec.decode(key, value) == payload
+    assert codec.decode(key, memoryview(value)) == payload
     gen = torch.Generator().manual_seed(1)
     for size in (0, 1, 3, HEADER_BYTES - 1, HEADER_BYTES, len(value) - 1, len(value),
                  len(value) + 1):
         noise = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)
-        assert codec.check(noise.numpy().tobytes()) is None
+        assert codec.decode(key, noise.numpy().tobytes()) is None
     with pytest.raises(ValueError, match="payload"):
-        codec.encode_into(payload[:-1])
+        codec.encode_into(key, payload[:-1])
     assert dtype_from_name("torch.bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="allowed"):
         dtype_from_name("complex64")
@@ -174,13 +180,27 @@ def test_wrong_arguments_raise(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- corruption
 
 
+def _payload(value: bytes) -> bytes:
+    return value[HEADER_BYTES:HEADER_BYTES + PageCodec(GEOMETRY).payload_bytes]
+
+
 def _other_geometry(value: bytes) -> bytes:  # a valid value of another model, same size
-    return PageCodec(GEOMETRY._replace(kv_heads=4, head_dim=4)).encode_into(value[HEADER_BYTES:])
+    codec = PageCodec(GEOMETRY._replace(kv_heads=4, head_dim=4))
+    return codec.encode_into(keys_of(1, 1)[0], _payload(value))
 
 
 def _other_dtype(value: bytes) -> bytes:
     geometry = GEOMETRY._replace(dtype=torch.float16, head_dim=2 * DIM)
-    return PageCodec(geometry).encode_into(value[HEADER_BYTES:])
+    return PageCodec(geometry).encode_into(keys_of(1, 1)[0], _payload(value))
+
+
+def _other_namespace(value: bytes) -> bytes:  # this geometry, another model's namespace
+    codec = PageCodec(GEOMETRY, namespace=b"another model")
+    return codec.encode_into(keys_of(1, 1)[0], _payload(value))
+
+
+def _other_key(value: bytes) -> bytes:  # a good value of page 0, moved under page 1's key
+    return PageCodec(GEOMETRY).encode_into(keys_of(0, 1)[0], _payload(value))
 
 
 def _flip(offset: int) -> Callable[[bytes], bytes]:
@@ -192,10 +212,11 @@ def _flip(offset: int) -> Callable[[bytes], bytes]:
 
 
 CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
-    "payload_bit": _flip(HEADER_BYTES + 100), "last_byte": _flip(-1), "checksum": _flip(32),
-    "version": _flip(4), "truncated": lambda v: v[:-1], "header_only": lambda v: v[:HEADER_BYTES],
-    "extended": lambda v: v + b"\0", "empty": lambda v: b"", "magic": lambda v: b"XKV1" + v[4:],
-    "geometry": _other_geometry, "dtype": _other_dtype,
+    "payload_bit": _flip(HEADER_BYTES + 100), "last_byte": _flip(-1), "tag": _flip(-3),
+    "salt": _flip(40), "version": _flip(4), "truncated": lambda v: v[:-1],
+    "header_only": lambda v: v[:HEADER_BYTES], "extended": lambda v: v + b"\0",
+    "empty": lambda v: b"", "magic": lambda v: b"XKV1" + v[4:], "geometry": _other_geometry,
+    "dtype": _other_dtype, "namespace": _other_namespace, "moved": _other_key,
 }
 
 

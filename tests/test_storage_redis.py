@@ -115,7 +115,7 @@ def test_round_trip_is_byte_identical(make_store: Callable[..., RedisStore], tar
     assert store.batch_get(keys_of(0, 4), dst, slots([3, 2, 1, 0])) == [True] * 4
     assert [page_bytes(dst, p) for p in (3, 2, 1, 0)] == [page_bytes(src, p) for p in range(4)]
     value = raw(target).get(name_of(store, keys_of(0, 1)[0]))  # the format LMDB stores
-    assert value == store.codec.encode_into(page_bytes(src, 0))
+    assert value == store.codec.encode_into(keys_of(0, 1)[0], page_bytes(src, 0))
     stats = store.stats()
     assert (stats["written_pages"], stats["hits"], stats["errors"]) == (64, 68, 0)
     assert stats["pages"] >= 64 and stats["cluster"] == isinstance(target, RedisClusterNodes)
@@ -177,18 +177,19 @@ def test_ttl_is_set_only_when_configured(make_store: Callable[..., RedisStore],
 def test_a_corrupt_value_is_a_miss_deleted_and_counted(make_store: Callable[..., RedisStore],
                                                        target: Any) -> None:
     store, pool, client = make_store(), filled_pool(), raw(target)
-    write_range(store, pool, 0, 4)
-    keys = keys_of(0, 4)
-    good = store.codec.encode_into(page_bytes(pool, 2))
+    write_range(store, pool, 0, 5)
+    keys = keys_of(0, 5)
+    good = store.codec.encode_into(keys[2], page_bytes(pool, 2))
     flipped = good[:HEADER_BYTES + 5] + bytes([good[HEADER_BYTES + 5] ^ 1]) + good[
         HEADER_BYTES + 6:]
     client.set(name_of(store, keys[1]), b"garbage")
     client.set(name_of(store, keys[2]), flipped)
     client.set(name_of(store, keys[3]), good[:-1])  # truncated
-    assert read_back(store, pool, 0, 4) == [True, None, None, None]
-    assert [client.exists(name_of(store, k)) for k in keys] == [1, 0, 0, 0]
+    client.set(name_of(store, keys[4]), good)  # page 2's good value, renamed to page 4
+    assert read_back(store, pool, 0, 5) == [True, None, None, None, None]
+    assert [client.exists(name_of(store, k)) for k in keys] == [1, 0, 0, 0, 0]
     stats = store.stats()
-    assert (stats["corrupt_pages"], stats["misses"], stats["errors"]) == (3, 3, 0)
+    assert (stats["corrupt_pages"], stats["misses"], stats["errors"]) == (4, 4, 0)
 
 
 @parametrize_topology

@@ -112,12 +112,12 @@ def test_writes_reach_both_parts_and_redis_keeps_the_first_writer(
     store, pool = make_store(), filled_pool(seed=3)
     keys = keys_of(0, 4)
     client = redis_server.client()
-    first = store.shared.codec.encode_into(page_bytes(pool, 9))  # another server's page 3
+    first = store.shared.codec.encode_into(keys[3], page_bytes(pool, 9))  # another server's
     client.set(store.shared.key_prefix + keys[3].hex(), first)
     assert store.batch_set(keys, pool, slots([0, 1, 2, 3])) == [True] * 4
     assert store.local.batch_exists(keys) == store.shared.batch_exists(keys) == 4
     assert client.get(store.shared.key_prefix + keys[0].hex()) == \
-        store.shared.codec.encode_into(page_bytes(pool, 0))
+        store.shared.codec.encode_into(keys[0], page_bytes(pool, 0))
     assert client.get(store.shared.key_prefix + keys[3].hex()) == first  # SET NX
     stats = store.stats()
     assert (stats["written_pages"], stats["redis"]["written_pages"],
@@ -184,7 +184,7 @@ def test_a_corrupt_lmdb_page_is_read_from_redis_and_rewritten(
             txn.put(key, CORRUPTIONS[damage](txn.get(key)))
     client = redis_server.client()
     name = store.shared.key_prefix + keys[2].hex()
-    client.set(name, CORRUPTIONS["checksum"](client.get(name)))  # page 2: bad in both
+    client.set(name, CORRUPTIONS["tag"](client.get(name)))  # page 2: bad in both
     store = make_store(path)
     assert read_back(store, pool, 0, 4) == [True, True, None, True]  # never a wrong page
     stats = store.stats()

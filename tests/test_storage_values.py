@@ -19,7 +19,7 @@ from hicache.storage.backends.base import STAT_CORRUPT, STAT_HITS, ValueStore
 from hicache.storage.backends.lmdb_store import LmdbStore
 from hicache.storage.backends.redis_store import RedisStore
 from hicache.storage.backends.tiered_store import STAT_PROMOTED, TieredStore
-from hicache.storage.page_format import HEADER_BYTES, PageCodec, PageGeometry
+from hicache.storage.page_format import PageCodec, PageGeometry
 
 __all__ = ["redis_server"]  # session fixture, used by name below
 
@@ -64,26 +64,26 @@ def make_store(tmp_path: Path, redis_server: RedisServer
 
 
 def test_a_payload_in_parts_is_the_value_of_its_concatenation() -> None:
-    codec = PageCodec(GEOMETRY, payload_bytes=PAYLOAD)
+    codec, key = PageCodec(GEOMETRY, payload_bytes=PAYLOAD), keys_of(0, 1)[0]
     data = payload(1)
-    value = codec.encode_into(data)
-    assert codec.encode_into(halves(data)) == value
+    value = codec.encode_into(key, data)
+    assert codec.encode_into(key, halves(data)) == value
     scratch = bytearray(codec.value_bytes)
-    assert bytes(codec.encode_into(halves(data), scratch)) == value
-    assert codec.checksum_ok(value, halves(data))
+    assert bytes(codec.encode_into(key, halves(data), scratch)) == value
     received = halves(bytes(PAYLOAD))
-    assert codec.copy_into(value, received) and b"".join(received) == data
+    assert codec.copy_into(key, value, received) and b"".join(received) == data
     with pytest.raises(ValueError, match="192 bytes, got 96"):
-        codec.encode_into(halves(data)[:1])
+        codec.encode_into(key, halves(data)[:1])
 
 
 def test_a_stated_payload_length_is_in_the_header_and_no_host_pool_takes_it() -> None:
     ours, theirs = PageCodec(GEOMETRY), PageCodec(GEOMETRY, payload_bytes=PAYLOAD)
     assert ours.value_bytes - theirs.value_bytes == GEOMETRY.payload_bytes - PAYLOAD
-    assert not ours.header_ok(theirs.encode_into(payload(2)))
+    key = keys_of(0, 1)[0]
+    assert not ours.header_ok(theirs.encode_into(key, payload(2)))
     # Same length, another stated geometry: refused by the header, not served.
     other = PageCodec(GEOMETRY._replace(head_dim=6), payload_bytes=PAYLOAD)
-    assert not theirs.copy_into(other.encode_into(payload(2)), bytearray(PAYLOAD))
+    assert not theirs.copy_into(key, other.encode_into(key, payload(2)), bytearray(PAYLOAD))
     with pytest.raises(ValueError, match="no host pool holds them"):
         theirs.check_pool(None)  # type: ignore[arg-type]  # refused before the pool is read
 
@@ -95,7 +95,8 @@ def test_values_round_trip_in_parts(make_store: Callable[[str], ValueStore], kin
     assert store.put_values(keys, lambda i: halves(data[i])) == [True] * 3
     received = [halves(bytes(PAYLOAD)) for _ in keys]
     asked = keys_of(0, 4)  # the fourth was never stored
-    served = store.get_values(asked, lambda i, value: store.codec.copy_into(value, received[i]))
+    served = store.get_values(asked, lambda i, value: store.codec.copy_into(
+        asked[i], value, received[i]))
     assert served == [True, True, True, False]
     assert [b"".join(parts) for parts in received] == data
     assert store.batch_exists(asked) == 3
@@ -125,4 +126,6 @@ def test_a_shared_hit_is_promoted_to_the_local_part(
     assert store.local.batch_exists(keys) == 2
     local: list[bytes] = []
     store.local.get_values(keys, lambda i, value: local.append(bytes(value)) is None)
-    assert local == taken and [v[HEADER_BYTES:] for v in local] == [payload(20), payload(21)]
+    # a checksum's value has no random salt: the promoted value is the one taken
+    assert local == taken
+    assert [store.codec.decode(k, v) for k, v in zip(keys, local)] == [payload(20), payload(21)]
