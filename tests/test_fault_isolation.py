@@ -275,7 +275,8 @@ async def test_lone_surrogates_are_400_in_every_text_field(client: TestClient) -
         resp = await client.post("/v1/completions", data=body)  # names only, never encoded
         assert resp.status == 200, (body, await resp.text())
     resp = await client.post("/admin/flush", data=bad('{"tiers": [BAD]}'),
-                             headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                             headers={"Authorization": f"Bearer {ADMIN_KEY}",
+                                      "Content-Type": "application/json"})
     assert resp.status == 400
 
 
