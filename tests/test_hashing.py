@@ -3,6 +3,7 @@ they are rooted in: test_fingerprint.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import subprocess
@@ -13,12 +14,15 @@ import pytest
 import torch
 import xxhash
 
+from hicache.storage import hashing
 from hicache.storage.hashing import (
     DIGEST_BYTES,
+    HASH_DOMAIN,
     MAX_TOKEN_ID,
     PageHasher,
     namespace,
 )
+from hicache.storage.page_seal import FleetKeys
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = {"page_size": 2, "model_fingerprint": "f00d", "dtype": "float32", "num_layers": 2,
@@ -126,3 +130,43 @@ def test_bad_arguments_raise() -> None:
         make_hasher(tp_rank=1, tp_size=1)
     with pytest.raises(ValueError, match="16-byte"):
         make_hasher().hash_pages([1, 2], prev=b"short")
+
+
+# ------------------------------------------------------------------------- the fleet secret
+
+
+def test_a_keyed_root_is_a_keyed_blake2b_and_differs_per_secret() -> None:
+    """Without the secret no key can be computed: the root, and so every page key, depends
+    on it; the chain after the root is the same xxh3."""
+    plain = make_hasher()
+    keyed_a = make_hasher(root_key=FleetKeys(b"a" * 32).root_key)
+    keyed_b = make_hasher(root_key=FleetKeys(b"b" * 32).root_key)
+    encrypted_a = make_hasher(root_key=FleetKeys(b"a" * 32, encrypt=True).root_key)
+    roots = {h.root("x") for h in (plain, keyed_a, keyed_b, encrypted_a)}
+    assert len(roots) == 4
+    expected = hashlib.blake2b(HASH_DOMAIN + namespace(**FIELDS, extra_key="x"),
+                               key=FleetKeys(b"a" * 32).root_key,
+                               digest_size=DIGEST_BYTES).digest()
+    assert keyed_a.root("x") == expected
+    first = keyed_a.hash_pages(list(range(FIELDS["page_size"])), extra_key="x")[0]
+    tokens = struct.pack(f"<{FIELDS['page_size']}I", *range(FIELDS["page_size"]))
+    assert first == xxhash.xxh3_128_digest(expected + tokens)
+    assert keyed_a.hash_pages([1] * 8) != plain.hash_pages([1] * 8)
+    assert "a" * 32 not in repr(FleetKeys(b"a" * 32))
+
+
+def test_the_root_cache_is_bounded_and_a_long_salt_costs_one_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hashing, "MAX_CACHED_ROOTS", 8)
+    hasher = make_hasher()
+    first = hasher.root("salt-0")
+    for i in range(20):
+        hasher.root(f"salt-{i}" + "x" * (100_000 if i % 2 else 0))
+    assert hasher.cached_roots() == 8
+    # every entry is a fixed-size digest, whatever the salt's length
+    assert all(len(slot) == hashing.SALT_DIGEST_BYTES for slot in hasher._roots)
+    # an evicted salt is recomputed to the same root; the recent ones stay cached
+    assert hasher.root("salt-0") == first == make_hasher().root("salt-0")
+    assert hasher.cached_roots() == 8
+    hasher.root(None)
+    assert None in hasher._roots
