@@ -32,7 +32,7 @@ from hicache.stats import CacheStats
 from hicache_server.cache_admin import CacheAdmin
 from hicache_server.config import Config
 from hicache_server.field_names import SGLANG_NAMES, FieldNames
-from hicache_server.inbox import SchedulerStopped
+from hicache_server.inbox import QueueFull, SchedulerStopped
 from hicache_server.input_checks import GenerateOptions, InputChecker
 from hicache_server.model_runner import ModelRunner
 from hicache_server.models.loader import load_model
@@ -123,11 +123,13 @@ class Engine:
         self.scheduler = Scheduler(ModelRunner(self.loaded.model, self.cache), self.cache,
                                    self.tokenizer, max_batch_tokens=MAX_BATCH_TOKENS,
                                    max_running=MAX_RUNNING_REQUESTS,
+                                   max_queued=self.config.server.max_queued_requests,
                                    schedule_policy=self.config.server.schedule_policy,
                                    prefill_warmup_s=self.config.storage.prefill_warmup_s)
         self.checker = InputChecker(self.tokenizer, self.vocab_size, self.context_len,
                                     self.cache.slots.device_capacity(),
-                                    self.config.cache.page_size)
+                                    self.config.cache.page_size,
+                                    self.config.server.max_prompt_logprobs)
         self.admin = CacheAdmin(self.cache, self.scheduler, self.checker, self._call,
                                 self._compute_prefix)
         self._storage = StorageAttachment(self.config, self.cache, model, self._pending)
@@ -183,7 +185,14 @@ class Engine:
         """The result; a list of n results for `sampling_params.n` > 1 (`make_requests`)."""
         reqs = self.checker.choices(text, input_ids, sampling_params, extra_key,
                                     GenerateOptions.from_kwargs("generate", options))
-        futures = [self._submit_for_result(req) for req in reqs]  # choice 0 first
+        futures: list[Future] = []
+        try:
+            for req in reqs:  # choice 0 first
+                futures.append(self._submit_for_result(req))
+        except (QueueFull, EngineClosed):  # all n or none: the ones queued stop
+            for req in reqs[:len(futures)]:
+                self.abort(req.rid)
+            raise
         results = [fut.result() for fut in futures]
         return results if len(reqs) > 1 else results[0]
 
@@ -232,6 +241,8 @@ class Engine:
         return self._thread.is_alive() and not self._stop.is_set() and self.fatal_error is None
 
     def _submit(self, req: Request) -> None:
+        """Hand `req` to the scheduler: EngineClosed when shutting down, QueueFull when
+        `server.max_queued_requests` wait already (`hicache_server.inbox`)."""
         if not self._accepting:
             raise EngineClosed("the server is shutting down")
         try:

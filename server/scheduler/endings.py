@@ -11,7 +11,7 @@ returned).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from hicache.door import CacheDoor
@@ -26,9 +26,10 @@ logger = logging.getLogger("hicache_server.scheduler.loop")  # the scheduler's o
 class RequestEndings:
     def __init__(self, cache: CacheDoor, kv: RequestKV, text: OutputText,
                  counters: RequestCounters, waiting: list[Request],
-                 running: list[Request]) -> None:
+                 running: list[Request], unqueue: Callable[[Request], None]) -> None:
         self.cache, self.kv, self.text, self.counters = cache, kv, text, counters
         self.waiting, self.running = waiting, running  # the scheduler's queues
+        self.unqueue = unqueue  # the inbox's count of unadmitted requests (`Inbox.admitted`)
 
     @contextmanager
     def alone(self, req: Request, stage: str) -> Iterator[None]:
@@ -72,6 +73,7 @@ class RequestEndings:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            self.unqueue(req)  # one that ends before it was admitted frees its place
             self.notify(req, True)
 
     def _flush_text(self, req: Request) -> None:

@@ -69,7 +69,7 @@ def fill_end(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheDoor, tokenizer: Tokenizer, *,
-                 max_batch_tokens: int, max_running: int,
+                 max_batch_tokens: int, max_running: int, max_queued: int,
                  schedule_policy: str = "lpm", prefill_warmup_s: float = 0.0) -> None:
         self.runner = runner
         self.prefill_warmup_s = prefill_warmup_s  # timed forwards before the first step
@@ -79,7 +79,7 @@ class Scheduler:
         self.text = OutputText(tokenizer)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.inbox = Inbox()
+        self.inbox = Inbox(max_queued)  # past `max_queued` unadmitted requests: QueueFull
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.kv = RequestKV(cache, self.running)
@@ -89,7 +89,7 @@ class Scheduler:
         self.counters = RequestCounters()
         self.retraction = Retraction(self.kv, self.waiting, self.counters)
         self.endings = RequestEndings(cache, self.kv, self.text, self.counters, self.waiting,
-                                      self.running)
+                                      self.running, self.inbox.admitted)
         self.tokens = TokenChoice(self.text, self.endings.alone, self.endings.fail)
 
     def set_observer(self, observe: Callable[[str, float], None]) -> None:
@@ -100,8 +100,9 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         """Queue a request (any thread); its `on_update` runs on the scheduler thread.
-        Raises SchedulerStopped once the loop has died (`fail_all`)."""
-        self.inbox.put("req", req)
+        Raises QueueFull when `max_queued` requests wait to be admitted already (nothing is
+        queued), SchedulerStopped once the loop has died (`fail_all`)."""
+        self.inbox.put_request(req)
 
     def call(self, fn: Callable[[], Any], when_idle: bool = False) -> Future:
         """Run `fn` on the scheduler thread between steps (after the running requests
@@ -302,6 +303,7 @@ class Scheduler:
                     self.counters.add_cached(counted)
                 self.waiting.remove(req)
                 self.running.append(req)
+                self.inbox.admitted(req)  # a place in the queue for the next request
                 admitted = True
         return admitted
 
