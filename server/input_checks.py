@@ -122,13 +122,15 @@ def _choice(first: Request, index: int) -> Request:
 @dataclass(frozen=True)
 class InputChecker:
     """Checks inputs against one model and cache: its tokenizer, vocabulary and context,
-    and the L1 size (a request must fit in L1 whole) and page size (a pin holds pages)."""
+    the L1 size (a request must fit in L1 whole), the page size (a pin holds pages) and the
+    server's cap on prompt-logprob work."""
 
     tokenizer: Tokenizer
     vocab_size: int
     context_len: int
     l1_tokens: int
     page_size: int
+    max_prompt_logprobs: int  # positions x (top entries + 1) x n a request may ask for
 
     def request(self, text: str | None, input_ids: list[int] | None,
                 sampling_params: dict | None, extra_key: str | None,
@@ -149,8 +151,9 @@ class InputChecker:
             raise InvalidRequest(f"`{names.option('extra_key')}` must be a string")
         if extra_key is not None:
             check_unicode(names.option("extra_key"), extra_key)
-        return Request(RequestInput(ids, params, extra_key,
-                                    **options.checked(len(ids), names)))
+        checked = options.checked(len(ids), names)
+        self._prompt_logprobs(checked, len(ids), params.n, names)
+        return Request(RequestInput(ids, params, extra_key, **checked))
 
     def choices(self, text: str | None, input_ids: list[int] | None,
                 sampling_params: dict | None, extra_key: str | None,
@@ -188,6 +191,24 @@ class InputChecker:
                                  f"({self.l1_tokens} tokens); lower {limit} or raise "
                                  "--max-total-tokens")
         return params
+
+    def _prompt_logprobs(self, checked: dict[str, Any], prompt_len: int, n: int,
+                         names: FieldNames) -> None:
+        """InvalidRequest when the prompt logprobs asked for (positions x (top entries + 1)
+        x n choices) pass `max_prompt_logprobs`: each entry is a list built on the scheduler
+        thread and sent as JSON (~200 bytes with its text)."""
+        start = checked["logprob_start_len"]
+        if not checked["return_logprob"] or start < 0:
+            return
+        positions, top = prompt_len - start, checked["top_logprobs_num"]
+        entries = positions * (top + 1) * n
+        if entries > self.max_prompt_logprobs:
+            top_name, n_name = names.option("top_logprobs_num"), names.sampling("n")
+            raise InvalidRequest(
+                f"prompt logprobs: {positions} prompt positions x ({top} `{top_name}` + 1) x "
+                f"{n} `{n_name}` = {entries} entries, more than this server's limit of "
+                f"{self.max_prompt_logprobs} a request (--max-prompt-logprobs); ask for "
+                "fewer prompt positions, top logprobs or choices")
 
     def _ids(self, ids: Any, public: str) -> list[int]:
         if not isinstance(ids, list) or not all(

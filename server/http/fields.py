@@ -11,7 +11,8 @@
   the engine's `InvalidRequest`).
 
 A nested field is named by its path (`sampling_params.beam`, `stream_options.x`), and warned
-about once under that name.
+about once under that name. The names remembered are bounded (`WarnedNames`): a client that
+sends a new name with every request grows neither memory nor the log.
 
 Threading: the handlers run on the event loop only, so the set of names already warned about
 needs no lock.
@@ -29,8 +30,42 @@ from hicache_server.http.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
-# Field names (with their path) already warned about in this process.
-_warned: set[str] = set()
+# Distinct unknown field names warned about in a process: real clients send a handful
+# (SGLang's bench_serving and guidellm a few each); past this many, a new name is not logged.
+MAX_WARNED_NAMES = 256
+# Characters of an unknown name kept and shown: a name is a handle, and a body may be 8 MiB.
+MAX_NAME_CHARS = 64
+
+
+class WarnedNames:
+    """The unknown field names already warned about, at most `limit`, each cut to
+    `name_chars` characters; once full, new names pass unlogged (one line says so)."""
+
+    def __init__(self, limit: int = MAX_WARNED_NAMES,
+                 name_chars: int = MAX_NAME_CHARS) -> None:
+        if limit < 1 or name_chars < 1:
+            raise ValueError(f"limit and name_chars must be >= 1, got {limit}, {name_chars}")
+        self.limit, self.name_chars = limit, name_chars
+        self.names: set[str] = set()
+        self.full = False  # the line saying that new names go unlogged was written
+
+    def warn_once(self, name: str, route: str) -> None:
+        """Log `name` (sent to `route`) unless it was, or `limit` names were, already."""
+        shown = name if len(name) <= self.name_chars else name[:self.name_chars] + "..."
+        if shown in self.names or self.full:
+            return
+        if len(self.names) >= self.limit:
+            self.full = True
+            logger.warning("%d unknown request field names have been logged; new ones are "
+                           "ignored without a warning from now on", self.limit)
+            return
+        self.names.add(shown)
+        logger.warning("ignoring the unknown request field `%s` (first sent to %s; later "
+                       "requests that carry it are not logged)", shown, route)
+
+
+# The names warned about in this process
+WARNED = WarnedNames()
 
 
 class Only(NamedTuple):
@@ -47,16 +82,8 @@ def known_fields(body: Mapping[str, Any], known: Collection[str], route: str,
     (`prefix` is the path of a nested object, such as "sampling_params.")."""
     for name in body:
         if name not in known:
-            _warn_once(f"{prefix}{name}", route)
+            WARNED.warn_once(f"{prefix}{name}", route)
     return {k: v for k, v in body.items() if k in known}
-
-
-def _warn_once(name: str, route: str) -> None:
-    if name in _warned:
-        return
-    _warned.add(name)
-    logger.warning("ignoring the unknown request field `%s` (first sent to %s; later requests "
-                   "that carry it are not logged)", name, route)
 
 
 def refuse_unsupported(body: Mapping[str, Any], rules: Mapping[str, Only],

@@ -4,6 +4,7 @@ A stream is `data: {json}\\n\\n` per event, then `data: [DONE]\\n\\n`. A request
 fails before its first result is a plain 500 (`start_stream` raises RequestFailed before any
 header is sent); one failing mid-stream ends with an error event in the JSON error shape.
 Closing a results iterator aborts its request: every iterator here closes the one it wraps.
+A reader that stops reading is dropped after `server.stream_write_timeout_s` (`send_sse`).
 
 A request's stream is `hicache_server.updates.Update`s: what is new since the last (the
 text in it settled: never taken back), the last one with the whole result. Several requests
@@ -17,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from hicache_server.engine import Engine
-from hicache_server.http.errors import RequestFailed, error_body, request_failure
+from hicache_server.http.errors import HttpError, RequestFailed, error_body, request_failure
+from hicache_server.http.state import STATE
 from hicache_server.request import Request
 from hicache_server.updates import Update
 
@@ -68,7 +70,13 @@ async def start_streams(engine: Engine, reqs: Sequence[Request]
     prefilled together, not one after another's first token), in the order given: asyncio
     runs the tasks in creation order, and each submits before its first await (choice 0 of
     an `n` must be submitted before the choices that wait for its prompt). When one fails to
-    start, the others are closed (so aborted) before the error goes on."""
+    start (a full queue, say), the others are closed (so aborted) before the error goes on.
+    More requests than the queue ever holds are a 400: a 429 would have them retry forever."""
+    limit = engine.config.server.max_queued_requests
+    if len(reqs) > limit:
+        raise HttpError(400, f"{len(reqs)} sequences in one request (prompts x n) are more "
+                        f"than the server queues at once (server.max_queued_requests, "
+                        f"--max-queued-requests: {limit}); send fewer")
     tasks = [asyncio.ensure_future(start_stream(engine, req)) for req in reqs]
     try:
         return list(await asyncio.gather(*tasks))
@@ -115,23 +123,58 @@ async def last_results(streams: Sequence[AsyncIterator[Update]]) -> list[dict]:
     return last
 
 
+class ReaderStalled(Exception):
+    """A stream's write waited `server.stream_write_timeout_s` for its reader in vain."""
+
+
 async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
     """Write each event as `data: ...`, then `[DONE]`. A client that goes away, before the
-    headers or mid-stream, ends the stream quietly (closing `events` aborts its request)."""
+    headers or mid-stream, ends the stream quietly (closing `events` aborts its request).
+
+    A client that stops reading is dropped: a write waits for the socket to drain (aiohttp
+    buffers 64 KiB, the kernel its socket buffers), and one that waits longer than
+    `server.stream_write_timeout_s` closes the connection and aborts the request, so a
+    stalled reader holds its KV for that long at most. Meanwhile the tokens it has not read
+    wait merged into one update (`hicache_server.updates.Mailbox`), never one per token."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
+    timeout_s = request.app[STATE].engine.config.server.stream_write_timeout_s
+
     try:
-        await resp.prepare(request)
+        await _in_time(resp.prepare(request), timeout_s)
         try:
             async for payload in events:
-                await resp.write(b"data: " + payload + b"\n\n")
+                await _in_time(resp.write(b"data: " + payload + b"\n\n"), timeout_s)
         except RequestFailed as e:  # the request failed mid-stream: its last event says so
-            await resp.write(b"data: " + dumps(error_body(500, str(e))) + b"\n\n")
-        await resp.write(SSE_DONE)
+            error = b"data: " + dumps(error_body(500, str(e))) + b"\n\n"
+            await _in_time(resp.write(error), timeout_s)
+        await _in_time(resp.write(SSE_DONE), timeout_s)
     except ConnectionError:
         logger.info("client of %s went away mid-stream", request.path)
+    except ReaderStalled:
+        _drop_stalled(request, timeout_s)
     finally:
         await events.aclose()
     return resp
+
+
+async def _in_time(write: Awaitable[Any], timeout_s: float) -> None:
+    """Await `write` (of a response to its client); ReaderStalled once it waited
+    `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await write
+    except TimeoutError:
+        raise ReaderStalled(timeout_s) from None
+
+
+def _drop_stalled(request: web.Request, timeout_s: float) -> None:
+    """Close the connection of a reader that took nothing for `timeout_s` (what is still
+    buffered for it is discarded: nobody would read it)."""
+    logger.warning("dropping the client of %s: it read nothing for %g s "
+                   "(server.stream_write_timeout_s); its request is aborted", request.path,
+                   timeout_s)
+    if request.transport is not None:
+        request.transport.abort()
 
 
 async def json_events(items: AsyncIterator[Any]) -> AsyncIterator[bytes]:
