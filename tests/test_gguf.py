@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,7 @@ from hicache_server.models import named
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.gguf import GGUFError, export_hf_folder, find_gguf, hf_config
+from hicache_server.models.gguf_header import check_gguf_header
 from hicache_server.models.loader import load_model, resolve_model, resolve_model_path
 from hicache_server.tokenizer import load_tokenizer
 
@@ -137,6 +139,86 @@ def test_what_cannot_be_served_is_refused_by_name(tmp_path: Path) -> None:
     junk.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(GGUFError, match="not a readable GGUF"):
         load_model(str(junk), device="cpu")
+
+
+def _header(kv_count: int, *entries: bytes, tensor_count: int = 0) -> bytes:
+    """A GGUF v3 header (little-endian) with these counts and raw metadata entries."""
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + b"".join(entries)
+
+
+def _key(name: str, kind: int) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", kind)
+
+
+ARRAY, STRING, UINT8 = 9, 8, 0
+HOSTILE = {  # name: (the file's bytes, what its refusal names)
+    "1e6 claimed bytes in 49": (_header(1, _key("a", ARRAY), struct.pack("<IQ", UINT8, 10**6)),
+                                "the length of metadata 'a' is 1000000"),
+    "2^63 claimed strings": (_header(1, _key("a", ARRAY), struct.pack("<IQ", STRING, 2**63)),
+                             "the length of metadata 'a' is 9223372036854775808"),
+    "strings past the end": (_header(1, _key("a", ARRAY), struct.pack("<IQ", STRING, 3),
+                                     struct.pack("<Q", 8), b"12345678", b"\0" * 8),
+                             "the length of metadata 'a'[2] needs 8 bytes"),
+    "a 2^62-byte string": (_header(1, _key("general.name", STRING), struct.pack("<Q", 2**62)),
+                           "the length of metadata 'general.name'"),
+    "2^40 metadata entries": (_header(2**40), "the header's kv_count is 1099511627776"),
+    "2^40 tensors": (_header(0, tensor_count=2**40), "the header's tensor_count"),
+    "a 10^9-byte key": (_header(1, struct.pack("<Q", 10**9) + b"abc" * 10),
+                        "the length of metadata key #0"),
+    "arrays nested 5 deep": (_header(1, _key("deep", ARRAY), *[struct.pack("<IQ", ARRAY, 1)] * 5,
+                                     struct.pack("<IQ", UINT8, 0)),
+                             "metadata 'deep'[0][0][0][0] nests arrays 5 deep"),
+    "a type GGUF lacks": (_header(1, _key("odd", 13), b"\0" * 8),
+                          "metadata 'odd' has value type 13"),
+    "too many dims": (_header(0, struct.pack("<Q", 1) + b"t" + struct.pack("<I", 9),
+                              b"\0" * 90, tensor_count=1), "tensor 't' has n_dims 9"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_header_claiming_more_than_the_file_is_refused_by_field(name: str,
+                                                                  tmp_path: Path) -> None:
+    """Refused before gguf-py's reader loops over the claims (10^6 of them took ~5 s and
+    ~1 GB there; 2^63 would never end), with the field named, at start-up."""
+    data, field = HOSTILE[name]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    with pytest.raises(GGUFError) as refused:
+        resolve_model_path(str(path))
+    assert field in str(refused.value) and str(path) in str(refused.value)
+    if name == "1e6 claimed bytes in 49":
+        assert len(data) == 49
+
+
+def test_a_truncated_file_names_the_tensor_past_its_end(tmp_path: Path) -> None:
+    whole = write_gguf(tmp_path / "whole.gguf", Q.Q8_0)
+    check_gguf_header(whole)  # a real file passes
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:-1000])
+    last = gguf.GGUFReader(str(whole)).tensors[-1].name
+    with pytest.raises(GGUFError, match=f"tensor '{last}' .* past the file's"):
+        load_model(str(cut), device="cpu")
+
+
+def test_the_header_check_passes_real_files_of_either_byte_order(tmp_path: Path) -> None:
+    """Every file llama.cpp's writer makes passes, a byte-swapped one too (gguf-py reads
+    both), with arrays of strings and of numbers and a tensor per quantisation kind."""
+    for order in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
+        path = tmp_path / f"{order.name}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama", endianess=order)
+        w.add_array("tokenizer.ggml.tokens", ["a", "bc", ""])
+        w.add_array("tokenizer.ggml.scores", [0.5, 1.5, 2.5])
+        w.add_uint32("general.alignment", 64)
+        for i, qtype in enumerate((Q.F32, Q.F16, Q.Q8_0)):
+            values = np.arange(64, dtype=np.float32).reshape(2, 32)
+            data = values if qtype == Q.F32 else gguf.quants.quantize(values, qtype)
+            w.add_tensor(f"t{i}", data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        check_gguf_header(path)
+        assert [t.name for t in gguf.GGUFReader(str(path)).tensors] == ["t0", "t1", "t2"]
 
 
 def test_a_named_model_not_installed_names_the_install_command(

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from hicache_server.models import registry
 from hicache_server.models.fingerprint import GGUF_IDENTITY_KEY
 from hicache_server.models.folders import write_folder
+from hicache_server.models.gguf_header import check_gguf_header
 from hicache_server.models.gguf_tokenizer import GGUFError, tokenizer_config, tokenizer_json
 from hicache_server.models.registry import GGUFSource
 
@@ -98,10 +99,15 @@ def _companion_of(folder: Path, identity: str) -> bool:
 
 
 def _reader(file: Path) -> Any:
+    """gguf-py's reader of `file`, once its header's counts and lengths are checked against
+    the file's size (`gguf_header`: gguf-py loops over whatever a header claims)."""
     import gguf  # here, not at import: only GGUF models need it
 
     try:
+        check_gguf_header(file)
         return gguf.GGUFReader(str(file))
+    except GGUFError:
+        raise
     except (ValueError, OSError) as e:  # a bad magic, a truncated file
         raise GGUFError(f"{file} is not a readable GGUF file: {e}") from None
 
