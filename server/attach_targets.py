@@ -81,7 +81,10 @@ class AttachTargets:
     def __init__(self, launch: StorageConfig) -> None:
         self.launch = launch
         self.roots = launch.attach_roots
-        self.redis = redis_endpoint(launch.redis.url)
+        try:
+            self.redis: RedisEndpoint | None = redis_endpoint(launch.redis.url)
+        except ValueError:  # a bad port: a server without Redis starts all the same
+            self.redis = None
 
     def check(self, backend: str, sent: Mapping[str, Mapping[str, Any]],
               storage: StorageConfig) -> None:
@@ -153,6 +156,10 @@ class AttachTargets:
             raise StorageChangeRefused(f"storage.redis.url {redact_url(url)!r} is not a "
                                        "Redis URL (a bad port)") from None
         allowed = self.redis
+        if allowed is None:
+            raise StorageChangeRefused("storage.redis.url: the start-up URL names no usable "
+                                       "endpoint (a bad port), and an attach may reach no "
+                                       "other; restart the server with a valid one")
         if asked._replace(tls=False) != allowed._replace(tls=False) or \
                 (allowed.tls and not asked.tls):
             tls = " over TLS (rediss://)" if allowed.tls else ""

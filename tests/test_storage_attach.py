@@ -22,6 +22,8 @@ from http_helpers import PAGE, backed_up, error_of, tiers
 from typing_extensions import Self
 
 from hicache.config import REDACTED
+from hicache.config_storage import RedisConfig, StorageConfig
+from hicache_server.attach_targets import AttachTargets
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
 from hicache_server.storage_attach import StorageChangeRefused
@@ -529,3 +531,23 @@ async def test_an_error_quoting_a_sent_url_hides_its_password(client: TestClient
             "hicache_storage_backend_extra_config_json": {"url": "http://:pw-9a7e@x:1/0"}}
     message = await error_of(await client.put(ROUTE, json=body))
     assert "must start with one of" in message and "pw-9a7e" not in message
+
+
+@pytest.mark.parametrize(("start", "asked", "allowed"), [
+    ("redis://10.0.0.5:6379/0", "redis://10.0.0.5/3", True),  # the default port, another db
+    ("redis://10.0.0.5:6379/0", "rediss://10.0.0.5:6379/0", True),  # TLS is never worse
+    ("redis://10.0.0.5:6379/0", "redis://10.0.0.6:6379/0", False),
+    ("redis://10.0.0.5:6379/0", "redis://10.0.0.5:6380/0", False),
+    ("rediss://cache.internal:6379/0", "redis://cache.internal:6379/0", False),  # no downgrade
+    ("rediss://Cache.Internal:6379/0", "rediss://cache.internal:6379/1", True),
+    ("unix:///run/redis.sock", "unix:///run/redis.sock?db=2", True),
+    ("unix:///run/redis.sock", "unix:///tmp/other.sock", False),
+    ("redis://10.0.0.5:99999/0", "redis://10.0.0.5:99999/0", False)])  # no usable endpoint
+def test_the_redis_endpoint_rule(start: str, asked: str, allowed: bool) -> None:
+    targets = AttachTargets(StorageConfig(redis=RedisConfig(url=start)))
+    storage = StorageConfig(backend="redis", redis=RedisConfig(url=asked))
+    if allowed:
+        targets.check("redis", {}, storage)
+        return
+    with pytest.raises(StorageChangeRefused, match="storage.redis.url"):
+        targets.check("redis", {}, storage)
