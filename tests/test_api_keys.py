@@ -8,18 +8,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from api_key_helpers import bearer, denied, keyed_client
 from conftest import small_engine
+from test_server_process import EXIT_TIMEOUT_S, REPO, START_TIMEOUT_S, running
 
 from hicache.config import REDACTED
 from hicache_server.api_keys import OPEN, ApiKeys, ApiKeysError, load_api_keys, read_tenants
@@ -30,8 +33,6 @@ KEY = "sk-operator-0123456789"
 WRONG = "sk-wrong-9876543210"
 PROMPT = [(11 * i) % 250 + 3 for i in range(48)]  # three full pages
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
-REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 120.0  # a bound: the refusal comes before the model loads, in seconds
 OPEN_PATHS = {"/health", "/metrics"}
 
 
@@ -232,6 +233,33 @@ def test_a_readable_file_loads_and_identifies(tmp_path: Path,
         ("alice",), ("bob",), (None,), None]
     assert "readable by other users" in caplog.text and "sk-alice" not in caplog.text
     assert load_api_keys(None, None) is OPEN and not OPEN.required
+
+
+async def test_the_real_process_takes_its_key_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hicache-server` with HICACHE_API_KEY (out of `ps`) and a tenant: each key works,
+    none is ever written to the log."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"alice": "sk-alice-process"}))
+    path.chmod(0o600)
+    monkeypatch.setenv("HICACHE_API_KEY", KEY)
+    args = ["--port", "0", "--device", "cpu", "--max-total-tokens", "2048",
+            "--api-keys-file", str(path)]
+    with running(args) as (server, base):
+        async with aiohttp.ClientSession() as session:
+            url, body = f"{base}/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}
+            async with session.post(url, json=body) as resp:
+                await denied(resp, wrong=False)
+            for key in (KEY, "sk-alice-process"):
+                async with session.post(url, json=body, headers=bearer(key)) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with session.get(f"{base}/health") as resp:
+                assert resp.status == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+        log = server.rest_of_log()
+    assert "inference routes: bearer key required; 1 tenant(s)" in log
+    assert KEY not in log and "sk-alice-process" not in log
 
 
 def test_launch_refuses_a_bad_keys_file_before_loading_the_model(tmp_path: Path) -> None:
