@@ -33,6 +33,7 @@ from hicache_server.models import LoadedModel, ModelArchConfig, load_model
 from hicache_server.models.attention import TorchAttention
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.gguf import GGUFError, hf_config
+from hicache_server.models.kernels import cpu_layer
 from hicache_server.models.loader import embedded_tokenizer_files
 
 SEED = 5
@@ -198,13 +199,17 @@ def test_greedy_decode_through_the_pool_is_transformers_greedy(
     assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
 
 
-def test_no_q_k_norms_and_only_rope_on_the_layer_kernel(
+def test_no_q_k_norms_and_every_layer_op_on_the_layer_kernel(
         checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    """Gemma 3's body without q/k norms: its four norms a layer, RoPE and GeGLU on the
+    layer kernel where it builds."""
     lm = load_model(str(checkpoint[0]), device="cpu")
     names = dict(lm.model.named_parameters())
     assert not any("q_norm" in n or "k_norm" in n for n in names)
     assert sum(n.endswith("layernorm.weight") for n in names) == 4 * lm.config.num_hidden_layers
-    assert lm.model.layer_ops in ("torch", "CpuLayerKernel (RoPE)")
+    assert lm.model.layer_ops == ("CpuLayerKernel" if cpu_layer.supported() else "torch")
+    mlp = lm.model.model.layers[0].mlp
+    assert mlp.kernel is lm.model.model.norm.kernel is lm.model.model.rotary_emb.kernel
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -21,6 +21,7 @@ from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits, run
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import LoadedModel, ModelArchConfig, load_model
 from hicache_server.models.cpu_forward import LeanForward
+from hicache_server.models.kernels import cpu_layer
 from hicache_server.models.linear import Linear
 from hicache_server.models.named import named_model_file
 
@@ -190,16 +191,49 @@ def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
         assert k[slots].abs().sum(-1).gt(0).all() and v[slots].abs().sum(-1).gt(0).all()
 
 
-def test_no_lean_path_and_only_rope_on_the_layer_kernel(
+def test_no_lean_path_and_every_layer_op_on_the_layer_kernel(
         checkpoint: tuple[Path, torch.nn.Module]) -> None:
-    """LeanForward binds Llama's layers; Gemma's norms are not the layer kernel's RMSNorm."""
+    """LeanForward binds Llama's layers; the layer kernel runs Gemma's norms (the q/k norms
+    too), RoPE and GeGLU, every one of them where it builds."""
     lm = load_model(str(checkpoint[0]), device="cpu")
     assert LeanForward.build(lm.model.model, lm.config, lm.dtype) is None
     assert not hasattr(lm.model.model, "lean")
-    assert lm.model.layer_ops in ("torch", "CpuLayerKernel (RoPE)")
-    on_layer_kernel = [name for name, m in lm.model.named_modules()
-                       if hasattr(m, "kernel") and not isinstance(m, Linear)]
-    assert on_layer_kernel == ["model.rotary_emb", "model.rotary_emb_local"]
+    on_layer_kernel = {name for name, m in lm.model.named_modules()
+                       if hasattr(m, "kernel") and not isinstance(m, Linear)}
+    layers = lm.config.num_hidden_layers
+    per_layer = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm", "mlp")
+    assert on_layer_kernel == {"model.rotary_emb", "model.rotary_emb_local", "model.norm",
+                               *(f"model.layers.{i}.{op}" for i in range(layers)
+                                 for op in per_layer)}
+    kernels = {lm.model.get_submodule(name).kernel for name in on_layer_kernel}
+    if cpu_layer.supported():
+        assert lm.model.layer_ops == "CpuLayerKernel" and None not in kernels
+        assert len(kernels) == 1
+    else:
+        assert lm.model.layer_ops == "torch" and kernels == {None}
+
+
+@pytest.mark.parametrize(("dtype", "rel"), [("float32", 1e-5), ("bfloat16", BF16_REL)])
+def test_the_layer_kernel_and_torchs_ops_agree(checkpoint: tuple[Path, torch.nn.Module],
+                                               prompt: torch.Tensor, dtype: str,
+                                               rel: float) -> None:
+    """The same model on the layer kernel and on its torch references (the
+    HICACHE_CPU_LAYER_OPS=torch path, and every non-CPU device's): the logits of every
+    position agree within float rounding, the bfloat16 ones within bfloat16's."""
+    if not cpu_layer.supported():
+        pytest.skip("the CPU layer kernels need AVX-512F and a C compiler")
+    lm = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
+    kernel = lm.model.model.norm.kernel
+    assert kernel is not None
+    pool = make_pool(lm.config, lm.dtype)
+    slots = alloc(pool, PROMPT_LEN)
+    on_kernel = run(lm, pool, prompt, slots, prefix=0)
+    lm.model.use_layer_kernel(None)
+    assert lm.model.layer_ops == "torch"
+    on_torch = run(lm, pool, prompt, slots, prefix=0)
+    assert not torch.equal(on_kernel, on_torch)  # the kernel ran: its float32 rounds differ
+    assert_rel_close(on_kernel, on_torch, rel=rel)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

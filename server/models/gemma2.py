@@ -37,13 +37,12 @@ from hicache_server.models.config import (
     parse_rope,
     windows_of,
 )
+from hicache_server.models.gemma3 import GELU_TANH, Gemma3Model, gemma_kernel_modules
 from hicache_server.models.gemma3 import GGUF_TENSOR_NAMES as GEMMA3_TENSOR_NAMES
-from hicache_server.models.gemma3 import Gemma3Model
 from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.registry import Architecture, GGUFForm, GGUFSource
 
 GEMMA2 = "Gemma2ForCausalLM"
-GELU_TANH = "gelu_pytorch_tanh"  # the one activation Gemma 2 uses (gemma3.py computes it)
 # Gemma2Config's defaults, for the keys a config.json may leave out
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216,
@@ -59,8 +58,6 @@ class Gemma2ForCausalLM(CausalLM):
     """Gemma 2's decoder (`CausalLM`'s contract): Gemma 3's body without q/k norms, its
     logits soft-capped."""
 
-    kernel_ops = "RoPE"
-
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         device = torch.device(device)
@@ -68,9 +65,8 @@ class Gemma2ForCausalLM(CausalLM):
         super().__init__(config, body, dtype, device)
 
     def _layer_kernel_modules(self) -> list[nn.Module]:
-        """RoPE (one base, held twice by Gemma 3's body): the kernel's RMSNorm is Llama's and
-        its activation SiLU."""
-        return [self.model.rotary_emb, self.model.rotary_emb_local]
+        """Gemma 3's: the norms, RoPE and GeGLU."""
+        return gemma_kernel_modules(self)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits, `c * tanh(x / c)` with c the final cap."""

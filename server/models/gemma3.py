@@ -14,8 +14,11 @@ Its registry entry (`ARCHITECTURES`) reads its config.json keys (Gemma3TextConfi
 for those left out) and llama.cpp's `gemma3` GGUF form.
 
 Every layer's K/V is written to the pool at `batch.out_slots` (the cache keeps all layers'
-KV of every token). Of the layer kernel only RoPE applies: its RMSNorm is Llama's arithmetic
-and its activation SiLU. There is no lean path (`LeanForward` is Llama's).
+KV of every token). On the CPU the layer kernel runs all of a layer's ops but its matmuls
+and attention: RoPE, the norms (Gemma's arithmetic: `gemma_rms_norm`, and a norm after a
+branch, the residual add and the next norm in one pass: `gemma_norm_add_norm`) and GeGLU
+(`gelu_tanh_mul`); elsewhere their torch references of the same signature. There is no lean
+path (`LeanForward` is Llama's).
 
 Threading: `forward` runs on the scheduler thread, which owns the KV pool it writes.
 """
@@ -23,7 +26,7 @@ Threading: `forward` runs on the scheduler thread, which owns the KV pool it wri
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -42,8 +45,16 @@ from hicache_server.models.config import (
     parse_rope,
     windows_of,
 )
+from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.gguf_tokenizer import GGUFError
+from hicache_server.models.kernels.cpu_layer import (
+    CpuLayerKernel,
+    NormAdd,
+    gelu_tanh_mul_reference,
+    gemma_norm_add_norm_reference,
+    gemma_rms_norm_reference,
+)
 from hicache_server.models.linear import Linear, make_param
 from hicache_server.models.llama import LLAMA_TENSOR_NAMES
 from hicache_server.models.registry import Architecture, GGUFForm, GGUFSource
@@ -62,25 +73,51 @@ _DEFAULTS: dict[str, Any] = {
 ROPE_THETAS = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
 # Without `layer_types`, every Nth layer is full, the others slide (transformers' default N)
 LAYER_PATTERN = 6
-# config.hidden_act -> the function (transformers' ACT2FN["gelu_pytorch_tanh"] is this call)
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
+# The one activation: transformers' ACT2FN["gelu_pytorch_tanh"], GeGLU's (gelu_tanh_mul)
+GELU_TANH = "gelu_pytorch_tanh"
 
 
 class GemmaRMSNorm(nn.Module):
     """transformers' Gemma3RMSNorm: `x` normalised in float32, times `1 + w` in float32, then
-    cast to x's dtype (Llama casts before its product). `weight` holds w, as checkpoints do."""
+    cast to x's dtype (Llama casts before its product). `weight` holds w, as checkpoints do;
+    `one_plus_w` the float32 `1.0 + w.float()` that transformers computes every call, the
+    same bits computed once per weight."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = make_param((size,), dtype, device, fill=0.0)
+        self.kernel: CpuLayerKernel | None = None  # on the CPU: one C pass
+        self._folded: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    @property
+    def one_plus_w(self) -> torch.Tensor:
+        """float32 `[size]`, refolded when the weight's storage or version moves (a load)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._folded is None or self._folded[0] != key:
+            with torch.no_grad():
+                self._folded = (key, 1.0 + self.weight.detach().float())
+        return self._folded[1]
+
+    def _on_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernel is not None and x.dtype in KERNEL_DTYPES and x.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        """x `[M, H]`, or `[T, heads, H]` per head (q or k)."""
+        if self._on_kernel(x):
+            return self.kernel.gemma_rms_norm(x, self.one_plus_w, self.eps)
+        return gemma_rms_norm_reference(x, self.one_plus_w, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                 next_norm: GemmaRMSNorm) -> NormAdd:
+        """`(next_norm(residual + self(x)), residual + self(x))`: this norm on a branch's
+        output, the residual add, the norm of what comes next, in one pass on the kernel
+        (every Gemma norm has the config's one eps)."""
+        if self._on_kernel(x) and x.dim() == 2 and residual.is_contiguous():
+            return self.kernel.gemma_norm_add_norm(x, self.one_plus_w, residual,
+                                                   next_norm.one_plus_w, self.eps)
+        return gemma_norm_add_norm_reference(x, self.one_plus_w, residual,
+                                             next_norm.one_plus_w, self.eps)
 
 
 class Gemma3Attention(nn.Module):
@@ -125,11 +162,13 @@ class Gemma3MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], False, dtype, device)
         self.down_proj = Linear(inter, [config.hidden_size], False, dtype, device)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.kernel: CpuLayerKernel | None = None  # on the CPU: gelu_tanh * up in C
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
+        if self.kernel is not None and gate_up.dtype in KERNEL_DTYPES and gate_up.dim() == 2:
+            return self.down_proj(self.kernel.gelu_tanh_mul(gate_up))
+        return self.down_proj(gelu_tanh_mul_reference(gate_up))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -144,12 +183,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(config, dtype, device)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, batch: ForwardBatch,
-                kv_pool: DeviceKVPool) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), rope, batch, kv_pool)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(m)
+    def forward(self, x: torch.Tensor, h: torch.Tensor, rope: RotaryEmbedding,
+                batch: ForwardBatch, kv_pool: DeviceKVPool, next_norm: GemmaRMSNorm) -> NormAdd:
+        """x: `input_layernorm(h)`, h the residual stream `[T, hidden]`; returns
+        `next_norm` of the layer's output (the next layer's x) and the output itself, each
+        norm after a branch fused with the add and the norm that follow it."""
+        a = self.self_attn(x, rope, batch, kv_pool)
+        x, h = self.post_attention_layernorm.add_norm(a, h, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_norm(self.mlp(x), h, next_norm)
 
 
 class Gemma3Model(nn.Module):
@@ -158,9 +199,9 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device, qk_norm: bool = True) -> None:
         super().__init__()
-        if config.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"Gemma 3: hidden_act {config.hidden_act!r} is not one of "
-                             f"{list(_ACTIVATIONS)}")
+        if config.hidden_act != GELU_TANH:
+            raise ValueError(f"Gemma 3: hidden_act {config.hidden_act!r} is not supported; "
+                             f"supported: {GELU_TANH}")
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = make_param((config.vocab_size, config.hidden_size), dtype,
                                               device)
@@ -180,17 +221,16 @@ class Gemma3Model(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
         h = F.embedding(batch.input_ids, self.embed_tokens.weight) * self.embed_scale
-        for layer in self.layers:  # [T, hidden]
-            window = layer.self_attn.window
-            rope = self.rotary_emb if window is None else self.rotary_emb_local
-            h = layer(h, rope, batch, kv_pool)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)  # [T, hidden], as h
+        next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            rope = self.rotary_emb if layer.self_attn.window is None else self.rotary_emb_local
+            x, h = layer(x, h, rope, batch, kv_pool, next_norm)
+        return x  # the final norm's
 
 
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3's text decoder (`CausalLM`'s contract)."""
-
-    kernel_ops = "RoPE"
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -198,8 +238,16 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, Gemma3Model(config, attn_backend, dtype, device), dtype, device)
 
     def _layer_kernel_modules(self) -> list[nn.Module]:
-        """RoPE, both bases: the kernel's RMSNorm is Llama's and its activation SiLU."""
-        return [self.model.rotary_emb, self.model.rotary_emb_local]
+        """Gemma's norms, RoPE (both bases) and GeGLU: all of a layer's ops but its matmuls
+        and attention."""
+        return gemma_kernel_modules(self)
+
+
+def gemma_kernel_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of a Gemma 2 or 3 model that run on the layer kernel (the first is a
+    norm, which `CausalLM.layer_ops` reads)."""
+    return [m for m in model.modules()
+            if isinstance(m, (GemmaRMSNorm, RotaryEmbedding, Gemma3MLP))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,9 +263,9 @@ def _config_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in refused.items():
         if value:
             raise ValueError(f"config.json: {key}={value} is not supported for {GEMMA3}")
-    if d["hidden_activation"] not in _ACTIVATIONS:
+    if d["hidden_activation"] != GELU_TANH:
         raise ValueError(f"config.json: hidden_activation {d['hidden_activation']!r} is not "
-                         f"supported; supported: {', '.join(_ACTIVATIONS)}")
+                         f"supported; supported: {GELU_TANH}")
     window = None if d["sliding_window"] is None else int(d["sliding_window"])
     pattern = int(d.get("sliding_window_pattern") or LAYER_PATTERN)
     types = layer_types(d, lambda i: SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION)
@@ -281,7 +329,7 @@ def _gguf_config(source: GGUFSource) -> dict[str, Any]:
             "sliding_window_pattern": LAYER_PATTERN,
             "rope_local_base_freq": GGUF_LOCAL_ROPE_BASE,
             "query_pre_attn_scalar": hidden // heads if layers == GGUF_27B_LAYERS else head_dim,
-            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_activation": GELU_TANH,
             "attn_logit_softcapping": source.meta.get("gemma3.attn_logit_softcapping"),
             "final_logit_softcapping": source.meta.get("gemma3.final_logit_softcapping")}
 

@@ -9,6 +9,12 @@ OpenMP).
                                                      # (the first 2 * cos.shape[1] of each head)
     act = layer.silu_mul(gate_up)                    # [M, 2I] -> [M, I]
 
+Gemma's (float32 `1 + w` weights, see `gemma_rms_norm_reference` for the arithmetic):
+
+    out = layer.gemma_rms_norm(x, one_plus_w, eps)   # x [M, H] or [T, heads, H]
+    out, h = layer.gemma_norm_add_norm(x, w1, h, w2, eps)  # h += norm1(x), out = norm2(h)
+    act = layer.gelu_tanh_mul(gate_up)               # GeGLU, [M, 2I] -> [M, I]
+
 Each is one pass over its rows where torch dispatches four to eight ops; every row is
 computed alone, so a row's bits do not depend on its batch. RoPE is torch's arithmetic
 exactly; RMSNorm and SiLU round differently from torch, within float32 rounding. Every
@@ -26,8 +32,10 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from hicache_server.models.kernels import cpu_build
 
@@ -35,6 +43,13 @@ _SOURCE = Path(__file__).with_name("src") / "cpu_layer.c"
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+class NormAdd(NamedTuple):
+    """`gemma_norm_add_norm`'s result: the next norm's output and the new residual."""
+
+    out: torch.Tensor  # [M, H], the input of the MLP (or of the next layer)
+    total: torch.Tensor  # [M, H], residual + the normalised branch
 
 
 def _float_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
@@ -69,8 +84,15 @@ class CpuLayerKernel:
         self._silu = library.hicache_silu_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, i64, ptr, i32]
-        self._bf16 = {}  # the same three for bfloat16, by name
-        for name, f32 in (("norm", self._norm), ("rope", self._rope), ("silu", self._silu)):
+        self._gemma_norm = library.hicache_gemma_norm_f32
+        self._gemma_norm.restype = None
+        self._gemma_norm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
+        self._gelu = library.hicache_gelu_tanh_mul_f32
+        self._gelu.restype = None
+        self._gelu.argtypes = self._silu.argtypes
+        self._bf16 = {}  # the same for bfloat16, by name
+        for name, f32 in (("norm", self._norm), ("rope", self._rope), ("silu", self._silu),
+                          ("gemma_norm", self._gemma_norm), ("gelu", self._gelu)):
             fn = getattr(library, f32.__name__.replace("_f32", "_bf16"))
             fn.restype, fn.argtypes = None, f32.argtypes
             self._bf16[name] = fn
@@ -162,11 +184,52 @@ class CpuLayerKernel:
         _check_out("out", out, gate_up.dtype, (gate_up.shape[0], gate_up.shape[1] // 2))
         return self._silu_call(gate_up, out, _threads(threads))
 
-    def _silu_call(self, gate_up: torch.Tensor, out: torch.Tensor,
-                   threads: int) -> Callable[[], None]:
+    def _silu_call(self, gate_up: torch.Tensor, out: torch.Tensor, threads: int,
+                   name: str = "silu") -> Callable[[], None]:
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        return functools.partial(self._fn("silu", gate_up.dtype), gate_up.data_ptr(), rows,
+        return functools.partial(self._fn(name, gate_up.dtype), gate_up.data_ptr(), rows,
                                  inter, out.data_ptr(), threads)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`gelu_tanh(gate) * up` of contiguous `[M, 2 I]` (gate | up) -> `[M, I]`, as
+        `gelu_tanh_mul_reference` (Gemma's GeGLU)."""
+        _check_gate_up(gate_up)
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        if out.shape[0]:
+            self._silu_call(gate_up, out, torch.get_num_threads(), "gelu")()
+        return out
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> torch.Tensor:
+        """`gemma_rms_norm_reference` of x `[M, H]` (rows any stride) or `[T, heads, H]`
+        (each row's heads contiguous: q or k of a q|k|v row, per head), weight the float32
+        `[H]` of `1 + w`; the result contiguous, x's shape and dtype."""
+        rows, heads = _check_gemma_x(x, weight)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if rows:
+            self._fn("gemma_norm", x.dtype)(
+                x.data_ptr(), _row_stride(x), heads, weight.data_ptr(), None, None, None, eps,
+                rows * heads, x.shape[-1], out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def gemma_norm_add_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                            residual: torch.Tensor, next_weight: torch.Tensor,
+                            eps: float) -> NormAdd:
+        """`gemma_norm_add_norm_reference`: x `[M, H]` (rows any stride), residual
+        contiguous `[M, H]` of x's dtype, both weights float32 `[H]`; new tensors."""
+        rows, _ = _check_gemma_x(x, weight, heads_allowed=False)
+        _check_gemma_weight("next_weight", next_weight, x.shape[1])
+        if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError(f"residual must be contiguous {x.dtype} {tuple(x.shape)}, got "
+                             f"{residual.dtype} {tuple(residual.shape)} strides "
+                             f"{residual.stride()}")
+        out, total = torch.empty_like(residual), torch.empty_like(residual)
+        if rows:
+            self._fn("gemma_norm", x.dtype)(
+                x.data_ptr(), _row_stride(x), 1, weight.data_ptr(), residual.data_ptr(),
+                total.data_ptr(), next_weight.data_ptr(), eps, rows, x.shape[1],
+                out.data_ptr(), torch.get_num_threads())
+        return NormAdd(out, total)
 
 
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -217,6 +280,30 @@ def _check_gate_up(gate_up: torch.Tensor) -> None:
                          f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
 
 
+def _check_gemma_x(x: torch.Tensor, weight: torch.Tensor,
+                   heads_allowed: bool = True) -> tuple[int, int]:
+    """(rows, heads) of a Gemma norm's input: `[M, H]` rows any stride, or (heads_allowed)
+    `[T, heads, H]` with each row's heads contiguous; weight float32 contiguous `[H]`."""
+    if x.dim() == 3 and heads_allowed:
+        rows, heads, hidden = x.shape
+        if (x.dtype not in DTYPES or x.device.type != "cpu" or x.stride(2) != 1
+                or x.stride(1) != hidden or (rows > 1 and x.stride(0) < heads * hidden)):
+            raise ValueError(f"x must be float32 or bfloat16 [T, heads, H] on the CPU with each "
+                             f"row's heads contiguous, got {x.dtype} {tuple(x.shape)} strides "
+                             f"{x.stride()} on {x.device}")
+    else:
+        _float_rows("x", x)
+        rows, heads = x.shape[0], 1
+    _check_gemma_weight("weight", weight, x.shape[-1])
+    return rows, heads
+
+
+def _check_gemma_weight(name: str, weight: torch.Tensor, hidden: int) -> None:
+    if weight.dtype != torch.float32 or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"a Gemma norm's {name} must be float32 [{hidden}] contiguous "
+                         f"(1 + w), got {weight.dtype} {tuple(weight.shape)}")
+
+
 def _threads(threads: int) -> int:
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -228,6 +315,35 @@ def check_positions(positions: torch.Tensor, limit: int) -> None:
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= limit):
         raise ValueError(f"positions must lie in [0, {limit}), got [{int(positions.min())}, "
                          f"{int(positions.max())}]")
+
+
+# ------------------------------------------------------------------------- torch references
+# Gemma's ops as transformers computes them (Gemma3RMSNorm, Gemma3MLP), the kernels' shapes.
+
+
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float
+                             ) -> torch.Tensor:
+    """x normalised in float32, times the float32 `weight` (transformers' `1.0 +
+    w.float()`: the same bits folded once), cast to x's dtype once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
+
+
+def gemma_norm_add_norm_reference(x: torch.Tensor, weight: torch.Tensor,
+                                  residual: torch.Tensor, next_weight: torch.Tensor,
+                                  eps: float) -> NormAdd:
+    """`total = residual + norm(x, weight)` (a norm after attention or the MLP, then the
+    residual add), `out = norm(total, next_weight)` (the norm before what comes next)."""
+    total = residual + gemma_rms_norm_reference(x, weight, eps)
+    return NormAdd(gemma_rms_norm_reference(total, next_weight, eps), total)
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` of `[M, 2 I]` (transformers' Gemma MLP; each op rounds to the
+    input's dtype)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def supported() -> bool:

@@ -12,6 +12,11 @@
  *              rotary_dim (even, <= head_dim) values of each head are rotated, the rest
  *              kept (partial rotary, Phi-4-mini's; rotary_dim = head_dim for the others)
  *   silu_mul   gate_up [M, 2 I] contiguous (gate | up); out [M, I] contiguous
+ *   gelu_tanh_mul   as silu_mul (Gemma's GeGLU)
+ *   gemma_norm x [M / heads, heads, H]: rows `ldx` apart, each row's heads contiguous
+ *              (heads = 1: x [M, H]); weight, next_weight [H] float32 (Gemma's 1 + w);
+ *              residual and sum [M, H] contiguous (sum may be the residual), or NULL;
+ *              out [M, H] contiguous
  *
  * What must stay true: every row is computed alone, the same way whatever rows share the
  * call (a token's bits do not depend on its batch). RoPE is exactly torch's arithmetic
@@ -33,6 +38,7 @@
 
 #include "cpu_bf16.h"
 #include "cpu_exp.h"
+#include "cpu_tanh.h"
 
 #define VEC 16
 #define PARALLEL_MIN_FLOATS 65536  /* below this a call stays on the calling thread */
@@ -194,4 +200,121 @@ void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16
             store_bf16_ps(k, o + i, _mm512_mul_ps(act, load_bf16(k, u + i)));
         }
     }
+}
+
+/* ------------------------------------------------------------------------ Gemma's ops
+ * Both dtypes from one body each (`bf16` a constant at every call, so the compiler keeps
+ * two copies without the branch). Gemma rounds differently from Llama: its RMSNorm keeps
+ * the normalised row in float32, multiplies by the float32 1 + w and rounds once
+ * (transformers' Gemma3RMSNorm); the residual sum and GeGLU's gelu_tanh(gate), then its
+ * product with up, round as in SiLU * up. */
+
+static inline __m512 load_any(const void *p, int64_t i, __mmask16 k, int bf16) {
+    return bf16 ? load_bf16(k, (const uint16_t *)p + i) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+static inline void store_any(void *p, int64_t i, __mmask16 k, __m512 v, int bf16) {
+    if (bf16)
+        store_bf16_ps(k, (uint16_t *)p + i, v);
+    else
+        _mm512_mask_storeu_ps((float *)p + i, k, v);
+}
+
+static inline __m512 round_any(__m512 v, int bf16) { return bf16 ? rne_bf16(v) : v; }
+
+static inline const void *row_at(const void *p, int64_t offset, int bf16) {
+    return (const char *)p + offset * (bf16 ? 2 : 4);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row, the squares summed in 16 lanes in order. */
+static inline float inv_rms(const void *x, int64_t H, float eps, int bf16) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += VEC) {
+        const __m512 h = load_any(x, i, tail_mask(H - i), bf16);
+        sq = _mm512_fmadd_ps(h, h, sq);
+    }
+    return 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
+}
+
+/* Without a residual: out = (x * s) * weight. With one: sum = residual + that (Gemma's
+ * norm after the attention or the MLP, then the add) and out = (sum * s') * next_weight
+ * (the next norm, before the MLP or the next layer): three of transformers' modules in one
+ * pass, the sum kept for the residual stream. */
+static inline void gemma_norm(const void *x, int64_t ldx, int64_t heads, const float *weight,
+                              const void *residual, void *sum, const float *next_weight,
+                              float eps, int64_t M, int64_t H, void *out, int threads,
+                              int bf16) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * H >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const void *xr = row_at(x, (m / heads) * ldx + (m % heads) * H, bf16);
+        const __m512 s = _mm512_set1_ps(inv_rms(xr, H, eps, bf16));
+        void *target = (void *)(residual ? row_at(sum, m * H, bf16) : row_at(out, m * H, bf16));
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            __m512 n = _mm512_mul_ps(_mm512_mul_ps(load_any(xr, i, k, bf16), s),
+                                     _mm512_maskz_loadu_ps(k, weight + i));
+            if (residual)  /* the branch rounded, then the sum */
+                n = _mm512_add_ps(load_any(row_at(residual, m * H, bf16), i, k, bf16),
+                                  round_any(n, bf16));
+            store_any(target, i, k, n, bf16);
+        }
+        if (!residual)
+            continue;
+        const __m512 s2 = _mm512_set1_ps(inv_rms(target, H, eps, bf16));
+        void *o = (void *)row_at(out, m * H, bf16);
+        for (int64_t i = 0; i < H; i += VEC) {
+            const __mmask16 k = tail_mask(H - i);
+            store_any(o, i, k, _mm512_mul_ps(_mm512_mul_ps(load_any(target, i, k, bf16), s2),
+                                             _mm512_maskz_loadu_ps(k, next_weight + i)), bf16);
+        }
+    }
+}
+
+void hicache_gemma_norm_f32(const float *x, int64_t ldx, int64_t heads, const float *weight,
+                            const float *residual, float *sum, const float *next_weight,
+                            float eps, int64_t M, int64_t H, float *out, int threads) {
+    gemma_norm(x, ldx, heads, weight, residual, sum, next_weight, eps, M, H, out, threads, 0);
+}
+
+void hicache_gemma_norm_bf16(const uint16_t *x, int64_t ldx, int64_t heads,
+                             const float *weight, const uint16_t *residual, uint16_t *sum,
+                             const float *next_weight, float eps, int64_t M, int64_t H,
+                             uint16_t *out, int threads) {
+    gemma_norm(x, ldx, heads, weight, residual, sum, next_weight, eps, M, H, out, threads, 1);
+}
+
+/* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in the order of
+ * torch's vectorised CPU kernel (GeluKernelImpl, approximate="tanh"), no FMA. */
+static inline __m512 gelu_tanh_ps(__m512 x) {
+    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
+                         _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_ps(inner)));
+}
+
+static inline void gelu_tanh_mul(const void *gate_up, int64_t M, int64_t I, void *out,
+                                 int threads, int bf16) {
+    #pragma omp parallel for schedule(static) num_threads(threads) \
+        if (M * I >= PARALLEL_MIN_FLOATS)
+    for (int64_t m = 0; m < M; ++m) {
+        const void *g = row_at(gate_up, m * 2 * I, bf16), *u = row_at(g, I, bf16);
+        void *o = (void *)row_at(out, m * I, bf16);
+        for (int64_t i = 0; i < I; i += VEC) {
+            const __mmask16 k = tail_mask(I - i);
+            const __m512 act = round_any(gelu_tanh_ps(load_any(g, i, k, bf16)), bf16);
+            store_any(o, i, k, _mm512_mul_ps(act, load_any(u, i, k, bf16)), bf16);
+        }
+    }
+}
+
+void hicache_gelu_tanh_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out,
+                               int threads) {
+    gelu_tanh_mul(gate_up, M, I, out, threads, 0);
+}
+
+void hicache_gelu_tanh_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16_t *out,
+                                int threads) {
+    gelu_tanh_mul(gate_up, M, I, out, threads, 1);
 }
