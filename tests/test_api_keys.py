@@ -43,9 +43,7 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[TestClient]:
-    server = engine.config.server  # the keys as launch reads them
-    keys = load_api_keys(server.api_key, server.api_keys_file)
-    async with keyed_client(engine, keys, admin=True) as c:
+    async with keyed_client(engine, admin=True) as c:
         yield c
 
 

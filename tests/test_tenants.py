@@ -14,18 +14,16 @@ import pytest
 from aiohttp.test_utils import TestClient
 from api_key_helpers import bearer, keyed_client
 from conftest import tiered_engine
-from http_helpers import PAGE, error_of, tiers
+from http_helpers import PAGE, backed_up, error_of, tiers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_server.api_keys import load_api_keys
 from hicache_server.engine import Engine
 from hicache_server.tenancy import TENANT_PREFIX, UNSCOPED, Scope
 
 OPERATOR, ALICE, BOB = "sk-operator-key", "sk-alice-key", "sk-bob-key"
 KEYS = {"alice": ALICE, "bob": BOB}
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
-SETTLE_POLLS = 400  # x 0.05 s: a bound on the backups of a few pages, never hit when passing
 NO_HITS = {"device": 0, "host": 0, "storage": 0}
 
 
@@ -48,9 +46,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[TestClient]:
-    server = engine.config.server  # the keys as launch reads them
-    keys = load_api_keys(server.api_key, server.api_keys_file)
-    async with keyed_client(engine, keys, admin=True) as c:
+    async with keyed_client(engine, admin=True) as c:
         yield c
 
 
@@ -92,24 +88,12 @@ async def test_after_l1_and_l2_are_flushed_l3_keeps_tenants_apart(client: TestCl
     ids = prompt(2)
     before = (await tiers(client))["storage"]["used"]
     assert await generate(client, ALICE, ids) == NO_HITS
-    await stored(client, before + len(ids))
+    await backed_up(client, before + len(ids))
     resp = await client.post("/admin/flush", json={"tiers": ["device", "host"]})
     assert resp.status == 200, await resp.text()  # no inference key: admin's own rule
     assert await generate(client, BOB, ids) == NO_HITS  # alice's pages in L3: not his
     hits = await generate(client, ALICE, ids)  # the cost model may recompute a head
     assert hits["device"] == hits["host"] == 0 and hits["storage"] >= PAGE
-
-
-async def stored(client: TestClient, tokens: int) -> None:
-    """Until L3 holds `tokens` and no L1->L2 copy is in flight."""
-    import asyncio
-
-    for _ in range(SETTLE_POLLS):
-        shown = await tiers(client)
-        if shown["storage"]["used"] >= tokens and shown["host"]["protected"] == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"storage never held {tokens} tokens: {shown}")
 
 
 async def test_cache_salt_splits_within_a_tenant(client: TestClient) -> None:
