@@ -125,7 +125,7 @@ class StorageConfig(Section):
     # flag or a log. None: HICACHE_STORAGE_SECRET from the environment, if set.
     secret_file: str | None = None
     encrypt: bool = False  # AES-GCM on every stored payload (needs the fleet secret)
-    # Folders under which POST /admin/storage/attach may open an LMDB; empty: attach refused
+    # Folders under which PUT /hicache/storage-backend may open an LMDB; empty: attach refused
     # for LMDB paths (the start-up configuration is not limited by them).
     attach_roots: tuple[str, ...] = ()
 
