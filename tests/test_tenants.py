@@ -148,6 +148,23 @@ async def test_page_hashes_differ_per_tenant(client: TestClient, engine: Engine)
     assert len({h for chain in chains.values() for h in chain}) == 3 * len(ids) // PAGE
 
 
+async def test_an_admin_pin_names_a_tenants_prefix_by_its_key(client: TestClient) -> None:
+    """Pins stay as they are: the admin API takes the engine's `extra_key`, so the operator
+    pins a tenant's prefix under the key the tenant's requests get."""
+    ids = prompt(7)
+    alices = TENANT_PREFIX + '["alice",null]'
+    resp = await client.post("/admin/pin", json={"input_ids": ids, "extra_key": alices,
+                                                 "ttl_seconds": 600})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/admin/flush", json={"tiers": ["device", "host"]})
+    assert resp.status == 200
+    pinned = await generate(client, ALICE, ids)  # a pin keeps its pages in L2 at least
+    assert pinned["device"] + pinned["host"] >= len(ids) - PAGE
+    assert await generate(client, BOB, ids) == NO_HITS
+    resp = await client.post("/admin/unpin", json={"input_ids": ids, "extra_key": alices})
+    assert resp.status == 200, await resp.text()
+
+
 async def test_sessions_are_per_tenant(client: TestClient) -> None:
     await generate(client, BOB, prompt(6), session_id="shared-name")
     closed = []
