@@ -15,6 +15,8 @@
     admin.py      /admin/flush, /admin/tiers, SGLang's aliases, L3 attach and detach
     admin_guard.py  who may call them: a bearer key, or loopback with no browser's Origin or
                   Host; JSON bodies only
+    auth.py       the inference routes' bearer key (`protected`) and the caller's tenant
+                  scope (`scope_of`); the keys: hicache_server.api_keys, tenancy
     generation.py parsed prompts -> engine requests (all validated before any runs)
     prompts.py    one prompt or a batch, per-prompt values
     fields.py     the field policy: unknown fields ignored (one warning per name), unsupported
