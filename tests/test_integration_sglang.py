@@ -282,3 +282,29 @@ def test_import_hicache_imports_no_sglang(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", f"import json; {code}"], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     assert json.loads(out.stdout) == []
+
+
+def test_with_the_fleet_secret_another_secret_misses(api: types.SimpleNamespace,
+                                                     lmdb_config: dict[str, Any],
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`secret_file` (else HICACHE_STORAGE_SECRET) and `encrypt` in the extra config: the
+    same secret serves the pages bit for bit, another finds none of its keys."""
+    monkeypatch.setenv("HICACHE_STORAGE_SECRET", "s" * 64)
+    extra = {**lmdb_config, "interface_v1": 1, "encrypt": True}
+    pool = FakeHostPool(PAGE_FIRST).fill(4)
+    store = attach(api, pool, extra)
+    assert all(store.batch_set_v1(keys(), slots(pool, list(range(PAGES)))))
+    store.close()
+    secret = tmp_path / "secret"
+    secret.write_text("t" * 64)
+    secret.chmod(0o600)
+    dst = FakeHostPool(PAGE_FIRST)
+    stranger = attach(api, dst, {**extra, "secret_file": str(secret)})
+    assert stranger.batch_exists(keys()) == 0
+    stranger.close()
+    same = attach(api, dst, extra)
+    assert same.batch_get_v1(keys(), slots(dst, list(range(PAGES)))) == [True] * PAGES
+    assert all(dst.page_bytes(p * dst.page_size) == pool.page_bytes(p * pool.page_size)
+               for p in range(PAGES))  # a page in two runs (K, V): decrypted, then scattered
+    same.close()

@@ -628,3 +628,26 @@ def test_a_layout_of_no_whole_blocks_is_refused_by_name(shape, why: str) -> None
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(LAYERS)}
     with pytest.raises(ValueError, match=f"model.layers.0.self_attn.attn.*{why}"):
         worker.register(kv)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_with_the_fleet_secret_only_a_server_of_that_secret_loads_the_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encrypt: bool) -> None:
+    """`secret_file` (else HICACHE_STORAGE_SECRET) and `encrypt` in the extra config: keyed
+    page keys and sealed pages; the same secret loads them bit for bit, another never."""
+    secret = tmp_path / "secret"
+    secret.write_text("v" * 64)
+    secret.chmod(0o600)
+    first = Server(tmp_path / "l3", seed=1, secret_file=str(secret), encrypt=encrypt)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [first.block(b) for b in (3, 5, 7, 9)]
+    assert first.worker_space.codec.protection == (2 if encrypt else 1)
+    first.close()
+    monkeypatch.setenv("HICACHE_STORAGE_SECRET", "w" * 64)
+    other = Server(tmp_path / "l3", seed=2, encrypt=encrypt)  # the environment's secret
+    assert other.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 0
+    other.close()
+    again = Server(tmp_path / "l3", seed=3, secret_file=str(secret), encrypt=encrypt)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    again.close()
