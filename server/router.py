@@ -16,7 +16,8 @@ it, ties and no match going to the server with the fewest requests in flight.
     POST /generate, /v1/completions, /v1/chat/completions   routed, streamed back as is
     GET  /health        {"status", "healthy_workers"}: once every subscription is up
     GET  /stats         routing decisions, index sizes, events and sequence gaps per server
-    anything else       the first worker
+    anything else       the first worker; an admin route only without a browser's foreign
+                        Origin or Host (the worker sees the router's request, not the page's)
 
 Token ids come from `/generate`'s `input_ids` (one list) or `/v1/completions`' `prompt` (a
 list of ids); a text prompt is tokenized by the first worker's `/tokenize`; chat requests go
@@ -41,6 +42,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from hicache.events.page_index import PageIndex, Subscription, subscribe
+from hicache_server.loopback_guard import ADMIN_PATHS, AdminDenied, check_own_origin, local_port
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,14 @@ class Proxy:
         return server, "match" if scores[server][0] else "load"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path in ADMIN_PATHS:  # forwarded under the worker's own Host: check here
+            try:
+                check_own_origin(request.headers.get("Host"), request.headers.get("Origin"),
+                                 local_port(request))
+            except AdminDenied as e:
+                return web.json_response({"error": {"message": e.message,
+                                                    "type": "permission_error",
+                                                    "code": e.status}}, status=e.status)
         raw = await request.read()
         server = self.servers[0]
         if request.method == "POST" and request.path in ROUTED_PATHS:

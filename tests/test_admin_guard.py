@@ -19,7 +19,8 @@ from test_server_process import running
 from hicache.config import REDACTED
 from hicache_server.engine import Engine
 from hicache_server.http import AdminDenied
-from hicache_server.http.admin_guard import check_own_origin
+from hicache_server.http.admin import ADMIN_ROUTES
+from hicache_server.loopback_guard import ADMIN_PATHS, check_own_origin
 
 KEY = "guard-admin-key-7f3a"
 PROMPT = [(5 * i + 1) % 250 for i in range(6 * PAGE)]  # 6 full pages
@@ -197,3 +198,8 @@ async def test_the_server_honours_hicache_admin_api_key(tmp_path: Path,
         log = server.rest_of_log()
     assert KEY not in info and f'"admin_api_key": "{REDACTED}"' in info
     assert KEY not in log
+
+
+def test_admin_paths_name_every_admin_route() -> None:
+    """The router guards ADMIN_PATHS; every route the admin module adds must be in it."""
+    assert {path for path, _, _ in ADMIN_ROUTES} == ADMIN_PATHS

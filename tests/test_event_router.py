@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from hicache.events.page_index import DECODER, PageIndex, Subscription, subscribe
 from hicache.events.publisher import END_SEQ, SEQ_BYTES
@@ -23,7 +26,7 @@ from hicache.events.schema import (
     BlockStored,
     KVEventBatch,
 )
-from hicache_server.router import parse_events
+from hicache_server.router import Proxy, parse_events
 
 PAGE = 4
 A, B = "http://127.0.0.1:1111", "http://127.0.0.1:2222"
@@ -189,3 +192,37 @@ async def _subscriber_run() -> None:
 
 def test_subscriber_replays_the_past_applies_live_batches_and_fills_gaps() -> None:
     asyncio.run(_subscriber_run())
+
+
+async def _admin_through_router(host: str | None, origin: str | None) -> tuple[int, int]:
+    """(status, requests the worker saw) for a POST /admin/flush through the router."""
+    seen: list[str] = []
+
+    async def worker_flush(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response({"ok": True})
+
+    worker = web.Application()
+    worker.router.add_post("/admin/flush", worker_flush)
+    async with TestServer(worker) as upstream, aiohttp.ClientSession() as session:
+        base = str(upstream.make_url("")).rstrip("/")
+        proxy = Proxy(PageIndex([base]), [], session)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", proxy.handle)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            headers = {"Host": host or f"127.0.0.1:{client.port}"}
+            if origin is not None:
+                headers["Origin"] = origin
+            resp = await client.post("/admin/flush", json={"tiers": ["device"]},
+                                     headers=headers)
+            return resp.status, len(seen)
+
+
+@pytest.mark.parametrize(("host", "origin", "status", "forwarded"), [
+    (None, None, 200, 1),  # the router's own loopback name, no browser: forwarded
+    ("evil.example", None, 403, 0),  # DNS rebinding onto the router
+    (None, "http://evil.example", 403, 0),  # a web page's cross-site POST
+])
+def test_the_router_guards_admin_routes_it_forwards(host: str | None, origin: str | None,
+                                                     status: int, forwarded: int) -> None:
+    assert asyncio.run(_admin_through_router(host, origin)) == (status, forwarded)

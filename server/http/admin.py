@@ -179,16 +179,19 @@ async def handle_tiers(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+# (path, method, handler); every path is in loopback_guard.ADMIN_PATHS, which the router guards
+ADMIN_ROUTES = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),
+                ("/admin/pin", "POST", handle_pin), ("/admin/unpin", "POST", handle_unpin),
+                ("/flush_cache", "POST", handle_sglang_flush),
+                ("/hicache/storage-backend/clear", "POST", handle_storage_clear),
+                ("/hicache/storage-backend", "PUT", handle_storage_attach),
+                ("/hicache/storage-backend", "DELETE", handle_storage_detach),
+                ("/hicache/storage-backend", "GET", handle_storage_backend))
+
+
 def add_admin_routes(app: web.Application, engine: Engine, api_key: str | None) -> None:
     """Add the admin routes to an app from `hicache_server.http.app.create_app(engine)`."""
     if STATE not in app or app[STATE].engine is not engine:
         raise ValueError("add_admin_routes needs the app that create_app built for this engine")
-    routes = (("/admin/flush", "POST", handle_flush), ("/admin/tiers", "GET", handle_tiers),
-              ("/admin/pin", "POST", handle_pin), ("/admin/unpin", "POST", handle_unpin),
-              ("/flush_cache", "POST", handle_sglang_flush),
-              ("/hicache/storage-backend/clear", "POST", handle_storage_clear),
-              ("/hicache/storage-backend", "PUT", handle_storage_attach),
-              ("/hicache/storage-backend", "DELETE", handle_storage_detach),
-              ("/hicache/storage-backend", "GET", handle_storage_backend))
-    for path, method, handler in routes:
+    for path, method, handler in ADMIN_ROUTES:
         app.router.add_route(method, path, guarded(handler, api_key))

@@ -29,27 +29,17 @@ from aiohttp import web
 
 from hicache_server.http.errors import error_response
 from hicache_server.http.state import STATE, Handler
+from hicache_server.loopback_guard import (
+    NO_KEY_HINT,
+    AdminDenied,
+    check_own_origin,
+    local_port,
+    quoted,
+)
 
 BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
-# The names a loopback client reaches this server under, as they appear in a Host or Origin
-# header (RFC 3986: an IPv6 literal in brackets); what no DNS answer can stand for.
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-HTTP_DEFAULT_PORT = 80  # a Host or Origin without a port means 80 (RFC 9110, http scheme)
 JSON_TYPE = "application/json"  # the one body type the admin routes take
-# A header value quoted in an error, cut to this many characters: a real Origin, Host or
-# Content-Type is well under it; a hostile one must not fill the answer.
-SHOWN_CHARS = 100
-NO_KEY_HINT = "start the server with --admin-api-key (or HICACHE_ADMIN_API_KEY) to use " \
-              "a bearer key instead"
 
-
-class AdminDenied(Exception):
-    """An admin request refused before its handler runs; `status` is 401, 403 or 415."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -85,51 +75,12 @@ def check_admin_access(remote: str | None, authorization: str | None,
         raise AdminDenied(403, "the admin key in the Authorization header is wrong")
 
 
-def _shown(value: str) -> str:
-    return repr(value[:SHOWN_CHARS])
-
-
-def own_hosts(port: int | None) -> tuple[str, ...]:
-    """The Host values that name this server on loopback at `port` (lower case)."""
-    if port is None:  # not a TCP listener (a Unix socket): no name is this server's
-        return ()
-    bare = LOOPBACK_NAMES if port == HTTP_DEFAULT_PORT else ()
-    return tuple(f"{name}:{port}" for name in LOOPBACK_NAMES) + bare
-
-
-def check_own_origin(host: str | None, origin: str | None, port: int | None) -> None:
-    """Raise AdminDenied (403) when a keyless admin request carries an `Origin` or a `Host`
-    that is not this server's own loopback name at `port`, the port it came in on."""
-    hosts = own_hosts(port)
-    if origin is not None and origin.lower() not in {f"http://{h}" for h in hosts}:
-        allowed = ", ".join(f"http://{h}" for h in hosts[:len(LOOPBACK_NAMES)]) or "none"
-        raise AdminDenied(403, f"admin routes refuse requests sent by a web page: Origin "
-                          f"{_shown(origin)} is not this server's own ({allowed}); send no "
-                          f"Origin header (curl, scripts), or {NO_KEY_HINT}")
-    if host is not None and host.lower() not in hosts:
-        allowed = ", ".join(hosts[:len(LOOPBACK_NAMES)]) or "none"
-        raise AdminDenied(403, f"admin routes answer only this server's loopback names "
-                          f"(Host one of {allowed}), against DNS rebinding: Host "
-                          f"{_shown(host)} is refused; address the server by one of those, "
-                          f"or {NO_KEY_HINT}")
-
-
 def check_json_body(request: web.BaseRequest) -> None:
     """Raise AdminDenied (415) when the request has a body that is not declared JSON."""
     if request.body_exists and request.content_type != JSON_TYPE:
         raise AdminDenied(415, f"admin routes take a JSON body only (Content-Type: "
-                          f"{JSON_TYPE}), got {_shown(request.content_type)}; send the body "
+                          f"{JSON_TYPE}), got {quoted(request.content_type)}; send the body "
                           "with that header, or no body at all")
-
-
-def local_port(request: web.BaseRequest) -> int | None:
-    """The port the request came in on (None on a Unix socket): the listener's, never the
-    client's claim in `Host`."""
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport is not None else None
-    if isinstance(sockname, (tuple, list)) and len(sockname) >= 2:
-        return int(sockname[1])
-    return None
 
 
 def check_admin_request(request: web.BaseRequest, api_key: str | None) -> None:
