@@ -66,8 +66,10 @@ class Proxy:
     def servers(self) -> list[str]:
         return list(self.index.pages)
 
-    async def prompt_ids(self, path: str, body: Any) -> list[int] | None:
-        """The request's token ids when it names one prompt; None for chat and batches."""
+    async def prompt_ids(self, path: str, body: Any, authorization: str | None
+                         ) -> list[int] | None:
+        """The request's token ids when it names one prompt; None for chat and batches.
+        `authorization`: the client's header, passed on to /tokenize (workers with --api-key)."""
         if not isinstance(body, dict):
             return None
         value = body.get("input_ids") if path == "/generate" else body.get("prompt")
@@ -77,8 +79,9 @@ class Proxy:
             return value
         if isinstance(value, str) and path != "/v1/chat/completions":
             try:
+                headers = {"Authorization": authorization} if authorization else None
                 async with self.session.post(self.servers[0] + "/tokenize",
-                                             json={"prompt": value}) as resp:
+                                             json={"prompt": value}, headers=headers) as resp:
                     if resp.status == 200:
                         tokens = (await resp.json()).get("tokens")
                         return tokens if isinstance(tokens, list) else None
@@ -107,7 +110,8 @@ class Proxy:
                 body = msgspec.json.decode(raw) if raw else None
             except msgspec.DecodeError:
                 body = None  # the server answers the 400
-            server, why = self.choose(await self.prompt_ids(request.path, body))
+            ids = await self.prompt_ids(request.path, body, request.headers.get("Authorization"))
+            server, why = self.choose(ids)
             counts = self.routed.setdefault(server, {"match": 0, "load": 0})
             counts[why] += 1
         return await self.forward(request, server, raw)

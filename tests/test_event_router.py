@@ -226,3 +226,34 @@ async def _admin_through_router(host: str | None, origin: str | None) -> tuple[i
 def test_the_router_guards_admin_routes_it_forwards(host: str | None, origin: str | None,
                                                      status: int, forwarded: int) -> None:
     assert asyncio.run(_admin_through_router(host, origin)) == (status, forwarded)
+
+
+async def _tokenize_headers_through_router() -> list[str | None]:
+    """The Authorization headers the worker's /tokenize saw for one text /generate."""
+    seen: list[str | None] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"tokens": [1, 2, 3]})
+
+    async def generate(request: web.Request) -> web.Response:
+        return web.json_response({"text": "ok"})
+
+    worker = web.Application()
+    worker.router.add_post("/tokenize", tokenize)
+    worker.router.add_post("/generate", generate)
+    async with TestServer(worker) as upstream, aiohttp.ClientSession() as session:
+        base = str(upstream.make_url("")).rstrip("/")
+        proxy = Proxy(PageIndex([base]), [], session)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", proxy.handle)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            resp = await client.post("/generate", json={"text": "hello"},
+                                     headers={"Authorization": "Bearer k1"})
+            assert resp.status == 200
+    return seen
+
+
+def test_the_router_tokenizes_with_the_clients_key() -> None:
+    """Workers behind `--api-key` answer the router's /tokenize only with the client's key."""
+    assert asyncio.run(_tokenize_headers_through_router()) == ["Bearer k1"]
