@@ -42,9 +42,10 @@ class QueueFull(RuntimeError):
     """`limit` requests are queued already (an HTTP 429 with `Retry-After: retry_after_s`)."""
 
     def __init__(self, limit: int, retry_after_s: int = RETRY_AFTER_S) -> None:
-        super().__init__(f"the server's queue is full: {limit} requests are waiting to run "
-                         f"(server.max_queued_requests, --max-queued-requests); retry after "
-                         f"{retry_after_s} s")
+        waiting = f"{limit} request{'' if limit == 1 else 's'}"
+        super().__init__(f"the server's queue is full: {waiting} already wait to run, its "
+                         f"limit (server.max_queued_requests, --max-queued-requests); retry "
+                         f"after {retry_after_s} s")
         self.limit = limit
         self.retry_after_s = retry_after_s
 

@@ -207,7 +207,8 @@ class InputChecker:
             raise InvalidRequest(
                 f"prompt logprobs: {positions} prompt positions x ({top} `{top_name}` + 1) x "
                 f"{n} `{n_name}` = {entries} entries, more than this server's limit of "
-                f"{self.max_prompt_logprobs} a request (--max-prompt-logprobs); ask for "
+                f"{self.max_prompt_logprobs} a request (server.max_prompt_logprobs, "
+                f"--max-prompt-logprobs); ask for "
                 "fewer prompt positions, top logprobs or choices")
 
     def _ids(self, ids: Any, public: str) -> list[int]:
