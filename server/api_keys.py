@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+BEARER = "bearer"  # the auth scheme, compared case-insensitively (RFC 9110 section 11.1)
+
 logger = logging.getLogger(__name__)
 
 # A key travels in an HTTP header and the bearer token is read stripped: only visible ASCII
@@ -187,3 +189,15 @@ def _json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
              float: "number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` header as the client sent its bytes;
+    None without one."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != BEARER or not token:
+        return None
+    # aiohttp hands header bytes that are not UTF-8 over as lone surrogates (surrogateescape):
+    # encoding them back the same way gives the bytes the client sent
+    return token.encode("utf-8", "surrogateescape")

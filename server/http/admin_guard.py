@@ -27,6 +27,7 @@ import ipaddress
 
 from aiohttp import web
 
+from hicache_server.api_keys import bearer_token
 from hicache_server.http.errors import error_response
 from hicache_server.http.state import STATE, Handler
 from hicache_server.loopback_guard import (
@@ -37,7 +38,6 @@ from hicache_server.loopback_guard import (
     quoted,
 )
 
-BEARER = "bearer"  # auth scheme, compared case-insensitively (RFC 7235)
 JSON_TYPE = "application/json"  # the one body type the admin routes take
 
 
@@ -64,13 +64,10 @@ def check_admin_access(remote: str | None, authorization: str | None,
             raise AdminDenied(403, f"admin routes answer loopback clients only (this one is "
                               f"{remote}); {NO_KEY_HINT}")
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != BEARER or not token.strip():
+    sent = bearer_token(authorization)
+    if sent is None:
         raise AdminDenied(401, "admin routes need the header `Authorization: Bearer <admin "
                           "key>`")
-    # aiohttp hands header bytes that are not UTF-8 over as lone surrogates (surrogateescape):
-    # encoding them back the same way compares the bytes the client sent.
-    sent = token.strip().encode("utf-8", "surrogateescape")
     if not hmac.compare_digest(sent, api_key.encode("utf-8")):
         raise AdminDenied(403, "the admin key in the Authorization header is wrong")
 

@@ -16,28 +16,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from hicache_server.api_keys import ApiKeys
+from hicache_server.api_keys import ApiKeys, bearer_token
 from hicache_server.http.errors import HttpError
 from hicache_server.http.state import STATE, Handler
 from hicache_server.tenancy import UNSCOPED, Scope
 
-BEARER = "bearer"  # the auth scheme, compared case-insensitively (RFC 9110 section 11.1)
 # RFC 6750 section 3: the challenge of a 401; `invalid_token` when a key was sent and is wrong
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 WRONG_KEY_CHALLENGE = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 SCOPE = web.RequestKey("hicache_scope", Scope)
-
-
-def bearer_token(authorization: str | None) -> bytes | None:
-    """The token of an `Authorization: Bearer TOKEN` header as the client sent its bytes;
-    None without one."""
-    scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != BEARER or not token:
-        return None
-    # aiohttp hands header bytes that are not UTF-8 over as lone surrogates (surrogateescape):
-    # encoding them back the same way gives the bytes the client sent
-    return token.encode("utf-8", "surrogateescape")
 
 
 def caller_scope(keys: ApiKeys, authorization: str | None) -> Scope:
