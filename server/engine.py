@@ -40,7 +40,7 @@ from hicache_server.request import InvalidRequest, Request
 from hicache_server.scheduler import Scheduler
 from hicache_server.storage_attach import StorageAttachment
 from hicache_server.tokenizer import load_tokenizer
-from hicache_server.updates import Mailbox, Update, final_result
+from hicache_server.updates import Mailbox, Update, final_results
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +210,7 @@ class Engine:
         """`generate` on an event loop: the same arguments and results."""
         reqs = self.checker.choices(text, input_ids, sampling_params, extra_key,
                                     GenerateOptions.from_kwargs("async_generate", options))
-        # gather starts the streams in order: choice 0 is submitted first
-        results = await asyncio.gather(*(final_result(self.stream(req)) for req in reqs))
+        results = await final_results([self.stream(req) for req in reqs])  # all or none
         return results if len(reqs) > 1 else results[0]
 
     async def stream(self, req: Request) -> AsyncIterator[Update]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from hicache_server.output import Delta
@@ -69,3 +69,18 @@ async def final_result(updates: AsyncIterator[Update]) -> dict[str, Any]:
     if result is None:
         raise RuntimeError("a request's updates ended without its result")
     return result
+
+
+async def final_results(streams: Sequence[AsyncIterator[Update]]) -> list[dict[str, Any]]:
+    """`final_result` of each stream, read together; the streams start in order (tasks run
+    in creation order: choice 0 of an `n` is submitted first). When one fails (a full
+    queue, say), the others are cancelled, so their requests aborted, before the error goes
+    on: all the choices run, or none."""
+    tasks = [asyncio.ensure_future(final_result(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

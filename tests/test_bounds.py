@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import WAIT_S, hold_scheduler, small_engine
+from conftest import WAIT_S, hold_scheduler, small_engine, submit_all
 from http_helpers import error_of
 
-from hicache_server.engine import Engine
+from hicache_server.engine import Engine, QueueFull
 from hicache_server.http import create_app, fields
 from hicache_server.http.fields import WarnedNames
 from hicache_server.http.state import Handler
@@ -139,6 +139,30 @@ async def test_n_choices_are_queued_all_or_none(client: TestClient, engine: Engi
     too_many = await error_of(await client.post("/generate", json=generate(
         sampling_params={"max_new_tokens": 2, "n": QUEUED + 1, **GREEDY})), 400)
     assert f"{QUEUED + 1} sequences" in too_many and f": {QUEUED})" in too_many
+
+
+async def test_the_engine_queues_all_n_choices_or_none(engine: Engine) -> None:
+    """`Engine.generate` and `async_generate` with one place left and n = 2: QueueFull, and
+    the choice that was queued is aborted before it runs."""
+    before = engine.cache_stats().requests
+    two = {"max_new_tokens": 2, "n": QUEUED, **GREEDY}
+    calls = (lambda: asyncio.to_thread(engine.generate, PROMPT, sampling_params=two),
+             lambda: engine.async_generate(PROMPT, sampling_params=two))  # on this loop
+    for call in calls:
+        gate = hold_scheduler(engine)
+        try:
+            one = submit_all(engine, [engine.make_request(PROMPT, sampling_params={
+                "max_new_tokens": 2, **GREEDY})])
+            with pytest.raises(QueueFull, match="--max-queued-requests"):
+                await call()
+        finally:
+            gate.set()
+        assert len(one[0].result(WAIT_S)["output_ids"]) == 2
+        await until(lambda: engine.scheduler.inbox.queued() == 0, "the queue emptied")
+    await asyncio.to_thread(engine.flush_cache, ())  # the aborted choices have ended
+    after = engine.cache_stats().requests
+    assert after.generated_tokens - before.generated_tokens == 2 * 2  # the single ones only
+    assert after.requests - before.requests == 2 * 2  # each single one, each choice 0
 
 
 # --------------------------------------------------------------- a stalled stream
