@@ -18,9 +18,9 @@ hashed with the payload. A value under any other key, namespace, geometry or sec
 another subkey, so its tag fails: a miss.
 
 Why GMAC and not a keyed BLAKE3, BLAKE2b or HMAC-SHA256 for the MAC: on 128 KiB pages on this
-project's 2-core Xeon (AES-NI, PCLMULQDQ), GMAC ran at ~37 GB/s, keyed BLAKE3 ~8, HMAC-SHA256
-~1.9, keyed BLAKE2b ~1.1 (`benchmarks/bench_page_trust.py` measures them again); an L3 read
-is a ~4 us copy, so only GMAC keeps reads >= 0.8x. It is OpenSSL's, through `cryptography`
+project's 2-core Xeon (AES-NI, PCLMULQDQ), one thread, GMAC ran at ~20-37 GB/s, keyed BLAKE3
+~7-8, HMAC-SHA256 ~0.8-1.9, keyed BLAKE2b ~0.9-1.1 (`benchmarks/bench_page_trust.py`); an L3
+read is a ~4 us copy of a page, so only GMAC keeps reads >= 0.8x (measured 0.87x). It is OpenSSL's, through `cryptography`
 (the library encryption needs anyway), and releases the GIL like the copy and the checksum.
 
 Threading: immutable once built; any thread may call any method.
