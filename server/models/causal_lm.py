@@ -68,9 +68,10 @@ class CausalLM(nn.Module, ABC):
         """The modules whose `kernel` the layer kernel may be (each computes on it the very
         arithmetic of its transformers counterpart)."""
 
-    def _refresh_lean(self) -> None:
-        """Rebuild what depends on the kernels and packed weights the model has now (Llama's
-        lean path); nothing by default."""
+    def _refresh_derived(self) -> None:
+        """Rebuild what is derived from the weights and kernels the model has now (Llama's
+        lean path, Gemma's folded norm weights); nothing by default. Weights change only
+        through `load_weights`, which calls this (as it repacks the Linears)."""
 
     @property
     def attn_backend(self) -> AttentionBackend:
@@ -103,7 +104,7 @@ class CausalLM(nn.Module, ABC):
         """Run the layer kernel's ops on `kernel` (None: torch ops), on the CPU."""
         for m in self._layer_kernel_modules():
             m.kernel = kernel if self.device.type == "cpu" else None
-        self._refresh_lean()
+        self._refresh_derived()
 
     @torch.no_grad()
     def use_linear_kernel(self, kernel: CpuLinearKernel | None) -> None:
@@ -116,7 +117,7 @@ class CausalLM(nn.Module, ABC):
                     m.pack()
         self._head_kernel = kernel if self.device.type == "cpu" else None
         self._pack_head()
-        self._refresh_lean()
+        self._refresh_derived()
 
     def _pack_head(self) -> None:
         """A tied LM head on the linear kernel: the table packed once (one more copy of it:
@@ -166,7 +167,7 @@ class CausalLM(nn.Module, ABC):
             for m in linears:
                 m.pack()
             self._pack_head()
-            self._refresh_lean()
+            self._refresh_derived()
 
     def _load_all(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

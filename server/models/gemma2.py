@@ -37,7 +37,12 @@ from hicache_server.models.config import (
     parse_rope,
     windows_of,
 )
-from hicache_server.models.gemma3 import GELU_TANH, Gemma3Model, gemma_kernel_modules
+from hicache_server.models.gemma3 import (
+    GELU_TANH,
+    Gemma3Model,
+    fold_norms,
+    gemma_kernel_modules,
+)
 from hicache_server.models.gemma3 import GGUF_TENSOR_NAMES as GEMMA3_TENSOR_NAMES
 from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.registry import Architecture, GGUFForm, GGUFSource
@@ -67,6 +72,9 @@ class Gemma2ForCausalLM(CausalLM):
     def _layer_kernel_modules(self) -> list[nn.Module]:
         """Gemma 3's: the norms, RoPE and GeGLU."""
         return gemma_kernel_modules(self)
+
+    def _refresh_derived(self) -> None:
+        fold_norms(self)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits, `c * tanh(x / c)` with c the final cap."""

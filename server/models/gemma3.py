@@ -81,23 +81,19 @@ class GemmaRMSNorm(nn.Module):
     """transformers' Gemma3RMSNorm: `x` normalised in float32, times `1 + w` in float32, then
     cast to x's dtype (Llama casts before its product). `weight` holds w, as checkpoints do;
     `one_plus_w` the float32 `1.0 + w.float()` that transformers computes every call, the
-    same bits computed once per weight."""
+    same bits folded once per load (`fold`, which the model calls after `load_weights`)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = make_param((size,), dtype, device, fill=0.0)
         self.kernel: CpuLayerKernel | None = None  # on the CPU: one C pass
-        self._folded: tuple[tuple[int, int], torch.Tensor] | None = None
+        self.register_buffer("one_plus_w", torch.ones(size, device=device), persistent=False)
 
-    @property
-    def one_plus_w(self) -> torch.Tensor:
-        """float32 `[size]`, refolded when the weight's storage or version moves (a load)."""
-        key = (self.weight.data_ptr(), self.weight._version)
-        if self._folded is None or self._folded[0] != key:
-            with torch.no_grad():
-                self._folded = (key, 1.0 + self.weight.detach().float())
-        return self._folded[1]
+    @torch.no_grad()
+    def fold(self) -> None:
+        """`one_plus_w` from the weight the module holds now."""
+        self.one_plus_w = 1.0 + self.weight.detach().float()
 
     def _on_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel is not None and x.dtype in KERNEL_DTYPES and x.device.type == "cpu"
@@ -241,6 +237,16 @@ class Gemma3ForCausalLM(CausalLM):
         """Gemma's norms, RoPE (both bases) and GeGLU: all of a layer's ops but its matmuls
         and attention."""
         return gemma_kernel_modules(self)
+
+    def _refresh_derived(self) -> None:
+        fold_norms(self)
+
+
+def fold_norms(model: nn.Module) -> None:
+    """Every GemmaRMSNorm's `1 + w` from its weight now (after a load)."""
+    for m in model.modules():
+        if isinstance(m, GemmaRMSNorm):
+            m.fold()
 
 
 def gemma_kernel_modules(model: nn.Module) -> list[nn.Module]:

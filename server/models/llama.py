@@ -177,7 +177,7 @@ class LlamaForCausalLM(CausalLM):
         """RMSNorm, RoPE and SiLU * up: all of a Llama layer's ops but its matmuls."""
         return [m for m in self.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, LlamaMLP))]
 
-    def _refresh_lean(self) -> None:
+    def _refresh_derived(self) -> None:
         """The lean path for the kernels and packed weights the model has now (or none)."""
         self.model.lean = LeanForward.build(self.model, self.config, self.dtype)
 
