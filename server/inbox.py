@@ -43,9 +43,9 @@ class QueueFull(RuntimeError):
 
     def __init__(self, limit: int, retry_after_s: int = RETRY_AFTER_S) -> None:
         waiting = f"{limit} request{'' if limit == 1 else 's'}"
-        super().__init__(f"the server's queue is full: {waiting} already wait to run, its "
-                         f"limit (server.max_queued_requests, --max-queued-requests); retry "
-                         f"after {retry_after_s} s")
+        super().__init__(f"the server's queue is full ({waiting} waiting to run: "
+                         f"server.max_queued_requests, --max-queued-requests); retry after "
+                         f"{retry_after_s} s")
         self.limit = limit
         self.retry_after_s = retry_after_s
 

@@ -107,7 +107,7 @@ async def test_a_full_queue_answers_429_with_retry_after(client: TestClient,
     message = await error_of(refused, 429)
     assert (await refused.json())["error"]["type"] == "rate_limit_error"
     assert refused.headers["Retry-After"] == "1"
-    assert f"{QUEUED} requests already wait" in message and "--max-queued-requests" in message
+    assert f"({QUEUED} requests waiting to run" in message and "--max-queued-requests" in message
     assert await error_of(streamed, 429) == message  # refused before any event is sent
     assert streamed.headers["Retry-After"] == "1"
     assert queued_after == QUEUED  # nothing was queued for the refused ones
