@@ -219,12 +219,15 @@ def report(result: dict[str, Any]) -> str:
               "|---|---:|---:|", "| checksum | 1.000x | 1.000x |"]
     lines += [f"| {p} | {serve[p]['served']:.3f}x | {serve[p]['drained']:.3f}x |"
               for p in PROTECTIONS[1:]]
-    mac_serve, mac_read = serve["mac"]["served"], l3["ratios"]["mac_get"]
-    lines += ["", (f"goal: MAC serving <= {GOAL_MAC_SERVING}x: {mac_serve:.3f}x "
-                   f"({'met' if mac_serve <= GOAL_MAC_SERVING else 'NOT met'}); "
-                   f"MAC L3 read >= {GOAL_MAC_READ}x: {mac_read:.2f}x "
-                   f"({'met' if mac_read >= GOAL_MAC_READ else 'NOT met'})")]
-    return "\n".join(lines)
+    goals = (goal("MAC serving", serve["mac"]["served"], "<=", GOAL_MAC_SERVING),
+             goal("MAC L3 read", l3["ratios"]["mac_get"], ">=", GOAL_MAC_READ))
+    return "\n".join([*lines, "", "goals: " + "; ".join(goals)])
+
+
+def goal(name: str, value: float, sense: str, bound: float) -> str:
+    """`name <= bound: value (met)`, with `sense` "<=" or ">="."""
+    met = value <= bound if sense == "<=" else value >= bound
+    return f"{name} {sense} {bound}x: {value:.3f}x ({'met' if met else 'NOT met'})"
 
 
 def main() -> None:
