@@ -2,13 +2,15 @@
 
 The chain (docs/architecture.md, "Page hash")::
 
-    h_0 = xxh3_128(b"hicache/v1" + namespace)                     no fleet secret
-    h_0 = BLAKE2b-128(b"hicache/v1" + namespace, key = root key)  with one (`FleetKeys`)
-    h_i = xxh3_128(h_{i-1} + tokens of page i as little-endian uint32)
+    no fleet secret:  h_0 = xxh3_128(b"hicache/v3" + namespace)
+                      h_i = xxh3_128(h_{i-1} + tokens of page i as little-endian uint32)
+    with one:         h_0 = BLAKE2b-128(b"hicache/v3" + namespace, key = root key)
+                      h_i = BLAKE2b-128(h_{i-1} + tokens of page i, key = root key)
 
-With the fleet secret's root key no one without it can compute a key, nor test by looking
-one up whether a guessed prompt was ever stored; the rest of the chain stays xxh3 for speed
-(its input begins with a 16-byte value they cannot know).
+With the fleet secret's root key (`FleetKeys`) every link is keyed: no one without it can
+compute a key, not even the next page's from a key they listed in the store, nor test by
+looking one up whether a guessed prompt (or its continuation) was ever stored. The domain
+names the page format (v3): servers of an older format sharing a store never meet its keys.
 
 `namespace` is the canonical JSON of everything that makes two KV pages of the same tokens
 differ: the model's identity (a fingerprint string its caller computes from the weights, the
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
-HASH_DOMAIN = b"hicache/v1"  # bump with any change to the chain or the namespace fields
+HASH_DOMAIN = b"hicache/v3"  # bump with any change to the chain, the namespace or the page format
 DIGEST_BYTES = 16  # xxh3_128 digest: one page key
 MAX_TOKEN_ID = 2**32 - 1  # tokens are hashed as uint32
 _TOKEN_DTYPE = np.dtype("<u4")
@@ -140,17 +142,12 @@ class PageHasher:
             if found is not None:
                 self._roots.move_to_end(slot)
                 return found
-        found = self._hash_root(HASH_DOMAIN + namespace(**self._fields, extra_key=extra_key))
+        found = self._link(HASH_DOMAIN + namespace(**self._fields, extra_key=extra_key))
         with self._roots_lock:
             self._roots[slot] = found
             if len(self._roots) > MAX_CACHED_ROOTS:
                 self._roots.popitem(last=False)
         return found
-
-    def _hash_root(self, data: bytes) -> bytes:
-        if self._root_key is None:
-            return xxhash.xxh3_128_digest(data)
-        return hashlib.blake2b(data, key=self._root_key, digest_size=DIGEST_BYTES).digest()
 
     def cached_roots(self) -> int:
         """How many roots the cache holds now (at most MAX_CACHED_ROOTS)."""
@@ -176,7 +173,14 @@ class PageHasher:
         num_pages = len(raw) // page_bytes
         h = self.root(extra_key) if prev is None else bytes(prev)
         keys: list[bytes] = []
+        link = self._link
         for start in range(0, num_pages * page_bytes, page_bytes):
-            h = xxhash.xxh3_128_digest(h + raw[start : start + page_bytes])
+            h = link(h + raw[start : start + page_bytes])
             keys.append(h)
         return keys
+
+    def _link(self, data: bytes) -> bytes:
+        """One link of the chain: xxh3_128, or a BLAKE2b keyed by the root key."""
+        if self._root_key is None:
+            return xxhash.xxh3_128_digest(data)
+        return hashlib.blake2b(data, key=self._root_key, digest_size=DIGEST_BYTES).digest()
