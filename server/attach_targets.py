@@ -23,8 +23,10 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import PurePath
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 from urllib.parse import urlsplit
+
+from redis.connection import parse_url
 
 from hicache.config_storage import TIERED_BACKEND, StorageConfig, redact_url
 from hicache_server.request import InvalidRequest
@@ -34,9 +36,16 @@ REDIS_BACKENDS = ("redis", TIERED_BACKEND)
 REDIS_DEFAULT_PORT = 6379  # redis-py's port when a URL names none
 TLS_SCHEME = "rediss"
 UNIX_SCHEME = "unix"
-# What in an error message may be a URL: a scheme, "://", then anything up to a space or a
-# quote (messages quote values with repr).
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+# What an attach URL may change at the start-up endpoint: the database and its own
+# credentials. Everything else redis-py reads from a URL (host, port and socket, query
+# parameters such as `?port=` or `?ssl_cert_reqs=none`, timeouts) must be the start-up
+# URL's, or the start-up password could be sent elsewhere or TLS checks turned off.
+# (TLS or not, the connection class, follows the endpoint rule: never a downgrade.)
+REDIS_ATTACH_MAY_CHANGE = frozenset({"db", "username", "password", "connection_class"})
+# What in an error message may be a URL: a scheme, "://", then anything up to a space. A
+# closing quote of repr is taken in too: it lands in the host or path, and a password that
+# holds a quote is still all inside the match.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
 class StorageChangeRefused(InvalidRequest):
@@ -69,6 +78,17 @@ def redis_endpoint(url: str) -> RedisEndpoint:
     host = (parts.hostname or "").lower()
     return RedisEndpoint(parts.scheme == TLS_SCHEME, host, parts.port or REDIS_DEFAULT_PORT,
                          None)
+
+
+def redis_connection(url: str) -> dict[str, Any]:
+    """What redis-py connects with for `url`, less what an attach may change; ValueError
+    for a value redis-py refuses."""
+    kwargs = parse_url(url)
+    if isinstance(kwargs.get("host"), str):  # a host name is case-insensitive
+        kwargs["host"] = kwargs["host"].lower()
+    if "path" not in kwargs:  # a TCP endpoint: the port as redis-py will use it
+        kwargs["port"] = int(kwargs.get("port", REDIS_DEFAULT_PORT))
+    return {k: v for k, v in kwargs.items() if k not in REDIS_ATTACH_MAY_CHANGE}
 
 
 def _under(path: str, root: str) -> bool:
@@ -162,9 +182,24 @@ class AttachTargets:
                                        "other; restart the server with a valid one")
         if asked._replace(tls=False) != allowed._replace(tls=False) or \
                 (allowed.tls and not asked.tls):
-            tls = " over TLS (rediss://)" if allowed.tls else ""
+            self._refuse_endpoint(asked, allowed)
+        try:
+            differ = sorted(set(redis_connection(url).items())
+                            ^ set(redis_connection(self.launch.redis.url).items()))
+        except (ValueError, TypeError):
+            raise StorageChangeRefused(f"storage.redis.url {redact_url(url)!r} is not a "
+                                       "Redis URL redis-py accepts") from None
+        if differ:
+            names = ", ".join(sorted({name for name, _ in differ}))
             raise StorageChangeRefused(
-                f"storage.redis.url: an attach may reach only the Redis this server was "
-                f"configured with at start ({allowed.shown()}{tls}), so that its password "
-                f"is never sent elsewhere; {asked.shown()} is refused; restart the server "
-                "with another storage.redis.url to use another")
+                f"storage.redis.url: an attach may change only the database and credentials "
+                f"of the start-up URL; it differs in {names}: restart the server with another "
+                "storage.redis.url to connect otherwise")
+
+    def _refuse_endpoint(self, asked: RedisEndpoint, allowed: RedisEndpoint) -> NoReturn:
+        tls = " over TLS (rediss://)" if allowed.tls else ""
+        raise StorageChangeRefused(
+            f"storage.redis.url: an attach may reach only the Redis this server was "
+            f"configured with at start ({allowed.shown()}{tls}), so that its password "
+            f"is never sent elsewhere; {asked.shown()} is refused; restart the server "
+            "with another storage.redis.url to use another")

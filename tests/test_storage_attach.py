@@ -23,7 +23,7 @@ from typing_extensions import Self
 
 from hicache.config import REDACTED
 from hicache.config_storage import RedisConfig, StorageConfig
-from hicache_server.attach_targets import AttachTargets
+from hicache_server.attach_targets import AttachTargets, redact_urls
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
 from hicache_server.storage_attach import StorageChangeRefused
@@ -542,7 +542,11 @@ async def test_an_error_quoting_a_sent_url_hides_its_password(client: TestClient
     ("rediss://Cache.Internal:6379/0", "rediss://cache.internal:6379/1", True),
     ("unix:///run/redis.sock", "unix:///run/redis.sock?db=2", True),
     ("unix:///run/redis.sock", "unix:///tmp/other.sock", False),
-    ("redis://10.0.0.5:99999/0", "redis://10.0.0.5:99999/0", False)])  # no usable endpoint
+    ("redis://10.0.0.5:99999/0", "redis://10.0.0.5:99999/0", False),  # no usable endpoint
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1/0?port=7000", False),  # redis-py's ?port=
+    ("rediss://h:6379/0", "rediss://h:6379/0?ssl_cert_reqs=none", False),  # checks turned off
+    ("redis://h:6379/0", "redis://h:6379/0?socket_timeout=0.001", False),
+    ("redis://h:6379/0?password=p", "redis://u:q@h:6379/5", True)])  # credentials, db
 def test_the_redis_endpoint_rule(start: str, asked: str, allowed: bool) -> None:
     targets = AttachTargets(StorageConfig(redis=RedisConfig(url=start)))
     storage = StorageConfig(backend="redis", redis=RedisConfig(url=asked))
@@ -551,3 +555,11 @@ def test_the_redis_endpoint_rule(start: str, asked: str, allowed: bool) -> None:
         return
     with pytest.raises(StorageChangeRefused, match="storage.redis.url"):
         targets.check("redis", {}, storage)
+
+
+@pytest.mark.parametrize("text", [
+    "bad url 'redis://:pa'ss-9a7e@h:1/0' here",  # a quote inside the password
+    'bad url "redis://:pa\'ss-9a7e@h" here',  # repr's double quotes around it
+    "bad url 'redis://h:1/0?password=pa-9a7e' here"])
+def test_redact_urls_hides_a_password_whatever_it_holds(text: str) -> None:
+    assert "9a7e" not in redact_urls(text) and "bad url" in redact_urls(text)
