@@ -13,7 +13,7 @@ from typing import Any, NoReturn, TypeVar
 
 import pytest
 
-pytest.register_assert_rewrite("tier_workload")
+pytest.register_assert_rewrite("tier_workload", "arch_reference")
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer

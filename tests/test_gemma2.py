@@ -25,16 +25,27 @@ import pytest
 import tier_workload as tiers
 import torch
 import transformers
-from gguf_files import MERGES, vocabulary
-from test_gemma3 import alloc, make_pool, max_rel
-from test_model import assert_rel_close, extend_batch, hf_logits, run
+from arch_reference import (
+    GEMMA_NORMS,
+    add_bpe_vocabulary,
+    alloc,
+    check_prefilled_and_extended,
+    finish_gguf,
+    greedy,
+    make_pool,
+    max_rel,
+    random_model,
+    recomputed_greedy,
+    save_servable,
+)
+from gguf_files import vocabulary
+from test_model import assert_rel_close, hf_logits, run
 
-from hicache_server.models import LoadedModel, ModelArchConfig, load_model
+from hicache_server.models import ModelArchConfig, load_model
 from hicache_server.models.attention import TorchAttention
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.gguf import GGUFError, hf_config
 from hicache_server.models.kernels import cpu_layer
-from hicache_server.models.loader import embedded_tokenizer_files
 
 SEED = 5
 PROMPT_LEN = 160  # several windows of every config below
@@ -71,15 +82,7 @@ def gemma2_config(**fields: Any) -> transformers.Gemma2Config:
 
 
 def random_gemma2(config: transformers.Gemma2Config, seed: int = SEED) -> torch.nn.Module:
-    """transformers' model of `config` with seeded random weights, its norms given shape
-    (Gemma's start at w = 0, i.e. x1)."""
-    torch.manual_seed(seed)
-    hf = transformers.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
-    return hf
+    return random_model(transformers.Gemma2ForCausalLM, config, seed, GEMMA_NORMS)
 
 
 def eager(folder: Path, dtype: torch.dtype = torch.float32, **changes: Any) -> torch.nn.Module:
@@ -105,31 +108,6 @@ def prompt() -> torch.Tensor:
                          generator=torch.Generator().manual_seed(SEED))
 
 
-def greedy(lm: LoadedModel, prompt: list[int], steps: int) -> list[int]:
-    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone through
-    the KV pool."""
-    pool = make_pool(lm.config, lm.dtype, lm.device)
-    slots = alloc(pool, len(prompt) + steps)
-    tokens = torch.tensor(prompt)
-    out: list[int] = []
-    prefix = 0
-    while len(out) < steps:
-        logits = lm.model(extend_batch([(tokens, slots[:len(tokens)], prefix)]), pool)
-        out.append(int(logits[0].argmax()))
-        prefix = len(tokens)
-        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
-    return out
-
-
-def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    """Plain greedy decoding, recomputing every position each step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights against transformers
 
@@ -142,14 +120,8 @@ def test_float32_logits_match_transformers_prefilled_and_extended(
     assert type(lm.model).__name__ == "Gemma2ForCausalLM"
     assert None in lm.config.layer_windows and PROMPT_LEN > 3 * lm.config.sliding_window
     ref = hf_logits(hf, prompt)
-    pool = make_pool(lm.config)
-    whole = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
-    assert_rel_close(whole, ref)
-    slots = alloc(pool, PROMPT_LEN)
-    run(lm, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
-    extended = run(lm, pool, prompt, slots, prefix=PREFIX)
-    assert_rel_close(extended, ref[PREFIX:])
-    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    whole, _, err = check_prefilled_and_extended(lm.model, prompt, ref, PREFIX)
+    record_property("float32_max_rel", err)
     # the caps and the windows bite: the same weights without one of them differ
     for key, value in (("attn_logit_softcapping", None), ("final_logit_softcapping", None),
                        ("sliding_window", 4096)):
@@ -196,7 +168,7 @@ def test_greedy_decode_through_the_pool_is_transformers_greedy(
     folder, hf = checkpoint
     lm = load_model(str(folder), dtype="float32", device="cpu")
     ids = prompt.tolist()
-    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+    assert greedy(lm.model, ids, GREEDY_STEPS) == recomputed_greedy(hf, ids, GREEDY_STEPS)
 
 
 def test_no_q_k_norms_and_every_layer_op_on_the_layer_kernel(
@@ -222,7 +194,7 @@ def test_cuda_float32_matches_transformers(checkpoint: tuple[Path, torch.nn.Modu
     assert_rel_close(run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0).cpu(),
                      hf_logits(hf, prompt))
     ids = prompt.tolist()
-    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+    assert greedy(lm.model, ids, GREEDY_STEPS) == recomputed_greedy(hf, ids, GREEDY_STEPS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +268,7 @@ def write_gemma2_gguf(path: Path, hf: torch.nn.Module, caps: bool = True) -> Pat
     every norm weight stored as 1 + w, no output.weight (tied), the window and (`caps`) both
     soft caps in the metadata; a byte-level BPE vocabulary."""
     c = hf.config
-    tokens, types = vocabulary()
+    tokens = vocabulary()[0]
     w = gguf.GGUFWriter(str(path), "gemma2")
     w.add_name("tiny-gemma2")
     for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, 2048),
@@ -312,11 +284,7 @@ def write_gemma2_gguf(path: Path, hf: torch.nn.Module, caps: bool = True) -> Pat
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
+    add_bpe_vocabulary(w, "smollm")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, c.num_hidden_layers)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight":  # tied: the converter writes the embeddings once
@@ -325,11 +293,7 @@ def write_gemma2_gguf(path: Path, hf: torch.nn.Module, caps: bool = True) -> Pat
         if name.endswith("norm.weight"):
             data = data + 1  # the converter's Gemma norm: 1 + w
         w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def test_a_gemma2_file_gives_its_checkpoints_logits(tmp_path: Path) -> None:
@@ -432,10 +396,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
         head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         bos_token_id=256, eos_token_id=257, pad_token_id=258), seed=0)
-    hf.save_pretrained(folder)
-    for name, text in embedded_tokenizer_files().items():
-        (folder / name).write_text(text, encoding="utf-8")
-    return folder
+    return save_servable(hf, folder)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,21 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from arch_reference import (
+    GEMMA_NORMS,
+    alloc,
+    check_every_layer_writes_its_kv_in_hook_order,
+    check_prefilled_and_extended,
+    greedy,
+    logits_of,
+    make_pool,
+    max_rel,
+    random_model,
+    transformers_greedy,
+)
 from conftest import missing_tool
-from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits, run
+from test_model import assert_rel_close, hf_logits
 
-from hicache.memory.device import DeviceKVPool
 from hicache_server.models import LoadedModel, ModelArchConfig, load_model
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.kernels import cpu_layer
@@ -29,7 +40,6 @@ SEED = 3
 PROMPT_LEN = 160  # several windows of every config below
 PREFIX = 100  # a cached prefix the rest of the prompt extends
 GREEDY_STEPS = 20
-POOL_PAGES = 32  # 512 slots: two prompts and a decode
 BF16_REL = 0.03  # bfloat16 against transformers' bfloat16 (measured 0.6-1.1%): noise, not garbage
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA3_MODEL = "gemma3-270m"
@@ -70,12 +80,8 @@ def gemma3_config(kind: str) -> transformers.Gemma3TextConfig:
 def checkpoint(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """(folder written by transformers, transformers' float32 model) of each config."""
-    torch.manual_seed(SEED)
-    hf = transformers.Gemma3ForCausalLM(gemma3_config(request.param)).eval()
-    with torch.no_grad():  # Gemma's norms start at w = 0 (x1): give them some shape
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
+    hf = random_model(transformers.Gemma3ForCausalLM, gemma3_config(request.param), SEED,
+                      GEMMA_NORMS)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     return folder, hf
@@ -85,44 +91,6 @@ def checkpoint(request: pytest.FixtureRequest,
 def prompt() -> torch.Tensor:
     return torch.randint(0, _COMMON["vocab_size"], (PROMPT_LEN,),
                          generator=torch.Generator().manual_seed(SEED))
-
-
-def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> DeviceKVPool:
-    return DeviceKVPool(POOL_PAGES, PAGE_SIZE, config.num_hidden_layers,
-                        config.num_key_value_heads, config.head_dim, dtype, device)
-
-
-def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
-    """`n` slots (whole pages taken)."""
-    return pool.alloc(-(-n // PAGE_SIZE) * PAGE_SIZE)[:n]
-
-
-def greedy(lm: LoadedModel, prompt: list[int], steps: int) -> list[int]:
-    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone through
-    the KV pool."""
-    pool = make_pool(lm.config, lm.dtype, lm.device)
-    slots = alloc(pool, len(prompt) + steps)
-    tokens = torch.tensor(prompt)
-    logits = lm.model(extend_batch([(tokens, slots[:len(tokens)], 0)]), pool)
-    out: list[int] = []
-    while True:
-        out.append(int(logits[0].argmax()))
-        if len(out) == steps:
-            return out
-        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
-        n = len(tokens)
-        logits = lm.model(extend_batch([(tokens, slots[:n], n - 1)]), pool)
-
-
-def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,14 +105,8 @@ def test_float32_logits_match_transformers_prefilled_and_extended(
     assert type(lm.model).__name__ == "Gemma3ForCausalLM"
     assert None in lm.config.layer_windows and PROMPT_LEN > 3 * lm.config.sliding_window
     ref = hf_logits(hf, prompt)
-    pool = make_pool(lm.config)
-    whole = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
-    assert_rel_close(whole, ref)
-    slots = alloc(pool, PROMPT_LEN)
-    run(lm, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
-    extended = run(lm, pool, prompt, slots, prefix=PREFIX)
-    assert_rel_close(extended, ref[PREFIX:])
-    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    whole, _, err = check_prefilled_and_extended(lm.model, prompt, ref, PREFIX)
+    record_property("float32_max_rel", err)
     # the windows matter: the same weights with windows wider than the prompt differ
     wide = transformers.Gemma3ForCausalLM(
         transformers.Gemma3TextConfig.from_dict({**hf.config.to_dict(), "sliding_window": 4096}))
@@ -161,7 +123,7 @@ def test_bfloat16_logits_stay_near_transformers_bfloat16(
     hf = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     ref = hf_logits(hf, prompt).float()
     pool = make_pool(lm.config, torch.bfloat16)
-    ours = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
+    ours = logits_of(lm.model, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
     assert ours.dtype == torch.float32
     record_property("bfloat16_max_rel", max_rel(ours, ref))
     assert_rel_close(ours, ref, rel=BF16_REL)
@@ -172,23 +134,13 @@ def test_greedy_decode_through_the_pool_is_transformers_greedy(
     folder, hf = checkpoint
     lm = load_model(str(folder), dtype="float32", device="cpu")
     ids = prompt.tolist()
-    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+    assert greedy(lm.model, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
 
 
 def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
         checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor) -> None:
     lm = load_model(str(checkpoint[0]), device="cpu")
-    pool = make_pool(lm.config)
-    slots = alloc(pool, PROMPT_LEN)
-    seen: list[int] = []
-    batch = extend_batch([(prompt, slots, 0)])
-    batch.layer_hook = seen.append
-    lm.model(batch, pool)
-    layers = lm.config.num_hidden_layers
-    assert seen == list(range(layers))
-    for layer in range(layers):  # window layers too: the cache keeps every layer's KV
-        k, v = pool.get_kv(layer)
-        assert k[slots].abs().sum(-1).gt(0).all() and v[slots].abs().sum(-1).gt(0).all()
+    check_every_layer_writes_its_kv_in_hook_order(lm.model, prompt)
 
 
 def test_no_lean_path_and_every_layer_op_on_the_layer_kernel(
@@ -228,10 +180,10 @@ def test_the_layer_kernel_and_torchs_ops_agree(checkpoint: tuple[Path, torch.nn.
     assert kernel is not None
     pool = make_pool(lm.config, lm.dtype)
     slots = alloc(pool, PROMPT_LEN)
-    on_kernel = run(lm, pool, prompt, slots, prefix=0)
+    on_kernel = logits_of(lm.model, pool, prompt, slots, prefix=0)
     lm.model.use_layer_kernel(None)
     assert lm.model.layer_ops == "torch"
-    on_torch = run(lm, pool, prompt, slots, prefix=0)
+    on_torch = logits_of(lm.model, pool, prompt, slots, prefix=0)
     assert not torch.equal(on_kernel, on_torch)  # the kernel ran: its float32 rounds differ
     assert_rel_close(on_kernel, on_torch, rel=rel)
 
@@ -244,10 +196,10 @@ def test_cuda_float32_matches_transformers(checkpoint: tuple[Path, torch.nn.Modu
     folder, hf = checkpoint
     lm = load_model(str(folder), dtype="float32", device="cuda")
     pool = make_pool(lm.config, torch.float32, lm.device)
-    ours = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0).cpu()
+    ours = logits_of(lm.model, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0).cpu()
     assert_rel_close(ours, hf_logits(hf, prompt))
     ids = prompt.tolist()
-    assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+    assert greedy(lm.model, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +306,7 @@ def test_real_model_logits_match_transformers(real_reference: tuple[Any, Any],
     ids = torch.tensor(tok(REAL_TEXT).input_ids)
     assert 90 <= len(ids) <= 120
     pool = make_pool(c)
-    ours = run(real_ours, pool, ids, alloc(pool, len(ids)), prefix=0)
+    ours = logits_of(real_ours.model, pool, ids, alloc(pool, len(ids)), prefix=0)
     ref = hf_logits(model, ids)
     record_property("real_float32_max_rel", max_rel(ours, ref))
     assert_rel_close(ours[-1], ref[-1])
@@ -365,6 +317,6 @@ def test_real_model_greedy_completion_is_transformers(real_reference: tuple[Any,
                                                       real_ours: LoadedModel) -> None:
     model, tok = real_reference
     ids = tok(REAL_QUESTION).input_ids
-    ours = greedy(real_ours, ids, REAL_STEPS)
+    ours = greedy(real_ours.model, ids, REAL_STEPS)
     assert ours == transformers_greedy(model, ids, REAL_STEPS)
     assert "France" in tok.decode(ours)  # a sentence, not noise

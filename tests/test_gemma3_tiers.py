@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import tier_workload as tiers
 import torch
-
-from hicache_server.models.loader import embedded_tokenizer_files
+from arch_reference import GEMMA_NORMS, random_model, save_servable
 
 WINDOW = 40  # pages are tier_workload.PAGE (16): a window edge falls inside a page
 # sliding, sliding, full, sliding, sliding, full: Gemma 3's pattern, shortened
@@ -32,20 +31,11 @@ def gemma3_config(**overrides: object):
 
 
 def write_random_gemma3(folder: Path, seed: int = 0) -> Path:
-    """A random-weight Gemma 3 saved as a Hugging Face folder, with the byte tokenizer (its
-    ids fit the vocabulary) so the engine can serve it."""
+    """A random-weight Gemma 3 saved as a Hugging Face folder the engine serves."""
     from transformers import Gemma3ForCausalLM
 
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(gemma3_config()).eval()
-    with torch.no_grad():  # Gemma's norms start at w = 0, i.e. x1: give them some shape
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
-    model.save_pretrained(folder)
-    for name, text in embedded_tokenizer_files().items():
-        (folder / name).write_text(text, encoding="utf-8")
-    return folder
+    return save_servable(random_model(Gemma3ForCausalLM, gemma3_config(), seed, GEMMA_NORMS),
+                         folder)
 
 
 @pytest.fixture(scope="module")

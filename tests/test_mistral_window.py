@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_model import assert_rel_close, extend_batch, make_pool
+from arch_reference import logits_of, recomputed_greedy, save_servable
+from test_model import assert_rel_close, extend_batch, hf_logits, make_pool
 
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
 from hicache_server.models import LoadedModel, ModelArchConfig, load_model
 from hicache_server.models.attention import ReferenceAttention, TorchAttention
 from hicache_server.models.kernels import cpu_attention
-from hicache_server.models.loader import embedded_tokenizer_files
 
 WINDOW = 32
 PAGE = 16
@@ -56,21 +56,12 @@ def checkpoint(request: pytest.FixtureRequest,
     cfg = KINDS[request.param](WINDOW)
     model = {"mistral": transformers.MistralForCausalLM,
              "qwen2": transformers.Qwen2ForCausalLM}[request.param](cfg)
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    for name, text in embedded_tokenizer_files().items():
-        (folder / name).write_text(text, encoding="utf-8")
-    return request.param, folder
+    return request.param, save_servable(model, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def prompt() -> torch.Tensor:
     return torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(SEED))
-
-
-def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens[None]).logits[0]  # [len, vocab]
 
 
 def windows_of_kind(kind: str) -> tuple[int | None, ...]:
@@ -110,17 +101,14 @@ def test_logits_match_transformers_prefilled_extended_and_decoded(
     ref = hf_logits(hf_model(kind, folder), prompt)
     pool = make_pool(lm.config)
     slots = pool.alloc(SLOTS)[:PROMPT_LEN]
-    full = lm.model.forward_all_logits(extend_batch([(prompt, slots, 0)]), pool)
-    assert_rel_close(full, ref)
+    assert_rel_close(logits_of(lm.model, pool, prompt, slots, 0), ref)
     # the cached prefix's K/V stay in the pool: extend from it, then decode one at a time
     end = PROMPT_LEN - 4
-    extended = lm.model.forward_all_logits(extend_batch([(prompt[:end], slots[:end], PREFIX)]),
-                                           pool)
-    assert_rel_close(extended, ref[PREFIX:end])
+    assert_rel_close(logits_of(lm.model, pool, prompt[:end], slots[:end], PREFIX),
+                     ref[PREFIX:end])
     for p in range(end, PROMPT_LEN):
-        step = lm.model.forward_all_logits(
-            extend_batch([(prompt[:p + 1], slots[:p + 1], p)]), pool)
-        assert_rel_close(step, ref[p:p + 1])
+        assert_rel_close(logits_of(lm.model, pool, prompt[:p + 1], slots[:p + 1], p),
+                         ref[p:p + 1])
 
 
 def test_the_window_changes_the_logits(checkpoint: tuple[str, Path],
@@ -152,7 +140,7 @@ def test_the_lean_path_binds_each_layers_window(checkpoint: tuple[str, Path],
     slots = pools[0].alloc(SLOTS)[:PROMPT_LEN]
     end = PROMPT_LEN - 3
     for pool in pools:
-        lm.model.forward_all_logits(extend_batch([(prompt[:end], slots[:end], 0)]), pool)
+        logits_of(lm.model, pool, prompt[:end], slots[:end], 0)
     for p in range(end, PROMPT_LEN):
         batch = extend_batch([(prompt[:p + 1], slots[:p + 1], p)])
         got = lm.model.forward_all_logits(batch, pools[0])
@@ -165,20 +153,24 @@ def test_the_lean_path_binds_each_layers_window(checkpoint: tuple[str, Path],
         assert_rel_close(got, ref[p:p + 1])
 
 
-def transformers_greedy(kind: str, folder: Path, prompt: list[int], steps: int) -> list[int]:
-    model = hf_model(kind, folder)
-    ids = list(prompt)
-    with torch.no_grad():  # plain greedy decoding, recomputing everything each step
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def engine(folder: Path, **overrides: object) -> Engine:
     return Engine(load_config(None, {
         "model.path": str(folder), "model.device": "cpu", "model.dtype": "float32",
         "cache.page_size": PAGE, "cache.max_total_tokens": 1024,
         "storage.prefill_warmup_s": 0.0, **overrides}))
+
+
+def prompts_and_recomputed(folder: Path, prompt: torch.Tensor
+                           ) -> tuple[list[list[int]], list[list[int]]]:
+    """(the prompt and two sharing its first 80 tokens, the engine's greedy tokens of each
+    computed from scratch: no radix cache)."""
+    first = prompt.tolist()
+    prompts = [first] + [first[:80] + [(t * 7 + i) % 256 for t in range(i, i + 30)]
+                         for i in (1, 2)]
+    with engine(folder, **{"cache.enable_radix_cache": False}) as e:
+        recomputed = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+                      for p in prompts]
+    return prompts, recomputed
 
 
 def test_engine_greedy_tokens_from_scratch_and_from_a_cached_prefix(
@@ -187,15 +179,12 @@ def test_engine_greedy_tokens_from_scratch_and_from_a_cached_prefix(
     the cache (a prefix past two windows, the window's edge inside a page), give the very
     tokens of their recomputation."""
     kind, folder = checkpoint
-    first = prompt.tolist()
-    others = [first[:80] + [(t * 7 + i) % 256 for t in range(i, i + 30)] for i in (1, 2)]
-    with engine(folder, **{"cache.enable_radix_cache": False}) as e:
-        recomputed = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-                      for p in [first, *others]]
-    assert recomputed[0] == transformers_greedy(kind, folder, first, GREEDY["max_new_tokens"])
+    prompts, recomputed = prompts_and_recomputed(folder, prompt)
+    assert recomputed[0] == recomputed_greedy(hf_model(kind, folder), prompts[0],
+                                              GREEDY["max_new_tokens"])
     with engine(folder) as e:
         cached = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-                  for p in [first, *others]]
+                  for p in prompts]
         assert e.stats()["counters"]["cached_device"] >= 2 * 80 // PAGE * PAGE
     assert cached == recomputed
 
@@ -205,17 +194,14 @@ def test_l2_load_back_and_l3_after_a_restart_give_the_same_tokens(
     """The same prompts from L2 (L1 flushed between them) and from L3 (a new engine on the
     same LMDB) give the tokens of their recomputation."""
     _, folder = checkpoint
-    first = prompt.tolist()
-    others = [first[:80] + [(t * 7 + i) % 256 for t in range(i, i + 30)] for i in (1, 2)]
-    with engine(folder, **{"cache.enable_radix_cache": False}) as e:
-        recomputed = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-                      for p in [first, *others]]
+    prompts, recomputed = prompts_and_recomputed(folder, prompt)
+    first = prompts[0]
     tiers = {"cache.hierarchical": True, "storage.backend": "lmdb",
              "storage.lmdb.path": str(tmp_path / "lmdb"), "storage.overlap": False,
              "storage.prefetch_policy": "wait_complete", "storage.prefetch_threshold": 16}
     with engine(folder, **tiers) as e:
         from_l2 = []
-        for p in [first, *others]:
+        for p in prompts:
             from_l2.append(e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"])
             e.flush_cache(["device"])
         assert e.stats()["tiers"]["host"]["load_back_tokens"] > 0

@@ -25,15 +25,25 @@ import pytest
 import tier_workload as tiers
 import torch
 import transformers
-from gguf_files import CONTROL, MERGES, vocabulary
-from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits, run
+from arch_reference import (
+    add_bpe_vocabulary,
+    alloc,
+    check_prefilled_and_extended,
+    finish_gguf,
+    greedy,
+    make_pool,
+    max_rel,
+    random_model,
+    save_servable,
+    transformers_greedy,
+)
+from gguf_files import CONTROL, vocabulary
+from test_model import assert_rel_close, hf_logits, run
 
-from hicache.memory.device import DeviceKVPool
-from hicache_server.models import LoadedModel, ModelArchConfig, load_model
+from hicache_server.models import ModelArchConfig, load_model
 from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.gguf_tokenizer import GGUFError
-from hicache_server.models.loader import embedded_tokenizer_files
 from hicache_server.models.phi3 import _gguf_config
 from hicache_server.models.registry import GGUFSource
 
@@ -69,14 +79,7 @@ def phi3_config(kind: str, **overrides: Any) -> transformers.Phi3Config:
 
 
 def random_phi3(config: transformers.Phi3Config, seed: int = SEED) -> torch.nn.Module:
-    """transformers' float32 Phi-3 of `config`, its norms (all ones at init) given shape."""
-    torch.manual_seed(seed)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return hf
+    return random_model(transformers.Phi3ForCausalLM, config, seed)
 
 
 def write_checkpoint(kind: str, tmp_path_factory: pytest.TempPathFactory
@@ -109,43 +112,6 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(SEED))
 
 
-def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32) -> DeviceKVPool:
-    return DeviceKVPool(POOL_PAGES, PAGE_SIZE, config.num_hidden_layers,
-                        config.num_key_value_heads, config.head_dim, dtype, "cpu")
-
-
-def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
-    """`n` slots (whole pages taken)."""
-    return pool.alloc(-(-n // PAGE_SIZE) * PAGE_SIZE)[:n]
-
-
-def greedy(lm: LoadedModel, prompt: list[int], steps: int) -> list[int]:
-    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone through
-    the KV pool (on the CPU kernels, the lean path)."""
-    pool = make_pool(lm.config, lm.dtype)
-    slots = alloc(pool, len(prompt) + steps)
-    tokens = torch.tensor(prompt)
-    logits = lm.model(extend_batch([(tokens, slots[:len(tokens)], 0)]), pool)
-    out: list[int] = []
-    while True:
-        out.append(int(logits[0].argmax()))
-        if len(out) == steps:
-            return out
-        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
-        n = len(tokens)
-        logits = lm.model(extend_batch([(tokens, slots[:n], n - 1)]), pool)
-
-
-def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights against transformers
 
@@ -157,14 +123,8 @@ def test_float32_logits_match_transformers_prefilled_and_extended(
     lm = load_model(str(folder), dtype="float32", device="cpu")
     assert type(lm.model).__name__ == "Phi3ForCausalLM"
     ref = hf_logits(hf, prompt)
-    pool = make_pool(lm.config)
-    whole = run(lm, pool, prompt, alloc(pool, PROMPT_LEN), prefix=0)
-    assert_rel_close(whole, ref)
-    slots = alloc(pool, PROMPT_LEN)
-    run(lm, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
-    extended = run(lm, pool, prompt, slots, prefix=PREFIX)
-    assert_rel_close(extended, ref[PREFIX:])
-    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    err = check_prefilled_and_extended(lm.model, prompt, ref, PREFIX).max_rel
+    record_property("float32_max_rel", err)
 
 
 def test_partial_rotary_longrope_and_the_window_each_matter(
@@ -216,11 +176,11 @@ def test_greedy_decode_through_the_pool_is_transformers_greedy(
             assert LeanForward.build(lm.model.model, lm.config, lm.dtype) is not None
         ids = prompt.tolist()
         if dtype == "float32":
-            assert greedy(lm, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
+            assert greedy(lm.model, ids, GREEDY_STEPS) == transformers_greedy(hf, ids, GREEDY_STEPS)
         else:  # the lean path's decode steps are the modules' (prefill) arithmetic
-            lean = greedy(lm, ids, GREEDY_STEPS)
+            lean = greedy(lm.model, ids, GREEDY_STEPS)
             lm.model.model.lean = None
-            assert greedy(lm, ids, GREEDY_STEPS) == lean
+            assert greedy(lm.model, ids, GREEDY_STEPS) == lean
 
 
 def test_longrope_context_ends_where_transformers_switches_to_long_factors(
@@ -334,7 +294,7 @@ def write_phi3_gguf(path: Path, hf: torch.nn.Module) -> Path:
     window (0: none); longrope's factors as tensors beside the attention factor."""
     c = hf.config
     params = c.rope_parameters
-    tokens, types = vocabulary()
+    tokens = vocabulary()[0]
     w = gguf.GGUFWriter(str(path), "phi3")
     w.add_name("tiny-phi3")
     for add, value in ((w.add_block_count, c.num_hidden_layers),
@@ -352,11 +312,7 @@ def write_phi3_gguf(path: Path, hf: torch.nn.Module) -> Path:
         add(value)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(params["rope_theta"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
+    add_bpe_vocabulary(w, "smollm")
     w.add_bos_token_id(tokens.index(CONTROL[0]))
     w.add_eos_token_id(tokens.index(CONTROL[1]))
     w.add_pad_token_id(tokens.index(CONTROL[1]))  # transformers' default 32000 is past the vocab
@@ -380,11 +336,7 @@ def write_phi3_gguf(path: Path, hf: torch.nn.Module) -> Path:
         else:
             gguf_name = f"{names[module]}.weight"
         w.add_tensor(gguf_name, tensor.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 GGUF_VOCAB = len(vocabulary()[0])
@@ -452,11 +404,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (its ids fit the vocabulary)."""
     hf = random_phi3(phi3_config("partial_window", bos_token_id=256, eos_token_id=257,
                                  pad_token_id=258))
-    folder = tmp_path_factory.mktemp("served")
-    hf.save_pretrained(folder)
-    for name, text in embedded_tokenizer_files().items():
-        (folder / name).write_text(text, encoding="utf-8")
-    return folder
+    return save_servable(hf, tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")

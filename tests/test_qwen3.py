@@ -22,9 +22,23 @@ import pytest
 import tier_workload as tiers
 import torch
 import transformers
+from arch_reference import (
+    add_bpe_vocabulary,
+    alloc,
+    check_every_layer_writes_its_kv_in_hook_order,
+    check_prefilled_and_extended,
+    finish_gguf,
+    greedy,
+    make_pool,
+    max_rel,
+    prefilled_and_extended,
+    random_model,
+    save_servable,
+    transformers_greedy,
+)
 from gguf import GGMLQuantizationType as Q
-from gguf_files import CONTROL, MERGES, vocabulary
-from test_model import PAGE_SIZE, assert_rel_close, extend_batch, hf_logits
+from gguf_files import CONTROL, vocabulary
+from test_model import assert_rel_close, extend_batch, hf_logits
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import (
@@ -40,7 +54,7 @@ from hicache_server.models.fingerprint import model_fingerprint
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.gguf import GGUFError
 from hicache_server.models.kernels import cpu_attention
-from hicache_server.models.loader import KERNELS_DIR, embedded_tokenizer_files, hicache_home
+from hicache_server.models.loader import KERNELS_DIR, hicache_home
 from hicache_server.models.qwen3 import QWEN3, Qwen3ForCausalLM
 
 SEED = 5
@@ -48,7 +62,6 @@ VOCAB = 300
 PROMPT_LEN = 80
 PREFIX = 50  # a cached prefix the rest of the prompt extends
 GREEDY_STEPS = 16
-POOL_PAGES = 16  # 256 slots: two prompts and a decode
 BF16_REL = 0.04  # bfloat16 against transformers' bfloat16 (measured 1-3%): noise, not garbage
 WINDOW = 24  # the window config's: the prompt crosses it several times
 
@@ -74,14 +87,7 @@ def qwen3_config(kind: str, **overrides: Any) -> transformers.Qwen3Config:
 
 
 def random_qwen3(config: transformers.Qwen3Config, seed: int = SEED) -> torch.nn.Module:
-    """transformers' float32 Qwen3 of `config`, its norms (all ones at init) given shape."""
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return hf
+    return random_model(transformers.Qwen3ForCausalLM, config, seed)
 
 
 def arch_config(c: transformers.Qwen3Config) -> ModelArchConfig:
@@ -122,58 +128,6 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(SEED))
 
 
-def make_pool(config: ModelArchConfig, dtype: torch.dtype = torch.float32) -> DeviceKVPool:
-    return DeviceKVPool(POOL_PAGES, PAGE_SIZE, config.num_hidden_layers,
-                        config.num_key_value_heads, config.head_dim, dtype, "cpu")
-
-
-def alloc(pool: DeviceKVPool, n: int) -> torch.Tensor:
-    """`n` slots (whole pages taken)."""
-    return pool.alloc(-(-n // PAGE_SIZE) * PAGE_SIZE)[:n]
-
-
-def run(model: CausalLM, pool: DeviceKVPool, tokens: torch.Tensor, slots: torch.Tensor,
-        prefix: int) -> torch.Tensor:
-    """Logits `[len - prefix, vocab]` of tokens[prefix:], the prefix already in the pool."""
-    return model.forward_all_logits(extend_batch([(tokens, slots, prefix)]), pool)
-
-
-def prefilled_and_extended(model: CausalLM, prompt: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits of the prompt prefilled whole, of its tokens past PREFIX extended on it)."""
-    pool = make_pool(model.config, model.dtype)
-    whole = run(model, pool, prompt, alloc(pool, len(prompt)), prefix=0)
-    slots = alloc(pool, len(prompt))
-    run(model, pool, prompt[:PREFIX], slots[:PREFIX], prefix=0)
-    return whole, run(model, pool, prompt, slots, prefix=PREFIX)
-
-
-def greedy(model: CausalLM, prompt: list[int], steps: int) -> list[int]:
-    """Our greedy tokens after `prompt`: prefilled, then each token decoded alone."""
-    pool = make_pool(model.config, model.dtype)
-    slots = alloc(pool, len(prompt) + steps)
-    tokens = torch.tensor(prompt)
-    logits = model(extend_batch([(tokens, slots[:len(tokens)], 0)]), pool)
-    out: list[int] = []
-    while True:
-        out.append(int(logits[0].argmax()))
-        if len(out) == steps:
-            return out
-        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
-        n = len(tokens)
-        logits = model(extend_batch([(tokens, slots[:n], n - 1)]), pool)
-
-
-def transformers_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights against transformers
 
@@ -182,12 +136,9 @@ def test_built_from_a_config_by_hand_matches_transformers(record_property: Any) 
     """The model class alone: a ModelArchConfig written out, transformers' state dict."""
     hf = random_qwen3(qwen3_config("untied"))
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,))
-    whole, extended = prefilled_and_extended(build(arch_config(hf.config), hf, torch.float32),
-                                             prompt)
-    ref = hf_logits(hf, prompt)
-    assert_rel_close(whole, ref)
-    assert_rel_close(extended, ref[PREFIX:])
-    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    model = build(arch_config(hf.config), hf, torch.float32)
+    err = check_prefilled_and_extended(model, prompt, hf_logits(hf, prompt), PREFIX).max_rel
+    record_property("float32_max_rel", err)
 
 
 def test_float32_logits_match_transformers_prefilled_and_extended(
@@ -196,11 +147,8 @@ def test_float32_logits_match_transformers_prefilled_and_extended(
     folder, hf = checkpoint
     lm = load_model(str(folder), dtype="float32", device="cpu")
     assert type(lm.model) is Qwen3ForCausalLM and lm.config.head_dim == hf.config.head_dim
-    ref = hf_logits(hf, prompt)
-    whole, extended = prefilled_and_extended(lm.model, prompt)
-    assert_rel_close(whole, ref)
-    assert_rel_close(extended, ref[PREFIX:])
-    record_property("float32_max_rel", max(max_rel(whole, ref), max_rel(extended, ref[PREFIX:])))
+    err = check_prefilled_and_extended(lm.model, prompt, hf_logits(hf, prompt), PREFIX).max_rel
+    record_property("float32_max_rel", err)
 
 
 def test_the_qk_norms_and_the_windows_matter(checkpoint: tuple[Path, torch.nn.Module],
@@ -213,7 +161,7 @@ def test_the_qk_norms_and_the_windows_matter(checkpoint: tuple[Path, torch.nn.Mo
     for layer in lm.model.model.layers:
         layer.self_attn.q_norm.weight.data.fill_(1.0)
         layer.self_attn.k_norm.weight.data.fill_(1.0)
-    assert max_rel(prefilled_and_extended(lm.model, prompt)[0], ref) > 1e-2
+    assert max_rel(prefilled_and_extended(lm.model, prompt, PREFIX).whole, ref) > 1e-2
     if hf.config.use_sliding_window:
         assert lm.config.layer_windows == (None, WINDOW, WINDOW)
         full = transformers.Qwen3ForCausalLM(qwen3_config("window", use_sliding_window=False))
@@ -229,7 +177,7 @@ def test_bfloat16_logits_stay_near_transformers_bfloat16(
     assert next(lm.model.parameters()).dtype == torch.bfloat16
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     ref = hf_logits(hf, prompt).float()
-    ours = prefilled_and_extended(lm.model, prompt)[0]
+    ours = prefilled_and_extended(lm.model, prompt, PREFIX).whole
     assert ours.dtype == torch.float32
     record_property("bfloat16_max_rel", max_rel(ours, ref))
     assert_rel_close(ours, ref, rel=BF16_REL)
@@ -246,16 +194,7 @@ def test_greedy_decode_through_the_pool_is_transformers_greedy(
 def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
         checkpoint: tuple[Path, torch.nn.Module], prompt: torch.Tensor) -> None:
     lm = load_model(str(checkpoint[0]), device="cpu")
-    pool = make_pool(lm.config)
-    slots = alloc(pool, PROMPT_LEN)
-    seen: list[int] = []
-    batch = extend_batch([(prompt, slots, 0)])
-    batch.layer_hook = seen.append
-    lm.model(batch, pool)
-    assert seen == list(range(lm.config.num_hidden_layers))
-    for layer in range(lm.config.num_hidden_layers):
-        k, v = pool.get_kv(layer)
-        assert k[slots].abs().sum(-1).gt(0).all() and v[slots].abs().sum(-1).gt(0).all()
+    check_every_layer_writes_its_kv_in_hook_order(lm.model, prompt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,12 +266,9 @@ def test_a_decode_step_runs_on_the_lean_path_alone(checkpoint: tuple[Path, torch
 def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The untied config (head_dim 32, not hidden / heads) saved with the byte tokenizer,
     whose ids (bos 256, eos 257, pad 258) fit its vocabulary, so the engine can serve it."""
-    folder = tmp_path_factory.mktemp("served")
-    random_qwen3(qwen3_config("untied", max_position_embeddings=2048, bos_token_id=256,
-                              eos_token_id=257, pad_token_id=258)).save_pretrained(folder)
-    for name, text in embedded_tokenizer_files().items():
-        (folder / name).write_text(text, encoding="utf-8")
-    return folder
+    hf = random_qwen3(qwen3_config("untied", max_position_embeddings=2048, bos_token_id=256,
+                                   eos_token_id=257, pad_token_id=258))
+    return save_servable(hf, tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +392,7 @@ def write_qwen3_gguf(path: Path, hf: torch.nn.Module, qtype: Q = Q.F32,
     """`hf`'s weights as convert_hf_to_gguf.py writes a Qwen3: q/k rows as they are (not
     permuted), matrices in `qtype`, norms in F32, no output.weight when tied; the metadata
     of its Qwen2 base with the head dim in attention.key_length, a byte-level vocabulary."""
-    c, (tokens, types) = hf.config, vocabulary()
+    c, tokens = hf.config, vocabulary()[0]
     w = gguf.GGUFWriter(str(path), "qwen3")
     w.add_name("tiny-qwen3")
     w.add_block_count(c.num_hidden_layers)
@@ -470,11 +406,7 @@ def write_qwen3_gguf(path: Path, hf: torch.nn.Module, qtype: Q = Q.F32,
     w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
+    add_bpe_vocabulary(w, "qwen2")
     w.add_eos_token_id(tokens.index(CONTROL[1]))
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -486,11 +418,7 @@ def write_qwen3_gguf(path: Path, hf: torch.nn.Module, qtype: Q = Q.F32,
             w.add_tensor(gguf_name(name), data)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 @pytest.mark.parametrize(("qtype", "tied"), [(Q.F32, False), (Q.Q8_0, True)],
@@ -510,9 +438,7 @@ def test_gguf_gives_transformers_reading_the_file(qtype: Q, tied: bool, tmp_path
         str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     ids = prompt % len(vocabulary()[0])
     ref = hf_logits(ref_model, ids)
-    whole, extended = prefilled_and_extended(lm.model, ids)
-    assert_rel_close(whole, ref)
-    assert_rel_close(extended, ref[PREFIX:])
+    whole = check_prefilled_and_extended(lm.model, ids, ref, PREFIX).whole
     record_property("gguf_float32_max_rel", max_rel(whole, ref))
     if qtype == Q.F32:  # the very weights of the folder: transformers' own logits of them
         assert_rel_close(whole, hf_logits(hf, ids))
