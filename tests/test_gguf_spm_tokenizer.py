@@ -255,8 +255,11 @@ def tiny_spm(path: Path, add_space_prefix: bool) -> dict[str, Any]:
 def test_llama_style_space_prefix_matches_transformers(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     meta = tiny_spm(path, add_space_prefix=True)
-    (tmp_path / "tokenizer.json").write_text(tokenizer_json(meta, path), encoding="utf-8")
-    ours = HFTokenizer(tmp_path / "tokenizer.json")
+    # ours in a folder of its own: transformers would read a tokenizer.json beside the file
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "tokenizer.json").write_text(tokenizer_json(meta, path),
+                                                      encoding="utf-8")
+    ours = HFTokenizer(tmp_path / "ours" / "tokenizer.json")
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert tokenizer_config(meta)["add_bos_token"] is True  # llama.cpp's default for SPM
     for text in TINY_TEXTS:
