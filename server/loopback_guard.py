@@ -6,6 +6,8 @@ admin routes' paths. Light on purpose: the router process imports it.
 
 from __future__ import annotations
 
+import ipaddress
+
 from aiohttp import web
 
 # The names a loopback client reaches this server under, as they appear in a Host or Origin
@@ -34,6 +36,19 @@ class AdminDenied(Exception):
 
 def quoted(value: str) -> str:
     return repr(value[:SHOWN_CHARS])
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether `remote` (aiohttp's `request.remote`) is a loopback address. A Unix socket
+    peer or anything unparsable is not."""
+    if not remote:
+        return False
+    try:
+        ip = ipaddress.ip_address(remote.split("%", 1)[0])  # drop an IPv6 zone id
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 def own_hosts(port: int | None) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ it, ties and no match going to the server with the fewest requests in flight.
     POST /generate, /v1/completions, /v1/chat/completions   routed, streamed back as is
     GET  /health        {"status", "healthy_workers"}: once every subscription is up
     GET  /stats         routing decisions, index sizes, events and sequence gaps per server
-    anything else       the first worker; an admin route only without a browser's foreign
-                        Origin or Host (the worker sees the router's request, not the page's)
+    anything else       the first worker; an admin route only for a loopback client, and
+                        without a key only with no browser's foreign Origin or Host (the
+                        worker sees the router's request, not the client's)
 
 Token ids come from `/generate`'s `input_ids` (one list) or `/v1/completions`' `prompt` (a
 list of ids); a text prompt is tokenized by the first worker's `/tokenize`; chat requests go
@@ -42,7 +43,13 @@ import zmq.asyncio
 from aiohttp import web
 
 from hicache.events.page_index import PageIndex, Subscription, subscribe
-from hicache_server.loopback_guard import ADMIN_PATHS, AdminDenied, check_own_origin, local_port
+from hicache_server.loopback_guard import (
+    ADMIN_PATHS,
+    AdminDenied,
+    check_own_origin,
+    is_loopback,
+    local_port,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,20 @@ HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "k
 CHUNK_BYTES = 64 * 1024  # a streamed answer is copied through in reads of at most this
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a context-length prompt of ids as JSON fits
 CONNECT_TIMEOUT_S = 10  # to a worker; an answer itself may take as long as it takes
+
+
+def check_router_admin(request: web.Request) -> None:
+    """AdminDenied unless an admin request may pass the router. It forwards from loopback
+    under the worker's own Host, so a keyless worker would take anything it forwards: the
+    client must be on loopback (reach a worker directly, with its key, from elsewhere),
+    and without a bearer header carry no browser's foreign Origin or Host."""
+    if not is_loopback(request.remote):
+        raise AdminDenied(403, f"the router forwards admin routes for loopback clients only "
+                          f"(this one is {request.remote}); call the worker itself, with "
+                          "its --admin-api-key")
+    if not request.headers.get("Authorization"):
+        check_own_origin(request.headers.get("Host"), request.headers.get("Origin"),
+                         local_port(request))
 
 
 @dataclass
@@ -95,10 +116,9 @@ class Proxy:
         return server, "match" if scores[server][0] else "load"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.path in ADMIN_PATHS:  # forwarded under the worker's own Host: check here
-            try:
-                check_own_origin(request.headers.get("Host"), request.headers.get("Origin"),
-                                 local_port(request))
+        if request.path in ADMIN_PATHS:  # forwarded from loopback under the worker's own
+            try:                         # Host: the worker cannot tell who sent it, check here
+                check_router_admin(request)
             except AdminDenied as e:
                 return web.json_response({"error": {"message": e.message,
                                                     "type": "permission_error",

@@ -6,6 +6,7 @@ the proxy's arguments (`hicache_server.router`)."""
 from __future__ import annotations
 
 import asyncio
+from unittest import mock
 
 import aiohttp
 import msgspec
@@ -13,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from hicache.events.page_index import DECODER, PageIndex, Subscription, subscribe
 from hicache.events.publisher import END_SEQ, SEQ_BYTES
@@ -26,7 +27,8 @@ from hicache.events.schema import (
     BlockStored,
     KVEventBatch,
 )
-from hicache_server.router import Proxy, parse_events
+from hicache_server.loopback_guard import AdminDenied
+from hicache_server.router import Proxy, check_router_admin, parse_events
 
 PAGE = 4
 A, B = "http://127.0.0.1:1111", "http://127.0.0.1:2222"
@@ -257,3 +259,29 @@ async def _tokenize_headers_through_router() -> list[str | None]:
 def test_the_router_tokenizes_with_the_clients_key() -> None:
     """Workers behind `--api-key` answer the router's /tokenize only with the client's key."""
     assert asyncio.run(_tokenize_headers_through_router()) == ["Bearer k1"]
+
+
+def _request(remote: str, headers: dict[str, str]) -> web.Request:
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = {"peername": (remote, 5555),
+                                            "sockname": ("0.0.0.0", 8000)}.get
+    return make_mocked_request("POST", "/admin/flush", headers=headers, transport=transport)
+
+
+@pytest.mark.parametrize(("remote", "headers", "allowed"), [
+    ("127.0.0.1", {"Host": "127.0.0.1:8000"}, True),
+    ("127.0.0.1", {"Host": "evil.example:8000"}, False),  # rebinding
+    # with a key the worker judges it (a page cannot send the header cross-origin)
+    ("127.0.0.1", {"Host": "evil.example:8000", "Authorization": "Bearer k"}, True),
+    ("203.0.113.9", {"Host": "127.0.0.1:8000"}, False),  # another machine, keyless
+    ("203.0.113.9", {"Host": "127.0.0.1:8000", "Authorization": "Bearer k"}, False)])
+def test_the_router_forwards_admin_routes_for_loopback_clients_only(
+        remote: str, headers: dict[str, str], allowed: bool) -> None:
+    """The router forwards from loopback under the worker's Host: a keyless worker would take
+    anything, so the router judges the client it sees."""
+    request = _request(remote, headers)
+    if allowed:
+        check_router_admin(request)
+        return
+    with pytest.raises(AdminDenied):
+        check_router_admin(request)

@@ -23,7 +23,6 @@ Threading: the event loop.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 
 from aiohttp import web
 
@@ -34,25 +33,13 @@ from hicache_server.loopback_guard import (
     NO_KEY_HINT,
     AdminDenied,
     check_own_origin,
+    is_loopback,
     local_port,
     quoted,
 )
 
 JSON_TYPE = "application/json"  # the one body type the admin routes take
 
-
-
-def is_loopback(remote: str | None) -> bool:
-    """Whether `remote` (aiohttp's `request.remote`) is a loopback address. A Unix socket
-    peer or anything unparsable is not."""
-    if not remote:
-        return False
-    try:
-        ip = ipaddress.ip_address(remote.split("%", 1)[0])  # drop an IPv6 zone id
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
 
 
 def check_admin_access(remote: str | None, authorization: str | None,
