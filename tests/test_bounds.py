@@ -21,7 +21,7 @@ from conftest import WAIT_S, hold_scheduler, small_engine, submit_all
 from http_helpers import error_of
 
 from hicache_server.engine import Engine, QueueFull
-from hicache_server.http import create_app, fields
+from hicache_server.http import create_app, fields, streaming
 from hicache_server.http.fields import WarnedNames
 from hicache_server.http.state import Handler
 
@@ -262,3 +262,18 @@ async def test_a_client_inventing_field_names_grows_no_set(
             assert resp.status == 200
     assert warned.names == {"made_up_0", "made_up_1"}
     assert sum("made_up" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_large_event_is_written_in_pieces_each_with_its_own_timeout() -> None:
+    """The write timeout measures a reader that takes nothing: a megabyte event read by a
+    slow link is written in pieces of aiohttp's buffer size, each given the whole timeout."""
+    pieces: list[bytes] = []
+
+    class Recorder:
+        async def write(self, data: memoryview) -> None:
+            pieces.append(bytes(data))
+
+    event = bytes(range(256)) * (5 * streaming.WRITE_PIECE_BYTES // 256 + 3)
+    asyncio.run(streaming._write(Recorder(), event, 1.0))  # type: ignore[arg-type]
+    assert b"".join(pieces) == event and len(pieces) == 6
+    assert all(len(p) <= streaming.WRITE_PIECE_BYTES for p in pieces)

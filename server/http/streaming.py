@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A stream event is written in pieces of this size, each with its own write timeout: the
+# size of aiohttp's write buffer (its high-water mark), past which a write waits to drain
+WRITE_PIECE_BYTES = 64 * 1024
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # nginx must not buffer a stream
@@ -143,11 +146,11 @@ async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.St
         await _in_time(resp.prepare(request), timeout_s)
         try:
             async for payload in events:
-                await _in_time(resp.write(b"data: " + payload + b"\n\n"), timeout_s)
+                await _write(resp, b"data: " + payload + b"\n\n", timeout_s)
         except RequestFailed as e:  # the request failed mid-stream: its last event says so
             error = b"data: " + dumps(error_body(500, str(e))) + b"\n\n"
-            await _in_time(resp.write(error), timeout_s)
-        await _in_time(resp.write(SSE_DONE), timeout_s)
+            await _write(resp, error, timeout_s)
+        await _write(resp, SSE_DONE, timeout_s)
     except ConnectionError:
         logger.info("client of %s went away mid-stream", request.path)
     except ReaderStalled:
@@ -155,6 +158,14 @@ async def send_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.St
     finally:
         await events.aclose()
     return resp
+
+
+async def _write(resp: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """Write `data` in pieces, each in `timeout_s`: the timeout measures a reader that takes
+    nothing, not a large event (prompt logprobs can be megabytes) read by a slow link."""
+    view = memoryview(data)
+    for start in range(0, len(view), WRITE_PIECE_BYTES):
+        await _in_time(resp.write(view[start:start + WRITE_PIECE_BYTES]), timeout_s)
 
 
 async def _in_time(write: Awaitable[Any], timeout_s: float) -> None:
