@@ -168,8 +168,9 @@ class StorageConfig(Section):
 
 
 def storage_secret(storage: StorageConfig) -> bytes | None:
-    """The fleet secret's bytes: `storage.secret_file`'s content (trailing whitespace
-    stripped, so `openssl rand -hex 32 > FILE` works), else HICACHE_STORAGE_SECRET; None when
+    """The fleet secret's bytes: `storage.secret_file`'s content (one trailing line end
+    dropped, so `openssl rand -hex 32 > FILE` works, and a binary secret keeps its bytes),
+    else HICACHE_STORAGE_SECRET; None when
     neither is set. ConfigError for a file that cannot be read or a secret shorter than
     MIN_SECRET_BYTES; no message, log line or repr ever holds the secret itself."""
     if storage.secret_file is None:
@@ -179,7 +180,7 @@ def storage_secret(storage: StorageConfig) -> bytes | None:
         return _long_enough(SECRET_ENV, "it", value.strip().encode())
     path = Path(storage.secret_file).expanduser()
     try:
-        secret = path.read_bytes().rstrip()
+        secret = _without_line_end(path.read_bytes())
         mode = path.stat().st_mode
     except OSError as e:
         raise ConfigError("storage.secret_file", f"cannot read {str(path)!r}: "
@@ -188,6 +189,13 @@ def storage_secret(storage: StorageConfig) -> bytes | None:
         logger.warning("storage.secret_file %s may be read by other users (mode %o); "
                        "chmod 600 it", path, mode & 0o777)
     return _long_enough("storage.secret_file", repr(str(path)), secret)
+
+
+def _without_line_end(data: bytes) -> bytes:
+    for end in (b"\r\n", b"\n"):
+        if data.endswith(end):
+            return data[:-len(end)]
+    return data
 
 
 def _long_enough(key: str, where: str, secret: bytes) -> bytes:

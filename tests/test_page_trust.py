@@ -73,6 +73,9 @@ def test_the_secret_comes_from_the_file_else_the_environment(
     path.write_text("f" * 64 + "\n")  # `openssl rand -hex 32 > FILE`
     path.chmod(0o600)
     assert storage_secret(StorageConfig(secret_file=str(path))) == b"f" * 64  # the file wins
+    binary = bytes(range(1, 32)) + b" "  # `openssl rand 32 > FILE` may end in whitespace
+    path.write_bytes(binary)
+    assert storage_secret(StorageConfig(secret_file=str(path))) == binary
 
 
 def test_a_short_or_unreadable_secret_stops_start_up_without_showing_it(
