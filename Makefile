@@ -116,10 +116,10 @@ $(VLLM_TCMALLOC): $(VLLM_STAMP)
 # dtype, KV tokens and limits; calibration and multi-turn tables, benchmarks/results/vs_vllm.json.
 # e.g. `make bench-vs-vllm ARGS="--quick"` (a smoke test) or ARGS="--only hicache".
 # hicache inside vLLM's venv, for its KV connector (hicache.integrations.vllm): the package
-# without its dependencies (vLLM brings torch), and the stores' clients.
+# without its dependencies (vLLM brings torch), the stores' clients and the page seal's AES.
 VLLM_HICACHE := $(VLLM_VENV)/.hicache-installed
 $(VLLM_HICACHE): pyproject.toml $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pip install -q lmdb xxhash redis
+	$(VLLM_VENV)/bin/pip install -q lmdb xxhash redis 'cryptography>=46'
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $(VLLM_HICACHE)
 
