@@ -165,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         rows = run(args)
     print(table(rows))
+    write_results(args, rows)
+
+
+def write_results(args: argparse.Namespace, rows: list[dict]) -> None:
+    """`rows` as JSON at `args.out`, with the date, the machine, torch and the arguments."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

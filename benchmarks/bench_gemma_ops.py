@@ -15,15 +15,12 @@ speed-up and the largest logit difference between them; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_forward import PAGE_SIZE, fill_prefixes, make_batch
+from benchmarks.bench_forward import PAGE_SIZE, fill_prefixes, make_batch, write_results
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.gemma3 import gemma_kernel_modules
 from hicache_server.models.loader import load_model
@@ -101,13 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         rows = [row for dtype in args.dtypes for row in run_dtype(args, dtype)]
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
-
+    write_results(args, rows)
 
 if __name__ == "__main__":
     main()
