@@ -40,10 +40,6 @@ class CausalLM(nn.Module, ABC):
     `batch.output_rows`); K/V of the new tokens land in `kv_pool` at `batch.out_slots`,
     every layer."""
 
-    # Which of a layer's ops run on the layer kernel when it is on, for `layer_ops`; "" for
-    # all of them (RMSNorm, RoPE, SiLU * up).
-    kernel_ops = ""
-
     def __init__(self, config: ModelArchConfig, model: nn.Module, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -92,13 +88,10 @@ class CausalLM(nn.Module, ABC):
 
     @property
     def layer_ops(self) -> str:
-        """What the layer kernel's ops run on: CpuLayerKernel (naming the ops it runs when
-        not all of them) or torch."""
+        """What a layer's ops but its matmuls and attention run on: CpuLayerKernel (every
+        architecture runs all of them there) or torch."""
         kernel = self._layer_kernel_modules()[0].kernel
-        if kernel is None:
-            return "torch"
-        name = type(kernel).__name__
-        return f"{name} ({self.kernel_ops})" if self.kernel_ops else name
+        return "torch" if kernel is None else type(kernel).__name__
 
     def use_layer_kernel(self, kernel: CpuLayerKernel | None) -> None:
         """Run the layer kernel's ops on `kernel` (None: torch ops), on the CPU."""
