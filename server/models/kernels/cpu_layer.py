@@ -12,7 +12,8 @@ OpenMP).
 Gemma's (float32 `1 + w` weights, see `gemma_rms_norm_reference` for the arithmetic):
 
     out = layer.gemma_rms_norm(x, one_plus_w, eps)   # x [M, H] or [T, heads, H]
-    out, h = layer.gemma_norm_add_norm(x, w1, h, w2, eps)  # h += norm1(x), out = norm2(h)
+    out, total = layer.gemma_norm_add_norm(x, w1, h, w2, eps)  # total = h + norm1(x),
+                                                     # out = norm2(total), both new
     act = layer.gelu_tanh_mul(gate_up)               # GeGLU, [M, 2I] -> [M, I]
 
 Each is one pass over its rows where torch dispatches four to eight ops; every row is
