@@ -36,14 +36,15 @@ def make_linear_kernel(device: str | torch.device, dtype: torch.dtype,
                        cpu_linear.load)
 
 
-# RMSNorm, RoPE and SiLU * up in C by default; `torch` keeps torch's ops (comparisons).
+# RMSNorm, RoPE and SiLU * up (Gemma's norms and GeGLU) in C by default; `torch` keeps
+# torch's ops (comparisons).
 CPU_LAYER_OPS_ENV = "HICACHE_CPU_LAYER_OPS"
 CPU_LAYER_OPS_CHOICES = ("kernel", "torch")
 
 
 def make_layer_kernel(device: str | torch.device, dtype: torch.dtype,
                       kernel_dir: Path | None) -> CpuLayerKernel | None:
-    """The C kernels of a decoder layer's RMSNorm, RoPE and SiLU * up, for a float32 or
+    """The C kernels of a decoder layer's norms, RoPE and gated MLP, for a float32 or
     bfloat16 model on the CPU, built into `kernel_dir` (None: not tried), unless `HICACHE_CPU_LAYER_OPS`
     says `torch`; None leaves them on torch's ops."""
     return _cpu_kernel(CPU_LAYER_OPS_ENV, CPU_LAYER_OPS_CHOICES, device, dtype, kernel_dir,
