@@ -162,7 +162,7 @@ def log_startup(engine: Engine, runner: web.AppRunner) -> None:
     logger.info("hicache-server listening on http://%s:%d", shown, port)
     logger.info("model: %s (%s)", engine.config.model.path, engine.loaded.path)
     loaded = engine.loaded
-    logger.info("%s on %s, attention: %s, linear: %s, norm/rope/silu: %s",
+    logger.info("%s on %s, attention: %s, linear: %s, norm/rope/activation: %s",
                 str(loaded.dtype).removeprefix("torch."), loaded.device,
                 type(loaded.model.attn_backend).__name__, loaded.model.linear_backend,
                 loaded.model.layer_ops)

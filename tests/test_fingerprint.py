@@ -33,7 +33,7 @@ def write_safetensors_by_hand(folder: Path) -> Path:
 # Frozen once (computed when the fingerprint lived in hicache/storage/hashing.py): a change
 # here orphans every L3 page stored by every user.
 GOLDEN_FINGERPRINT = "d35328e3b1cc6db7c9bf4a5dc8a6a6fb"
-GOLDEN_PAGE_HEX = "a906d9a3484bc9905ea486788118dfcb"  # tokens [1, 2, 3, 4], pages of 2
+GOLDEN_PAGE_HEX = "85569adf7822bc228ea352e7b8f754c4"  # tokens [1, 2, 3, 4], pages of 2 (page format v3)
 
 
 def test_golden_fingerprint_and_page_key_are_pinned(tmp_path: Path) -> None:
