@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import random
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
@@ -52,6 +56,22 @@ def _hicache_home(tmp_path_factory) -> None:
     are the datasets lm-eval's tasks load (`datasets` caches every JSON file it reads)."""
     os.environ["HICACHE_HOME"] = str(tmp_path_factory.mktemp("hicache_home"))
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
+
+
+# glibc's malloc keeps what a module's engines and models freed in its arenas; without a trim
+# the test process grew past 22 GB of this 24 GiB machine (3.3 GB of it after test_engine
+# alone, 0.8 GB after a trim). None where the C library is not glibc.
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if sys.platform == "linux" \
+    else None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _give_memory_back() -> Iterator[None]:
+    """After each test module, hand the memory its fixtures freed back to the OS."""
+    yield
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 @pytest.fixture(autouse=True)
