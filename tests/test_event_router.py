@@ -6,6 +6,8 @@ the proxy's arguments (`hicache_server.router`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from unittest import mock
 
 import aiohttp
@@ -196,6 +198,17 @@ def test_subscriber_replays_the_past_applies_live_batches_and_fills_gaps() -> No
     asyncio.run(_subscriber_run())
 
 
+@contextlib.asynccontextmanager
+async def _router_over(worker: web.Application) -> AsyncIterator[TestClient]:
+    """A client of the router's proxy in front of one worker app, both on loopback."""
+    async with TestServer(worker) as upstream, aiohttp.ClientSession() as session:
+        proxy = Proxy(PageIndex([str(upstream.make_url("")).rstrip("/")]), [], session)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", proxy.handle)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            yield client
+
+
 async def _admin_through_router(host: str | None, origin: str | None) -> tuple[int, int]:
     """(status, requests the worker saw) for a POST /admin/flush through the router."""
     seen: list[str] = []
@@ -206,18 +219,12 @@ async def _admin_through_router(host: str | None, origin: str | None) -> tuple[i
 
     worker = web.Application()
     worker.router.add_post("/admin/flush", worker_flush)
-    async with TestServer(worker) as upstream, aiohttp.ClientSession() as session:
-        base = str(upstream.make_url("")).rstrip("/")
-        proxy = Proxy(PageIndex([base]), [], session)
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", proxy.handle)
-        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            headers = {"Host": host or f"127.0.0.1:{client.port}"}
-            if origin is not None:
-                headers["Origin"] = origin
-            resp = await client.post("/admin/flush", json={"tiers": ["device"]},
-                                     headers=headers)
-            return resp.status, len(seen)
+    async with _router_over(worker) as client:
+        headers = {"Host": host or f"127.0.0.1:{client.port}"}
+        if origin is not None:
+            headers["Origin"] = origin
+        resp = await client.post("/admin/flush", json={"tiers": ["device"]}, headers=headers)
+        return resp.status, len(seen)
 
 
 @pytest.mark.parametrize(("host", "origin", "status", "forwarded"), [
@@ -244,15 +251,10 @@ async def _tokenize_headers_through_router() -> list[str | None]:
     worker = web.Application()
     worker.router.add_post("/tokenize", tokenize)
     worker.router.add_post("/generate", generate)
-    async with TestServer(worker) as upstream, aiohttp.ClientSession() as session:
-        base = str(upstream.make_url("")).rstrip("/")
-        proxy = Proxy(PageIndex([base]), [], session)
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", proxy.handle)
-        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            resp = await client.post("/generate", json={"text": "hello"},
-                                     headers={"Authorization": "Bearer k1"})
-            assert resp.status == 200
+    async with _router_over(worker) as client:
+        resp = await client.post("/generate", json={"text": "hello"},
+                                 headers={"Authorization": "Bearer k1"})
+        assert resp.status == 200
     return seen
 
 
