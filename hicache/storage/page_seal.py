@@ -20,8 +20,9 @@ another subkey, so its tag fails: a miss.
 Why GMAC and not a keyed BLAKE3, BLAKE2b or HMAC-SHA256 for the MAC: on 128 KiB pages on this
 project's 2-core Xeon (AES-NI, PCLMULQDQ), one thread, GMAC ran at ~20-37 GB/s, keyed BLAKE3
 ~7-8, HMAC-SHA256 ~0.8-1.9, keyed BLAKE2b ~0.9-1.1 (`benchmarks/bench_page_trust.py`); an L3
-read is a ~4 us copy of a page, so only GMAC keeps reads >= 0.8x (measured 0.87x). It is OpenSSL's, through `cryptography`
-(the library encryption needs anyway), and releases the GIL like the copy and the checksum.
+read is a ~4 us copy of a page, so only GMAC keeps reads >= 0.8x (measured 0.93-0.94x, the
+tag checked over the copy). It is OpenSSL's, through `cryptography` (the library encryption
+needs anyway), and releases the GIL like the copy and the checksum.
 
 Threading: immutable once built; any thread may call any method.
 """
@@ -165,9 +166,12 @@ class AeadSeal(Seal):
                   parts: Sequence[memoryview]) -> bool:
         aead = self._aead(binding, salt)
         try:
-            if self.protection == Protection.MAC:
-                # The stored bytes are checked, then copied: a value handed to a taker is
-                # immutable while it runs (Redis bytes; an LMDB read snapshot's pages)
+            if self.protection == Protection.MAC and len(parts) == 1:
+                # Copied, then the copy checked (what is served is what was checked, and the
+                # check reads the page from cache: reading the stored value twice cost 15%)
+                copy_parts(sealed[:-TAG_BYTES], parts)
+                aead.decrypt(ZERO_NONCE, bytes(sealed[-TAG_BYTES:]), parts[0])
+            elif self.protection == Protection.MAC:  # checked, then scattered
                 aead.decrypt(ZERO_NONCE, bytes(sealed[-TAG_BYTES:]), sealed[:-TAG_BYTES])
                 copy_parts(sealed[:-TAG_BYTES], parts)
             elif len(parts) == 1:
