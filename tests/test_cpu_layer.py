@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import missing_tool
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.config import ModelArchConfig
@@ -31,8 +32,13 @@ from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 SEED = 23
 EPS = 1e-5
 
-pytestmark = pytest.mark.skipif(not cpu_layer.supported(),
-                                reason="the CPU layer kernels need AVX-512F and a C compiler")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_supported() -> None:
+    """Every test here needs the kernels: a CPU without them fails under CI, skips elsewhere."""
+    if not cpu_layer.supported():
+        missing_tool("the CPU layer kernels need AVX-512F and a C compiler")
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_the_layer_kernel_and_torchs_ops_agree(checkpoint: tuple[Path, torch.nn.
     HICACHE_CPU_LAYER_OPS=torch path, and every non-CPU device's): the logits of every
     position agree within float rounding, the bfloat16 ones within bfloat16's."""
     if not cpu_layer.supported():
-        pytest.skip("the CPU layer kernels need AVX-512F and a C compiler")
+        missing_tool("the CPU layer kernels need AVX-512F and a C compiler")
     lm = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
     kernel = lm.model.model.norm.kernel
     assert kernel is not None
