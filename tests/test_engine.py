@@ -8,12 +8,11 @@ import time
 
 import pytest
 import torch
+from tier_workload import GREEDY, conversations, run_workload
 
 from hicache_server.config import load_config
 from hicache_server.engine import Engine
 from hicache_server.request import InvalidRequest
-
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 def engine(tmp_path, **overrides) -> Engine:
@@ -30,32 +29,6 @@ def tiered(tmp_path, **overrides) -> Engine:
                                "storage.lmdb.path": str(tmp_path / "lmdb"),
                                "storage.prefetch_policy": "wait_complete",
                                "storage.prefetch_threshold": 32, **overrides})
-
-
-def conversations(n: int = 3, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
-    """Per conversation, the prompt of each turn: a shared system prompt, then the history
-    grows by a question (and, when run, the answer)."""
-    rng = random.Random(seed)
-    system = [rng.randrange(256) for _ in range(96)]
-    convs = []
-    for _ in range(n):
-        history, prompts = list(system), []
-        for _ in range(turns):
-            history = history + [rng.randrange(256) for _ in range(40)]
-            prompts.append(list(history))
-            history = history + [rng.randrange(256) for _ in range(8)]  # stands in for an answer
-        convs.append(prompts)
-    return convs
-
-
-def run_workload(e: Engine, between_turns=None) -> list[list[int]]:
-    outs = []
-    for turn in range(3):
-        for conv in conversations():
-            outs.append(e.generate(input_ids=conv[turn], sampling_params=GREEDY)["output_ids"])
-        if between_turns is not None:
-            between_turns(e)
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -400,32 +400,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def recomputed(served: Path) -> list[list[int]]:
-    return tiers.recompute(served)
+def reference(served: Path) -> torch.nn.Module:
+    return eager(served)
 
 
-def test_recomputation_gives_transformers_greedy_tokens(served: Path,
-                                                        recomputed: list[list[int]]) -> None:
-    tiers.check_transformers_greedy(eager(served), recomputed)
-
-
-def test_a_cached_prefix_plus_extend_gives_the_same_tokens(served: Path,
-                                                           recomputed: list[list[int]]) -> None:
-    tiers.check_cached_prefix(served, recomputed)
-
-
-def test_l2_load_back_gives_the_same_tokens(served: Path, tmp_path: Path,
-                                            recomputed: list[list[int]]) -> None:
-    tiers.check_l2_load_back(served, tmp_path / "lmdb", recomputed)
-
-
-def test_l3_after_flushing_l1_and_l2_and_after_a_restart(served: Path, tmp_path: Path,
-                                                         recomputed: list[list[int]]) -> None:
-    tiers.check_l3_flush_and_restart(served, tmp_path / "lmdb", recomputed)
+class TestTiers(tiers.TierChecks):
+    """Cached prefixes, L2 load-back and L3 give the tokens of recomputation."""
 
 
 def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(served: Path,
                                                                    tmp_path: Path) -> None:
-    want = tiers.recompute(served, **{"model.dtype": "bfloat16"})
-    with tiers.tiered(served, tmp_path / "lmdb", **{"model.dtype": "bfloat16"}) as e:
-        assert tiers.run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) == want
+    tiers.check_bfloat16_cached_prefixes(served, tmp_path / "lmdb")

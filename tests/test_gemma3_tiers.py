@@ -39,40 +39,21 @@ def write_random_gemma3(folder: Path, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
 @pytest.fixture(scope="module")
-def recomputed(folder: Path) -> list[list[int]]:
-    return tiers.recompute(folder)
-
-
-def test_recomputation_gives_transformers_greedy_tokens(folder: Path,
-                                                        recomputed: list[list[int]]) -> None:
+def reference(served: Path) -> torch.nn.Module:
     from transformers import Gemma3ForCausalLM
 
-    model = Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tiers.check_transformers_greedy(model, recomputed)
+    return Gemma3ForCausalLM.from_pretrained(served, dtype=torch.float32).eval()
 
 
-def test_a_cached_prefix_plus_extend_gives_the_same_tokens(folder: Path,
-                                                           recomputed: list[list[int]]) -> None:
-    tiers.check_cached_prefix(folder, recomputed)
+class TestTiers(tiers.TierChecks):
+    """Cached prefixes, L2 load-back and L3 give the tokens of recomputation."""
 
 
-def test_l2_load_back_gives_the_same_tokens(folder: Path, tmp_path: Path,
-                                            recomputed: list[list[int]]) -> None:
-    tiers.check_l2_load_back(folder, tmp_path / "lmdb", recomputed)
-
-
-def test_l3_after_flushing_l1_and_l2_and_after_a_restart(folder: Path, tmp_path: Path,
-                                                         recomputed: list[list[int]]) -> None:
-    tiers.check_l3_flush_and_restart(folder, tmp_path / "lmdb", recomputed)
-
-
-def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(folder: Path,
+def test_bfloat16_cached_prefixes_give_the_tokens_of_recomputation(served: Path,
                                                                    tmp_path: Path) -> None:
-    want = tiers.recompute(folder, **{"model.dtype": "bfloat16"})
-    with tiers.tiered(folder, tmp_path / "lmdb", **{"model.dtype": "bfloat16"}) as e:
-        assert tiers.run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) == want
+    tiers.check_bfloat16_cached_prefixes(served, tmp_path / "lmdb")

@@ -1,7 +1,8 @@
 """The workload every architecture's tests serve through the tiers: three chats of three
 turns sharing a 96-token system prompt (prompts of 136-232 tokens, pages of 16), and the
 checks that a cached prefix, an L2 load-back and L3 (after a flush and after a restart) give
-the tokens of recomputation. A test module builds its model folder and calls these."""
+the tokens of recomputation. A test module builds its model folder and subclasses
+`TierChecks` (or calls the checks)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from hicache_server.config import load_config
@@ -106,3 +108,37 @@ def check_l3_flush_and_restart(folder: Path, lmdb: Path, recomputed: list[list[i
     assert out["output_ids"] == recomputed[6]
     details = out["meta_info"]["cached_tokens_details"]
     assert details == {"device": 0, "host": 0, "storage": (len(prompt) - 1) // PAGE * PAGE}
+
+
+def check_bfloat16_cached_prefixes(folder: Path, lmdb: Path) -> None:
+    """In bfloat16, prefixes cached in L1 (flushed between turns, so L2 and L3 serve them)
+    give the tokens of bfloat16 recomputation."""
+    want = recompute(folder, **{"model.dtype": "bfloat16"})
+    with tiered(folder, lmdb, **{"model.dtype": "bfloat16"}) as e:
+        assert run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) == want
+
+
+class TierChecks:
+    """The tier tests of an architecture, once: a test module subclasses this as `TestTiers`
+    and gives two fixtures, `served` (a folder the engine serves) and `reference`
+    (transformers' float32 model of it)."""
+
+    @pytest.fixture(scope="class")
+    def recomputed(self, served: Path) -> list[list[int]]:
+        return recompute(served)
+
+    def test_recomputation_gives_transformers_greedy_tokens(
+            self, reference: torch.nn.Module, recomputed: list[list[int]]) -> None:
+        check_transformers_greedy(reference, recomputed)
+
+    def test_a_cached_prefix_plus_extend_gives_the_same_tokens(
+            self, served: Path, recomputed: list[list[int]]) -> None:
+        check_cached_prefix(served, recomputed)
+
+    def test_l2_load_back_gives_the_same_tokens(self, served: Path, tmp_path: Path,
+                                                recomputed: list[list[int]]) -> None:
+        check_l2_load_back(served, tmp_path / "lmdb", recomputed)
+
+    def test_l3_after_flushing_l1_and_l2_and_after_a_restart(
+            self, served: Path, tmp_path: Path, recomputed: list[list[int]]) -> None:
+        check_l3_flush_and_restart(served, tmp_path / "lmdb", recomputed)
