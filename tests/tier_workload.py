@@ -124,7 +124,8 @@ class TierChecks:
     (transformers' float32 model of it)."""
 
     @pytest.fixture(scope="class")
-    def recomputed(self, served: Path) -> list[list[int]]:
+    @classmethod
+    def recomputed(cls, served: Path) -> list[list[int]]:
         return recompute(served)
 
     def test_recomputation_gives_transformers_greedy_tokens(
