@@ -211,10 +211,12 @@ class LeanForward:
 
     def _attention(self, batch: ForwardBatch, kv_pool: DeviceKVPool
                    ) -> CpuKernelAttention | None:
-        """The layers' one CpuKernelAttention when the batch and pool are the lean path's."""
+        """The layers' one CpuKernelAttention when the batch and pool are the lean path's
+        (not a pool with window layers by their own slots: the kernel binds one slot set)."""
         layers = self.model.layers
         backend = layers[0].self_attn.backend
-        if (not 0 < batch.num_tokens <= LEAN_MAX_ROWS
+        if (kv_pool.has_windows
+                or not 0 < batch.num_tokens <= LEAN_MAX_ROWS
                 or not isinstance(backend, CpuKernelAttention)
                 or batch.input_ids.device.type != "cpu"
                 or kv_pool.dtype != self.dtype or kv_pool.device.type != "cpu"

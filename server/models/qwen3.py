@@ -82,8 +82,9 @@ class Qwen3Attention(LlamaAttention):
         v = v.view(t, self.kv_heads, dim)
         if batch.layer_hook is not None:  # the runner waits here for this layer's loads
             batch.layer_hook(self.layer_id)
-        kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
-        o = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool,
+        b = kv_pool.batch_for(self.layer_id, batch)  # a window layer's slots mapped
+        kv_pool.set_kv(self.layer_id, b.out_slots, k, v)
+        o = self.backend.forward(q, k, v, self.layer_id, b, kv_pool,
                                  window=self.window)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(t, self.heads * dim))
 

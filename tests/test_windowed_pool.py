@@ -1,0 +1,335 @@
+"""hicache/memory/windowed.py: WindowedKVPool, the L1 of a hybrid model (full layers' K/V by
+the request's slots, sliding-window layers' K/V in a smaller pool through a page map).
+
+Its bookkeeping (alloc, drop_window, free, the page map), then the models through it: a
+random-weight Gemma 3 (windows of 40 and 48 tokens, pages of 16) and a Qwen2 with window
+layers (Llama's layers, whose lean path steps aside) give the very logits and greedy tokens
+of a plain DeviceKVPool, for a prompt several windows long prefilled in one chunk and in two,
+then decoded; every window page a token no longer needs is given back after each forward
+(and poisoned with NaN, so a read of it would show), so the window pool stays about a
+window and a chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import transformers
+from arch_reference import GEMMA_NORMS, random_model, save_servable
+from test_gemma3 import gemma3_config as gemma3_test_config
+from test_gemma3_tiers import gemma3_config as gemma3_tiers_config
+from test_mistral_window import KINDS as WINDOW_KINDS
+from test_model import extend_batch
+
+from hicache.memory.device import INDEX_DTYPE, PADDING_PAGE, DeviceKVPool
+from hicache.memory.windowed import WindowedKVPool
+from hicache_server.models import LoadedModel, load_model
+from hicache_server.models.attention import CpuKernelAttention, TorchAttention
+from hicache_server.models.kernels import cpu_attention
+
+PAGE = 16
+SEED = 5
+PROMPT_LEN = 150  # several windows of every model below
+DECODE_STEPS = 20
+CHUNKINGS = {"one_chunk": [PROMPT_LEN], "two_chunks": [70, PROMPT_LEN - 70]}
+FULL_PAGES = 16  # 256 slots: the prompt and its decode (171 tokens) with room to spare
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool's bookkeeping
+
+W = 40
+UNIT_WINDOWS = [W, None, W]  # layers 0 and 2 slide, layer 1 is full
+KV_HEADS, HEAD_DIM = 2, 8
+
+
+def unit_pool(num_pages: int = 8, window_pages: int = 4) -> WindowedKVPool:
+    return WindowedKVPool(num_pages, window_pages, PAGE, UNIT_WINDOWS, KV_HEADS, HEAD_DIM,
+                          torch.float32, "cpu")
+
+
+def sizes(pool: WindowedKVPool) -> tuple[int, int]:
+    """(full tokens free, window tokens free)."""
+    return pool.available_size(), pool.window_available()
+
+
+def test_needs_both_kinds_of_layer() -> None:
+    for windows in ([None, None], [W, W]):
+        with pytest.raises(ValueError, match="needs full and window layers"):
+            WindowedKVPool(4, 2, PAGE, windows, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+
+
+def test_alloc_gives_full_slots_with_window_pages_mapped() -> None:
+    pool = unit_pool()
+    start = sizes(pool)
+    slots = pool.alloc(3 * PAGE)
+    assert slots is not None and slots.numel() == 3 * PAGE
+    assert sizes(pool) == (start[0] - 3 * PAGE, start[1] - 3 * PAGE)
+    assert pool.window_used() == 3 * PAGE
+    pages = pool.window_pages_of(slots)
+    assert pages.numel() == 3 and PADDING_PAGE not in pages.tolist()
+    assert len(set(pages.tolist())) == 3
+    # every slot to its window page, at the same offset
+    want = pages.repeat_interleave(PAGE) * PAGE + slots % PAGE
+    assert torch.equal(pool.window_slots(slots), want)
+    # no window pages when asked for none
+    bare = pool.alloc(PAGE, window=False)
+    assert bare is not None and pool.window_used() == 3 * PAGE
+    assert pool.window_pages_of(bare).tolist() == [PADDING_PAGE]
+
+
+def test_drop_window_frees_exactly_the_mapped_pages_once() -> None:
+    pool = unit_pool()
+    slots = pool.alloc(3 * PAGE)
+    kept = pool.window_pages_of(slots[2 * PAGE:])
+    full_free = pool.available_size()
+    assert pool.drop_window(slots[:2 * PAGE]) == 2 * PAGE
+    assert pool.window_used() == PAGE and pool.available_size() == full_free
+    assert pool.window_pages_of(slots).tolist() == [PADDING_PAGE, PADDING_PAGE, *kept.tolist()]
+    assert pool.drop_window(slots[:2 * PAGE]) == 0  # nothing left to give
+    assert pool.window_used() == PAGE
+    # a range partly dropped gives only what is still mapped
+    assert pool.drop_window(slots) == PAGE and pool.window_used() == 0
+    assert pool.drop_window(torch.empty(0, dtype=INDEX_DTYPE)) == 0
+
+
+def test_free_gives_both_back() -> None:
+    pool = unit_pool()
+    start = sizes(pool)
+    a, b = pool.alloc(2 * PAGE), pool.alloc(2 * PAGE)
+    pool.drop_window(a[:PAGE])  # partly dropped already
+    pool.free(a)
+    pool.free(b)
+    assert sizes(pool) == start and pool.window_used() == 0
+    assert pool.window_pages_of(torch.cat([a, b])).tolist() == [PADDING_PAGE] * 4
+    # the pages come back and map again
+    again = pool.alloc(4 * PAGE)
+    assert again is not None and PADDING_PAGE not in pool.window_pages_of(again).tolist()
+
+
+def test_alloc_takes_nothing_when_the_window_pool_is_short() -> None:
+    pool = unit_pool(num_pages=8, window_pages=2)
+    start = sizes(pool)
+    assert pool.alloc(3 * PAGE) is None
+    assert sizes(pool) == start
+    slots = pool.alloc(2 * PAGE)
+    assert slots is not None and pool.window_available() == 0
+    assert pool.alloc(PAGE) is None and pool.available_size() == start[0] - 2 * PAGE
+    pool.drop_window(slots[:PAGE])  # a page back: room again
+    assert pool.alloc(PAGE) is not None
+
+
+def test_window_slots_send_an_unmapped_page_to_the_padding_page() -> None:
+    pool = unit_pool()
+    slots = pool.alloc(2 * PAGE)
+    pool.drop_window(slots[:PAGE])
+    got = pool.window_slots(slots)
+    assert torch.equal(got[:PAGE], torch.arange(PAGE))
+    assert bool((got[PAGE:] >= PAGE).all())
+    bare = pool.alloc(PAGE, window=False)
+    assert torch.equal(pool.window_slots(bare), torch.arange(PAGE))
+
+
+def test_layers_route_to_their_pool_and_batch() -> None:
+    pool = unit_pool()
+    slots = pool.alloc(2 * PAGE)
+    assert [pool.is_window_layer(i) for i in range(3)] == [True, False, True]
+    assert pool.get_kv(0)[0] is pool.windowed.k_buffers[0]
+    assert pool.get_kv(1)[1] is pool.full.v_buffers[0]
+    assert pool.get_kv(2)[0] is pool.windowed.k_buffers[1]
+    assert pool.k_buffers[2] is pool.windowed.k_buffers[1]
+    batch = extend_batch([(torch.arange(2 * PAGE), slots, 0)])
+    assert pool.batch_for(1, batch) is batch
+    mapped = pool.batch_for(0, batch)
+    assert pool.batch_for(2, batch) is mapped  # once per forward
+    assert torch.equal(mapped.out_slots, pool.window_slots(slots))
+    assert torch.equal(mapped.seq_slots[0], pool.window_slots(slots))
+    k = torch.randn(2 * PAGE, KV_HEADS, HEAD_DIM)
+    pool.set_kv(2, mapped.out_slots, k, -k)
+    assert torch.equal(pool.windowed.k_buffers[1][mapped.out_slots], k)
+    assert not pool.full.k_buffers[0].any()
+    # the plain pool: the batch as it is, no windows
+    plain = DeviceKVPool(4, PAGE, 3, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    assert plain.batch_for(0, batch) is batch and not plain.has_windows and pool.has_windows
+
+
+# ---------------------------------------------------------------------------------------------
+# Models through the pool
+
+
+def gemma3_tiers(folder: Path) -> Path:  # windows of 40: a window edge inside a page
+    random_model(transformers.Gemma3ForCausalLM, gemma3_tiers_config(), SEED,
+                 GEMMA_NORMS).save_pretrained(folder)
+    return folder
+
+
+def gemma3_pattern(folder: Path) -> Path:  # windows of 48, one KV head, head_dim 64
+    random_model(transformers.Gemma3ForCausalLM, gemma3_test_config("pattern"), SEED,
+                 GEMMA_NORMS).save_pretrained(folder)
+    return folder
+
+
+def qwen2_windows(folder: Path) -> Path:  # layer 0 full, 1 and 2 windows of 32: Llama's path
+    torch.manual_seed(SEED)
+    return save_servable(transformers.Qwen2ForCausalLM(WINDOW_KINDS["qwen2"](32)), folder)
+
+
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "gemma3_w40": gemma3_tiers, "gemma3_w48": gemma3_pattern, "qwen2_w32": qwen2_windows}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return MODELS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    return torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(SEED))
+
+
+def loaded(folder: Path, backend: str) -> LoadedModel:
+    """The float32 model on `backend`: "loaded" (load_model's choice, the C kernel where it
+    builds) or "torch" (TorchAttention on every layer)."""
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    if backend == "torch":
+        for layer in lm.model.model.layers:
+            layer.self_attn.backend = TorchAttention()
+    elif cpu_attention.supported():
+        assert isinstance(lm.model.attn_backend, CpuKernelAttention)
+    return lm
+
+
+def windows_of(lm: LoadedModel) -> list[int | None]:
+    c = lm.config
+    windows = [c.window_of(i) for i in range(c.num_hidden_layers)]
+    assert None in windows and any(w is not None for w in windows)
+    return windows
+
+
+def floor_page(n: int) -> int:
+    return n // PAGE * PAGE
+
+
+class Run(NamedTuple):
+    logits: list[torch.Tensor]  # per forward, every new token's
+    tokens: list[int]  # greedy: after the prompt, then after each decode step
+    most_used: int  # the most window tokens held (after a forward, before its drop)
+    dropped: int  # window tokens given back
+
+
+def run(lm: LoadedModel, pool: DeviceKVPool | WindowedKVPool, prompt: torch.Tensor,
+        chunks: list[int]) -> Run:
+    """`prompt` prefilled in `chunks`, then DECODE_STEPS greedy steps, each forward on slots
+    taken a page at a time as needed. On a WindowedKVPool, after each forward the window
+    pages of the tokens before `cut` (whole pages, every one the next query's window no
+    longer reaches) are given back and their K/V turned to NaN."""
+    windowed = isinstance(pool, WindowedKVPool)
+    slots = torch.empty(0, dtype=INDEX_DTYPE)
+    tokens = prompt.clone()
+    logits: list[torch.Tensor] = []
+    out: list[int] = []
+    most_used = dropped_total = 0
+
+    def forward(prefix: int, end: int) -> torch.Tensor:
+        nonlocal slots, most_used, dropped_total
+        short = -(-end // PAGE) * PAGE - slots.numel()
+        if short > 0:
+            more = pool.alloc(short)
+            assert more is not None, "pool too small for the test"
+            slots = torch.cat([slots, more])
+        batch = extend_batch([(tokens[:end], slots[:end], prefix)])
+        got = lm.model.forward_all_logits(batch, pool)
+        logits.append(got)
+        if windowed:
+            most_used = max(most_used, pool.window_used())
+            # the next query has position `end`: it reads keys end - W < j <= end
+            cut = floor_page(max(0, end - pool.window + 1))
+            before = pool.window_pages_of(slots[:cut])
+            dropped = pool.drop_window(slots[:cut])
+            gone = before[before != PADDING_PAGE]
+            assert dropped == gone.numel() * PAGE
+            dropped_total += dropped
+            poison(pool, gone)
+            assert pool.window_used() <= pool.window + 2 * PAGE
+        return got[-1]
+
+    prefix = 0
+    for chunk in chunks:
+        last = forward(prefix, prefix + chunk)
+        prefix += chunk
+    for _ in range(DECODE_STEPS):
+        out.append(int(last.argmax()))
+        tokens = torch.cat([tokens, torch.tensor(out[-1:])])
+        last = forward(len(tokens) - 1, len(tokens))
+    out.append(int(last.argmax()))
+    return Run(logits, out, most_used, dropped_total)
+
+
+def poison(pool: WindowedKVPool, window_pages: torch.Tensor) -> None:
+    """NaN into every window layer's K and V of these (freed) window pages: a read of a page
+    given back would turn the logits to NaN."""
+    slots = (window_pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    for layer in pool.window_layers:
+        k, v = pool.get_kv(layer)
+        k[slots] = float("nan")
+        v[slots] = float("nan")
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+@pytest.mark.parametrize("backend", ["loaded", "torch"])
+def test_windowed_pool_gives_the_plain_pools_logits_and_tokens(
+        folder: Path, prompt: torch.Tensor, backend: str, chunking: str) -> None:
+    lm = loaded(folder, backend)
+    windows = windows_of(lm)
+    c = lm.config
+    chunks = CHUNKINGS[chunking]
+    window = max(w for w in windows if w is not None)
+    assert PROMPT_LEN > 3 * window
+    # the window pool holds a window, the largest chunk and two pages of rounding
+    window_pages = -(-(window + max(chunks)) // PAGE) + 2
+    if len(chunks) > 1:  # less than the sequence: only giving pages back lets it run
+        assert window_pages * PAGE < PROMPT_LEN + DECODE_STEPS
+    plain = DeviceKVPool(FULL_PAGES, PAGE, c.num_hidden_layers, c.num_key_value_heads,
+                         c.head_dim, torch.float32, "cpu")
+    pool = WindowedKVPool(FULL_PAGES, window_pages, PAGE, windows, c.num_key_value_heads,
+                          c.head_dim, torch.float32, "cpu")
+    assert pool.window == window
+
+    want = run(lm, plain, prompt, chunks)
+    got = run(lm, pool, prompt, chunks)
+
+    assert got.tokens == want.tokens
+    assert len(got.logits) == len(want.logits) == len(chunks) + DECODE_STEPS
+    for g, w in zip(got.logits, want.logits):
+        assert not g.isnan().any()
+        assert torch.equal(g, w), (g - w).abs().max().item()
+    assert got.most_used <= window + max(chunks) + 2 * PAGE
+    assert got.dropped >= floor_page(PROMPT_LEN + DECODE_STEPS - window)
+    # the full layers' K/V by the request's slots, the same as the plain pool's
+    full = [i for i, w in enumerate(windows) if w is None]
+    for i, layer in enumerate(full):
+        assert pool.full.k_buffers[i].abs().sum() > 0
+        assert pool.get_kv(layer)[0] is pool.full.k_buffers[i]
+
+
+@pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F and a C compiler")
+def test_the_lean_path_steps_aside_for_a_windowed_pool(prompt: torch.Tensor,
+                                                       tmp_path: Path) -> None:
+    """Llama's lean path binds one slot set for every layer: it runs on a plain pool and
+    returns None (the modules run) on a WindowedKVPool."""
+    lm = load_model(str(qwen2_windows(tmp_path / "qwen2")), dtype="float32", device="cpu")
+    lean = lm.model.model.lean
+    assert lean is not None
+    c = lm.config
+    plain = DeviceKVPool(FULL_PAGES, PAGE, c.num_hidden_layers, c.num_key_value_heads,
+                         c.head_dim, torch.float32, "cpu")
+    pool = WindowedKVPool(FULL_PAGES, 4, PAGE, windows_of(lm), c.num_key_value_heads,
+                          c.head_dim, torch.float32, "cpu")
+    batch = extend_batch([(prompt[:PAGE], plain.alloc(PAGE), 0)])
+    assert lean(batch, plain) is not None
+    batch = extend_batch([(prompt[:PAGE], pool.alloc(PAGE), 0)])
+    assert lean(batch, pool) is None
