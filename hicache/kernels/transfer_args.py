@@ -13,7 +13,7 @@ from hicache.kernels.layouts import PAGE_FIRST
 class Transfer(NamedTuple):
     """Validated arguments of one transfer."""
 
-    k_buffers: list[torch.Tensor]  # L x [num_slots, kv_heads, head_dim]
+    k_buffers: list[torch.Tensor]  # L x [num_slots, kv_heads, head_dim], num_slots per layer
     v_buffers: list[torch.Tensor]
     host_buffer: torch.Tensor  # see the layouts above
     host_layout: str
@@ -34,7 +34,11 @@ class Transfer(NamedTuple):
 
     @property
     def num_device_pages(self) -> int:
-        return self.k_buffers[0].shape[0] // self.page_size
+        """Pages every selected layer holds (layers may differ in their slot count: a hybrid
+        pool's window layers have fewer), so a page id below it is in every one; with no
+        layer selected, every layer's."""
+        layers = self.layers or range(len(self.k_buffers))
+        return min(self.k_buffers[i].shape[0] for i in layers) // self.page_size
 
     @property
     def num_host_pages(self) -> int:

@@ -8,7 +8,9 @@ Layouts (fixed by hicache/memory_pool*.py; `L` layers, `P` pages, `S` page_size)
 
 In every layout one *chunk* (a page of one layer's K or V, `S * kv_heads * head_dim` elements)
 is contiguous, so a transfer is a list of chunk copies: for each selected layer, K and V,
-`device_pages[i]` <-> `host_pages[i]`.
+`device_pages[i]` <-> `host_pages[i]`. Layers may differ in `num_slots` (a hybrid pool's
+window layers have fewer; kv_heads, head_dim, dtype and device never differ): one call takes
+one page list for all its `layers`, checked against the smallest of them.
 
 Backends (`backend=` of `d2h_pages` / `h2d_pages`, validated alike):
 
@@ -145,15 +147,34 @@ def _check_device_buffers(
                 raise ValueError(
                     f"{name}[{i}] must be a [num_slots, kv_heads, head_dim] tensor, got {got}")
             if b.shape != first.shape or b.dtype != first.dtype or b.device != first.device:
-                raise ValueError(
-                    f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every layer must "
-                    f"match k_buffers[0]: {tuple(first.shape)} {first.dtype} on {first.device}")
+                _check_other_slots(name, i, b, first, k_list, v_list, page_size)
             if not b.is_contiguous():
                 raise ValueError(f"{name}[{i}] must be contiguous, got strides {b.stride()}")
     if first.shape[0] % page_size != 0:
         raise ValueError(
             f"k_buffers[0] has {first.shape[0]} slots, not a multiple of page_size={page_size}")
     return k_list, v_list
+
+
+def _check_other_slots(name: str, i: int, b: torch.Tensor, first: torch.Tensor,
+                       k_list: list[torch.Tensor], v_list: list[torch.Tensor],
+                       page_size: int) -> None:
+    """A layer's buffer unlike k_buffers[0] (the rare path): only its slot count may differ
+    (a hybrid pool's window layers have fewer), and then its K and V have as many."""
+    if b.shape[1:] != first.shape[1:] or b.dtype != first.dtype or b.device != first.device:
+        raise ValueError(
+            f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every layer must match "
+            f"k_buffers[0]: {tuple(first.shape)} {first.dtype} on {first.device} (but for its "
+            f"number of slots)")
+    other = "k_buffers" if name == "v_buffers" else "v_buffers"
+    pair = (k_list if name == "v_buffers" else v_list)[i]
+    if isinstance(pair, torch.Tensor) and pair.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"{name}[{i}] is {tuple(b.shape)} but {other}[{i}] {tuple(pair.shape)}: a layer's "
+            f"K and V must have the same number of slots")
+    if b.shape[0] % page_size != 0:
+        raise ValueError(
+            f"{name}[{i}] has {b.shape[0]} slots, not a multiple of page_size={page_size}")
 
 
 def _check_host_buffer(
@@ -236,11 +257,13 @@ def _rows(t: torch.Tensor, num_pages: int, wide: torch.dtype) -> torch.Tensor:
 
 def _layer_rows(t: Transfer, layer: int, wide: torch.dtype) -> Iterator[
         tuple[torch.Tensor, torch.Tensor]]:
-    """(device rows, host rows) of `layer`'s K, then V; each `[pages, chunk]`, host strided."""
+    """(device rows, host rows) of `layer`'s K, then V; each `[pages, chunk]`, host strided;
+    the device rows as many as that layer's own buffer holds."""
     for kv, dev in enumerate((t.k_buffers[layer], t.v_buffers[layer])):
         host = (t.host_buffer[:, layer, kv] if t.host_layout == PAGE_FIRST
                 else t.host_buffer[layer, kv])  # [P, S, kv_heads, head_dim]
-        yield (_rows(dev, t.num_device_pages, wide), _rows(host, t.num_host_pages, wide))
+        yield (_rows(dev, dev.shape[0] // t.page_size, wide),
+               _rows(host, t.num_host_pages, wide))
 
 
 def _run_start(pages: torch.Tensor) -> int | None:

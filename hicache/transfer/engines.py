@@ -15,9 +15,17 @@ and the second from `wait_layer`; the CUDA engine records an event on the comput
 queue time and makes the copy stream wait on it, and `wait_layer` makes the compute stream
 wait on the layer's event.
 
+Hybrid models (`WindowedKVPool`, `has_windows`): a host page holds every layer of a page, as
+for any pool; a window layer's side of it lives in the full page's window page, read from the
+pool's page map when `copy_d2h` / `copy_h2d` is called. A page without one (PADDING_PAGE) is
+skipped for the window layers both ways: its host copy keeps whatever window-layer bytes
+that host page held (the tree records it has no window KV), and a load writes no window page
+for it. So a copy is one page list per kind of layer (`_PageGroup`); a plain DeviceKVPool's
+is one group of every layer, the very calls of a pool without windows.
+
 Threading: `copy_d2h`, `copy_h2d` and the handles' methods are called by the scheduler thread
 (the model runner runs on it); the engine's own worker/streams only touch the bytes of the
-slots they were handed.
+slots they were handed (and of their window pages, which the caller keeps mapped as long).
 """
 
 from __future__ import annotations
@@ -27,15 +35,30 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hicache.kernels.cuda_utils import import_cupy, to_device_async
 from hicache.kernels.transfer_kv import d2h_pages, h2d_pages
-from hicache.memory.device import DeviceKVPool, pages_of
+from hicache.memory.device import PADDING_PAGE, DeviceKVPool, pages_of
 from hicache.memory.host import HostKVPool
 from hicache.policies import IO_BACKENDS, check_choice
 from hicache.threads import one_openmp_thread
+
+if TYPE_CHECKING:
+    from hicache.memory.windowed import WindowedKVPool
+
+    KVPool = DeviceKVPool | WindowedKVPool
+
+
+class _PageGroup(NamedTuple):
+    """The pages of one copy that a set of layers moves (see the module docstring)."""
+
+    layers: tuple[int, ...] | None  # None: every layer of the pool
+    device_pages: torch.Tensor  # [n] int64, CPU
+    host_pages: torch.Tensor  # [n] int64, CPU
+    device_limit: int  # pages in those layers' buffers (the range check of the CUDA engine)
 
 
 class TransferHandle(ABC):
@@ -72,7 +95,7 @@ class TransferEngine(ABC):
     handle is done (the cache locks the node / protects the host pages until the ack).
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool,
                  io_backend: str = "kernel") -> None:
         check_choice("io_backend", io_backend, IO_BACKENDS)
         if device_pool.page_size != host_pool.page_size:
@@ -82,6 +105,10 @@ class TransferEngine(ABC):
         self.host_pool = host_pool
         self.io_backend = io_backend
         self.page_size = device_pool.page_size
+        self._windows = getattr(device_pool, "has_windows", False)  # a WindowedKVPool
+        # pages in the buffers of every layer (a hybrid pool's: of its full layers)
+        full = device_pool.full if self._windows else device_pool
+        self._device_pages = full.k_buffers[0].shape[0] // self.page_size
 
     @abstractmethod
     def copy_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor
@@ -99,6 +126,21 @@ class TransferEngine(ABC):
             raise ValueError(f"copies move whole pages: got {len(a)} and {len(b)} slots with "
                              f"page_size {self.page_size}")
         return pages_of(a, self.page_size), pages_of(b, self.page_size)
+
+    def _groups(self, device_indices: torch.Tensor, dev_pages: torch.Tensor,
+                host_pages: torch.Tensor) -> tuple[list[_PageGroup], list[int]]:
+        """(the copy's page groups, the group of each layer): one group of every layer for a
+        pool without windows; else the full layers by `dev_pages`, the window layers by the
+        window pages of the pages that have one (read from the page map now)."""
+        d = self.device_pool
+        if not self._windows:
+            return [_PageGroup(None, dev_pages, host_pages, self._device_pages)], [0] * d.num_layers
+        window = d.window_pages_of(device_indices)
+        live = window != PADDING_PAGE
+        groups = [_PageGroup(d.full_layers, dev_pages, host_pages, self._device_pages),
+                  _PageGroup(d.window_layers, window[live], host_pages[live],
+                             d.windowed.k_buffers[0].shape[0] // self.page_size)]
+        return groups, [int(d.is_window_layer(i)) for i in range(d.num_layers)]
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -145,7 +187,7 @@ class CpuHandle(TransferHandle):
 class CpuTransferEngine(TransferEngine):
     """One daemon worker thread runs the copies in FIFO order with torch (GIL released)."""
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool,
                  io_backend: str = "kernel") -> None:
         super().__init__(device_pool, host_pool, io_backend)
         # On the CPU the "kernel" backend is the kernels' torch reference (whole-page index
@@ -158,12 +200,16 @@ class CpuTransferEngine(TransferEngine):
     def copy_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor
                  ) -> TransferHandle:
         dev_pages, host_pages = self._pages(device_indices, host_indices)
+        groups, _ = self._groups(device_indices, dev_pages, host_pages)
         handle = CpuHandle(self.device_pool.num_layers)
 
         def job() -> None:
             d = self.device_pool
-            d2h_pages(d.k_buffers, d.v_buffers, self.host_pool.buffer, self.host_pool.layout,
-                      dev_pages, host_pages, self.page_size, backend=self._backend)
+            for g in groups:
+                if g.layers is None or g.device_pages.numel():
+                    d2h_pages(d.k_buffers, d.v_buffers, self.host_pool.buffer,
+                              self.host_pool.layout, g.device_pages, g.host_pages,
+                              self.page_size, layers=g.layers, backend=self._backend)
             for layer in range(handle.num_layers):
                 handle._set(layer)
 
@@ -173,14 +219,17 @@ class CpuTransferEngine(TransferEngine):
     def copy_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor
                  ) -> TransferHandle:
         host_pages, dev_pages = self._pages(host_indices, device_indices)
+        groups, group_of = self._groups(device_indices, dev_pages, host_pages)
         handle = CpuHandle(self.device_pool.num_layers)
 
         def job() -> None:
             d = self.device_pool
             for layer in range(handle.num_layers):
-                h2d_pages(self.host_pool.buffer, self.host_pool.layout, d.k_buffers,
-                          d.v_buffers, host_pages, dev_pages, self.page_size,
-                          layers=[layer], backend=self._backend)
+                g = groups[group_of[layer]]
+                if g.layers is None or g.device_pages.numel():
+                    h2d_pages(self.host_pool.buffer, self.host_pool.layout, d.k_buffers,
+                              d.v_buffers, g.host_pages, g.device_pages, self.page_size,
+                              layers=[layer], backend=self._backend)
                 handle._set(layer)
 
         self._submit(handle, job)
@@ -246,7 +295,7 @@ class CudaTransferEngine(TransferEngine):
     after the copy that reads them.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool,
                  io_backend: str = "kernel") -> None:
         super().__init__(device_pool, host_pool, io_backend)
         if not torch.cuda.is_available():
@@ -256,7 +305,6 @@ class CudaTransferEngine(TransferEngine):
         # The buffers' device carries its index ("cuda" alone means whichever is current).
         self._device = device_pool.k_buffers[0].device
         self._backend = self._kernels_backend(io_backend)
-        self._num_device_pages = device_pool.k_buffers[0].shape[0] // self.page_size
         self._cupy_streams: list = []  # owners of the streams below (kept alive)
         self._d2h_stream = self._new_stream()
         self._h2d_stream = self._new_stream()
@@ -275,56 +323,68 @@ class CudaTransferEngine(TransferEngine):
 
     def copy_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor
                  ) -> TransferHandle:
-        dev_pages, host_pages = self._checked_pages(device_indices, host_indices)
+        groups, _ = self._checked_groups(device_indices, host_indices)
         d, stream = self.device_pool, self._d2h_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))  # after the forward
         with torch.cuda.stream(stream):
-            dev_pages, host_pages = self._for_backend(dev_pages, host_pages)
-            d2h_pages(d.k_buffers, d.v_buffers, self.host_pool.buffer, self.host_pool.layout,
-                      dev_pages, host_pages, self.page_size, backend=self._backend,
-                      stream=stream)
+            for g in filter(None, self._for_backend(groups)):  # one launch per group
+                d2h_pages(d.k_buffers, d.v_buffers, self.host_pool.buffer,
+                          self.host_pool.layout, g.device_pages, g.host_pages, self.page_size,
+                          layers=g.layers, backend=self._backend, stream=stream)
             event = self._record(stream)
         return CudaHandle([event] * d.num_layers, self._device)
 
     def copy_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor
                  ) -> TransferHandle:
-        dev_pages, host_pages = self._checked_pages(device_indices, host_indices)
+        groups, group_of = self._checked_groups(device_indices, host_indices)
         d, stream = self.device_pool, self._h2d_stream
         # The destination slots may have been read or written by earlier forwards (slot reuse).
         stream.wait_stream(torch.cuda.current_stream(self._device))
         events = []
         with torch.cuda.stream(stream):
-            dev_pages, host_pages = self._for_backend(dev_pages, host_pages)
+            uploaded = self._for_backend(groups)  # once per copy, not once per layer
             for layer in range(d.num_layers):
-                h2d_pages(self.host_pool.buffer, self.host_pool.layout, d.k_buffers,
-                          d.v_buffers, host_pages, dev_pages, self.page_size, layers=[layer],
-                          backend=self._backend, stream=stream)
-                events.append(self._record(stream))
+                g = uploaded[group_of[layer]]
+                if g is not None:
+                    h2d_pages(self.host_pool.buffer, self.host_pool.layout, d.k_buffers,
+                              d.v_buffers, g.host_pages, g.device_pages, self.page_size,
+                              layers=[layer], backend=self._backend, stream=stream)
+                events.append(self._record(stream))  # layer `layer` has landed
         return CudaHandle(events, self._device)
 
     def close(self) -> None:
         self._d2h_stream.synchronize()
         self._h2d_stream.synchronize()
 
-    def _checked_pages(self, device_indices: torch.Tensor, host_indices: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device pages, host pages), range-checked on the CPU: the kernel takes uploaded
-        lists unchecked, and a page past a pool is a write outside it."""
+    def _checked_groups(self, device_indices: torch.Tensor, host_indices: torch.Tensor
+                        ) -> tuple[list[_PageGroup], list[int]]:
+        """`_groups`, range-checked on the CPU: the kernel takes uploaded lists unchecked,
+        and a page past a pool is a write outside it."""
         dev_pages, host_pages = self._pages(device_indices, host_indices)
-        for name, pages, limit in (("device", dev_pages, self._num_device_pages),
-                                   ("host", host_pages, self.host_pool.num_pages)):
-            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= limit):
-                raise ValueError(f"{name} pages must lie in [0, {limit}), got "
-                                 f"[{int(pages.min())}, {int(pages.max())}]")
-        return dev_pages, host_pages
+        groups, group_of = self._groups(device_indices, dev_pages, host_pages)
+        for g in groups:
+            for name, pages, limit in (("device", g.device_pages, g.device_limit),
+                                       ("host", g.host_pages, self.host_pool.num_pages)):
+                if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= limit):
+                    raise ValueError(f"{name} pages must lie in [0, {limit}), got "
+                                     f"[{int(pages.min())}, {int(pages.max())}]")
+        return groups, group_of
 
-    def _for_backend(self, *pages: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The page lists as the backend wants them: on the device for the kernel (uploaded
-        once per copy on the current, i.e. copy, stream), on the CPU for direct copies (which
-        find runs of consecutive pages there, without a sync)."""
-        if self._backend != "cuda":
-            return pages
-        return tuple(to_device_async(p, self._device) for p in pages)
+    def _for_backend(self, groups: list[_PageGroup]) -> list[_PageGroup | None]:
+        """The groups with their page lists as the backend wants them: on the device for the
+        kernel (uploaded once per copy on the current, i.e. copy, stream), on the CPU for
+        direct copies (which find runs of consecutive pages there, without a sync); None
+        for a hybrid pool's group with no page (nothing to queue)."""
+        out: list[_PageGroup | None] = []
+        for g in groups:
+            if g.layers is not None and not g.device_pages.numel():
+                out.append(None)
+            elif self._backend != "cuda":
+                out.append(g)
+            else:
+                out.append(g._replace(device_pages=to_device_async(g.device_pages, self._device),
+                                      host_pages=to_device_async(g.host_pages, self._device)))
+        return out
 
     @staticmethod
     def _kernels_backend(io_backend: str) -> str:
@@ -347,7 +407,7 @@ class CudaTransferEngine(TransferEngine):
         return event
 
 
-def make_transfer_engine(device_pool: DeviceKVPool, host_pool: HostKVPool,
+def make_transfer_engine(device_pool: KVPool, host_pool: HostKVPool,
                          io_backend: str = "kernel") -> TransferEngine:
     """The CUDA engine when the device pool lives on a GPU, else the CPU engine."""
     if device_pool.device.type == "cuda":
