@@ -2,7 +2,8 @@
 and hands back the `CacheStack` the server serves through.
 
     L1  cache.max_total_tokens, or cache.kv_cache_memory_bytes (whole pages of KV that fit),
-        else a share of free GPU memory (or of host RAM on CPU)
+        else a share of free GPU memory (or of host RAM on CPU); a hybrid model's window
+        layers get their own smaller pool (`WindowedKVPool`), its share of the same bytes
     L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
     L3  storage.backend through the registry, keyed by the model's page hashes
     pins  cache.max_pinned_tokens, else a quarter of the lowest tier (L2, or L1 without L2)
@@ -25,6 +26,7 @@ from hicache.events import (
 )
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool, available_memory_bytes
+from hicache.memory.windowed import STEP_TOKENS, WindowedKVPool
 from hicache.model_kv import ModelKV
 from hicache.pages import page_count, pages_down
 from hicache.stack import CacheStack
@@ -57,6 +59,12 @@ HOST_AUTO_FRACTION = 0.5
 DEFAULT_PIN_SHARE = 4
 # Without L2 pinned pages never leave L1: at most 1/this of it, whatever the config says.
 MAX_PIN_SHARE_OF_L1_ONLY = 2
+# A hybrid model's window layers keep this share of the full layers' L1 tokens: each request
+# needs its window (Gemma 3: 512 or 1,024 tokens) and a step's new tokens, each cached
+# boundary its window; the rest of the bytes hold full-layer KV for more tokens. At least
+# WINDOW_FLOOR_WINDOWS windows and a step's tokens (`windowed.STEP_TOKENS`).
+WINDOW_SHARE = 0.25
+WINDOW_FLOOR_WINDOWS = 8
 
 
 def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
@@ -64,8 +72,7 @@ def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
     events. The first event batch, sent at once, is `AllBlocksCleared`: this server starts
     empty."""
     c = config.cache
-    pages = _l1_pages(config, model)
-    pool = DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
+    pool = _l1_pool(config, model)
     logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
                 pool.size_bytes / BYTES_PER_GB)
     events = (EventRecorder(page_hasher(config, model), c.page_size)
@@ -119,6 +126,41 @@ def _event_publisher(e: EventsConfig) -> EventPublisher:
         raise ValueError(f"events.endpoint {e.endpoint!r} or events.replay_endpoint "
                          f"{e.replay_endpoint!r} cannot be opened: {err}; give each server "
                          "on this host its own ports (or tcp://*:0)") from None
+
+
+def _l1_pool(config: TierSections, model: ModelKV) -> DeviceKVPool | WindowedKVPool:
+    """L1: one pool for every layer; for a hybrid model without L3, the full layers' pool
+    and the window layers' smaller one (`window_pages`)."""
+    c = config.cache
+    pages = _l1_pages(config, model)
+    if not model.hybrid or config.storage.enabled:  # L3 keeps every layer (not yet by kind)
+        return DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
+    full, window = window_pages(pages, c.page_size, model,
+                                explicit_tokens=c.max_total_tokens is not None)
+    return WindowedKVPool(full, window, c.page_size, model.layer_windows, model.kv_heads,
+                          model.head_dim, model.dtype, model.device)
+
+
+def window_pages(pages: int, page_size: int, model: ModelKV, explicit_tokens: bool
+                 ) -> tuple[int, int]:
+    """(full pages, window pages) of a hybrid L1 sized at `pages` pages of every layer: with
+    `explicit_tokens` (cache.max_total_tokens) the full layers keep that many tokens,
+    otherwise the same bytes are split. The window layers get WINDOW_SHARE of the full
+    layers' tokens, at least WINDOW_FLOOR_WINDOWS windows and a step's tokens."""
+    windows = [w for w in model.layer_windows if w is not None]
+    n_window = len(windows)
+    n_full = model.num_layers - n_window
+    floor = -(-(WINDOW_FLOOR_WINDOWS * (max(windows) + page_size) + STEP_TOKENS)
+              // page_size)
+    if explicit_tokens:
+        return pages, min(pages, max(floor, int(pages * WINDOW_SHARE)))
+    budget = pages * model.num_layers  # in pages of one layer
+    full = int(budget / (n_full + WINDOW_SHARE * n_window))
+    window = int(full * WINDOW_SHARE)
+    if window < floor:
+        window = min(floor, pages)
+        full = max(1, (budget - window * n_window) // n_full)
+    return full, max(1, window)
 
 
 def _l1_pages(config: TierSections, model: ModelKV) -> int:

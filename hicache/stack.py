@@ -37,6 +37,7 @@ from hicache.stats import (
     PinStats,
     RequestCounters,
     SessionStats,
+    WindowStats,
 )
 from hicache.storage.tier import StorageTier
 from hicache.transfer.controller import HiCacheController
@@ -121,6 +122,11 @@ class CacheStack(CacheDoor):
                     self.tree.inc_lock_ref(lb.last_node)
                     self.tree.dec_lock_ref(end)
                     end = lb.last_node
+                elif self.tree.windows is not None:  # L1 alone: its own window rule
+                    valid = self.tree.windows.valid_end(end)
+                    self.tree.inc_lock_ref(valid)
+                    self.tree.dec_lock_ref(end)
+                    end, slots = valid, slots[:valid.end]
         except BaseException:
             self.tree.dec_lock_ref(end)
             raise
@@ -230,7 +236,7 @@ class CacheStack(CacheDoor):
         alloc = self.device_pool.allocator
         device = DeviceStats(alloc.total_size(), alloc.used_size(), self.tree.evictable_size(),
                              self.tree.protected_size(), requests.cached_device_tokens,
-                             self.device_pool.size_bytes)
+                             self.device_pool.size_bytes, self._window_stats())
         host = None
         if self.host_pool is not None:
             sizes = self.tree.host.host_sizes()
@@ -245,6 +251,14 @@ class CacheStack(CacheDoor):
         sessions = SessionStats(*self.sessions.sizes()) if self.sessions is not None else None
         return CacheStats(replace(requests), device, host, storage, events=events,
                           sessions=sessions, pins=pins)
+
+    def _window_stats(self) -> WindowStats | None:
+        windows = self.tree.windows
+        if windows is None:
+            return None
+        pool = self.device_pool
+        return WindowStats(pool.window_capacity(), pool.window_used(), windows.live,
+                           windows.tombstoned_tokens, pool.windowed.size_bytes)
 
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold (tests;

@@ -5,6 +5,12 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
     a request's new tokens   alloc(tokens); free_slots()  (evict(tokens) first when short)
     admission, asked         room_beyond(hit): what eviction could free with its path held
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
+    a step's end             leave_window(slots, shared, upto): a hybrid model's window
+                             layers give back what no later query of the request reads
+
+A hybrid model's L1 has two kinds of slot (`WindowedKVPool`): every token takes a full one,
+a token in some window a window one too. Free room is the smaller of the two, counting the
+window KV the tree can tombstone (`WindowKV`), which `alloc` does when the window pool is short.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -15,6 +21,8 @@ import torch
 
 from hicache.handles import Hit
 from hicache.memory.device import DeviceKVPool
+from hicache.memory.windowed import STEP_TOKENS
+from hicache.pages import pages_down
 from hicache.tree.base import PrefixCache
 
 
@@ -25,6 +33,7 @@ class SlotCalls:
     def __init__(self, tree: PrefixCache, device_pool: DeviceKVPool) -> None:
         self._tree = tree
         self._pool = device_pool
+        self._windows = tree.windows  # None: every layer by the same slots
 
     def device_kv(self) -> DeviceKVPool:
         """The L1 buffers a forward pass writes and reads by slot: the model runner's data
@@ -34,11 +43,30 @@ class SlotCalls:
     def alloc(self, tokens: int) -> torch.Tensor | None:
         """`tokens` free L1 slots (whole pages) for a request's new tokens; None when fewer
         are free (`evict` first)."""
+        if self._windows is not None:  # tombstones first, never a full eviction
+            self._windows.tombstone_until(tokens)
         return self._pool.alloc(tokens)
 
     def free_slots(self) -> int:
-        """L1 tokens free now (not the tree's, not a request's)."""
-        return self._pool.available_size()
+        """L1 tokens free now (not the tree's, not a request's); with window layers, what
+        both kinds can give, the window KV the tree may tombstone counted."""
+        full = self._pool.available_size()
+        if self._windows is None:
+            return full
+        window = self._pool.window_available() + self._windows.tombstonable
+        # a request takes window slots a step at a time and gives them back as it goes: the
+        # window pool limits admission only once it cannot take one more step
+        return full if window >= min(full, STEP_TOKENS) else min(full, window)
+
+    def leave_window(self, slots: torch.Tensor, shared: int, upto: int) -> None:
+        """A request computed its tokens up to `upto`: its own window slots (past the first
+        `shared`, the tree's) before what a query at its last page boundary short of `upto`
+        reads go back to the pool. That boundary is where the tree can reuse them: a hit
+        ends on a page, and the same prompt again computes at least its last token."""
+        if self._windows is not None:
+            cut = self._windows.needed_from(pages_down(upto - 1, self._tree.page_size))
+            if cut > shared:
+                self._pool.drop_window(slots[shared:cut])
 
     def device_capacity(self) -> int:
         """L1 tokens in all (free, the tree's and the requests')."""
@@ -56,5 +84,13 @@ class SlotCalls:
         """L1 tokens eviction could free with `hit`'s path held: the evictable ones off its
         path, less the pinned ones that cannot leave L1."""
         end = hit._device_end
-        return (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
+        room = (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
                 - self._tree.retention.stuck_pinned_size(end))
+        if self._windows is None:
+            return room
+        full = self._pool.available_size()
+        window = (self._pool.window_available() + self._windows.tombstonable
+                  - self._windows.unlocked_live_on_path(end))
+        if window >= min(full + room, STEP_TOKENS):
+            return room - (self.free_slots() - full)
+        return min(full + room, window) - self.free_slots()

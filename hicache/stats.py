@@ -72,9 +72,25 @@ class DeviceStats:
     protected_tokens: int
     hit_tokens: int
     capacity_bytes: int = 0  # the pool's KV buffers (0: a record built without a pool)
+    windows: WindowStats | None = None  # a hybrid model's window layers; None: no windows
 
     def as_dict(self) -> dict[str, Any]:
-        return _occupancy(self)
+        out = _occupancy(self)
+        if self.windows is not None:
+            out["window_layers"] = asdict(self.windows)
+        return out
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """L1's window layers beside its full ones (the `capacity`/`used` above count the full
+    layers' tokens): tokens whose window-layer KV is on L1, and the tombstones."""
+
+    capacity_tokens: int     # window-layer slots in all
+    used_tokens: int         # held: by the tree's nodes and by running requests
+    cached_tokens: int       # of those, the tree's (cached tokens with window-layer KV)
+    tombstoned_tokens: int   # since start: window KV the tree dropped, full layers kept
+    capacity_bytes: int = 0
 
 
 @dataclass(frozen=True)

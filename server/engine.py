@@ -26,6 +26,7 @@ from typing import Any
 from hicache.build import build_stack
 from hicache.door import CacheDoor
 from hicache.memory.malloc import keep_freed_memory
+from hicache.memory.windowed import STEP_TOKENS
 from hicache.model_kv import ModelKV
 from hicache.policies import TIERS
 from hicache.stats import CacheStats
@@ -45,8 +46,9 @@ from hicache_server.updates import Mailbox, Update, final_results
 logger = logging.getLogger(__name__)
 
 # Tokens computed per forward step (prefill chunks + decodes): bounds step latency, so decodes
-# keep flowing while a long prompt is prefilled in chunks (SGLang's chunked_prefill_size).
-MAX_BATCH_TOKENS = 2048
+# keep flowing while a long prompt is prefilled in chunks (SGLang's chunked_prefill_size);
+# a hybrid model's window pool is sized for it (hicache.memory.windowed.STEP_TOKENS).
+MAX_BATCH_TOKENS = STEP_TOKENS
 MAX_RUNNING_REQUESTS = 64
 DRAIN_POLL_S = 0.02
 GREEDY_ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0}
@@ -358,7 +360,8 @@ class Engine:
     def _model_kv(self) -> ModelKV:
         mc = self.loaded.config
         return ModelKV(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                       self.loaded.dtype, self.loaded.device, self.loaded.fingerprint)
+                       self.loaded.dtype, self.loaded.device, self.loaded.fingerprint,
+                       tuple(mc.window_of(i) for i in range(mc.num_hidden_layers)))
 
     def _call(self, fn, when_idle: bool = False):
         """Run `fn` on the scheduler thread and wait for its result (EngineClosed once the

@@ -14,6 +14,8 @@ request table). Transfer threads only read or write the bytes of slots they were
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Device page 0 is never handed out: padded batch rows write their dummy K/V there, so a
@@ -207,8 +209,9 @@ class PagedSlots:
 
     allocator: PageAllocator
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """See `PageAllocator.alloc`: slot indices of whole pages, or None."""
+    def alloc(self, num_tokens: int, window: bool = True) -> torch.Tensor | None:
+        """See `PageAllocator.alloc`: slot indices of whole pages, or None (`window`: for a
+        pool with window layers, `WindowedKVPool`; ignored here)."""
         return self.allocator.alloc(num_tokens)
 
     def free(self, indices: torch.Tensor) -> None:
@@ -239,6 +242,8 @@ class DeviceKVPool(PagedSlots):
     Threading: the scheduler thread owns allocation (`alloc`, `free`). The model runner writes
     K/V into slots it holds; transfer threads/streams copy only pages they were handed.
     """
+
+    has_windows = False  # every layer by the same slots (`WindowedKVPool`: window layers not)
 
     def __init__(
         self,
@@ -350,6 +355,11 @@ class DeviceKVPool(PagedSlots):
         idx = slots.to(device=self._device, dtype=INDEX_DTYPE, non_blocking=True)  # [n]
         self.k_buffers[layer].index_copy_(0, idx, k.to(device=self._device, dtype=self._dtype))
         self.v_buffers[layer].index_copy_(0, idx, v.to(device=self._device, dtype=self._dtype))
+
+    def batch_for(self, layer: int, batch: Any) -> Any:
+        """`batch` as layer `layer` reads this pool: as it is (`WindowedKVPool` maps a window
+        layer's slots)."""
+        return batch
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer`, each `[num_pages + 1, page_size, kv_heads, head_dim]` (no copy)."""

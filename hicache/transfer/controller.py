@@ -67,7 +67,8 @@ class HiCacheController:
 
     def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
         """Allocate device slots for a H->D copy launched by the next `start_loading`."""
-        device_indices = self.device_pool.alloc(len(host_indices))
+        # no window pages: the tree gives them to the pages whose window KV it loads
+        device_indices = self.device_pool.alloc(len(host_indices), window=False)
         if device_indices is None:
             return None
         self._queued_loads.append((host_indices, device_indices, node_id))

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hicache.transfer.engines import TransferHandle
     from hicache.tree.retention import Retention
     from hicache.tree.tree_events import TreeEvents
+    from hicache.tree.window_kv import WindowKV
 
 EMPTY = torch.empty(0, dtype=INDEX_DTYPE)  # no slots (never written to: slices, cats only)
 
@@ -132,6 +133,7 @@ class PrefixCache(ABC):
     host: HostTier  # the L2 side: a `host_tier.NoHostTier` without one
     retention: Retention  # who owns and pins which nodes (sessions, pins)
     kv_events: TreeEvents  # the KV events of its node operations
+    windows: WindowKV | None  # a hybrid model's window layers; None: every layer alike
     # observer(name, seconds): latency hook for metrics, set by the tier owner
     observer: Callable[[str, float], None] | None = None
 

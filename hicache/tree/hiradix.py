@@ -81,6 +81,8 @@ class HiRadixCache(RadixCache):
         self._copy_heap = LeafHeap(self._priority, self._copy_reclaimable)
         self.writes = HostWrites(self)
         self.loads = HostLoads(self, self._split, self._attach)
+        if self.windows is not None:
+            self.windows.before_tombstone = self.writes.before_tombstone
 
     def reset(self) -> None:
         """Wait for copies in flight, then forget everything (the caller resets the pools and
@@ -97,6 +99,8 @@ class HiRadixCache(RadixCache):
         """The device hit, plus the L2-only nodes below it (`host_hit_length` tokens);
         touching and counting as the base tree's."""
         path = self._match_path(key, extra_key, priority, count_hit)
+        if self.windows is not None:  # never a window with a hole, on L1 or L2
+            path = path[:self.windows.hit_nodes(path)]
         on_device = 0
         while on_device < len(path) and not path[on_device].evicted:
             on_device += 1
@@ -136,6 +140,8 @@ class HiRadixCache(RadixCache):
                 node.value = torch.narrow_copy(value, 0, pos, n)
                 self._evictable += n
                 self.kv_events.stored(node, MEDIUM_GPU)
+                if self.windows is not None:  # with what it holds of the window layers
+                    self.windows.added(node, self._split)
             else:
                 present += n
             pos += n
@@ -147,6 +153,7 @@ class HiRadixCache(RadixCache):
             child.host_value = child.host_value[n:]
         new.host_ref_counter = child.host_ref_counter
         new.storage_backed = child.storage_backed
+        new.host_window = child.host_window
         self.writes.split(new, child)
 
     def _on_path(self, path: list[TreeNode]) -> None:
@@ -205,6 +212,8 @@ class HiRadixCache(RadixCache):
         """Free a backed-up node's device slots; it stays in the tree on L2."""
         n = len(node.key)
         self.kv_events.removed(node, MEDIUM_GPU, REASON_DEMOTED)
+        if self.windows is not None:
+            self.windows.evicted(node)
         self.allocator.free(node.value)
         node.value = None
         self._evictable -= n
@@ -327,6 +336,8 @@ class HiRadixCache(RadixCache):
             n.value = device[offset:offset + len(n.key)]
             offset += len(n.key)
             self.kv_events.stored(n, MEDIUM_GPU)
+            if self.windows is not None:  # the window pages the load got (`loads`)
+                self.windows.added(n, self._split)
         self._evictable += offset
         return offset
 

@@ -82,14 +82,30 @@ class HostLoads:
         host_indices = torch.cat([n.host_value for n in nodes])
         if len(host_indices) < self.tree.load_back_threshold:
             return LoadBack(EMPTY, node)
-        device = self._alloc_for_load(node, last_host_node, host_indices)
+        windowed = self._windowed(nodes, last_host_node)
+        device = (self._alloc_for_load(node, last_host_node, host_indices)
+                  if windowed >= 0 else None)
         if device is None:
             return LoadBack(EMPTY, node)
+        if windowed:  # room made by `_windowed`
+            assert self.controller.device_pool.give_window(device[-windowed:])
         offset = self.tree.place_on_device(nodes, device)
         self.tree.inc_lock_ref(last_host_node)
         self.ongoing[last_host_node.id] = (nodes, time.monotonic())
         self.counters.load_back_tokens += offset
         return LoadBack(device, last_host_node)
+
+    def _windowed(self, nodes: list[HiTreeNode], last: HiTreeNode) -> int:
+        """A hybrid model's load: the tokens at the end of `nodes` whose window KV it
+        brings up too, what a query at `last`'s end reads (the rest comes up with its full
+        layers only), with room made for them in the window pool. -1: no room (no load)."""
+        windows = self.tree.windows
+        if windows is None:
+            return 0
+        cut = windows.needed_from(last.end)
+        tokens = sum(len(n.key) for n in nodes if n.end > cut)
+        windows.tombstone_until(tokens)
+        return tokens if self.controller.device_pool.window_available() >= tokens else -1
 
     def _alloc_for_load(self, ancestor: HiTreeNode, last: HiTreeNode,
                         host_indices: torch.Tensor) -> torch.Tensor | None:

@@ -95,9 +95,20 @@ class HostWrites:
             self.counters.write_dropped_tokens += len(node.key)
             return False
         node.host_value = host
+        node.host_window = node.window  # what the copy holds of the window layers
         self.tree.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
         self.ongoing[node.id] = node
         return True
+
+    def before_tombstone(self, node: HiTreeNode) -> bool:
+        """In-window KV reaches L2 before L1 drops it (`WindowKV.tombstone_until`): under
+        write_back, a node not backed up yet starts its copy and keeps its window KV this
+        time (locked until the ack); otherwise (write_through backed it up when inserted,
+        unless L2 was full) it may go."""
+        if node.backuped or self.tree.write_policy != "write_back":
+            return True
+        self.back_up_path(node)
+        return False
 
     def back_up_path(self, node: HiTreeNode) -> bool:
         """Queue the D->H copy of `node` and of its ancestors not in L2 yet, top down,

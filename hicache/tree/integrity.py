@@ -7,6 +7,9 @@ Threading: scheduler thread only, like the tree.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from hicache.tree.node import HiTreeNode, TreeNode
 from hicache.tree.walk import child_key
 
@@ -20,6 +23,7 @@ def check_node(node: TreeNode, root: TreeNode, page_size: int) -> None:
     assert parent.children.get(ck) is node, f"{node!r} not linked under its first page"
     assert len(node.key) > 0, f"empty non-root node {node!r}"
     assert len(node.key) % page_size == 0, f"{node!r} not page-aligned"
+    assert node.end == parent.end + len(node.key), f"{node!r} ends at {node.end}"
     assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
     assert node.lock_ref <= parent.lock_ref or parent is root, (
         f"{node!r} locked more than its parent")
@@ -50,3 +54,27 @@ def check_hi_node(node: HiTreeNode) -> None:
     if node.backuped:
         assert parent.backuped, f"backup hole: {node!r} backed up, its parent not"
         assert len(node.host_value) == len(node.key), f"{node!r} host length mismatch"
+
+
+def check_tree(tree: Any, nodes: Iterator[TreeNode], device_len: Callable[[TreeNode], int]
+               ) -> None:
+    """A `RadixCache`'s counts against its `nodes`: the node count, the evictable and
+    protected device tokens, the root's lock, its retention's and its window layers'."""
+    evictable = protected = count = 0
+    seen = []
+    for node in nodes:
+        count += 1
+        seen.append(node)
+        tree._check_node(node)
+        n = device_len(node)
+        if node.lock_ref > 0:
+            protected += n
+        else:
+            evictable += n
+    assert count + 1 == tree._num_nodes, f"node count {count + 1} != {tree._num_nodes}"
+    assert evictable == tree._evictable, f"evictable {evictable} != {tree._evictable}"
+    assert protected == tree._protected, f"protected {protected} != {tree._protected}"
+    assert tree.root.lock_ref >= 1, "the root lost its lock"
+    tree.retention.check()
+    if tree.windows is not None:
+        tree.windows.check(seen)

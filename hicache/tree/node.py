@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -37,10 +38,14 @@ class TreeNode:
     pin, like a lock, covers a node and its ancestors; pinned nodes go last of all.
     `hash_value` are the page hashes of `key` (one per page, `node_hashes`), computed only
     when something needs them (L3, KV events); a split cuts them with the key.
+    `end` is the prefix length the node spells (its parent's `end` plus its key), and
+    `window` whether its window layers' KV is on L1 (a hybrid model's tree only:
+    `hicache.tree.window_kv`; False is a tombstone when `value` is set).
     """
 
     __slots__ = (
         "children",
+        "end",
         "extra_key",
         "hash_value",
         "hit_count",
@@ -53,6 +58,8 @@ class TreeNode:
         "pin_ref",
         "priority",
         "value",
+        "window",
+        "window_locks",
     )
     _ids = itertools.count()
 
@@ -71,6 +78,9 @@ class TreeNode:
         self.owners: frozenset[str] = NO_OWNERS
         self.pin_ref = 0
         self.hash_value: list[bytes] | None = None
+        self.end = len(key) if parent is None else parent.end + len(key)
+        self.window = False
+        self.window_locks: Counter[int] | None = None  # lock end -> count (`window_kv`)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -85,13 +95,14 @@ class TreeNode:
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host_ref_counter", "host_value", "storage_backed")
+    __slots__ = ("host_ref_counter", "host_value", "host_window", "storage_backed")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.host_value: torch.Tensor | None = None
         self.host_ref_counter = 0
         self.storage_backed = False  # known to be in L3
+        self.host_window = False  # its host copy holds its window layers' KV (hybrid models)
 
     def media(self) -> tuple[str, ...]:
         """L1, L2 and L3 (as far as the tree knows), each where it holds the pages."""

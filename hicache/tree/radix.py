@@ -25,12 +25,13 @@ from hicache.policies import DEFAULT_PRIORITY, EVICTION_POLICIES, check_choice
 from hicache.tree.base import EMPTY, HostTier, MatchResult, PrefixCache, concat
 from hicache.tree.eviction_order import eviction_key
 from hicache.tree.host_tier import NoHostTier
-from hicache.tree.integrity import check_node
+from hicache.tree.integrity import check_node, check_tree
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import Key, TreeNode
 from hicache.tree.retention import Retention
 from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import aligned_end, as_key, child_key, descend
+from hicache.tree.window_kv import WindowKV
 
 
 class RadixCache(PrefixCache):
@@ -59,11 +60,12 @@ class RadixCache(PrefixCache):
     def _init_tree(self) -> None:
         self.root = self.node_cls()
         self.root.lock_ref = 1  # the root is never evicted
-        self._evictable = 0
-        self._protected = 0
+        self._evictable = self._protected = 0
         self._num_nodes = 1
         self.kv_events = TreeEvents(self.events, self.root)
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
+        self.windows = (WindowKV(self.allocator, self.root, self._priority)  # hybrid models
+                        if getattr(self.allocator, "has_windows", False) else None)
         self.retention = Retention(self.root, self._repush, self._maybe_rebuild_heaps,
                                    self._device_len, self._pin_demotable)
 
@@ -108,6 +110,8 @@ class RadixCache(PrefixCache):
         if self.disable:
             return MatchResult(EMPTY, self.root, self.root, 0)
         path = self._match_path(key, extra_key, priority, count_hit)
+        if self.windows is not None:  # never a window with a hole
+            path = path[:self.windows.hit_nodes(path)]
         node = path[-1] if path else self.root
         return MatchResult(concat([n.value for n in path]), node, node, 0)
 
@@ -129,6 +133,8 @@ class RadixCache(PrefixCache):
         last has a child on the path, so only the last can be a candidate."""
         if path:
             self._device_heap.push(path[-1])
+        if self.windows is not None:  # any node may lose its window KV: each re-enters
+            self.windows.touched(path)
         self._maybe_rebuild_heaps()
 
     def peek_prefix(self, key: Sequence[int], extra_key: str | None = None) -> int:
@@ -191,6 +197,8 @@ class RadixCache(PrefixCache):
         path, pos = walk.path, walk.matched
         now = time.monotonic()
         self._touch(path, now, int(count_hit), priority)
+        if self.windows is not None:  # its window KV where the tree has tombstones
+            path = self.windows.revive(path, value, self._split)
         present = self._insert_hits(path, value, pos)
         if pos < end:
             leaf = self._add_leaf(path[-1] if path else self.root, key[pos:end],
@@ -198,6 +206,8 @@ class RadixCache(PrefixCache):
                                   priority)
             leaf.hit_count -= not count_hit  # its first use is counted at the next insert
             path.append(leaf)
+            if self.windows is not None:  # a tombstone where its window KV left already
+                path[-1:] = self.windows.added(leaf, self._split)
         self._requeue(path)
         self._on_path(path)
         return present
@@ -242,6 +252,8 @@ class RadixCache(PrefixCache):
         new.priority = child.priority
         new.owners = child.owners
         new.pin_ref = child.pin_ref
+        if self.windows is not None:
+            self.windows.split(new, child)
         if child.hash_value is not None:
             pages = n // self.page_size
             new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
@@ -305,6 +317,8 @@ class RadixCache(PrefixCache):
 
     def _evict_device_leaf(self, node: TreeNode) -> int:
         n = len(node.key)
+        if self.windows is not None:
+            self.windows.evicted(node)
         if self.allocator is not None:
             self.allocator.free(node.value)
         self._evictable -= n
@@ -322,10 +336,14 @@ class RadixCache(PrefixCache):
 
     def _maybe_rebuild_heaps(self) -> None:
         self._device_heap.rebuild_if_stale(self._num_nodes, self.iter_nodes)
+        if self.windows is not None:
+            self.windows.rebuild(self.iter_nodes, self._num_nodes)
 
     # ---------------------------------------------------------------------------- locks
 
     def inc_lock_ref(self, node: TreeNode) -> int:
+        if self.windows is not None:
+            self.windows.lock(node)
         delta = 0
         while node is not self.root:
             if node.lock_ref == 0:
@@ -338,7 +356,7 @@ class RadixCache(PrefixCache):
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        delta = 0
+        delta, start = 0, node
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
@@ -351,6 +369,8 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._device_heap.push(node)
             node = node.parent
+        if self.windows is not None:
+            self.windows.unlock(start)
         return delta
 
     def unlocked_on_path(self, node: TreeNode) -> int:
@@ -393,20 +413,7 @@ class RadixCache(PrefixCache):
     def check_integrity(self, held_host_tokens: int = 0) -> None:
         """Raise AssertionError when any structural invariant is broken (no host tier here:
         no host pages to count, `held_host_tokens` is for `HiRadixCache`)."""
-        evictable = protected = nodes = 0
-        for node in self.iter_nodes():
-            nodes += 1
-            self._check_node(node)
-            n = self._device_len(node)
-            if node.lock_ref > 0:
-                protected += n
-            else:
-                evictable += n
-        assert nodes + 1 == self._num_nodes, f"node count {nodes + 1} != {self._num_nodes}"
-        assert evictable == self._evictable, f"evictable {evictable} != {self._evictable}"
-        assert protected == self._protected, f"protected {protected} != {self._protected}"
-        assert self.root.lock_ref >= 1, "the root lost its lock"
-        self.retention.check()
+        check_tree(self, self.iter_nodes(), self._device_len)
 
     def _check_node(self, node: TreeNode) -> None:
         check_node(node, self.root, self.page_size)

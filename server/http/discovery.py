@@ -101,6 +101,10 @@ async def handle_server_info(request: web.Request) -> web.Response:
     sizes = await off_loop(lambda: tier_sizes(engine))
     tiers = {tier: {"capacity_tokens": tokens, "capacity_bytes": size}
              for tier, (tokens, size) in sizes.items()}
+    windows = await off_loop(lambda: engine.cache_stats().device.windows)
+    if windows is not None:  # a hybrid model: L1's window layers beside its full ones
+        tiers["device"]["window_layers"] = {"capacity_tokens": windows.capacity_tokens,
+                                            "capacity_bytes": windows.capacity_bytes}
     limits = {"max_batch_tokens": engine.scheduler.max_batch_tokens,
               "max_running_requests": engine.scheduler.max_running,
               "max_body_bytes": state.max_body_bytes, "context_length": engine.context_len}

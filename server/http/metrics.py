@@ -131,6 +131,7 @@ class _StatsCollector:
         stats = self._stats_fn()
         yield from _request_metrics(stats)
         yield from _tier_gauges(tier_summaries(stats))
+        yield from _window_metrics(stats)
         yield _evicted(stats, self._page_size)
         yield from _transfer_metrics(stats)
         yield from _storage_faults(stats.storage)
@@ -183,6 +184,23 @@ def _tier_gauges(summaries: Mapping[str, TierSummary]) -> Iterator[Metric]:
         used.add_metric([tier], s.used)
     yield capacity
     yield used
+
+
+def _window_metrics(stats: CacheStats) -> Iterator[Metric]:
+    """A hybrid model's window layers on L1 (the tier gauges count its full layers)."""
+    w = stats.device.windows
+    if w is None:
+        return
+    tokens = GaugeMetricFamily(PREFIX + "window_layer_tokens", "L1 tokens of the window "
+                               "layers: capacity, used (tree and running requests), cached "
+                               "(the tree's)", labels=["state"])
+    for state, n in (("capacity", w.capacity_tokens), ("used", w.used_tokens),
+                     ("cached", w.cached_tokens)):
+        tokens.add_metric([state], n)
+    yield tokens
+    yield _counter("window_tombstoned_tokens", "Tokens whose window-layer KV the tree "
+                   "dropped from L1, keeping their full layers (tombstones)",
+                   w.tombstoned_tokens)
 
 
 def _evicted(stats: CacheStats, page_size: int) -> Metric:

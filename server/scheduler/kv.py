@@ -63,6 +63,11 @@ class RequestKV:
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True
 
+    def leave_window(self, req: Request) -> None:
+        """After a forward: a hybrid model's window layers give back the request's own slots
+        that no later query of it reads (a no-op for other models)."""
+        self.cache.slots.leave_window(req.kv.slots, req.kv.tree_len, req.kv.num_computed)
+
     def cache_prompt(self, req: Request) -> None:
         """Give the prompt's KV to the tree as soon as its prefill is done, not when the
         request finishes: requests sharing the prompt hit it in L1 while this one decodes,

@@ -1,0 +1,90 @@
+"""L1 bytes per cached token of a hybrid model: Gemma 3 270M (15 window layers of 512 tokens,
+3 full) keeps its window layers' KV only around page boundaries (`WindowedKVPool`,
+`hicache.tree.window_kv`); a model cached in full would keep all 18 layers for every token.
+
+For each prompt length: one engine (L1 only, sized by bytes), a prompt of random token ids
+served once (its KV cached), then again (its hit). Reported: the tokens cached, the window
+layers' tokens the tree keeps, L1 bytes per cached token against caching every layer in full
+(the issue's goal at 8k: <= 0.25x; the floor is 3/18 plus the windows), the hit of the repeat
+and both times to the first token. The window pool's and the full pool's capacity at the
+same bytes are printed too.
+
+    python -m benchmarks.bench_window_bytes                 # 2k and 8k, float32, ~2 min
+    python -m benchmarks.bench_window_bytes --dtype bfloat16 --lengths 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hicache_server.config import load_config
+from hicache_server.engine import Engine
+
+RESULTS = Path(__file__).parent / "results"
+KV_BYTES = 1 << 30  # L1's KV, both kinds: room for an 8k prompt cached in full, in float32
+GOAL = 0.25
+
+
+def measure(model: str, dtype: str, length: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000, 200_000) for _ in range(length)]
+    params = {"max_new_tokens": 1, "temperature": 0}
+    with Engine(load_config(None, {"model.path": model, "model.device": "cpu",
+                                   "model.dtype": dtype,
+                                   "cache.kv_cache_memory_bytes": KV_BYTES})) as e:
+        pool = e.cache.slots.device_kv()
+        full_bpt = pool.full.page_bytes // pool.page_size
+        window_bpt = pool.windowed.page_bytes // pool.page_size
+        started = time.perf_counter()
+        e.generate(input_ids=prompt, sampling_params=params)
+        cold = time.perf_counter() - started
+        device = e.stats()["tiers"]["device"]
+        started = time.perf_counter()
+        again = e.generate(input_ids=prompt, sampling_params=params)
+        warm = time.perf_counter() - started
+    cached, windows = device["used"], device["window_layers"]["cached_tokens"]
+    held = cached * full_bpt + windows * window_bpt
+    return {"prompt_tokens": length, "cached_tokens": cached,
+            "window_layer_tokens": windows,
+            "bytes_per_cached_token": held / cached,
+            "every_layer_bytes_per_token": full_bpt + window_bpt,
+            "ratio": held / cached / (full_bpt + window_bpt),
+            "full_capacity_tokens": device["capacity"],
+            "window_capacity_tokens": device["window_layers"]["capacity_tokens"],
+            "every_layer_capacity_tokens": KV_BYTES // (full_bpt + window_bpt),
+            "repeat_hit_tokens": again["meta_info"]["cached_tokens"],
+            "ttft_cold_s": cold, "ttft_hit_s": warm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    args = ap.parse_args()
+    rows = [measure(args.model, args.dtype, n) for n in args.lengths]
+    for r in rows:
+        print(f"{r['prompt_tokens']:>6} tokens: {r['cached_tokens']} cached, "
+              f"{r['window_layer_tokens']} with window KV, "
+              f"{r['bytes_per_cached_token']:.0f} B/token = {r['ratio']:.3f}x of every layer "
+              f"(goal <= {GOAL}); repeat hit {r['repeat_hit_tokens']}, TTFT "
+              f"{r['ttft_cold_s']:.2f} s -> {r['ttft_hit_s']:.3f} s; L1 holds "
+              f"{r['full_capacity_tokens']} tokens (every layer: "
+              f"{r['every_layer_capacity_tokens']}), window pool {r['window_capacity_tokens']}")
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M")
+    out = RESULTS / f"window_bytes_{args.dtype}_{stamp}.json"
+    out.write_text(json.dumps({"date": stamp, "machine": platform.processor() or
+                               platform.machine(), "model": args.model, "dtype": args.dtype,
+                               "kv_cache_memory_bytes": KV_BYTES, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""A hybrid model's window layers kept by their window in L1 (`WindowedKVPool`, the tree's
+`WindowKV`), through the real engine: random-weight Gemma 3 (windows of 40 tokens, pages of
+16) keeps window-layer KV only around its boundaries, gives the tokens of recomputation from
+hits whose window KV is whole, from shorter hits once the tree tombstoned it, and when a small
+window pool makes it tombstone under pressure."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import tier_workload as tiers
+from test_gemma3_tiers import WINDOW, write_random_gemma3
+
+from hicache.memory.windowed import WindowedKVPool
+from hicache.pages import pages_down, pages_up
+
+PAGE = tiers.PAGE
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_gemma3(tmp_path_factory.mktemp("gemma3w"))
+
+
+@pytest.fixture(scope="module")
+def recomputed(served: Path) -> list[list[int]]:
+    return tiers.recompute(served)
+
+
+def _windows(e: tiers.Engine) -> dict:
+    return e.stats()["tiers"]["device"]["window_layers"]
+
+
+def test_l1_is_split_and_a_long_prompt_keeps_only_the_windows_of_its_boundaries(
+        served: Path) -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(650)]
+    with tiers.engine(served) as e:
+        assert isinstance(e.cache.slots.device_kv(), WindowedKVPool)
+        out = e.generate(input_ids=prompt, sampling_params=tiers.GREEDY)
+        w = _windows(e)
+        device = e.stats()["tiers"]["device"]
+        again = e.generate(input_ids=prompt, sampling_params=tiers.GREEDY)
+    cached = pages_down(len(prompt) + tiers.GREEDY["max_new_tokens"] - 1, PAGE)
+    assert device["used"] == cached
+    # the prompt's last page boundary and the answer's: each what a query there reads
+    assert 0 < w["cached_tokens"] <= 2 * pages_up(WINDOW + PAGE, PAGE)
+    assert w["used_tokens"] == w["cached_tokens"]  # nothing runs: the tree's only
+    assert again["output_ids"] == out["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == pages_down(len(prompt) - 1, PAGE)
+
+
+def test_hits_are_whole_windows_and_tombstones_shorten_them(
+        served: Path, recomputed: list[list[int]]) -> None:
+    with tiers.engine(served) as e:
+        assert tiers.run_workload(e) == recomputed
+        assert e.stats()["counters"]["cached_device"] > 0
+        e.cache.check_integrity()
+        tree = e.cache.tree
+        dropped = e._call(lambda: tree.windows.tombstone_until(10**9))
+        assert dropped > 0 and _windows(e)["cached_tokens"] == 0
+        before = e.stats()["counters"]["cached_device"]
+        convs = tiers.conversations()
+        # every boundary lost its window KV: the same tokens, computed from the start
+        out = e.generate(input_ids=convs[0][2], sampling_params=tiers.GREEDY)
+        assert out["output_ids"] == recomputed[6]
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert e.stats()["counters"]["cached_device"] == before
+        e.cache.check_integrity()
+
+
+def test_a_small_window_pool_tombstones_under_pressure_and_serves_the_same_tokens(
+        served: Path, recomputed: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache import build
+
+    monkeypatch.setattr(build, "WINDOW_SHARE", 0.05)
+    monkeypatch.setattr(build, "WINDOW_FLOOR_WINDOWS", 1)
+    monkeypatch.setattr(build, "STEP_TOKENS", 256)  # the floor only: steps stay 2048
+    with tiers.engine(served) as e:
+        capacity = _windows(e)["capacity_tokens"]
+        assert capacity < 2048 // 4
+        assert tiers.run_workload(e) == recomputed
+        w = _windows(e)
+        assert w["tombstoned_tokens"] > 0 and w["used_tokens"] <= capacity
+        assert e.stats()["counters"]["cached_device"] > 0
+        e.cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_l2_keeps_the_window_kv_l1_tombstones_and_loads_it_back(
+        served: Path, recomputed: list[list[int]], policy: str, tmp_path: Path) -> None:
+    """L1 of 256 tokens beside an L2 of 2,048: pages go down and come back up, the window
+    layers' KV with them where a hit's window needs it; every answer as recomputed."""
+    with tiers.tiered(served, tmp_path / "lmdb", **{
+            "cache.max_total_tokens": 256, "storage.backend": "none", "host.ratio": 8.0,
+            "host.write_policy": policy}) as e:
+        assert isinstance(e.cache.slots.device_kv(), WindowedKVPool)
+        assert tiers.run_workload(e, between_turns=lambda e: e.flush_cache(["device"])) \
+            == recomputed
+        host = e.stats()["tiers"]["host"]
+        assert host["hits"] > 0 and host["load_back_tokens"] > 0
+        e.cache.check_integrity()
