@@ -3,14 +3,19 @@ the device pool's free slots as a request's new tokens take them, and the tree's
 pages that eviction can turn back into free ones. Sizes are in tokens (whole pages).
 
     a request's new tokens   alloc(tokens); free_slots()  (evict(tokens) first when short)
-    admission, asked         room_beyond(hit): what eviction could free with its path held
+    admission, asked         room_beyond(hit): what eviction could free with its path held;
+                             window_room(): what a hybrid model's window layers can give
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
     a step's end             leave_window(slots, shared, upto): a hybrid model's window
                              layers give back what no later query of the request reads
 
 A hybrid model's L1 has two kinds of slot (`WindowedKVPool`): every token takes a full one,
-a token in some window a window one too. Free room is the smaller of the two, counting the
-window KV the tree can tombstone (`WindowKV`), which `alloc` does when the window pool is short.
+a token in some window a window one too. The full slots are counted, promised and reserved
+as for any model; the window slots are taken a step at a time and given back as requests
+move on, so they are not promised: `alloc` tombstones the tree's window KV (`WindowKV`) when
+the window pool is short, and may still return None (the scheduler then runs the request a
+step later, or retracts one, as for a decode without room); admission waits while
+`window_room()` cannot take a step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -34,6 +39,7 @@ class SlotCalls:
         self._tree = tree
         self._pool = device_pool
         self._windows = tree.windows  # None: every layer by the same slots
+        self.has_windows = self._windows is not None
 
     def device_kv(self) -> DeviceKVPool:
         """The L1 buffers a forward pass writes and reads by slot: the model runner's data
@@ -42,21 +48,39 @@ class SlotCalls:
 
     def alloc(self, tokens: int) -> torch.Tensor | None:
         """`tokens` free L1 slots (whole pages) for a request's new tokens; None when fewer
-        are free (`evict` first)."""
-        if self._windows is not None:  # tombstones first, never a full eviction
+        are free (`evict` first), or, for a hybrid model, when the window pool cannot give
+        them even after tombstoning and letting the L2 copies in flight land."""
+        if self._windows is None:
+            return self._pool.alloc(tokens)
+        self._windows.tombstone_until(tokens)
+        slots = self._pool.alloc(tokens)
+        if slots is None and self._tree.host.copies_pending():
+            # a node being copied to L2 keeps its window KV until the copy lands (no L3
+            # with a split L1: nothing waits on these acks but the tree)
+            self._tree.host.writing_check(wait=True)
             self._windows.tombstone_until(tokens)
-        return self._pool.alloc(tokens)
+            slots = self._pool.alloc(tokens)
+        return slots
 
     def free_slots(self) -> int:
-        """L1 tokens free now (not the tree's, not a request's); with window layers, what
-        both kinds can give, the window KV the tree may tombstone counted."""
-        full = self._pool.available_size()
+        """L1 tokens free now (not the tree's, not a request's): full slots."""
+        return self._pool.available_size()
+
+    def window_room(self) -> int:
+        """Window-layer tokens free or held by window KV the tree may tombstone now (a
+        model without window layers: as many as L1 holds)."""
         if self._windows is None:
-            return full
-        window = self._pool.window_available() + self._windows.tombstonable
-        # a request takes window slots a step at a time and gives them back as it goes: the
-        # window pool limits admission only once it cannot take one more step
-        return full if window >= min(full, STEP_TOKENS) else min(full, window)
+            return self._pool.allocator.total_size()
+        return self._pool.window_available() + self._windows.tombstonable
+
+    def window_need(self, tokens: int) -> int:
+        """Window-layer tokens a request filling `tokens` more takes in its next step: a
+        step's tokens at most, and what its next query reads, which its lease keeps; at most
+        the window pool (0 without window layers)."""
+        if self._windows is None:
+            return 0
+        return min(min(tokens, STEP_TOKENS) + self._windows.window + self._pool.page_size,
+                   self._pool.window_capacity())
 
     def leave_window(self, slots: torch.Tensor, shared: int, upto: int) -> None:
         """A request computed its tokens up to `upto`: its own window slots (past the first
@@ -84,13 +108,5 @@ class SlotCalls:
         """L1 tokens eviction could free with `hit`'s path held: the evictable ones off its
         path, less the pinned ones that cannot leave L1."""
         end = hit._device_end
-        room = (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
+        return (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
                 - self._tree.retention.stuck_pinned_size(end))
-        if self._windows is None:
-            return room
-        full = self._pool.available_size()
-        window = (self._pool.window_available() + self._windows.tombstonable
-                  - self._windows.unlocked_live_on_path(end))
-        if window >= min(full + room, STEP_TOKENS):
-            return room - (self.free_slots() - full)
-        return min(full + room, window) - self.free_slots()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tier_workload as tiers
+from conftest import app_client
 from test_gemma3_tiers import WINDOW, write_random_gemma3
 
 from hicache.memory.windowed import WindowedKVPool
@@ -102,3 +103,20 @@ def test_l2_keeps_the_window_kv_l1_tombstones_and_loads_it_back(
         host = e.stats()["tiers"]["host"]
         assert host["hits"] > 0 and host["load_back_tokens"] > 0
         e.cache.check_integrity()
+
+
+async def test_the_window_layers_in_server_info_admin_tiers_and_metrics(served: Path) -> None:
+    """Through the HTTP server: what L1 holds for the window layers, beside the full ones."""
+    with tiers.engine(served) as e:
+        async with app_client(e, admin=True) as client:
+            prompt = {"input_ids": tiers.conversations()[0][0],
+                      "sampling_params": tiers.GREEDY}
+            assert (await client.post("/generate", json=prompt)).status == 200
+            info = await (await client.get("/get_server_info")).json()
+            windows = info["tiers"]["device"]["window_layers"]
+            assert windows["capacity_tokens"] > 0 and windows["capacity_bytes"] > 0
+            tiers_now = (await (await client.get("/admin/tiers")).json())["tiers"]["device"]
+            assert 0 < tiers_now["window_layers"]["cached_tokens"] <= tiers_now["used"]
+            metrics = await (await client.get("/metrics")).text()
+    assert 'hicache:window_layer_tokens{state="cached"}' in metrics
+    assert "hicache:window_tombstoned_tokens_total" in metrics

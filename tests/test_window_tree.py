@@ -182,7 +182,7 @@ def test_a_live_insert_is_one_window_node_and_a_whole_hit() -> None:
     assert put(tree, pool, key)[0] == 0
     tree.check_integrity()
     (node,) = tree.peek_path(key)
-    assert node.window and len(node.key) == 24
+    assert node.has_window and len(node.key) == 24
     assert tree.windows.live == 24 == pool.window_used()
     assert hit(tree, pool, key) == 24
     assert hit(tree, pool, key + [7, 7]) == 24  # a partial last page is never looked at
@@ -197,7 +197,7 @@ def test_tokens_that_left_the_window_join_as_a_tombstone() -> None:
     put(tree, pool, key, live_from=12)
     tree.check_integrity()
     tomb, live = tree.peek_path(key)
-    assert (len(tomb.key), tomb.window, len(live.key), live.window) == (12, False, 12, True)
+    assert (len(tomb.key), tomb.has_window, len(live.key), live.has_window) == (12, False, 12, True)
     assert tree.windows.live == 12 == pool.window_used()
     assert pool.allocator.used_size() == tree.total_size() == 24
     assert hit(tree, pool, key) == 24      # needed_from(24) = 16 >= 12
@@ -214,7 +214,7 @@ def test_tokens_that_left_the_window_join_as_a_tombstone() -> None:
     present, _ = put(tree, pool, key + seq(200, 8), live_from=8)
     assert present == 24
     tree.check_integrity()
-    assert [(n.end, n.window) for n in tree.peek_path(key)] == [
+    assert [(n.end, n.has_window) for n in tree.peek_path(key)] == [
         (4, False), (8, False), (12, True), (16, True), (20, True), (24, True)]
     assert tree.windows.live == 24 == pool.window_used()
     assert hit(tree, pool, key + seq(200, 8)) == 32
@@ -254,11 +254,11 @@ def test_tombstoning_is_lru_and_spares_what_a_lock_reads() -> None:
     # least recently used first: b, then a; never c
     assert tree.windows.tombstone_until(avail + 1) == 8
     tree.check_integrity()
-    assert (na.window, nb.window, nc.window) == (True, False, True)
+    assert (na.has_window, nb.has_window, nc.has_window) == (True, False, True)
     assert pool.window_available() == avail + 8
     assert tree.windows.tombstone_until(pool.window_capacity()) == 8
     tree.check_integrity()
-    assert (na.window, nb.window, nc.window) == (False, False, True)
+    assert (na.has_window, nb.has_window, nc.has_window) == (False, False, True)
     assert tree.windows.live == 8 == pool.window_used() and tree.windows.tombstonable == 0
     assert tree.windows.tombstoned_tokens == 16
     assert hit(tree, pool, a) == 0 and hit(tree, pool, b) == 0 and hit(tree, pool, c) == 8
@@ -285,12 +285,12 @@ def test_tombstoning_a_shared_prefix_leaves_no_hole_in_a_hit() -> None:
     tree.check_integrity()
     u = node_of(tree, x[:12])
     xt, yt = node_of(tree, x), node_of(tree, y)
-    assert u.window and xt.window and yt.window and tree.windows.live == 36
+    assert u.has_window and xt.has_window and yt.has_window and tree.windows.live == 36
     # x' is the oldest (y's insert touched u and y')
     avail = pool.window_available()
     assert tree.windows.tombstone_until(avail + 1) == 12
     tree.check_integrity()
-    assert not xt.window and u.window and yt.window
+    assert not xt.has_window and u.has_window and yt.has_window
     assert hit(tree, pool, x) == 12   # the window of x ends at u
     assert hit(tree, pool, x[:20]) == 12
     # u's window dropped too: y still hits whole (its window reads [16, 24)), not its prefixes
@@ -312,7 +312,7 @@ def test_tombstoning_a_shared_prefix_leaves_no_hole_in_a_hit() -> None:
     assert tree.windows.tombstonable == 4
     assert tree.windows.tombstone_until(pool.window_capacity()) == 4
     tree.check_integrity()
-    assert not low.window and mid.window and yt.window
+    assert not low.has_window and mid.has_window and yt.has_window
     assert hit(tree, pool, y) == 24
     assert hit(tree, pool, y[:20]) == 0  # would read [12, 20)
     tree.dec_lock_ref(m.last_device_node)
@@ -341,16 +341,16 @@ def test_a_lock_keeps_only_the_window_its_queries_read() -> None:
     assert tree.windows.tombstonable == 16
     assert tree.windows.tombstone_until(pool.window_capacity()) == 16
     tree.check_integrity()
-    assert not top.window and kept.window and leaf.window
+    assert not top.has_window and kept.has_window and leaf.has_window
     assert tree.evict(1000) == 0 and tree.total_size() == 32  # the full layers stay locked
     # split [16, 28) at 20: [16, 20) no longer reaches into [24, 32)
     assert hit(tree, pool, key[:20]) == 0
     upper = node_of(tree, key[:20])
-    assert upper is not kept and upper.window and kept.end == 28
+    assert upper is not kept and upper.has_window and kept.end == 28
     assert tree.windows.tombstonable == 4
     assert tree.windows.tombstone_until(pool.window_capacity()) == 4
     tree.check_integrity()
-    assert not upper.window and kept.window and hit(tree, pool, key) == 32
+    assert not upper.has_window and kept.has_window and hit(tree, pool, key) == 32
     # split at 24: a query at 32 reads from 25, page [24, 28) on: [20, 24) may go
     assert hit(tree, pool, key[:24]) == 0
     assert tree.windows.tombstonable == 4
@@ -391,7 +391,7 @@ def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:
     assert put(tree, pool, key, live_from=8)[0] == 16
     tree.check_integrity()
     assert pool.allocator.used_size() == before == tree.total_size()
-    assert [(n.end, n.window) for n in tree.peek_path(key)] == [(8, False), (16, True)]
+    assert [(n.end, n.has_window) for n in tree.peek_path(key)] == [(8, False), (16, True)]
     assert pool.window_used() == tree.windows.live == 8
     assert hit(tree, pool, key) == 16  # the moved window pages hold this key's KV
     assert hit(tree, pool, key[:8]) == 0
@@ -401,9 +401,9 @@ def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:
     assert hit(tree, pool, key[:8]) == 8
 
 
-# Known gaps (report, not fixed here): a node whose eviction key changes outside a match or
-# an insert, or that a split outside them creates, never re-enters WindowKV's heap, so
-# `tombstone_until` stops while `tombstonable` says there is window KV left to drop.
+# A node whose eviction key changes outside a match or an insert (a pin, a session), or
+# that a split outside them creates (`node_at`), re-enters WindowKV's heap: `tombstone_until`
+# never stops while `tombstonable` says there is window KV left to drop.
 
 def _one_live_node(n: int) -> tuple[WindowedKVPool, RadixCache, list[int]]:
     pool = make_pool()
@@ -413,8 +413,6 @@ def _one_live_node(n: int) -> tuple[WindowedKVPool, RadixCache, list[int]]:
     return pool, tree, key
 
 
-@pytest.mark.xfail(strict=True, reason="RadixCache._split (node_at) never pushes the new upper "
-                   "node on WindowKV's heap")
 def test_a_split_by_node_at_stays_tombstonable() -> None:
     pool, tree, key = _one_live_node(24)
     assert tree.node_at(tree.root, key[:12]) is not None
@@ -423,8 +421,6 @@ def test_a_split_by_node_at_stays_tombstonable() -> None:
     assert tree.windows.tombstonable == 0 and pool.window_used() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="RadixCache._repush (retention pin/own) does not "
-                   "re-push WindowKV's heap")
 @pytest.mark.parametrize("how", ["pin", "own"])
 def test_a_pinned_or_owned_node_stays_tombstonable(how: str) -> None:
     pool, tree, key = _one_live_node(8)
@@ -518,7 +514,7 @@ class WindowTreeModel(RuleBasedStateMachine):
         assert not any(live[present // PAGE:dropped // PAGE]), "a new tombstone holds window"
         pos = 0
         for node in self.tree.peek_path(key):  # every node whole: window or tombstone
-            assert all(live[p // PAGE] == node.window for p in range(pos, node.end, PAGE))
+            assert all(live[p // PAGE] == node.has_window for p in range(pos, node.end, PAGE))
             pos = node.end
 
     @rule(data=st.data(), lock=st.booleans())
@@ -529,7 +525,7 @@ class WindowTreeModel(RuleBasedStateMachine):
             self.tree.inc_lock_ref(node)
             cut, kept, n = needed_from(node.end, WIDEST[self.pool]), [], node
             while n is not self.tree.root and n.end > cut:
-                assert n.window, "a hit read a tombstone"
+                assert n.has_window, "a hit read a tombstone"
                 kept.append(n)
                 n = n.parent
             self.locks.append((node, key[:node.end], kept))
@@ -568,7 +564,7 @@ class WindowTreeModel(RuleBasedStateMachine):
         assert wpages.unique().numel() == wpages.numel(), "a window page is mapped twice"
         for node, key, kept in self.locks:  # a lock's hit stays whole
             assert node.parent is not None and node.end == len(key), "a locked node moved"
-            assert all(n.window for n in kept), "a lock lost window KV its queries read"
+            assert all(n.has_window for n in kept), "a lock lost window KV its queries read"
             assert brute_hit(pool, cached_slots(tree, key)) == len(key)
 
     def teardown(self) -> None:

@@ -247,14 +247,14 @@ def run(lm: LoadedModel, pool: DeviceKVPool | WindowedKVPool, prompt: torch.Tens
         if windowed:
             most_used = max(most_used, pool.window_used())
             # the next query has position `end`: it reads keys end - W < j <= end
-            cut = floor_page(max(0, end - pool.window + 1))
+            cut = floor_page(max(0, end - pool.max_window + 1))
             before = pool.window_pages_of(slots[:cut])
             dropped = pool.drop_window(slots[:cut])
             gone = before[before != PADDING_PAGE]
             assert dropped == gone.numel() * PAGE
             dropped_total += dropped
             poison(pool, gone)
-            assert pool.window_used() <= pool.window + 2 * PAGE
+            assert pool.window_used() <= pool.max_window + 2 * PAGE
         return got[-1]
 
     prefix = 0
@@ -297,7 +297,7 @@ def test_windowed_pool_gives_the_plain_pools_logits_and_tokens(
                          c.head_dim, torch.float32, "cpu")
     pool = WindowedKVPool(FULL_PAGES, window_pages, PAGE, windows, c.num_key_value_heads,
                           c.head_dim, torch.float32, "cpu")
-    assert pool.window == window
+    assert pool.max_window == window
 
     want = run(lm, plain, prompt, chunks)
     got = run(lm, pool, prompt, chunks)

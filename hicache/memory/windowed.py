@@ -49,7 +49,7 @@ class WindowedKVPool(PagedSlots):
                              f"{list(layer_windows)}")
         self.page_size, self.num_pages, self.num_layers = page_size, num_pages, len(layer_windows)
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.window = max(w for w in layer_windows if w is not None)
+        self.max_window = max(w for w in layer_windows if w is not None)
         self.full = DeviceKVPool(num_pages, page_size, len(full), kv_heads, head_dim, dtype,
                                  device)
         self.windowed = DeviceKVPool(window_pages, page_size, len(windowed), kv_heads,

@@ -123,10 +123,12 @@ class HiRadixCache(RadixCache):
             if node.host_value is not None:
                 self._copy_heap.push(node)
                 break
+        if self.windows is not None:  # any node may lose its window KV: each re-enters
+            self.windows.touched(path)
         self._maybe_rebuild_heaps()
 
     def _repush(self, node: TreeNode) -> None:
-        self._device_heap.push(node)
+        super()._repush(node)
         self._host_heap.push(node)
         self._copy_heap.push(node)
 

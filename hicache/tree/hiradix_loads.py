@@ -88,7 +88,8 @@ class HostLoads:
         if device is None:
             return LoadBack(EMPTY, node)
         if windowed:  # room made by `_windowed`
-            assert self.controller.device_pool.give_window(device[-windowed:])
+            given = self.controller.device_pool.give_window(device[-windowed:])
+            assert given, "the window pool lost the room `_windowed` made"
         offset = self.tree.place_on_device(nodes, device)
         self.tree.inc_lock_ref(last_host_node)
         self.ongoing[last_host_node.id] = (nodes, time.monotonic())

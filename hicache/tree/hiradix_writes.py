@@ -17,6 +17,7 @@ from hicache.transfer.controller import HiCacheController
 from hicache.tree.base import HostCounters
 from hicache.tree.node import HiTreeNode, TreeNode
 from hicache.tree.tree_events import TreeEvents
+from hicache.tree.window_kv import WindowKV
 
 logger = logging.getLogger("hicache.tree.hiradix")  # the tree's own logger, as before
 
@@ -37,6 +38,7 @@ class WritingTree(Protocol):
     write_through_threshold: int
     events: EventRecorder | None
     kv_events: TreeEvents
+    windows: WindowKV | None
 
     def inc_lock_ref(self, node: TreeNode) -> int: ...
     def dec_lock_ref(self, node: TreeNode) -> int: ...
@@ -56,6 +58,9 @@ class HostWrites:
         self.ongoing: dict[int, HiTreeNode] = {}
         self._split_writes: dict[int, list[HiTreeNode]] = {}  # write's node id -> halves
         self._write_of: dict[int, int] = {}                     # half's id -> write's id
+        # the halves matter to KV events (each lands in L2) and to a hybrid model's window
+        # KV (a half's copy reads its window pages: `before_tombstone` keeps them)
+        self._track_halves = tree.events is not None or tree.windows is not None
 
     def writing(self, node_id: int) -> bool:
         """Whether `node_id`'s host pages are being written (a half split off one counts)."""
@@ -63,7 +68,7 @@ class HostWrites:
 
     def split(self, new: HiTreeNode, child: HiTreeNode) -> None:
         """`new` was split off above `child`: if `child`'s copy runs, it lands `new` too."""
-        if self.tree.events is not None:
+        if self._track_halves:
             write = self._write_of.get(child.id, child.id)
             if write in self.ongoing:
                 self._split_writes.setdefault(write, []).append(new)
@@ -95,16 +100,19 @@ class HostWrites:
             self.counters.write_dropped_tokens += len(node.key)
             return False
         node.host_value = host
-        node.host_window = node.window  # what the copy holds of the window layers
+        node.host_window = node.has_window  # what the copy holds of the window layers
         self.tree.inc_lock_ref(node)  # device slots stay until the copy is acknowledged
         self.ongoing[node.id] = node
         return True
 
     def before_tombstone(self, node: HiTreeNode) -> bool:
-        """In-window KV reaches L2 before L1 drops it (`WindowKV.tombstone_until`): under
-        write_back, a node not backed up yet starts its copy and keeps its window KV this
-        time (locked until the ack); otherwise (write_through backed it up when inserted,
+        """In-window KV reaches L2 before L1 drops it (`WindowKV.tombstone_until`): a node
+        whose copy runs keeps it until the ack (a split may have left its upper half
+        without the copy's lock); under write_back, a node not backed up yet starts its
+        copy and keeps it this time; otherwise (write_through backed it up when inserted,
         unless L2 was full) it may go."""
+        if self.writing(node.id):  # its copy reads the window pages it had when it started
+            return False
         if node.backuped or self.tree.write_policy != "write_back":
             return True
         self.back_up_path(node)
@@ -144,8 +152,9 @@ class HostWrites:
 
     def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
         """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the
-        upper halves split off it meanwhile (KV events only: otherwise nobody asks)."""
-        if self.tree.events is None:
+        upper halves split off it meanwhile (KV events and a window tree only: otherwise
+        nobody asks)."""
+        if not self._track_halves:
             return []
         halves = self._split_writes.pop(node.id, [])
         for half in halves:

@@ -39,7 +39,7 @@ class TreeNode:
     `hash_value` are the page hashes of `key` (one per page, `node_hashes`), computed only
     when something needs them (L3, KV events); a split cuts them with the key.
     `end` is the prefix length the node spells (its parent's `end` plus its key), and
-    `window` whether its window layers' KV is on L1 (a hybrid model's tree only:
+    `has_window` whether its window layers' KV is on L1 (a hybrid model's tree only:
     `hicache.tree.window_kv`; False is a tombstone when `value` is set).
     """
 
@@ -47,6 +47,7 @@ class TreeNode:
         "children",
         "end",
         "extra_key",
+        "has_window",
         "hash_value",
         "hit_count",
         "id",
@@ -58,7 +59,6 @@ class TreeNode:
         "pin_ref",
         "priority",
         "value",
-        "window",
         "window_locks",
     )
     _ids = itertools.count()
@@ -79,7 +79,7 @@ class TreeNode:
         self.pin_ref = 0
         self.hash_value: list[bytes] | None = None
         self.end = len(key) if parent is None else parent.end + len(key)
-        self.window = False
+        self.has_window = False
         self.window_locks: Counter[int] | None = None  # lock end -> count (`window_kv`)
 
     def __len__(self) -> int:

@@ -60,8 +60,7 @@ class RadixCache(PrefixCache):
     def _init_tree(self) -> None:
         self.root = self.node_cls()
         self.root.lock_ref = 1  # the root is never evicted
-        self._evictable = self._protected = 0
-        self._num_nodes = 1
+        self._evictable, self._protected, self._num_nodes = 0, 0, 1
         self.kv_events = TreeEvents(self.events, self.root)
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
         self.windows = (WindowKV(self.allocator, self.root, self._priority)  # hybrid models
@@ -250,8 +249,7 @@ class RadixCache(PrefixCache):
         new.last_access_time = child.last_access_time
         new.hit_count = child.hit_count
         new.priority = child.priority
-        new.owners = child.owners
-        new.pin_ref = child.pin_ref
+        new.owners, new.pin_ref = child.owners, child.pin_ref
         if self.windows is not None:
             self.windows.split(new, child)
         if child.hash_value is not None:
@@ -296,6 +294,8 @@ class RadixCache(PrefixCache):
     def _repush(self, node: TreeNode) -> None:
         """Re-enter `node` in the eviction heaps after its key changed."""
         self._device_heap.push(node)
+        if self.windows is not None:
+            self.windows.touched([node])
 
     # ---------------------------------------------------------------------------- evict
 

@@ -2,9 +2,9 @@
 window-layer KV on L1, the tombstones, and the hit rule (docs/architecture.md "Hybrid
 attention").
 
-    node.value     full-layer slots: every cached token keeps them (as in any tree)
-    node.window    True: its window-layer KV is on L1 too (`WindowedKVPool`'s page map);
-                   False: a tombstone, full layers only
+    node.value       full-layer slots: every cached token keeps them (as in any tree)
+    node.has_window  True: its window-layer KV is on L1 too (`WindowedKVPool`'s page map);
+                     False: a tombstone, full layers only
 
 A prefix of P tokens is a hit when the full layers hold [0, P) and the window layers hold
 what a query at P reads, [needed_from(P), P): the hit is the end of the deepest run of
@@ -18,8 +18,8 @@ counts the lock ends keeping it (`window_locks`), so a split knows which locks k
 half. A request's own tokens that left every window were dropped while it ran
 (`WindowedKVPool.drop_window`), so they join the tree as tombstones.
 
-What stays true (`check`): `window` only with `value`; a node's pages all mapped to window
-pages when `window`, none when not; `live` and `tombstonable` count the window-holding
+What stays true (`check`): `has_window` only with `value`; a node's pages all mapped to window
+pages when `has_window`, none when not; `live` and `tombstonable` count the window-holding
 tokens, all and those no lock keeps.
 
 Threading: scheduler thread only, like the tree.
@@ -45,7 +45,7 @@ class WindowKV:
     def __init__(self, pool: WindowedKVPool, root: TreeNode,
                  priority: Callable[[TreeNode], tuple]) -> None:
         self.pool, self.root = pool, root
-        self.window = pool.window
+        self.window = pool.max_window
         self.page_size = pool.page_size
         self.live = 0               # tree tokens whose window-layer KV is on L1
         self.tombstonable = 0       # of those, on nodes no lock keeps
@@ -64,7 +64,7 @@ class WindowKV:
         L1) whose run of window-holding nodes reaches back to what a query at its end reads."""
         run_start, best = 0, 0
         for i, node in enumerate(path):
-            if not (node.window if node.value is not None else node.host_window):
+            if not (node.has_window if node.value is not None else node.host_window):
                 run_start = node.end
             elif run_start <= self.needed_from(node.end):
                 best = i + 1
@@ -85,9 +85,9 @@ class WindowKV:
         nodes.append(node)
         page = 0
         for n in nodes:
-            n.window = bool(live[page])
+            n.has_window = bool(live[page])
             page += len(n.key) // self.page_size
-            if n.window:
+            if n.has_window:
                 self.live += len(n.key)
                 self.tombstonable += len(n.key)
                 self._heap.push(n)
@@ -103,7 +103,7 @@ class WindowKV:
             n = len(node.key)
             own = value[pos:pos + n]
             pos += n
-            if node.window or node.value is None or torch.equal(own, node.value):
+            if node.has_window or node.value is None or torch.equal(own, node.value):
                 out.append(node)
                 continue
             live = (self.pool.window_pages_of(own) != PADDING_PAGE).tolist()
@@ -115,7 +115,7 @@ class WindowKV:
             if first:
                 out.append(split(node, first))
             self.pool.move_window(own[first:], node.value)
-            node.window = True
+            node.has_window = True
             self.live += len(node.key)
             self.tombstonable += len(node.key) * (node.window_locks is None)
             self._heap.push(node)
@@ -125,14 +125,14 @@ class WindowKV:
     def split(self, new: TreeNode, child: TreeNode) -> None:
         """`new` was cut off above `child` (whose key is still whole): it keeps the window
         KV and the locks that reach into it."""
-        new.window = child.window
+        new.has_window = child.has_window
         if child.window_locks:
             kept = Counter({end: n for end, n in child.window_locks.items()
                             if new.end > self.needed_from(end)})
             new.window_locks = kept or None
-            if new.window and not kept:  # its tokens were kept, now only the lower half's
+            if new.has_window and not kept:  # its tokens were kept, now only the lower half's
                 self.tombstonable += len(new.key)
-                self._heap.push(new)
+        self._heap.push(new)  # a node of its own in the eviction order
 
     # ------------------------------------------------------------------------ locks
 
@@ -143,7 +143,7 @@ class WindowKV:
         while node is not self.root and node.end > cut:
             if node.window_locks is None:
                 node.window_locks = Counter()
-                self.tombstonable -= len(node.key) * node.window
+                self.tombstonable -= len(node.key) * node.has_window
             node.window_locks[end] += 1
             node = node.parent
 
@@ -158,7 +158,7 @@ class WindowKV:
                 del locks[end]
             if not locks:
                 node.window_locks = None
-                self.tombstonable += len(node.key) * node.window
+                self.tombstonable += len(node.key) * node.has_window
                 self._heap.push(node)
             node = node.parent
 
@@ -170,19 +170,23 @@ class WindowKV:
     # ----------------------------------------------------------------------- drops
 
     def _candidate(self, node: TreeNode) -> bool:
-        return node.window and node.window_locks is None and node.parent is not None
+        return node.has_window and node.window_locks is None and node.parent is not None
 
     def tombstone_until(self, tokens: int) -> int:
         """Drop the window KV of nodes no lock keeps, least valuable first, until `tokens`
         window tokens are free in the pool (or none is left to drop); the tokens dropped.
         `before_tombstone(node)` may keep a node this time (False): its L2 copy starts."""
-        dropped = 0
+        dropped, kept = 0, []
         while self.pool.window_available() < tokens:
             node = self._heap.pop()
             if node is None:
                 break
             if self.before_tombstone(node):
                 dropped += self.tombstone(node)
+            else:
+                kept.append(node)
+        for node in kept:  # candidates again next time
+            self._heap.push(node)
         return dropped
 
     @staticmethod
@@ -194,7 +198,7 @@ class WindowKV:
         """Drop `node`'s window KV (held, no lock keeping it); its tokens."""
         n = len(node.key)
         self.pool.drop_window(node.value)
-        node.window = False
+        node.has_window = False
         self.live -= n
         self.tombstonable -= n
         self.tombstoned_tokens += n
@@ -202,8 +206,8 @@ class WindowKV:
 
     def evicted(self, node: TreeNode) -> None:
         """`node` (unlocked) left L1 whole: the pool freed its window pages with its slots."""
-        if node.window:
-            node.window = False
+        if node.has_window:
+            node.has_window = False
             self.live -= len(node.key)
             self.tombstonable -= len(node.key)
 
@@ -217,10 +221,10 @@ class WindowKV:
         live = tombstonable = 0
         for node in nodes:
             if node.value is None:
-                assert not node.window, f"{node!r} holds window KV without full KV"
+                assert not node.has_window, f"{node!r} holds window KV without full KV"
                 continue
             mapped = self.pool.window_pages_of(node.value) != PADDING_PAGE
-            if node.window:
+            if node.has_window:
                 assert bool(mapped.all()), f"{node!r} lost window pages it claims"
                 live += len(node.key)
                 tombstonable += len(node.key) * (node.window_locks is None)
@@ -245,6 +249,6 @@ class WindowKV:
         """Window-holding tokens a lock ending at `node` would keep that none keeps now."""
         cut, n = self.needed_from(node.end), 0
         while node is not self.root and node.end > cut:
-            n += len(node.key) * (node.window and node.window_locks is None)
+            n += len(node.key) * (node.has_window and node.window_locks is None)
             node = node.parent
         return n

@@ -165,6 +165,8 @@ async def handle_tiers(request: web.Request) -> web.Response:
     stats = await off_loop(engine.cache_stats)
     summaries = tier_summaries(stats)
     tiers = {t: s._asdict() for t, s in summaries.items()}
+    if stats.device.windows is not None:  # a hybrid model: L1's window layers
+        tiers["device"]["window_layers"] = dataclasses.asdict(stats.device.windows)
     if stats.storage is not None:  # faults turned into misses / skipped writes, per operation
         tiers["storage"]["errors"] = stats.storage.errors
         tiers["storage"]["errors_by_op"] = dict(stats.storage.errors_by_op)

@@ -48,7 +48,8 @@ class RequestKV:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
         first, the rest from the free slots no one was promised, evicting the tree's unlocked
         pages when those fall short. False, with nothing allocated, when L1 cannot give them
-        (possible only beyond the reservation: a decode)."""
+        (possible only beyond the reservation, a decode; or for a hybrid model's window
+        slots, which are taken a step at a time and never promised)."""
         missing = pages_up(upto - len(req.kv.slots), self.page_size)
         if missing <= 0:
             return True
@@ -57,8 +58,11 @@ class RequestKV:
             self.cache.slots.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
                 return False
-        slots = self.cache.slots.alloc(missing)  # reserved or free and unpromised: cannot fail
-        assert slots is not None, f"L1 has {self.cache.slots.free_slots()} free, {missing} asked"
+        slots = self.cache.slots.alloc(missing)  # reserved or free and unpromised: full slots
+        if slots is None:  # cannot fail but for a hybrid model's window slots (never promised)
+            assert self.cache.slots.has_windows, (
+                f"L1 has {self.cache.slots.free_slots()} free, {missing} asked")
+            return False
         req.kv.reserved -= missing - extra
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True

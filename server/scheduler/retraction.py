@@ -43,6 +43,11 @@ class Retraction:
             return None
         return min((r for r in self.running if r.output.ids), key=progress, default=None)
 
+    def any_victim(self, req: Request) -> Request | None:
+        """The least progressed running request but `req`, decoding or not: a hybrid
+        model's window slots ran short, which a filling request holds too."""
+        return min((r for r in self.running if r is not req), key=progress, default=None)
+
     def retract(self, req: Request) -> None:
         """Move a running request back to the head of the queue, holding nothing on L1."""
         self.kv.retract(req)
