@@ -4,7 +4,7 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
 
     a request's new tokens   alloc(tokens); free_slots()  (evict(tokens) first when short)
     admission, asked         room_beyond(hit): what eviction could free with its path held;
-                             window_room(): what a hybrid model's window layers can give
+                             window_fits(tokens): whether the window layers can take a step
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
     a step's end             leave_window(slots, shared, upto): a hybrid model's window
                              layers give back what no later query of the request reads
@@ -15,7 +15,7 @@ as for any model; the window slots are taken a step at a time and given back as 
 move on, so they are not promised: `alloc` tombstones the tree's window KV (`WindowKV`) when
 the window pool is short, and may still return None (the scheduler then runs the request a
 step later, or retracts one, as for a decode without room); admission waits while
-`window_room()` cannot take a step.
+`window_fits` says the window pool cannot take the request's first step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -34,6 +34,8 @@ from hicache.tree.base import PrefixCache
 class SlotCalls:
     """L1 as requests use it: the device pool's slots (free, or a request's) and the tree's
     unlocked pages (evictable)."""
+
+    has_windows: bool = False  # a hybrid model's split L1 (`WindowedKVPool`)
 
     def __init__(self, tree: PrefixCache, device_pool: DeviceKVPool) -> None:
         self._tree = tree
@@ -66,21 +68,16 @@ class SlotCalls:
         """L1 tokens free now (not the tree's, not a request's): full slots."""
         return self._pool.available_size()
 
-    def window_room(self) -> int:
-        """Window-layer tokens free or held by window KV the tree may tombstone now (a
-        model without window layers: as many as L1 holds)."""
+    def window_fits(self, tokens: int) -> bool:
+        """Whether a request filling `tokens` more can take its next step's window-layer
+        slots now (always, without window layers): a step's tokens at most, and what its
+        next query reads, which its lease keeps (at most the window pool), against the free
+        window slots and the window KV the tree may tombstone."""
         if self._windows is None:
-            return self._pool.allocator.total_size()
-        return self._pool.window_available() + self._windows.tombstonable
-
-    def window_need(self, tokens: int) -> int:
-        """Window-layer tokens a request filling `tokens` more takes in its next step: a
-        step's tokens at most, and what its next query reads, which its lease keeps; at most
-        the window pool (0 without window layers)."""
-        if self._windows is None:
-            return 0
-        return min(min(tokens, STEP_TOKENS) + self._windows.window + self._pool.page_size,
+            return True
+        need = min(min(tokens, STEP_TOKENS) + self._windows.window + self._pool.page_size,
                    self._pool.window_capacity())
+        return self._pool.window_available() + self._windows.tombstonable >= need
 
     def leave_window(self, slots: torch.Tensor, shared: int, upto: int) -> None:
         """A request computed its tokens up to `upto`: its own window slots (past the first

@@ -142,7 +142,7 @@ class Admission:
         # pages; both are promised now. Its new tokens, and the running requests', are
         # estimated: room for them is asked, nothing is promised.
         fill = m.host_tokens + pages_up((stop or req.seq_len) - m.tokens, self.page_size)
-        if self.cache.slots.window_room() < self.cache.slots.window_need(fill):
+        if not self.cache.slots.window_fits(fill):
             return None  # a hybrid model's window layers cannot take its first step yet
         free = self.kv.free_tokens()
         short = fill + self.ratio.estimate(req) + self.running_estimate() - free
