@@ -4,8 +4,9 @@
     python -m benchmarks.bench_vs_vllm --quick                                  # smoke test
 
 Five servers, started one at a time on free loopback ports, each serving the same model
-folder (default: the embedded model's) in the same dtype with the same KV capacity in
-tokens (`--kv-tokens`), the same page (block) size, running-sequence limit and batched-token
+folder (default: the embedded model's) in the same dtype with the same KV bytes (both as
+`--kv-cache-memory-bytes`: `--kv-tokens` of every layer's KV, which a hybrid model's split L1
+spends as it needs), the same page (block) size, running-sequence limit and batched-token
 budget (hicache's MAX_RUNNING_REQUESTS and MAX_BATCH_TOKENS, which vLLM gets as
 `--max-num-seqs` and `--max-num-batched-tokens`):
 
@@ -163,7 +164,11 @@ def host_ratio(args: argparse.Namespace) -> float:
 
 def hicache_specs(args: argparse.Namespace) -> list[ServerSpec]:
     base = ("--model-path", str(args.model_path), "--dtype", args.dtype,
-            "--page-size", str(args.page_size), "--max-total-tokens", str(args.kv_tokens),
+            "--page-size", str(args.page_size),
+            # the same bytes as vLLM's (less its null block): `--kv-tokens` of every layer's
+            # KV, which a hybrid model's split L1 spends as it needs (docs/architecture.md)
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes(args.model_path, args.kv_tokens, args.dtype)),
             "--served-model-name", MODEL_NAME, "--log-level", "info",
             *shlex.split(args.hicache_args))
     hier = ("--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio(args)),

@@ -71,7 +71,8 @@ def test_kv_bytes_and_the_flags_of_each_server(model_dir: Path) -> None:
     hier = specs[bv.HI_L2].flags
     # the default workload's 12,032-token working set x 1.5 headroom over 3,008 tokens
     assert hier[hier.index("--hicache-ratio") + 1] == "6.0"
-    assert all(s.flags[s.flags.index("--max-total-tokens") + 1] == "3008"
+    # hicache gets the same bytes, less vLLM's null block: 3,008 tokens of every layer
+    assert all(s.flags[s.flags.index("--kv-cache-memory-bytes") + 1] == str(3008 * 8192)
                for s in specs.values() if s.engine == bv.HICACHE)
     args.only = bv.HICACHE
     assert [s.engine for s in bv.server_specs(args)] == [bv.HICACHE] * 3

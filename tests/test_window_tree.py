@@ -274,6 +274,18 @@ def test_tombstoning_is_lru_and_spares_what_a_lock_reads() -> None:
     assert pool.allocator.used_size() == tree.total_size() == 0
 
 
+def lock_and_tombstone(tree: RadixCache, pool: WindowedKVPool, key: list[int],
+                       dropped: int) -> MatchResult:
+    """Lock the match of `key`, then tombstone all that may go: `dropped` tokens."""
+    m = tree.match_prefix(key)
+    tree.inc_lock_ref(m.last_device_node)
+    tree.check_integrity()
+    assert tree.windows.tombstonable == dropped
+    assert tree.windows.tombstone_until(pool.window_capacity()) == dropped
+    tree.check_integrity()
+    return m
+
+
 def test_tombstoning_a_shared_prefix_leaves_no_hole_in_a_hit() -> None:
     """x = [0, 24); y = x[:12] + 12 others: nodes u = [0, 12), x' and y' below it."""
     pool = make_pool()
@@ -306,12 +318,7 @@ def test_tombstoning_a_shared_prefix_leaves_no_hole_in_a_hit() -> None:
     mid = node_of(tree, y[:20])
     low = node_of(tree, y[:16])
     assert [n.end for n in tree.peek_path(y)] == [12, 16, 20, 24]
-    m = tree.match_prefix(y)
-    tree.inc_lock_ref(m.last_device_node)
-    tree.check_integrity()
-    assert tree.windows.tombstonable == 4
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 4
-    tree.check_integrity()
+    m = lock_and_tombstone(tree, pool, y, 4)
     assert not low.has_window and mid.has_window and yt.has_window
     assert hit(tree, pool, y) == 24
     assert hit(tree, pool, y[:20]) == 0  # would read [12, 20)
@@ -335,12 +342,7 @@ def test_a_lock_keeps_only_the_window_its_queries_read() -> None:
     put(tree, pool, key)
     assert [n.end for n in tree.peek_path(key)] == [16, 28, 32]
     top, kept, leaf = tree.peek_path(key)
-    m = tree.match_prefix(key)
-    tree.inc_lock_ref(m.last_device_node)
-    tree.check_integrity()
-    assert tree.windows.tombstonable == 16
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 16
-    tree.check_integrity()
+    m = lock_and_tombstone(tree, pool, key, 16)
     assert not top.has_window and kept.has_window and leaf.has_window
     assert tree.evict(1000) == 0 and tree.total_size() == 32  # the full layers stay locked
     # split [16, 28) at 20: [16, 20) no longer reaches into [24, 32)
