@@ -114,7 +114,9 @@ class CacheStack(CacheDoor):
             if evict_tokens:
                 self._evict_keeping(hit, evict_tokens)
             slots, loaded = hit.device_slots, 0
-            if hit.host_tokens:
+            # a hybrid model's tombstones in the hit's window: their window KV from L2
+            whole = self.tree.windows is None or self.tree.host.reload_windows(hit._host_end)
+            if hit.host_tokens and whole:
                 lb = self.tree.host.init_load_back(hit._host_end)
                 if lb.device_indices.numel():
                     slots = torch.cat([slots, lb.device_indices])
@@ -122,8 +124,9 @@ class CacheStack(CacheDoor):
                     self.tree.inc_lock_ref(lb.last_node)
                     self.tree.dec_lock_ref(end)
                     end = lb.last_node
-                elif self.tree.windows is not None:  # L1 alone: its own window rule
-                    valid = self.tree.windows.valid_end(end)
+            if self.tree.windows is not None and not loaded:  # L1 alone: its window rule
+                valid = self.tree.windows.valid_end(end)
+                if valid is not end:
                     self.tree.inc_lock_ref(valid)
                     self.tree.dec_lock_ref(end)
                     end, slots = valid, slots[:valid.end]

@@ -120,3 +120,22 @@ async def test_the_window_layers_in_server_info_admin_tiers_and_metrics(served: 
             metrics = await (await client.get("/metrics")).text()
     assert 'hicache:window_layer_tokens{state="cached"}' in metrics
     assert "hicache:window_tombstoned_tokens_total" in metrics
+
+
+def test_a_tombstone_gets_its_window_kv_back_from_its_l2_copy(
+        served: Path, recomputed: list[list[int]], tmp_path: Path) -> None:
+    """L1 drops every node's window KV; the L2 copies (write_through) still hold it, so the
+    same prompt again hits all its pages, the window's brought back, with the same tokens."""
+    with tiers.tiered(served, tmp_path / "lmdb", **{"storage.backend": "none"}) as e:
+        assert tiers.run_workload(e) == recomputed
+        tree = e.cache.tree
+        e._call(lambda: tree.writing_check(wait=True))
+        assert e._call(lambda: tree.windows.tombstone_until(10**9)) > 0
+        assert _windows(e)["cached_tokens"] == 0
+        prompt = tiers.conversations()[0][2]
+        out = e.generate(input_ids=prompt, sampling_params=tiers.GREEDY)
+        assert out["output_ids"] == recomputed[6]
+        assert out["meta_info"]["cached_tokens_details"]["device"] == pages_down(
+            len(prompt) - 1, PAGE)
+        assert _windows(e)["cached_tokens"] > 0
+        e.cache.check_integrity()

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from hicache.kernels.transfer_kv import h2d_pages
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.host import HostKVPool
 from hicache.transfer.engines import TransferEngine, TransferHandle
@@ -73,6 +74,18 @@ class HiCacheController:
             return None
         self._queued_loads.append((host_indices, device_indices, node_id))
         return device_indices
+
+    def load_windows_now(self, host_indices: torch.Tensor, device_indices: torch.Tensor
+                         ) -> None:
+        """Copy the window layers of host slots into the window pages of device slots (a
+        `WindowedKVPool`'s), on the calling thread: on the CPU done on return, on CUDA
+        queued on the current stream, ahead of the forward that reads them. Whole pages."""
+        pool, host = self.device_pool, self.host_pool
+        ps = pool.page_size
+        h2d_pages(host.buffer, host.layout, pool.k_buffers, pool.v_buffers,
+                  host_indices[::ps] // ps, pool.window_pages_of(device_indices), ps,
+                  layers=pool.window_layers,
+                  backend="cuda" if pool.device.type == "cuda" else "reference")
 
     def start_loading(self) -> TransferHandle | None:
         """Launch every queued load as one transfer; its handle is also `current_load`."""

@@ -112,6 +112,10 @@ class HostTier(Protocol):
     def copies_pending(self) -> bool:
         """Whether a D->H or H->D copy is queued or in flight."""
 
+    def reload_windows(self, last: TreeNode) -> bool:
+        """A hybrid model's hit ending at `last`: give the L1 tombstones in its window their
+        window KV back from L2, now; False when it cannot (`HostLoads.reload_windows`)."""
+
     def start_loading(self) -> TransferHandle | None:
         """Launch the queued H->D copies (the model runner does this before a forward)."""
 

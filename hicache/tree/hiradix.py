@@ -154,8 +154,7 @@ class HiRadixCache(RadixCache):
             new.host_value = child.host_value[:n]
             child.host_value = child.host_value[n:]
         new.host_ref_counter = child.host_ref_counter
-        new.storage_backed = child.storage_backed
-        new.host_window = child.host_window
+        new.storage_backed, new.host_window = child.storage_backed, child.host_window
         self.writes.split(new, child)
 
     def _on_path(self, path: list[TreeNode]) -> None:
@@ -322,6 +321,9 @@ class HiRadixCache(RadixCache):
     def init_load_back(self, last_host_node: HiTreeNode) -> LoadBack:
         return self.loads.init_load_back(last_host_node)
 
+    def reload_windows(self, last: HiTreeNode) -> bool:
+        return self.loads.reload_windows(last)
+
     def loading_check(self, wait: bool = False) -> int:
         return self.loads.loading_check(wait)
 
@@ -331,8 +333,7 @@ class HiRadixCache(RadixCache):
         return self.loads.insert_host_pages(anchor, tokens, host_indices, hashes, extra_key)
 
     def place_on_device(self, nodes: list[HiTreeNode], device: torch.Tensor) -> int:
-        """The L2-only `nodes` (a path, top down) get the device slots `device` a load fills;
-        the tokens placed (evictable once unlocked)."""
+        """L2-only `nodes` (a path, top down) get a load's `device` slots; tokens placed."""
         offset = 0
         for n in nodes:
             n.value = device[offset:offset + len(n.key)]
@@ -363,8 +364,7 @@ class HiRadixCache(RadixCache):
         return replace(self.counters)
 
     def mark_stored(self, node: HiTreeNode) -> None:
-        """`node`'s pages are in L3 now (the storage tier's backup or query said so; only
-        the storage tier calls this, and only over this tree)."""
+        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
         node.storage_backed = True
 
     def forget_stored(self) -> None:

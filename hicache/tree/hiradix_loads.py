@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +21,10 @@ from hicache.tree.base import EMPTY, HostCounters, LoadBack
 from hicache.tree.node import HiTreeNode, Key, TreeNode
 from hicache.tree.tree_events import TreeEvents
 from hicache.tree.walk import as_key, descend
+from hicache.tree.window_kv import WindowKV
+
+if TYPE_CHECKING:
+    from hicache.tree.hiradix_writes import HostWrites
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ class LoadingTree(Protocol):
     load_back_threshold: int
     observer: Callable[[str, float], None] | None
     kv_events: TreeEvents
+    windows: WindowKV | None
+    writes: HostWrites
 
     def inc_lock_ref(self, node: TreeNode) -> int: ...
     def dec_lock_ref(self, node: TreeNode) -> int: ...
@@ -95,6 +101,31 @@ class HostLoads:
         self.ongoing[last_host_node.id] = (nodes, time.monotonic())
         self.counters.load_back_tokens += offset
         return LoadBack(device, last_host_node)
+
+    def reload_windows(self, last: HiTreeNode) -> bool:
+        """The tombstones on L1 in the window of a hit ending at `last` get their window KV
+        back from their L2 copies, now (a hit counts on them: `WindowKV.hit_nodes`); the
+        caller's lock keeps them. False, with nothing changed, when one has no finished
+        copy or the window pool has no room: the hit then falls back to L1's own."""
+        windows, pool = self.tree.windows, self.controller.device_pool
+        cut, nodes, node = windows.needed_from(last.end), [], last
+        while node.parent is not None and node.end > cut:
+            if node.value is not None and not node.has_window:
+                nodes.append(node)
+            node = node.parent
+        if any(not n.host_window or n.host_value is None or self.tree.writes.writing(n.id)
+               for n in nodes):
+            return False
+        tokens = sum(len(n.key) for n in nodes)
+        windows.tombstone_until(tokens)
+        if pool.window_available() < tokens:
+            return False
+        for n in nodes:
+            given = pool.give_window(n.value)
+            assert given, "the window pool lost the room just made"
+            self.controller.load_windows_now(n.host_value, n.value)
+            windows.reloaded(n)
+        return True
 
     def _windowed(self, nodes: list[HiTreeNode], last: HiTreeNode) -> int:
         """A hybrid model's load: the tokens at the end of `nodes` whose window KV it

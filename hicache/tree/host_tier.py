@@ -53,6 +53,9 @@ class NoHostTier:
     def copies_pending(self) -> bool:
         return False
 
+    def reload_windows(self, last: TreeNode) -> bool:
+        return True
+
     def start_loading(self) -> TransferHandle | None:
         return None
 

@@ -58,13 +58,16 @@ class WindowKV:
 
     # -------------------------------------------------------------------------- hits
 
-    def hit_nodes(self, path: list[TreeNode]) -> int:
+    def hit_nodes(self, path: list[TreeNode], l1_only: bool = False) -> int:
         """How many of `path`'s nodes (top down; full layers on L1, or on L2 past the L1
-        ones) make the hit: up to the deepest window-holding node (on L1; on L2 for one off
-        L1) whose run of window-holding nodes reaches back to what a query at its end reads."""
+        ones) make the hit: up to the deepest window-holding node whose run of
+        window-holding nodes reaches back to what a query at its end reads. A node holds
+        its window KV on L1, or in its L2 copy (`host_window`: loaded back with it, or on
+        its own for a tombstone, `HostLoads.reload_windows`) unless `l1_only`."""
         run_start, best = 0, 0
         for i, node in enumerate(path):
-            if not (node.has_window if node.value is not None else node.host_window):
+            in_l2 = not l1_only and getattr(node, "host_window", False)
+            if not (node.has_window or in_l2 and node.host_value is not None):
                 run_start = node.end
             elif run_start <= self.needed_from(node.end):
                 best = i + 1
@@ -121,6 +124,13 @@ class WindowKV:
             self._heap.push(node)
             out.append(node)
         return out
+
+    def reloaded(self, node: TreeNode) -> None:
+        """`node`, a tombstone, got its window KV back (from its L2 copy)."""
+        node.has_window = True
+        self.live += len(node.key)
+        self.tombstonable += len(node.key) * (node.window_locks is None)
+        self._heap.push(node)
 
     def split(self, new: TreeNode, child: TreeNode) -> None:
         """`new` was cut off above `child` (whose key is still whole): it keeps the window
@@ -242,7 +252,7 @@ class WindowKV:
             path.append(node)
             node = node.parent
         path.reverse()
-        keep = self.hit_nodes(path)
+        keep = self.hit_nodes(path, l1_only=True)
         return path[keep - 1] if keep else self.root
 
     def unlocked_live_on_path(self, node: TreeNode) -> int:

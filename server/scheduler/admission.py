@@ -176,6 +176,8 @@ class Admission:
         if req.kv.retractions:  # a retracted request's prompt was counted once
             return None
         # what its client is told: the prompt's first admission
-        req.kv.cached_details = {"device": m.device_tokens,
+        # the admitted prefix: L1's hit (shorter than the match's where a hybrid model's
+        # window KV could not be had) and what was loaded
+        req.kv.cached_details = {"device": len(prefix) - loaded,
                               "host": loaded - storage, "storage": storage}
         return dict(req.kv.cached_details)
