@@ -6,8 +6,8 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
     admission, asked         room_beyond(hit): what eviction could free with its path held;
                              window_fits(tokens): whether the window layers can take a step
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
-    a step's end             leave_window(slots, shared, upto): a hybrid model's window
-                             layers give back what no later query of the request reads
+    a step's end             leave_window(slots, shared, start, upto): a hybrid model's
+                             window layers give back what no later query of it reads
 
 A hybrid model's L1 has two kinds of slot (`WindowedKVPool`): every token takes a full one,
 a token in some window a window one too. The full slots are counted, promised and reserved
@@ -54,13 +54,13 @@ class SlotCalls:
         them even after tombstoning and letting the L2 copies in flight land."""
         if self._windows is None:
             return self._pool.alloc(tokens)
-        self._windows.tombstone_until(tokens)
+        self._windows.make_room(tokens)
         slots = self._pool.alloc(tokens)
         if slots is None and self._tree.host.copies_pending():
             # a node being copied to L2 keeps its window KV until the copy lands (no L3
             # with a split L1: nothing waits on these acks but the tree)
             self._tree.host.writing_check(wait=True)
-            self._windows.tombstone_until(tokens)
+            self._windows.make_room(tokens)
             slots = self._pool.alloc(tokens)
         return slots
 
@@ -79,15 +79,18 @@ class SlotCalls:
                    self._pool.window_capacity())
         return self._pool.window_available() + self._windows.tombstonable >= need
 
-    def leave_window(self, slots: torch.Tensor, shared: int, upto: int) -> None:
-        """A request computed its tokens up to `upto`: its own window slots (past the first
-        `shared`, the tree's) before what a query at its last page boundary short of `upto`
-        reads go back to the pool. That boundary is where the tree can reuse them: a hit
+    def leave_window(self, slots: torch.Tensor, shared: int, start: int, upto: int) -> None:
+        """A request computed its tokens from `start` up to `upto`: its own window slots
+        (past the first `shared`, the tree's) before what a query at its last page boundary
+        short of `upto` reads go back to the pool (those before the same cut at `start`
+        went at its previous step). That boundary is where the tree can reuse them: a hit
         ends on a page, and the same prompt again computes at least its last token."""
         if self._windows is not None:
-            cut = self._windows.needed_from(pages_down(upto - 1, self._tree.page_size))
-            if cut > shared:
-                self._pool.drop_window(slots[shared:cut])
+            ps = self._tree.page_size
+            first = max(shared, self._windows.needed_from(pages_down(start - 1, ps)))
+            cut = self._windows.needed_from(pages_down(upto - 1, ps))
+            if cut > first:
+                self._pool.drop_window(slots[first:cut])
 
     def device_capacity(self) -> int:
         """L1 tokens in all (free, the tree's and the requests')."""

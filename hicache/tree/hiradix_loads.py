@@ -116,15 +116,13 @@ class HostLoads:
         if any(not n.host_window or n.host_value is None or self.tree.writes.writing(n.id)
                for n in nodes):
             return False
-        tokens = sum(len(n.key) for n in nodes)
-        windows.tombstone_until(tokens)
-        if pool.window_available() < tokens:
+        if not windows.make_room(sum(len(n.key) for n in nodes)):
             return False
         for n in nodes:
             given = pool.give_window(n.value)
             assert given, "the window pool lost the room just made"
             self.controller.load_windows_now(n.host_value, n.value)
-            windows.reloaded(n)
+            windows.gained(n)
         return True
 
     def _windowed(self, nodes: list[HiTreeNode], last: HiTreeNode) -> int:
@@ -136,8 +134,7 @@ class HostLoads:
             return 0
         cut = windows.needed_from(last.end)
         tokens = sum(len(n.key) for n in nodes if n.end > cut)
-        windows.tombstone_until(tokens)
-        return tokens if self.controller.device_pool.window_available() >= tokens else -1
+        return tokens if windows.make_room(tokens) else -1
 
     def _alloc_for_load(self, ancestor: HiTreeNode, last: HiTreeNode,
                         host_indices: torch.Tensor) -> torch.Tensor | None:

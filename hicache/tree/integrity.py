@@ -7,7 +7,6 @@ Threading: scheduler thread only, like the tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from hicache.tree.node import HiTreeNode, TreeNode
@@ -56,17 +55,16 @@ def check_hi_node(node: HiTreeNode) -> None:
         assert len(node.host_value) == len(node.key), f"{node!r} host length mismatch"
 
 
-def check_tree(tree: Any, nodes: Iterator[TreeNode], device_len: Callable[[TreeNode], int]
-               ) -> None:
-    """A `RadixCache`'s counts against its `nodes`: the node count, the evictable and
+def check_tree(tree: Any) -> None:
+    """A `RadixCache`'s counts against its nodes: the node count, the evictable and
     protected device tokens, the root's lock, its retention's and its window layers'."""
     evictable = protected = count = 0
     seen = []
-    for node in nodes:
+    for node in tree.iter_nodes():
         count += 1
         seen.append(node)
         tree._check_node(node)
-        n = device_len(node)
+        n = tree._device_len(node)
         if node.lock_ref > 0:
             protected += n
         else:

@@ -413,7 +413,7 @@ class RadixCache(PrefixCache):
     def check_integrity(self, held_host_tokens: int = 0) -> None:
         """Raise AssertionError when any structural invariant is broken (no host tier here:
         no host pages to count, `held_host_tokens` is for `HiRadixCache`)."""
-        check_tree(self, self.iter_nodes(), self._device_len)
+        check_tree(self)
 
     def _check_node(self, node: TreeNode) -> None:
         check_node(node, self.root, self.page_size)

@@ -88,12 +88,9 @@ class WindowKV:
         nodes.append(node)
         page = 0
         for n in nodes:
-            n.has_window = bool(live[page])
+            if live[page]:
+                self.gained(n)
             page += len(n.key) // self.page_size
-            if n.has_window:
-                self.live += len(n.key)
-                self.tombstonable += len(n.key)
-                self._heap.push(n)
         return nodes
 
     def revive(self, path: list[TreeNode], value: torch.Tensor,
@@ -106,27 +103,20 @@ class WindowKV:
             n = len(node.key)
             own = value[pos:pos + n]
             pos += n
-            if node.has_window or node.value is None or torch.equal(own, node.value):
-                out.append(node)
-                continue
-            live = (self.pool.window_pages_of(own) != PADDING_PAGE).tolist()
-            first = live.index(True) if True in live else len(live)
-            if not all(live[first:]) or first == len(live):  # none, or not a suffix
-                out.append(node)
-                continue
-            first *= self.page_size
-            if first:
-                out.append(split(node, first))
-            self.pool.move_window(own[first:], node.value)
-            node.has_window = True
-            self.live += len(node.key)
-            self.tombstonable += len(node.key) * (node.window_locks is None)
-            self._heap.push(node)
+            live = ([] if node.has_window or node.value is None or torch.equal(own, node.value)
+                    else (self.pool.window_pages_of(own) != PADDING_PAGE).tolist())
+            if True in live and all(live[live.index(True):]):  # a suffix of its pages
+                first = live.index(True) * self.page_size
+                if first:
+                    out.append(split(node, first))
+                self.pool.move_window(own[first:], node.value)
+                self.gained(node)
             out.append(node)
         return out
 
-    def reloaded(self, node: TreeNode) -> None:
-        """`node`, a tombstone, got its window KV back (from its L2 copy)."""
+    def gained(self, node: TreeNode) -> None:
+        """`node` holds its window KV on L1 now (a new node's, a recomputed tombstone's, or
+        one loaded from its L2 copy)."""
         node.has_window = True
         self.live += len(node.key)
         self.tombstonable += len(node.key) * (node.window_locks is None)
@@ -204,18 +194,21 @@ class WindowKV:
         """Whether `node`'s window KV may go now (the two-tier tree backs it up first)."""
         return True
 
+    def make_room(self, tokens: int) -> bool:
+        """Whether `tokens` window tokens are free in the pool, tombstoning to free them."""
+        self.tombstone_until(tokens)
+        return self.pool.window_available() >= tokens
+
     def tombstone(self, node: TreeNode) -> int:
         """Drop `node`'s window KV (held, no lock keeping it); its tokens."""
-        n = len(node.key)
         self.pool.drop_window(node.value)
-        node.has_window = False
-        self.live -= n
-        self.tombstonable -= n
-        self.tombstoned_tokens += n
-        return n
+        self.evicted(node)
+        self.tombstoned_tokens += len(node.key)
+        return len(node.key)
 
     def evicted(self, node: TreeNode) -> None:
-        """`node` (unlocked) left L1 whole: the pool freed its window pages with its slots."""
+        """`node` (unlocked, no lock keeping its window KV) lost its window KV: tombstoned,
+        or left L1 whole (the pool freed its window pages with its slots)."""
         if node.has_window:
             node.has_window = False
             self.live -= len(node.key)

@@ -39,6 +39,7 @@ class RequestKV:
         self.cache = cache
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for
+        self.windowed = cache.slots.has_windows  # a hybrid model's split L1
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
@@ -67,10 +68,12 @@ class RequestKV:
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True
 
-    def leave_window(self, req: Request) -> None:
-        """After a forward: a hybrid model's window layers give back the request's own slots
-        that no later query of it reads (a no-op for other models)."""
-        self.cache.slots.leave_window(req.kv.slots, req.kv.tree_len, req.kv.num_computed)
+    def leave_window(self, req: Request, computed: int) -> None:
+        """After a forward that computed `computed` more of `req`'s tokens: a hybrid model's
+        window layers give back the request's own slots that no later query of it reads."""
+        if self.windowed:
+            end = req.kv.num_computed
+            self.cache.slots.leave_window(req.kv.slots, req.kv.tree_len, end - computed, end)
 
     def cache_prompt(self, req: Request) -> None:
         """Give the prompt's KV to the tree as soon as its prefill is done, not when the

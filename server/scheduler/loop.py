@@ -327,7 +327,7 @@ class Scheduler:
         for i, (req, n) in enumerate(zip(reqs, lens)):
             filling = n > 1 or not req.prefilled  # not one decode
             req.kv.num_computed += n
-            self.kv.leave_window(req)
+            self.kv.leave_window(req, n)
             if req.kv.num_computed == req.seq_len:  # its next token can be chosen
                 done.append(i)
                 if filling:
