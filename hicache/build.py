@@ -129,11 +129,11 @@ def _event_publisher(e: EventsConfig) -> EventPublisher:
 
 
 def _l1_pool(config: TierSections, model: ModelKV) -> DeviceKVPool | WindowedKVPool:
-    """L1: one pool for every layer; for a hybrid model without L3, the full layers' pool
-    and the window layers' smaller one (`window_pages`)."""
+    """L1: one pool for every layer; for a hybrid model, the full layers' pool and the
+    window layers' smaller one (`window_pages`)."""
     c = config.cache
     pages = _l1_pages(config, model)
-    if not model.hybrid or config.storage.enabled:  # L3 keeps every layer (not yet by kind)
+    if not model.hybrid:
         return DeviceKVPool(pages, c.page_size, *model.geometry, model.dtype, model.device)
     full, window = window_pages(pages, c.page_size, model,
                                 explicit_tokens=c.max_total_tokens is not None)

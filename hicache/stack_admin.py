@@ -46,17 +46,13 @@ class AdminCalls:
         """Open L3 from `config.storage` under the running tree and back up to it what L2
         holds (in the background, parents first), as every page that reaches L2 from now
         on. Raises, the stack unchanged: ValueError without L2, with L3 attached already,
-        for a hybrid model's split L1 or for a section the backend refuses; an OSError (StorageUnavailable among them)
+        or for a section the backend refuses; an OSError (StorageUnavailable among them)
         when the store cannot be opened, or opens and fails its first call (a Redis that
         is down)."""
         if self._controller is None or self._host_pool is None:
             raise ValueError("L3 needs the host tier (L2): cache.hierarchical is off")
         if self._l3.tier is not None:
             raise ValueError("L3 is attached already; detach it first")
-        if self._tree.windows is not None:
-            raise ValueError("this server keeps its hybrid model's window layers by their "
-                             "window, which L3 does not store yet: start it with "
-                             "storage.backend set to attach L3")
         tier = open_storage_tier(config, model, self._tree, self._host_pool, must_answer=True)
         self._steps.quiesce()  # a node's host pages hold its KV only once its D->H copy is acked
         self._l3.attach(tier)

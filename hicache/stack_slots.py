@@ -57,9 +57,9 @@ class SlotCalls:
         self._windows.make_room(tokens)
         slots = self._pool.alloc(tokens)
         if slots is None and self._tree.host.copies_pending():
-            # a node being copied to L2 keeps its window KV until the copy lands (no L3
-            # with a split L1: nothing waits on these acks but the tree)
-            self._tree.host.writing_check(wait=True)
+            # a node being copied to L2 keeps its window KV until the copy lands (its L3
+            # backup follows at the next poll)
+            self._tree.host.writing_check(wait=True, claim=False)
             self._windows.make_room(tokens)
             slots = self._pool.alloc(tokens)
         return slots

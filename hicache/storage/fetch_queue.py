@@ -80,6 +80,9 @@ class PrefetchOp:
                                             # and a fetched tail (`race.Race`, tier.py)
     planned_race_s: float | None = None     # the cost model's estimate of that race
     head_node: Any = None                   # the head's last node once computed (tier.py)
+    window_from: int = 0                    # a hybrid model's: pages [window_from,
+    window_end: int = 0                     # window_end) of `hashes` get their window
+    window_ok: bytearray | None = None      # parts too; (thread) 1 per page that did
     hit_pages: int | None = None            # (thread) consecutive pages storage holds
     completed_pages: int = 0                # (thread) leading pages fetched into L2
     fetch_seconds: float = 0.0              # (thread) first batch start -> last batch end
@@ -89,6 +92,14 @@ class PrefetchOp:
     queried: threading.Event = field(default_factory=threading.Event)   # hit_pages is set
     finished: threading.Event = field(default_factory=threading.Event)  # no more writes
     fetch: FetchBatches | None = None     # (thread, under the queue's lock) batches
+
+    def window_run(self, first: int, last: int, page_size: int) -> int | None:
+        """Tokens into pages [first, last) of `hashes` from which every page up to `last`
+        came with its window part (a hybrid model's); None when the last page did not."""
+        i = last
+        while self.window_ok is not None and i > first and self.window_ok[i - 1]:
+            i -= 1
+        return None if i == last else (i - first) * page_size
 
 
 @dataclass(eq=False)

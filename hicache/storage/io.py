@@ -9,6 +9,12 @@ backend and the host pool.
                                         set once no worker will touch op.host_indices again
     backup    scheduler: backup(...) -> thread: batch_set      -> poll_backups() acks
 
+A hybrid model's pages have two parts in L3 (`kinds.py`, `WindowParts`): the backend stores
+the full layers' part; the window part is read and written beside it through the backend's
+view for the window codec. A query's hit ends where the tree's rule would (`_window_hit`); a
+fetch brings window parts for the trailing window of what it fetches (`op.window_ok`, one
+flag per page); a backup writes them for a node's trailing pages that it is asked to.
+
 The prefetches' state and the fetch queue (its fairness, its two directions) are in
 `fetch_queue.py`.
 
@@ -43,6 +49,7 @@ from hicache.storage.fetch_queue import (
     PrefetchOp,
     PrefetchState,
 )
+from hicache.storage.kinds import StoreKinds, window_keys
 from hicache.threads import one_openmp_thread
 
 logger = logging.getLogger(__name__)
@@ -59,29 +66,49 @@ BACKUP_BATCH_PAGES = 256
 # 16-page read of a 2k-token model's pages is ~2 MB: 0.4 s at 5 MB/s).
 PROBE_PAGES = (1, 4, 16)
 PROBE_BUDGET_S = 0.5
+# A hybrid model's query tries at most this many shorter prefixes when window parts are
+# missing (each an existence check of a window's pages) before it calls the hit nothing.
+WINDOW_QUERIES = 8
 
 
 class BackupAck(NamedTuple):
     node_id: int
-    ok: bool
+    ok: bool               # its full parts are stored
+    window_pages: int = 0  # window parts stored with them (a hybrid model's)
+
+
+class WindowParts(NamedTuple):
+    """A hybrid model's second kind of page value: which layers, and the store's view for
+    the window part's codec (`StorageBackend.with_codec`)."""
+
+    kinds: StoreKinds
+    store: StorageBackend
+
+
+class Backup(NamedTuple):
+    node_id: int
+    hashes: list[bytes]
+    host_indices: torch.Tensor
+    window_pages: int  # of the last pages, how many get a window part too (hybrid models)
 
 
 class StorageController:
     """Owns the backend and the three I/O threads (see the module docstring)."""
 
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool,
-                 fetch_workers: int = DEFAULT_FETCH_WORKERS) -> None:
+                 fetch_workers: int = DEFAULT_FETCH_WORKERS,
+                 window: WindowParts | None = None) -> None:
         if fetch_workers < 1:
             raise ValueError(f"fetch_workers must be >= 1, got {fetch_workers}")
         self.backend = backend
+        self.window = window
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
         self.errors: dict[str, int] = {"exists": 0, "get": 0, "set": 0, "sample": 0}
         self._log = RateLimitedLog(logger)  # a failing backend: once a minute per operation
         self._query_q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._fetches = FetchQueue(self.page_size)
-        self._backup_q: queue.Queue[tuple[int, list[bytes], torch.Tensor] | None] = (
-            queue.Queue())
+        self._backup_q: queue.Queue[Backup | None] = queue.Queue()
         self._backup_acks: queue.Queue[BackupAck] = queue.Queue()
         self._backups_in_flight = 0
         self._idle = threading.Condition()
@@ -106,6 +133,11 @@ class StorageController:
         for the `len(op.host_indices) // page_size` pages it holds (back to front when
         `op.reverse`, none below page `floor` of `op.hashes`), `batch_pages` a call (None:
         FETCH_BATCH_PAGES)."""
+        if self.window is not None:
+            end = op.fetch_base + len(op.host_indices) // self.page_size
+            first = self.window.kinds.window_first(op.prefix_tokens, end)
+            op.window_from, op.window_end = max(first, op.fetch_base), end
+            op.window_ok = bytearray(len(op.hashes))
         self._fetches.put(op, floor - op.fetch_base, batch_pages)
 
     def limit(self, op: PrefetchOp, floor: int) -> None:
@@ -131,9 +163,27 @@ class StorageController:
             hits += n
             if n < len(batch):
                 break
+        if self.window is not None and hits:
+            hits = self._window_hit(op, hits)
         with op.lock:
             op.hit_pages = hits
         op.queried.set()
+
+    def _window_hit(self, op: PrefetchOp, pages: int) -> int:
+        """The longest prefix of the `pages` whose full parts L3 holds that is a hit by the
+        tree's rule: L3 holds the window parts of its trailing window (those of pages before
+        `op.hashes[0]` are the tree's to judge). Each missing part cuts the prefix before it."""
+        kinds, store = self.window
+        for _ in range(WINDOW_QUERIES):
+            if pages == 0 or op.cancelled:
+                return 0
+            first = kinds.window_first(op.prefix_tokens, pages)
+            keys = window_keys(op.hashes[first:pages][::-1])
+            present = self._call("exists", lambda k=keys: store.batch_exists(k), 0)
+            if present == len(keys):
+                return pages
+            pages -= present + 1
+        return 0
 
     def _run_fetches(self) -> None:
         one_openmp_thread()
@@ -149,9 +199,25 @@ class StorageController:
         """Pages `[start, end)` of the fetch; how many leading ones were served."""
         keys = op.hashes[op.fetch_base + start:op.fetch_base + end]
         slots = op.host_indices[start * self.page_size:end * self.page_size]
+        if self.window is not None:
+            self._fetch_windows(op, op.fetch_base + start, op.fetch_base + end)
         oks = self._call("get", lambda: self.backend.batch_get(keys, self.host_pool, slots),
                          [False] * len(keys))
         return _leading_true(oks[::-1] if op.reverse else oks)
+
+    def _fetch_windows(self, op: PrefetchOp, first: int, last: int) -> None:
+        """The window parts of pages [first, last) of `op.hashes` that its fetch brings
+        (`op.window_from` on): a page whose part is missing or bad has no window KV, and
+        is still served (its full layers are)."""
+        lo, hi = max(first, op.window_from), min(last, op.window_end)
+        if lo >= hi:
+            return
+        ps = self.page_size
+        slots = op.host_indices[(lo - op.fetch_base) * ps:(hi - op.fetch_base) * ps]
+        oks = self._call("get", lambda: self.window.store.batch_get(
+            window_keys(op.hashes[lo:hi]), self.host_pool, slots), [False] * (hi - lo))
+        for i, ok in enumerate(oks, lo):
+            op.window_ok[i] = ok
 
     @staticmethod
     def _run_tasks(tasks: queue.Queue[Callable[[], None] | None]) -> None:
@@ -161,13 +227,15 @@ class StorageController:
 
     # -------------------------------------------------------------------------- backup
 
-    def backup(self, node_id: int, hashes: list[bytes], host_indices: torch.Tensor) -> None:
-        """Write a node's host pages to storage; the ack comes from `poll_backups`.
-        Callers queue parents before children, so L3 never holds a child without its parent
-        unless the parent's write failed."""
+    def backup(self, node_id: int, hashes: list[bytes], host_indices: torch.Tensor,
+               window_pages: int = 0) -> None:
+        """Write a node's host pages to storage, and the window parts of its last
+        `window_pages` (a hybrid model's); the ack comes from `poll_backups` (its full parts
+        stored). Callers queue parents before children, so L3 never holds a child without
+        its parent unless the parent's write failed."""
         with self._idle:
             self._backups_in_flight += 1
-        self._backup_q.put((node_id, hashes, host_indices))
+        self._backup_q.put(Backup(node_id, hashes, host_indices, window_pages))
 
     def poll_backups(self) -> list[BackupAck]:
         acks = []
@@ -186,7 +254,7 @@ class StorageController:
         one_openmp_thread()
         while (item := self._backup_q.get()) is not None:
             batch = [item]
-            pages = len(item[1])
+            pages = len(item.hashes)
             while pages < BACKUP_BATCH_PAGES:  # drain what is already queued
                 try:
                     nxt = self._backup_q.get_nowait()
@@ -196,22 +264,39 @@ class StorageController:
                     self._backup_q.put(None)
                     break
                 batch.append(nxt)
-                pages += len(nxt[1])
+                pages += len(nxt.hashes)
             self._write_batch(batch)
 
-    def _write_batch(self, batch: list[tuple[int, list[bytes], torch.Tensor]]) -> None:
-        keys = [h for _, hashes, _ in batch for h in hashes]
-        slots = torch.cat([s for _, _, s in batch])
+    def _write_batch(self, batch: list[Backup]) -> None:
+        keys = [h for b in batch for h in b.hashes]
+        slots = torch.cat([b.host_indices for b in batch])
         oks = self._call("set", lambda: self.backend.batch_set(keys, self.host_pool, slots),
                          [False] * len(keys))
+        windows = self._write_windows(batch) if self.window is not None else []
         pos = 0
-        for node_id, hashes, _ in batch:
+        for i, (node_id, hashes, _, _) in enumerate(batch):
             ok = all(oks[pos:pos + len(hashes)])
             pos += len(hashes)
-            self._backup_acks.put(BackupAck(node_id, ok))
+            self._backup_acks.put(BackupAck(node_id, ok, windows[i] if windows else 0))
         with self._idle:
             self._backups_in_flight -= len(batch)
             self._idle.notify_all()
+
+    def _write_windows(self, batch: list[Backup]) -> list[int]:
+        """The window parts of the backups' last `window_pages` pages; per backup, how many
+        were stored (one not stored leaves its boundary no hit after a restart)."""
+        ps, starts = self.page_size, [len(b.hashes) - b.window_pages for b in batch]
+        keys = window_keys([h for b, s in zip(batch, starts) for h in b.hashes[s:]])
+        if not keys:
+            return [0] * len(batch)
+        slots = torch.cat([b.host_indices[s * ps:] for b, s in zip(batch, starts)])
+        oks = self._call("set", lambda: self.window.store.batch_set(keys, self.host_pool,
+                                                                    slots), [False] * len(keys))
+        out, pos = [], 0
+        for b in batch:
+            out.append(sum(oks[pos:pos + b.window_pages]))
+            pos += b.window_pages
+        return out
 
     # ---------------------------------------------------------------------------- probe
 

@@ -20,7 +20,8 @@ from hicache.storage.backends.base import (
 )
 from hicache.storage.backends.throttled import ThrottledBackend
 from hicache.storage.hashing import PageHasher
-from hicache.storage.io import StorageController
+from hicache.storage.io import StorageController, WindowParts
+from hicache.storage.kinds import StoreKinds
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.page_seal import FleetKeys, Protection
 from hicache.storage.tier import StorageTier
@@ -61,9 +62,14 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
     s, ps = config.storage, config.cache.page_size
     events = tree.events  # one hasher for both: the same keys, each node's hashed once
     hasher = events.hasher if events is not None else page_hasher(config, model)
-    codec = PageCodec(PageGeometry(*model.geometry, ps, model.dtype),
-                      namespace=hasher.namespace, keys=fleet_keys(config))
-    logger.info("L3 pages: format v3, %s", PROTECTION_NAMES[codec.protection])
+    geometry, keys = PageGeometry(*model.geometry, ps, model.dtype), fleet_keys(config)
+    kinds = StoreKinds.of(model, ps)
+    if kinds is None:
+        codec = PageCodec(geometry, namespace=hasher.namespace, keys=keys)
+    else:  # a hybrid model's page in two parts (`kinds.py`)
+        codec, window_codec = kinds.codecs(geometry, hasher.namespace, keys)
+    logger.info("L3 pages: format v3, %s%s", PROTECTION_NAMES[codec.protection],
+                "" if kinds is None else ", full and window layers apart")
     backend = create_backend(s.backend, s.backend_config, codec)
     if must_answer:
         check_answers(s.backend, backend)
@@ -76,7 +82,8 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
                        s.backend, bandwidth, s.throttle.latency_ms)
     stats = backend.stats()
     logger.info("L3 (%s): %s", s.backend, stats)
-    tier = StorageTier(tree, StorageController(backend, host, s.fetch_workers), hasher,
+    window = None if kinds is None else WindowParts(kinds, backend.with_codec(window_codec))
+    tier = StorageTier(tree, StorageController(backend, host, s.fetch_workers, window), hasher,
                        prefetch_policy=s.prefetch_policy,
                        prefetch_threshold=s.prefetch_threshold,
                        timeout_base=s.prefetch_timeout_base,

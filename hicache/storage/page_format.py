@@ -29,6 +29,10 @@ another engine's host pool): the value holds them back to back. Another engine's
 layout is not `[num_layers, 2, page_size, kv_heads, head_dim]` (SGLang's MLA latent has one
 part per layer, not two) states its length (`payload_bytes`): the header then describes its
 geometry and true length, and hicache's own pools refuse it.
+
+A hybrid model's page is stored as two values, one per kind of layer (`storage/kinds.py`): a
+codec with `layers` stores only those layers of a host page, its header counting them, its
+tag covering their indices.
 """
 
 from __future__ import annotations
@@ -125,13 +129,17 @@ class PageCodec:
     """
 
     def __init__(self, geometry: PageGeometry, payload_bytes: int | None = None, *,
-                 namespace: bytes = b"", keys: FleetKeys | None = None) -> None:
+                 namespace: bytes = b"", keys: FleetKeys | None = None,
+                 layers: Sequence[int] | None = None) -> None:
         dims = (geometry.num_layers, geometry.kv_heads, geometry.head_dim, geometry.page_size)
         if min(dims) < 1:
             raise ValueError(f"page geometry must be all >= 1, got {geometry}")
         if payload_bytes is not None and payload_bytes < 1:
             raise ValueError(f"a page payload must be >= 1 byte, got {payload_bytes}")
-        self.geometry = PageGeometry(*geometry[:4], dtype_from_name(geometry.dtype))
+        self.pool_layers = geometry.num_layers  # the host page's layers
+        self.layers = _layer_selection(layers, geometry.num_layers)  # None: all of them
+        stored = geometry.num_layers if self.layers is None else len(self.layers)
+        self.geometry = PageGeometry(stored, *geometry[1:4], dtype_from_name(geometry.dtype))
         self.payload_bytes = payload_bytes or self.geometry.payload_bytes
         self.value_bytes = VALUE_OVERHEAD + self.payload_bytes
         self.seal = make_seal(namespace, keys)
@@ -167,7 +175,9 @@ class PageCodec:
 
     def _binding(self, key: bytes) -> bytes:
         """What the tag covers beside the payload (and the namespace, in the seal)."""
-        return bytes(key) + self._fields
+        if self.layers is None:
+            return bytes(key) + self._fields
+        return bytes(key) + self._fields + struct.pack(f"<{len(self.layers)}I", *self.layers)
 
     def _parts_of_a_page(self, payload: Payload) -> tuple[memoryview, ...]:
         parts = payload_parts(payload)
@@ -209,21 +219,46 @@ class PageCodec:
             raise ValueError(f"this codec's pages ({self.payload_bytes} bytes) are not "
                              f"hicache's layout of {tuple(self.geometry)}: no host pool holds them")
         have = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.page_size, pool.dtype)
-        if have != tuple(self.geometry):
+        want = (self.pool_layers, *self.geometry[1:])
+        if have != want:
             raise ValueError(f"host pool geometry {have} does not match the stored pages' "
-                             f"{tuple(self.geometry)}")
+                             f"{want}")
 
-    def payload_reader(self, pool: HostKVPool) -> Callable[[int], memoryview]:
-        """page id -> its payload bytes (a view of the pool for page_first, else a copy)."""
+    def payload_reader(self, pool: HostKVPool) -> Callable[[int], Payload]:
+        """page id -> its payload (views of the pool for page_first, else a copy)."""
+        if self.layers is not None:
+            return self._layers_reader(pool)
         if pool.layout == PAGE_FIRST:
             return pool.page_buffer
         return lambda page: memoryview(pool.get_page(page).reshape(-1).view(torch.uint8).numpy())
+
+    def _layer_runs(self) -> list[tuple[int, int]]:
+        """`layers` as runs [a, b) of consecutive layers."""
+        runs: list[tuple[int, int]] = []
+        for layer in self.layers or ():
+            if runs and runs[-1][1] == layer:
+                runs[-1] = (runs[-1][0], layer + 1)
+            else:
+                runs.append((layer, layer + 1))
+        return runs
+
+    def _layers_reader(self, pool: HostKVPool) -> Callable[[int], Payload]:
+        if pool.layout == PAGE_FIRST:
+            per_layer = pool.page_bytes // pool.num_layers
+            runs = self._layer_runs()
+            return lambda page: [pool.page_buffer(page)[a * per_layer:b * per_layer]
+                                 for a, b in runs]
+        index = torch.tensor(self.layers)
+        return lambda page: memoryview(
+            pool.get_page(page).index_select(0, index).reshape(-1).view(torch.uint8).numpy())
 
     def value_writer(self, pool: HostKVPool) -> Callable[[bytes, memoryview | bytes, int], bool]:
         """(page key, stored value, page id) -> copy its payload into the page; False when
         it is bad (`copy_into`). After False the page holds undefined bytes. layer_first
         pages go through a scratch page (not thread-safe: one writer per thread).
         """
+        if self.layers is not None:
+            return self._layers_writer(pool)
         if pool.layout == PAGE_FIRST:
             # [num_pages, page_bytes], the pool's memory: a page's view in ~0.2 us, where
             # `page_buffer` (a torch view per call) takes ~6 us, 15% of a 128 KiB page's read.
@@ -243,3 +278,41 @@ class PageCodec:
             pool.set_page(page, scratch)
             return True
         return copy_layer_first
+
+    def _layers_writer(self, pool: HostKVPool) -> Callable[[bytes, memoryview | bytes, int], bool]:
+        """`value_writer` of a codec of some layers: only those layers of the page change."""
+        if pool.layout == PAGE_FIRST:
+            pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
+            per_layer = pool.page_bytes // pool.num_layers
+            runs = self._layer_runs()
+
+            def copy_layers(key: bytes, value: memoryview | bytes, page: int) -> bool:
+                if not 0 <= page < pool.num_pages:
+                    raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
+                row = pages[page]
+                return self.copy_into(key, value, [row[a * per_layer:b * per_layer]
+                                                   for a, b in runs])
+            return copy_layers
+        scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
+        scratch_bytes = memoryview(scratch.view(-1).view(torch.uint8).numpy())
+
+        def copy_layer_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
+            if not self.copy_into(key, value, scratch_bytes):
+                return False
+            for i, layer in enumerate(self.layers or ()):
+                k, v = pool.layer_kv(layer)
+                k[page].copy_(scratch[i, 0])
+                v[page].copy_(scratch[i, 1])
+            return True
+        return copy_layer_first
+
+
+def _layer_selection(layers: Sequence[int] | None, num_layers: int) -> tuple[int, ...] | None:
+    """`layers` checked: distinct, ascending, in [0, num_layers), at least one."""
+    if layers is None:
+        return None
+    out = tuple(int(layer) for layer in layers)
+    if not out or list(out) != sorted(set(out)) or out[0] < 0 or out[-1] >= num_layers:
+        raise ValueError(f"a page part's layers must be distinct, ascending and in "
+                         f"[0, {num_layers}), got {list(layers)}")
+    return out

@@ -330,11 +330,13 @@ class StorageTier:
         inserted = self.race.insert_tail(op, done) if op.race is not None else 0
         if op.race is None and op.host_indices is not None and done:
             n = done * self.page_size
+            window = op.window_run(0, done, self.page_size)
             inserted = self.tree.insert_host_pages(op.anchor, op.tokens[:n],
                                                    op.host_indices[:n], op.hashes[:done],
-                                                   op.extra_key)
+                                                   op.extra_key, window)
             op.host_indices = op.host_indices[n:]
             self.counters.prefetched_tokens += n
+            self.counters.window_prefetched_tokens += 0 if window is None else n - window
         for waiting in self.ops.values():  # its pages are in the tree now (or never will be)
             if waiting.state is PrefetchState.WAITING and waiting.waiting_for == req_id:
                 waiting.state, waiting.waiting_for = PrefetchState.RESTART, None

@@ -43,12 +43,15 @@ class Backups:
         half is acknowledged by the same copy). Host pages stay until each ack."""
         chain = []
         while node is not self.tree.root:
+            if node is None:  # it left the tree since it reached L2 (evicted from L2)
+                return
             if (node.host_value is not None and not node.storage_backed
                     and node.id not in self._in_flight):
                 chain.append(node)
             node = node.parent
         for n in reversed(chain):
             hashes, host = node_hashes(n, self.tree.root, self.hasher), n.host_value
+            windows = self._window_pages(n)
             # Pages L3 said it holds (a recomputed hit, a raced head; events said so) are
             # not sent again: a store that skips a page it has still moves it over the link
             # (Redis SET NX carries the value), beside the fetches a race is waiting for.
@@ -58,11 +61,19 @@ class Backups:
                 continue
             if any(known):
                 keep = [i for i, k in enumerate(known) if not k]
+                windows = sum(i >= len(hashes) - windows for i in keep)
                 hashes = [hashes[i] for i in keep]
                 host = host.view(-1, self.page_size)[keep].reshape(-1)
             self.tree.protect_host(n)
             self._in_flight[n.id] = n
-            self.io.backup(n.id, hashes, host)
+            self.io.backup(n.id, hashes, host, windows)
+
+    def _window_pages(self, node: HiTreeNode) -> int:
+        """Of a hybrid model's node, the trailing pages whose window parts L3 gets: those its
+        end's window reads, when its L2 copy holds its window KV (`StoreKinds`)."""
+        if self.io.window is None or not node.host_window:
+            return 0
+        return self.io.window.kinds.window_pages_of(node.end - len(node.key), node.end)
 
     def check(self) -> None:
         """Apply the backup acks: release the host pages, mark the nodes stored."""
@@ -72,6 +83,7 @@ class Backups:
             if ack.ok:
                 self.tree.mark_stored(node)
                 self.counters.backed_up_tokens += len(node.key)
+                self.counters.window_backed_up_tokens += ack.window_pages * self.page_size
                 self.tree.kv_events.stored(node, MEDIUM_DISK)
             else:
                 self.counters.backup_failures += 1

@@ -121,11 +121,13 @@ class HeadRace:
         p = self.page_size
         cut = (race.target - op.fetch_base) * p
         tokens = op.tokens[race.target * p:race.hit_pages * p]
+        window = op.window_run(race.target, race.hit_pages, p)
         inserted = self.tree.insert_host_pages(anchor, tokens, op.host_indices[cut:],
                                                op.hashes[race.target:race.hit_pages],
-                                               op.extra_key)
+                                               op.extra_key, window)
         op.host_indices = op.host_indices[:cut]
         self.counters.prefetched_tokens += len(tokens)
+        self.counters.window_prefetched_tokens += 0 if window is None else len(tokens) - window
         self._race_took(op, time.monotonic())
         return inserted
 

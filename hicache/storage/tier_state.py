@@ -19,7 +19,10 @@ class StorageCounters:
     head_tokens: int = 0         # tokens of those heads (recomputed, not fetched)
     recomputed_hits: int = 0     # hits the cost model chose to recompute rather than fetch
     recomputed_hit_tokens: int = 0
-
+    # a hybrid model's window layers (`kinds.py`): tokens whose window part was written, and
+    # tokens fetched with theirs; `backed_up_tokens` / `prefetched_tokens` count full parts
+    window_backed_up_tokens: int = 0
+    window_prefetched_tokens: int = 0
 
 
 # Page hashes remembered as held by L3 while the requests that recompute them run (a hit the

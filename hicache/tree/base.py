@@ -103,8 +103,9 @@ class HostTier(Protocol):
     def flush_host(self) -> int:
         """Free every unprotected host page; the host tokens freed."""
 
-    def writing_check(self, wait: bool = False) -> list[TreeNode]:
-        """Apply finished D->H acks; the nodes that reached L2 (for their L3 backup)."""
+    def writing_check(self, wait: bool = False, claim: bool = True) -> list[TreeNode]:
+        """Apply finished D->H acks; the nodes that reached L2 since the last claim (for
+        their L3 backup); `claim=False` keeps them for the next."""
 
     def loading_check(self, wait: bool = False) -> int:
         """Apply finished H->D acks; how many."""

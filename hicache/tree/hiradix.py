@@ -204,7 +204,7 @@ class HiRadixCache(RadixCache):
                 freed += self._evict_device_leaf(node)
                 self.counters.device_evicted_tokens += len(node.key)
         if written_back:
-            self.writing_check(wait=True)
+            self.writing_check(wait=True, claim=False)  # their L3 backups come at the poll
             for node in written_back:
                 self._demote(node)
         return freed
@@ -315,8 +315,8 @@ class HiRadixCache(RadixCache):
     def back_up_path(self, node: HiTreeNode) -> bool:
         return self.writes.back_up_path(node)
 
-    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
-        return self.writes.writing_check(wait)
+    def writing_check(self, wait: bool = False, claim: bool = True) -> list[HiTreeNode]:
+        return self.writes.writing_check(wait, claim)
 
     def init_load_back(self, last_host_node: HiTreeNode) -> LoadBack:
         return self.loads.init_load_back(last_host_node)
@@ -329,8 +329,9 @@ class HiRadixCache(RadixCache):
 
     def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
                           host_indices: torch.Tensor, hashes: list[bytes],
-                          extra_key: str | None = None) -> int:
-        return self.loads.insert_host_pages(anchor, tokens, host_indices, hashes, extra_key)
+                          extra_key: str | None = None, window_from: int | None = None) -> int:
+        return self.loads.insert_host_pages(anchor, tokens, host_indices, hashes, extra_key,
+                                            window_from)
 
     def place_on_device(self, nodes: list[HiTreeNode], device: torch.Tensor) -> int:
         """L2-only `nodes` (a path, top down) get a load's `device` slots; tokens placed."""
@@ -400,7 +401,6 @@ class HiRadixCache(RadixCache):
         return torch.cat(vals) if vals else EMPTY
 
     # ---------------------------------------------------------------------- integrity
-
     def _check_node(self, node: HiTreeNode) -> None:
         super()._check_node(node)
         check_hi_node(node)

@@ -170,17 +170,20 @@ class HostLoads:
 
     def insert_host_pages(self, anchor: HiTreeNode, tokens: tuple[int, ...],
                           host_indices: torch.Tensor, hashes: list[bytes],
-                          extra_key: str | None = None) -> int:
+                          extra_key: str | None = None, window_from: int | None = None) -> int:
         """Attach pages fetched from L3 below `anchor` (which must be in L2) as L2-only
         nodes. Pages the tree already holds in L2 are freed; a device-only node on the way
         adopts the fetched copy. Returns the tokens that were new to L2. Touches nothing.
 
         `tokens` (whole pages), `host_indices` (one slot per token) and `hashes` (one per
-        page) are aligned with each other."""
+        page) are aligned with each other. A hybrid model's pages from token `window_from`
+        on hold their window layers' KV too (None: no page does); a node is cut there."""
         tokens, ps = as_key(tokens), self.page_size
         if len(tokens) % ps:
             raise ValueError(f"insert_host_pages: {len(tokens)} tokens are not whole pages "
                              f"of {ps}")
+        if window_from is not None and 0 < window_from < len(tokens):
+            descend(anchor, tokens[:window_from], extra_key, ps, self._split)
         path = descend(anchor, tokens, extra_key, ps, self._split).path
         pos = new_tokens = 0
         for node in path:
@@ -188,20 +191,41 @@ class HostLoads:
             if node.backuped:
                 self.controller.host_pool.free(host_indices[pos:pos + n])
             else:
-                self._set_l3_copy(node, host_indices[pos:pos + n], hashes[pos // ps:])
+                self._set_l3_copy(node, host_indices[pos:pos + n], hashes[pos // ps:],
+                                  _holds_window(pos, window_from))
                 new_tokens += n
             pos += n
+        leaf = path[-1] if path else anchor
+        for start, stop in _cut(pos, len(tokens), window_from):
+            leaf = self._attach(leaf, tokens[start:stop], None, extra_key)
+            self._set_l3_copy(leaf, host_indices[start:stop], hashes[start // ps:],
+                              _holds_window(start, window_from))
+            new_tokens += stop - start
         if pos < len(tokens):
-            leaf = self._attach(path[-1] if path else anchor, tokens[pos:], None, extra_key)
-            self._set_l3_copy(leaf, host_indices[pos:], hashes[pos // ps:])
             self.tree.host_leaf_changed(leaf)
-            new_tokens += len(tokens) - pos
         return new_tokens
 
-    def _set_l3_copy(self, node: HiTreeNode, host: torch.Tensor, hashes: list[bytes]) -> None:
-        """`node`'s pages, fetched from L3, are in L2 now (and known to be in L3)."""
+    def _set_l3_copy(self, node: HiTreeNode, host: torch.Tensor, hashes: list[bytes],
+                     window: bool = False) -> None:
+        """`node`'s pages, fetched from L3, are in L2 now (and known to be in L3); `window`:
+        with their window layers' KV."""
         node.host_value = host.clone()
+        node.host_window = window
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
         self.tree.copy_changed(node)
         self.tree.kv_events.stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
+
+
+def _holds_window(start: int, window_from: int | None) -> bool:
+    """Whether pages from token `start` on hold window KV (`insert_host_pages`)."""
+    return window_from is not None and start >= window_from
+
+
+def _cut(start: int, stop: int, at: int | None) -> list[tuple[int, int]]:
+    """[start, stop) as one span (none when empty), or two where `at` falls inside it."""
+    if start >= stop:
+        return []
+    if at is None or not start < at < stop:
+        return [(start, stop)]
+    return [(start, at), (at, stop)]

@@ -56,6 +56,7 @@ class HostWrites:
         self.controller = tree.controller
         self.counters = tree.counters
         self.ongoing: dict[int, HiTreeNode] = {}
+        self._landed: list[HiTreeNode] = []  # reached L2, not claimed for L3 yet
         self._split_writes: dict[int, list[HiTreeNode]] = {}  # write's node id -> halves
         self._write_of: dict[int, int] = {}                     # half's id -> write's id
         # the halves matter to KV events (each lands in L2) and to a hybrid model's window
@@ -128,9 +129,10 @@ class HostWrites:
             node = node.parent
         return all(self._write_backup(n) for n in reversed(chain))
 
-    def writing_check(self, wait: bool = False) -> list[HiTreeNode]:
+    def writing_check(self, wait: bool = False, claim: bool = True) -> list[HiTreeNode]:
         """Apply finished D->H acks: release the locks. Returns the nodes that reached L2
-        (the tier owner backs them up to L3)."""
+        since the last claim (the tier owner backs them up to L3); `claim=False` (an
+        eviction waiting on its copies) keeps them for the next."""
         if wait:
             self.controller.wait_writes()
         written = []
@@ -148,7 +150,11 @@ class HostWrites:
             for half in halves:
                 self.tree.kv_events.stored(half, MEDIUM_CPU)
             written.append(node)
-        return written
+        self._landed.extend(written)
+        if not claim:
+            return []
+        landed, self._landed = self._landed, []
+        return landed
 
     def _split_halves(self, node: HiTreeNode) -> list[HiTreeNode]:
         """The nodes the D->H copy of `node` lands in L2, parents first: `node` and the

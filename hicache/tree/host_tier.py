@@ -44,7 +44,7 @@ class NoHostTier:
     def flush_host(self) -> int:
         return 0
 
-    def writing_check(self, wait: bool = False) -> list[TreeNode]:
+    def writing_check(self, wait: bool = False, claim: bool = True) -> list[TreeNode]:
         return []
 
     def loading_check(self, wait: bool = False) -> int:

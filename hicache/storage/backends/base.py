@@ -120,6 +120,12 @@ class StorageBackend(ABC):
         bytes read. The default reads nothing."""
         return 0
 
+    def with_codec(self, codec: PageCodec) -> StorageBackend:
+        """This store, for the values of `codec` (a hybrid model's other kind of layers,
+        `storage/kinds.py`): the same keys' space, capacity and counters; closing the view
+        closes nothing. A backend that stores one kind of value only raises TypeError."""
+        raise TypeError(f"{type(self).__name__} stores one kind of page value only")
+
 
 # (index of the key in the call, its stored value) -> whether the value was good. Called inside
 # the read, so the value may be a view valid only during the call (an LMDB map).
@@ -148,12 +154,16 @@ class ValueStore(StorageBackend):
     codec: PageCodec
 
     @abstractmethod
-    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
-        """`take` each stored value of `keys`; True per key whose value `take` accepted."""
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker,
+                   codec: PageCodec | None = None) -> list[bool]:
+        """`take` each stored value of `keys`; True per key whose value `take` accepted.
+        `codec`: the values' (None: this store's)."""
 
     @abstractmethod
-    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
-        """Store `payload_of(i)` under `keys[i]`; True per page stored now or already present."""
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource,
+                   codec: PageCodec | None = None) -> list[bool]:
+        """Store `payload_of(i)` under `keys[i]`, encoded by `codec` (None: this store's);
+        True per page stored now or already present."""
 
     def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:
@@ -166,6 +176,39 @@ class ValueStore(StorageBackend):
         pages = check_batch(self.codec, keys, host_pool, host_indices)
         read_page = self.codec.payload_reader(host_pool)
         return self.put_values(keys, lambda i: read_page(pages[i]))
+
+    def with_codec(self, codec: PageCodec) -> ValueStore:
+        return CodecView(self, codec)
+
+
+class CodecView(ValueStore):
+    """`store`'s values of another codec (`ValueStore.with_codec`)."""
+
+    def __init__(self, store: ValueStore, codec: PageCodec) -> None:
+        self.store, self.codec = store, codec
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        return self.store.batch_exists(keys)
+
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker,
+                   codec: PageCodec | None = None) -> list[bool]:
+        return self.store.get_values(keys, take, codec or self.codec)
+
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource,
+                   codec: PageCodec | None = None) -> list[bool]:
+        return self.store.put_values(keys, payload_of, codec or self.codec)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.store.delete(keys)
+
+    def clear(self) -> int:
+        return self.store.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        """The store is its owner's to close."""
 
 
 def check_batch(codec: PageCodec, keys: Sequence[bytes], host_pool: HostKVPool,

@@ -96,7 +96,8 @@ class LmdbStore(ValueStore):
         self.env.guard("batch_exists", None, lambda: self.env.txn(False, body))
         return found[0]
 
-    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker,
+                   codec: PageCodec | None = None) -> list[bool]:
         served = [False] * len(keys)
         corrupt: list[bytes] = []
 
@@ -122,12 +123,14 @@ class LmdbStore(ValueStore):
             self.env.guard("touch", None, self.env.flush_stamps)
         return served
 
-    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource,
+                   codec: PageCodec | None = None) -> list[bool]:
         stamps = self.env.stamps.take()
+        codec = codec or self.codec
         # One value at a time is encoded here and copied by `put` into LMDB's own pages, so
         # one buffer serves the whole batch, and each writing thread keeps its own across
         # batches: no allocation (and page faults) per page or per batch.
-        scratch = self._scratch()
+        scratch = self._scratch(codec.value_bytes)
 
         def body(txn: lmdb.Transaction) -> int:
             self.env.put_stamps(txn, stamps.items())
@@ -137,7 +140,7 @@ class LmdbStore(ValueStore):
                 # Looked up before encoding: a page stored already costs one B-tree lookup,
                 # not a checksum and a copy of the page that `put(overwrite=False)` drops.
                 if txn.get(key, db=self.env.pages) is None:
-                    txn.put(key, self.codec.encode_into(key, payload_of(i), scratch),
+                    txn.put(key, codec.encode_into(key, payload_of(i), scratch),
                             db=self.env.pages)
                     written += 1
                 txn.put(key, stamp, db=self.env.atime)
@@ -151,12 +154,15 @@ class LmdbStore(ValueStore):
         self.env.counts.add(STAT_SKIPPED, len(keys) - written)
         return [True] * len(keys)
 
-    def _scratch(self) -> bytearray:
-        """The calling thread's buffer of one stored value (made on its first write)."""
-        scratch = getattr(self._scratch_local, "value", None)
-        if scratch is None:
-            scratch = self._scratch_local.value = bytearray(self.codec.value_bytes)
-        return scratch
+    def _scratch(self, size: int) -> bytearray:
+        """The calling thread's buffer of one stored value of `size` bytes (made on its first
+        write of that size)."""
+        buffers = getattr(self._scratch_local, "value", None)
+        if buffers is None:
+            buffers = self._scratch_local.value = {}
+        if size not in buffers:
+            buffers[size] = bytearray(size)
+        return buffers[size]
 
     def sample_keys(self, count: int) -> list[bytes]:
         def body(txn: lmdb.Transaction) -> list[bytes]:

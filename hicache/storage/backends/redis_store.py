@@ -131,12 +131,13 @@ class RedisStore(ValueStore):
 
         return self._redis.call("batch_exists", READ, 0, body) if keys else 0
 
-    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker,
+                   codec: PageCodec | None = None) -> list[bool]:
         served = [False] * len(keys)
         corrupt: list[str] = []
 
         def body(client: Client) -> None:
-            for start, names in self._rounds(keys):
+            for start, names in self._rounds(keys, codec):
                 values = self._pipeline(client, "GET",
                                         lambda pipe, n=names: [pipe.get(k) for k in n])
                 for i, (name, value) in enumerate(zip(names, values), start):
@@ -158,16 +159,18 @@ class RedisStore(ValueStore):
                              lambda client: self._unlink(client, corrupt))
         return served
 
-    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource,
+                   codec: PageCodec | None = None) -> list[bool]:
         stored = [False] * len(keys)
+        encoder = codec or self.codec
 
         def queue_sets(pipe: Any, start: int, names: list[str]) -> None:
             for i, name in enumerate(names, start):
-                pipe.set(name, self.codec.encode_into(keys[i], payload_of(i)), nx=True,
+                pipe.set(name, encoder.encode_into(keys[i], payload_of(i)), nx=True,
                          ex=self.ttl_seconds)
 
         def body(client: Client) -> None:
-            for start, names in self._rounds(keys):
+            for start, names in self._rounds(keys, encoder):
                 # raise_on_error=False: a refused SET (OOM) comes back as its exception, so
                 # the pages before it still count as stored.
                 results = self._pipeline(client, "SET", lambda pipe, s=start, n=names:
@@ -267,10 +270,13 @@ class RedisStore(ValueStore):
     def _names(self, keys: Sequence[bytes]) -> list[str]:
         return [self.key_prefix + bytes(key).hex() for key in keys]
 
-    def _rounds(self, keys: Sequence[bytes]) -> Iterator[tuple[int, list[str]]]:
-        """(index of the first key, names) per pipeline round of <= PIPELINE_MAX_BYTES."""
-        for start in range(0, len(keys), self._round_pages):
-            yield start, self._names(keys[start:start + self._round_pages])
+    def _rounds(self, keys: Sequence[bytes], codec: PageCodec | None = None
+                ) -> Iterator[tuple[int, list[str]]]:
+        """(index of the first key, names) per pipeline round of <= PIPELINE_MAX_BYTES of
+        `codec`'s values (None: this store's)."""
+        step = max(1, PIPELINE_MAX_BYTES // codec.value_bytes) if codec else self._round_pages
+        for start in range(0, len(keys), step):
+            yield start, self._names(keys[start:start + step])
 
     @staticmethod
     def _pipeline(client: Client, command: str, queue: Callable[[Any], object],

@@ -38,6 +38,7 @@ import torch
 
 from hicache.memory.host import HostKVPool
 from hicache.storage.backends.base import StorageBackend
+from hicache.storage.page_format import PageCodec
 
 __all__ = [
     "STAT_THROTTLE_BANDWIDTH", "STAT_THROTTLE_BYTES", "STAT_THROTTLE_DELAY",
@@ -183,6 +184,14 @@ class ThrottledBackend(StorageBackend):
         nbytes = self.inner.sample_read(keys)
         self._charge(len(keys) * self.value_bytes)
         return nbytes
+
+    def with_codec(self, codec: PageCodec) -> StorageBackend:
+        """`inner`'s view for `codec`'s values, behind this same link."""
+        view = ThrottledBackend(self.inner.with_codec(codec), None, self.latency_s,
+                                value_bytes=codec.value_bytes, clock=self._clock,
+                                sleep=self._sleep)
+        view.link = self.link
+        return view
 
     def close(self) -> None:
         self.inner.close()

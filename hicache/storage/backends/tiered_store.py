@@ -51,6 +51,7 @@ from hicache.storage.backends.base import (
     ValueStore,
     ValueTaker,
 )
+from hicache.storage.page_format import PageCodec
 
 LOCAL, SHARED = TIERED_PARTS  # "lmdb", "redis": config sections, and keys in `stats()`
 STAT_PROMOTED = "promoted_pages"  # pages served by the shared part and written locally
@@ -100,8 +101,10 @@ class TieredStore(ValueStore):
         shared = self.shared.batch_set(keys, host_pool, host_indices)
         return [a or b for a, b in zip(local, shared)]
 
-    def get_values(self, keys: Sequence[bytes], take: ValueTaker) -> list[bool]:
-        served = self.local.get_values(keys, take)
+    def get_values(self, keys: Sequence[bytes], take: ValueTaker,
+                   codec: PageCodec | None = None) -> list[bool]:
+        codec = codec or self.codec
+        served = self.local.get_values(keys, take, codec)
         missed = [i for i, ok in enumerate(served) if not ok]
         if missed:
             # index in missed -> the payload of the shared value taken, decoded again (the
@@ -111,27 +114,28 @@ class TieredStore(ValueStore):
             def take_shared(j: int, value: memoryview | bytes) -> bool:
                 if not take(missed[j], value):
                     return False
-                payload = self.codec.decode(keys[missed[j]], value)
+                payload = codec.decode(keys[missed[j]], value)
                 if payload is not None:
                     promoted[j] = payload
                 return True
 
-            self.shared.get_values([keys[i] for i in missed], take_shared)
+            self.shared.get_values([keys[i] for i in missed], take_shared, codec)
             for j in promoted:
                 served[missed[j]] = True
             if promoted:
                 order = sorted(promoted)
                 stored = self.local.put_values(
                     [keys[missed[j]] for j in order],
-                    lambda k: promoted[order[k]])
+                    lambda k: promoted[order[k]], codec)
                 self._counts.add(STAT_PROMOTED, sum(stored))
         self._counts.add(STAT_HITS, sum(served))
         self._counts.add(STAT_MISSES, len(keys) - sum(served))
         return served
 
-    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource) -> list[bool]:
-        local = self.local.put_values(keys, payload_of)
-        shared = self.shared.put_values(keys, payload_of)
+    def put_values(self, keys: Sequence[bytes], payload_of: PayloadSource,
+                   codec: PageCodec | None = None) -> list[bool]:
+        local = self.local.put_values(keys, payload_of, codec)
+        shared = self.shared.put_values(keys, payload_of, codec)
         return [a or b for a, b in zip(local, shared)]
 
     def delete(self, keys: Sequence[bytes]) -> int:
