@@ -75,7 +75,8 @@ def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
     pool = _l1_pool(config, model)
     logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
                 pool.size_bytes / BYTES_PER_GB)
-    events = (EventRecorder(page_hasher(config, model), c.page_size)
+    window = max((w for w in model.layer_windows if w), default=None) if model.hybrid else None
+    events = (EventRecorder(page_hasher(config, model), c.page_size, window)
               if config.events.enabled else None)
     host = controller = None
     if not c.enable_radix_cache:

@@ -7,6 +7,7 @@ and every answer is the tokens of recomputation."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,38 @@ def test_in_one_process_l3_brings_back_what_l1_and_l2_dropped(
         assert storage["window_prefetched_tokens"] > 0
         assert 0 < storage["window_backed_up_tokens"] < storage["backed_up_tokens"]
         e.cache.check_integrity()
+
+
+def test_kv_events_name_each_kind_as_vllm_s_hybrid_manager_does(served: Path,
+                                                                tmp_path: Path) -> None:
+    """Group 0 (full layers) for every page on every tier; group 1 (window layers, their
+    window) only for the pages whose window KV a tier holds: L1's trailing window, the L2
+    copies that hold it, L3's window parts; a tombstone removes group 1 alone."""
+    from test_kv_events import EVENTS, OURS, TIMEOUT_S, Subscriber
+
+    with tiers.tiered(served, tmp_path / "lmdb", **EVENTS) as e:
+        pub = e.cache.publisher
+        sub = Subscriber(pub.endpoint, pub.replay_endpoint)
+        try:
+            e.generate(input_ids=PROMPT, sampling_params=tiers.GREEDY)
+            e.flush_cache(["device"])
+            deadline = time.monotonic() + TIMEOUT_S
+            while pub.counters.batches < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            events = [ev for _, p in sub.replay(0) for ev in OURS.decode(p).events]
+        finally:
+            sub.close()
+    pages: dict[tuple, int] = {}
+    for ev in events:
+        if hasattr(ev, "block_hashes"):
+            key = (type(ev).__name__, ev.medium, ev.group_idx)
+            pages[key] = pages.get(key, 0) + len(ev.block_hashes)
+    stored = [ev for ev in events if type(ev).__name__ == "BlockStored"]
+    assert {(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+            for ev in stored} == {(0, "full_attention", None), (1, "sliding_window", WINDOW)}
+    end = pages_down(len(PROMPT) + tiers.GREEDY["max_new_tokens"], PAGE) // PAGE
+    for medium in ("GPU", "CPU", "DISK"):
+        assert pages[("BlockStored", medium, 0)] == end
+        assert 0 < pages[("BlockStored", medium, 1)] <= 5  # the boundaries' windows
+    assert pages[("BlockRemoved", "GPU", 0)] == end  # the flush of L1
+    assert pages[("BlockRemoved", "GPU", 1)] == pages[("BlockStored", "GPU", 1)]

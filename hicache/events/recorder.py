@@ -12,6 +12,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hicache.events.schema import (
+    GROUP_FULL,
+    GROUP_WINDOW,
+    KIND_FULL,
+    KIND_WINDOW,
     REASON_FLUSHED,
     AllBlocksCleared,
     BlockRemoved,
@@ -26,22 +30,32 @@ class EventRecorder:
     `page_size` is tokens per page. Starts with `AllBlocksCleared`: a subscriber drops what
     it knew of a server that restarted."""
 
-    def __init__(self, hasher: PageHashes, page_size: int) -> None:
+    def __init__(self, hasher: PageHashes, page_size: int, window: int | None = None) -> None:
         self.hasher = hasher
         self.page_size = page_size
+        self.window = window  # a hybrid model's window: events name their KV group
         self.events: list[KVEvent] = [AllBlocksCleared()]
         self._reason: str | None = None  # overrides removals' reason (`flushing`)
 
     def stored(self, hashes: list[bytes], parent: bytes | None, tokens: Sequence[int],
-               medium: str) -> None:
-        if hashes:
-            self.events.append(BlockStored(list(hashes), parent, list(tokens),
-                                           self.page_size, None, medium, None))
+               medium: str, group: int = GROUP_FULL) -> None:
+        """`hashes` landed on `medium`; `group`: of a hybrid model's layers, which kind."""
+        if not hashes:
+            return
+        event = BlockStored(list(hashes), parent, list(tokens), self.page_size, None, medium,
+                            None)
+        if self.window is not None:
+            event.group_idx = group
+            event.kv_cache_spec_kind = KIND_WINDOW if group == GROUP_WINDOW else KIND_FULL
+            event.kv_cache_spec_sliding_window = self.window if group == GROUP_WINDOW else None
+        self.events.append(event)
 
-    def removed(self, hashes: list[bytes], medium: str, reason: str) -> None:
+    def removed(self, hashes: list[bytes], medium: str, reason: str,
+                group: int = GROUP_FULL) -> None:
         if hashes:
-            self.events.append(BlockRemoved(list(hashes), medium,
-                                            reason=self._reason or reason))
+            self.events.append(BlockRemoved(
+                list(hashes), medium, group_idx=None if self.window is None else group,
+                reason=self._reason or reason))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())

@@ -7,7 +7,8 @@ example) decodes our batches unchanged. msgspec encodes each batch as msgpack:
     event          a map tagged with its class name: {"type": "BlockStored", ...}
 
 One addition, a trailing optional field, which vLLM's decoder skips (msgspec ignores unknown
-fields of a map): `BlockRemoved.reason`, one of `REASONS`.
+fields of a map): `BlockRemoved.reason`, one of `REASONS`. A hybrid model's events carry
+vLLM's KV group fields (`GROUP_FULL`, `GROUP_WINDOW`).
 
 Hashes are hicache's L3 page hashes (`hicache.storage.hashing`): 16-byte xxh3_128 digests,
 chained from the model's namespace, so every server of one model names a page the same way
@@ -36,6 +37,10 @@ REASONS = (REASON_EVICTED, REASON_DEMOTED, REASON_FLUSHED)
 
 BlockHash = bytes | int  # vLLM's ExternalBlockHash; we send bytes
 
+# A hybrid model's KV groups (`BlockStored.group_idx`) and vLLM's names of their kinds.
+GROUP_FULL, GROUP_WINDOW = 0, 1
+KIND_FULL, KIND_WINDOW = "full_attention", "sliding_window"
+
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float  # time.time() at the end of the scheduler step
@@ -55,6 +60,13 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None                 # always None: namespaces are inside the hash
     medium: str | None                  # one of MEDIUMS
     lora_name: str | None               # always None, as lora_id
+    extra_keys: list[Any] | None = None  # always None: namespaces are inside the hash
+    # A hybrid model's events say which kind of layer's KV the pages are of, as vLLM's
+    # hybrid manager does: group 0 its full layers ("full_attention"), group 1 its window
+    # layers ("sliding_window", their window). None for a model with one kind.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):

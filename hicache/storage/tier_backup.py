@@ -85,5 +85,8 @@ class Backups:
                 self.counters.backed_up_tokens += len(node.key)
                 self.counters.window_backed_up_tokens += ack.window_pages * self.page_size
                 self.tree.kv_events.stored(node, MEDIUM_DISK)
+                if ack.window_pages:
+                    self.tree.kv_events.window(node, MEDIUM_DISK, True,
+                                               last_pages=ack.window_pages)
             else:
                 self.counters.backup_failures += 1

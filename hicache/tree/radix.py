@@ -63,7 +63,7 @@ class RadixCache(PrefixCache):
         self._evictable, self._protected, self._num_nodes = 0, 0, 1
         self.kv_events = TreeEvents(self.events, self.root)
         self._device_heap = LeafHeap(self._priority, self._is_device_leaf)
-        self.windows = (WindowKV(self.allocator, self.root, self._priority)  # hybrid models
+        self.windows = (WindowKV(self.allocator, self.root, self._priority, self.kv_events)
                         if getattr(self.allocator, "has_windows", False) else None)
         self.retention = Retention(self.root, self._repush, self._maybe_rebuild_heaps,
                                    self._device_len, self._pin_demotable)

@@ -32,19 +32,21 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from hicache.events.schema import MEDIUM_GPU, REASON_DEMOTED, REASON_EVICTED
 from hicache.memory.device import PADDING_PAGE
 from hicache.memory.windowed import WindowedKVPool
 from hicache.pages import pages_down
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import TreeNode
+from hicache.tree.tree_events import TreeEvents
 
 
 class WindowKV:
     """Window-layer state of one tree over a `WindowedKVPool` (see the module docstring)."""
 
     def __init__(self, pool: WindowedKVPool, root: TreeNode,
-                 priority: Callable[[TreeNode], tuple]) -> None:
-        self.pool, self.root = pool, root
+                 priority: Callable[[TreeNode], tuple], events: TreeEvents) -> None:
+        self.pool, self.root, self.events = pool, root, events
         self.window = pool.max_window
         self.page_size = pool.page_size
         self.live = 0               # tree tokens whose window-layer KV is on L1
@@ -118,6 +120,7 @@ class WindowKV:
         """`node` holds its window KV on L1 now (a new node's, a recomputed tombstone's, or
         one loaded from its L2 copy)."""
         node.has_window = True
+        self.events.window(node, MEDIUM_GPU, True)
         self.live += len(node.key)
         self.tombstonable += len(node.key) * (node.window_locks is None)
         self._heap.push(node)
@@ -211,6 +214,9 @@ class WindowKV:
         or left L1 whole (the pool freed its window pages with its slots)."""
         if node.has_window:
             node.has_window = False
+            in_l2 = getattr(node, "host_window", False) and node.host_value is not None
+            self.events.window(node, MEDIUM_GPU, False, REASON_DEMOTED if in_l2
+                               else REASON_EVICTED)
             self.live -= len(node.key)
             self.tombstonable -= len(node.key)
 
