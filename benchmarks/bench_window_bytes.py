@@ -62,12 +62,17 @@ def measure(model: str, dtype: str, length: int, seed: int = 0) -> dict:
             "ttft_cold_s": cold, "ttft_hit_s": warm}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run_args(doc: str, lengths: list[int]) -> argparse.Namespace:
+    """--model, --dtype and --lengths (prompt lengths, `lengths` by default)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    args = ap.parse_args()
+    ap.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = run_args(__doc__, [2048, 8192])
     rows = [measure(args.model, args.dtype, n) for n in args.lengths]
     for r in rows:
         print(f"{r['prompt_tokens']:>6} tokens: {r['cached_tokens']} cached, "
@@ -77,13 +82,18 @@ def main() -> None:
               f"{r['ttft_cold_s']:.2f} s -> {r['ttft_hit_s']:.3f} s; L1 holds "
               f"{r['full_capacity_tokens']} tokens (every layer: "
               f"{r['every_layer_capacity_tokens']}), window pool {r['window_capacity_tokens']}")
+    print(f"wrote {save_rows('window_bytes', args, rows, kv_cache_memory_bytes=KV_BYTES)}")
+
+
+def save_rows(name: str, args: argparse.Namespace, rows: list[dict], **extra: object) -> Path:
+    """`rows` of a run of `args.model` in `args.dtype`, dated, under benchmarks/results/."""
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M")
-    out = RESULTS / f"window_bytes_{args.dtype}_{stamp}.json"
+    out = RESULTS / f"{name}_{args.dtype}_{stamp}.json"
     out.write_text(json.dumps({"date": stamp, "machine": platform.processor() or
                                platform.machine(), "model": args.model, "dtype": args.dtype,
-                               "kv_cache_memory_bytes": KV_BYTES, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+                               **extra, "rows": rows}, indent=1))
+    return out
 
 
 if __name__ == "__main__":

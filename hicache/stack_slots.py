@@ -82,15 +82,16 @@ class SlotCalls:
     def leave_window(self, slots: torch.Tensor, shared: int, start: int, upto: int) -> None:
         """A request computed its tokens from `start` up to `upto`: its own window slots
         (past the first `shared`, the tree's) before what a query at its last page boundary
-        short of `upto` reads go back to the pool (those before the same cut at `start`
-        went at its previous step). That boundary is where the tree can reuse them: a hit
-        ends on a page, and the same prompt again computes at least its last token."""
+        short of `upto` reads are spare: the pool takes them back first when short
+        (`WindowedKVPool.spare_window`; those before the same cut at `start` went at its
+        previous step). That boundary is where the tree can reuse them: a hit ends on a page,
+        and the same prompt again computes at least its last token."""
         if self._windows is not None:
             ps = self._tree.page_size
             first = max(shared, self._windows.needed_from(pages_down(start - 1, ps)))
             cut = self._windows.needed_from(pages_down(upto - 1, ps))
             if cut > first:
-                self._pool.drop_window(slots[first:cut])
+                self._pool.spare_window(slots[first:cut])
 
     def device_capacity(self) -> int:
         """L1 tokens in all (free, the tree's and the requests')."""

@@ -60,7 +60,7 @@ def test_l3_keeps_every_page_s_full_layers_and_only_the_windows_of_boundaries(
     # answer's (one page), nothing before
     windows = storage["window_backed_up_tokens"]
     assert 0 < windows <= pages_down(WINDOW + 2 * PAGE, PAGE) + 2 * PAGE
-    assert windows < end / 4
+    assert windows <= 5 * PAGE  # of 19 pages
 
     with tiers.tiered(served, lmdb) as again:  # a restart: L3 alone has the prompt
         out = again.generate(input_ids=PROMPT, sampling_params=tiers.GREEDY)
@@ -113,8 +113,8 @@ def test_in_one_process_l3_brings_back_what_l1_and_l2_dropped(
 def test_kv_events_name_each_kind_as_vllm_s_hybrid_manager_does(served: Path,
                                                                 tmp_path: Path) -> None:
     """Group 0 (full layers) for every page on every tier; group 1 (window layers, their
-    window) only for the pages whose window KV a tier holds: L1's trailing window, the L2
-    copies that hold it, L3's window parts; a tombstone removes group 1 alone."""
+    window) only for the pages whose window KV a tier holds: L1's (spare pages kept while
+    the pool has room), the L2 copies that hold it, L3's window parts (the boundaries')."""
     from test_kv_events import EVENTS, OURS, TIMEOUT_S, Subscriber
 
     with tiers.tiered(served, tmp_path / "lmdb", **EVENTS) as e:
@@ -140,6 +140,7 @@ def test_kv_events_name_each_kind_as_vllm_s_hybrid_manager_does(served: Path,
     end = pages_down(len(PROMPT) + tiers.GREEDY["max_new_tokens"], PAGE) // PAGE
     for medium in ("GPU", "CPU", "DISK"):
         assert pages[("BlockStored", medium, 0)] == end
-        assert 0 < pages[("BlockStored", medium, 1)] <= 5  # the boundaries' windows
+        assert 0 < pages[("BlockStored", medium, 1)] <= end
+    assert pages[("BlockStored", "DISK", 1)] <= 5  # L3: the boundaries' windows alone
     assert pages[("BlockRemoved", "GPU", 0)] == end  # the flush of L1
     assert pages[("BlockRemoved", "GPU", 1)] == pages[("BlockStored", "GPU", 1)]

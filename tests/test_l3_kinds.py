@@ -150,3 +150,42 @@ def test_a_window_part_swapped_under_another_page_is_a_counted_miss(
     assert windows.batch_get(wk, target, torch.arange(2 * PAGE)) == [False, False]
     assert store.stats()[STAT_CORRUPT] == 2
 
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_every_store_says_which_keys_it_holds(
+        make_store: Callable[[str, PageCodec], StorageBackend], kind: str) -> None:
+    full, window = KINDS.codecs(GEOMETRY, b"ns", None)
+    store = make_store(kind, full)
+    windows = store.with_codec(window)
+    keys = keys_of(0, 5)
+    windows.batch_set(window_keys([keys[1], keys[3]]), filled_pool("page_first"),
+                      torch.arange(2 * PAGE))
+    assert windows.batch_present(window_keys(keys)) == [False, True, False, True, False]
+    assert store.batch_present([]) == []
+
+
+def test_a_restart_query_finds_an_earlier_boundary_whose_window_l3_holds(
+        tmp_path: Path) -> None:
+    """Full parts for 20 pages, window parts only for what a hit of 4 pages reads: the query
+    says 4, however far the full parts go past it (`StorageController._window_hit`)."""
+    from hicache.storage.fetch_queue import PrefetchOp
+    from hicache.storage.io import StorageController, WindowParts
+
+    full, window = KINDS.codecs(GEOMETRY, b"ns", None)
+    store = LmdbStore(tmp_path / "l3", 2**24, full, sync=False)
+    pool = filled_pool("page_first", pages=20)
+    io = StorageController(store, pool, 1, WindowParts(KINDS, store.with_codec(window)))
+    try:
+        keys = keys_of(0, 20)
+        store.batch_set(keys, pool, torch.arange(20 * PAGE))
+        first = KINDS.window_first(0, 4)
+        io.window.store.batch_set(window_keys(keys[first:4]), pool,
+                                  torch.arange(first * PAGE, 4 * PAGE))
+        for pages in (4, 5, 12, 20):
+            op = PrefetchOp("r", keys[:pages])
+            io.submit(op)
+            assert op.queried.wait(10)
+            assert op.hit_pages == 4, pages
+    finally:
+        io.close()

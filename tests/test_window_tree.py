@@ -403,6 +403,33 @@ def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:
     assert hit(tree, pool, key[:8]) == 8
 
 
+def test_spare_window_pages_join_the_tree_or_go_first_when_the_pool_is_short() -> None:
+    """A running request's window pages no query reads any more are spare: counted free,
+    kept mapped, so its prompt joins the tree with them (a prompt diverging inside it hits);
+    a window allocation the free pages cannot meet takes the oldest spare pages back."""
+    pool = make_pool(num_pages=64, window_pages=8)
+    tree = make_tree(pool)
+    key = seq(100, 24)  # 6 pages
+    slots = pool.alloc(24)
+    write_kv(pool, key, slots)
+    free = pool.window_available()
+    assert pool.spare_window(slots[:16]) == 16  # its first 4 pages left every window
+    assert pool.window_available() == free + 16 and pool.window_used() == 24 - 16
+    other = pool.alloc(free + PAGE)  # one page more than is free: the oldest spare one
+    assert other is not None
+    assert (pool.window_pages_of(slots) == PADDING_PAGE).tolist() == [True] + [False] * 5
+    assert tree.insert(key, slots) == 0
+    tree.check_integrity()
+    assert [(n.end, n.has_window) for n in tree.peek_path(key)] == [(4, False), (24, True)]
+    assert tree.windows.live == 20 and pool.window_available() == 0  # none spare now
+    assert hit(tree, pool, key[:12]) == 12  # inside the prompt: its window was kept
+    assert hit(tree, pool, key) == 24
+    pool.spare_window(other[:PAGE])
+    pool.free(other)  # a freed request's spare pages leave the spare list with it
+    assert pool.window_available() == other.numel() and pool.window_used() == 20
+    tree.check_integrity()
+
+
 # A node whose eviction key changes outside a match or an insert (a pin, a session), or
 # that a split outside them creates (`node_at`), re-enters WindowKV's heap: `tombstone_until`
 # never stops while `tombstonable` says there is window KV left to drop.
@@ -494,7 +521,9 @@ class WindowTreeModel(RuleBasedStateMachine):
         """A request ends with the window KV of its last `kept` tokens (from a page start)."""
         self._insert(self._key(data), kept)
 
-    def _insert(self, key: list[int], kept: int) -> None:
+    def _insert(self, key: list[int], kept: int, squeeze: int | None = None) -> None:
+        """`kept`: see `insert`; `squeeze` (None: none): the early pages are spare rather
+        than dropped, and another request takes `squeeze` tokens before the insert."""
         self.keys.append(key)
         end = pages_down(len(key), PAGE)
         slots = self._alloc(end)
@@ -503,21 +532,38 @@ class WindowTreeModel(RuleBasedStateMachine):
         present_before = cached_slots(self.tree, key).numel()
         write_kv(self.pool, key, slots)
         dropped = pages_down(max(0, end - kept), PAGE)
-        self.pool.drop_window(slots[:dropped])
+        other = None
+        if squeeze is None:
+            self.pool.drop_window(slots[:dropped])
+        else:
+            self.pool.spare_window(slots[:dropped])
+            other = self.pool.alloc(pages_down(squeeze, PAGE))
         present = self.tree.insert(key, slots)
         assert present == present_before
         if present:
             self.pool.free(slots[:present])
-        # the new nodes: window KV exactly where the request still had it
+        if other is not None:
+            self.pool.free(other)
+        # the new nodes: window KV exactly where the request still had it (spare pages: as
+        # far as the squeeze left them)
         path_slots = cached_slots(self.tree, key)
         assert torch.equal(path_slots[present:], slots[present:end])
         live = (self.pool.window_pages_of(path_slots) != PADDING_PAGE).tolist()
         assert all(live[dropped // PAGE:]), "window KV the request had is missing"
-        assert not any(live[present // PAGE:dropped // PAGE]), "a new tombstone holds window"
+        if squeeze is None:
+            assert not any(live[present // PAGE:dropped // PAGE]), "a tombstone holds window"
+        assert self.pool.window_available() == self.pool.windowed.available_size()  # no spare
         pos = 0
         for node in self.tree.peek_path(key):  # every node whole: window or tombstone
             assert all(live[p // PAGE] == node.has_window for p in range(pos, node.end, PAGE))
             pos = node.end
+
+    @rule(data=st.data(), kept=st.integers(0, 44), squeeze=st.integers(0, 40))
+    def insert_after_spare(self, data, kept, squeeze) -> None:
+        """A request marks its early window pages spare; another request's `squeeze` tokens
+        may take some back before the first one inserts: the spare pages still mapped join
+        the tree with their window KV, the ones taken back as tombstones."""
+        self._insert(self._key(data), kept, squeeze)
 
     @rule(data=st.data(), lock=st.booleans())
     def match(self, data, lock) -> None:

@@ -6,8 +6,11 @@ page map between them.
     page_map[p]   0 (the window pool's padding page): no window-layer KV for full page p
 
 A request's new tokens take a full page and a window page each (`alloc`); a running request
-gives its window pages back as they leave every window (`drop_window`), the tree gives a
-node's back when it tombstones it; `free` gives both. A forward reads a window layer through
+marks its window pages spare as they leave every window (`spare_window`): kept, so that its
+prompt joins the tree with them (`claim`) and a later prompt that diverges inside it still
+hits, as vLLM keeps freed blocks cached, but the first taken back, oldest first, when the
+window pool is short. The tree gives a node's back when it tombstones it (`drop_window`);
+`free` gives both. A forward reads a window layer through
 `batch_for`, which maps the batch's slots once per forward: a window layer's kernels then read
 and write window slots, and a key before the window maps to the padding page, which no
 kernel reads (every backend skips or masks keys before the window).
@@ -64,6 +67,7 @@ class WindowedKVPool(PagedSlots):
         # [num_pages + 1] full page -> window page (PADDING_PAGE: none); a copy on the device
         self._map = torch.full((num_pages + 1,), PADDING_PAGE, dtype=INDEX_DTYPE)
         self._device_map = self._map.to(self.device)
+        self._spare: dict[int, None] = {}  # full pages whose window pages are spare, oldest first
 
     # ---------------------------------------------------------------------- geometry
 
@@ -95,7 +99,7 @@ class WindowedKVPool(PagedSlots):
         slots = self.full.alloc(num_tokens)
         if slots is None or not window or num_tokens == 0:
             return slots
-        window_slots = self.windowed.alloc(num_tokens)
+        window_slots = self._window_alloc(num_tokens)
         if window_slots is None:
             self.full.free(slots)
             return None
@@ -105,7 +109,7 @@ class WindowedKVPool(PagedSlots):
     def give_window(self, indices: torch.Tensor) -> bool:
         """Window pages for full slots that have none (whole pages); False, with nothing
         taken, when the window pool is short."""
-        window_slots = self.windowed.alloc(indices.numel())
+        window_slots = self._window_alloc(indices.numel())
         if window_slots is None:
             return False
         self._set_map(pages_of(indices.to(dtype=INDEX_DTYPE), self.page_size),
@@ -125,6 +129,7 @@ class WindowedKVPool(PagedSlots):
         live = mapped != PADDING_PAGE
         if not bool(live.any()):
             return 0
+        self.claim(indices)
         window_pages = mapped[live]
         offsets = torch.arange(self.page_size, dtype=INDEX_DTYPE)
         self.windowed.free((window_pages[:, None] * self.page_size + offsets).reshape(-1))
@@ -134,6 +139,7 @@ class WindowedKVPool(PagedSlots):
     def move_window(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Hand the window pages of full slots `source` to full slots `dest` (whole pages,
         aligned; `dest`'s have none): the same tokens' KV, computed twice."""
+        self.claim(source)
         src = pages_of(source.to(dtype=INDEX_DTYPE), self.page_size)
         dst = pages_of(dest.to(dtype=INDEX_DTYPE), self.page_size)
         self._set_map(dst, self._map[src].clone())
@@ -143,15 +149,44 @@ class WindowedKVPool(PagedSlots):
         """The window page of each full page of `indices` (PADDING_PAGE: none)."""
         return self._map[pages_of(indices.to(dtype=INDEX_DTYPE), self.page_size)]
 
+    def spare_window(self, indices: torch.Tensor) -> int:
+        """No running query reads these full slots' window KV any more (whole pages of a
+        request's own): keep it spare (see the module docstring); the tokens marked."""
+        pages = pages_of(indices.to(dtype=INDEX_DTYPE), self.page_size)
+        live = pages[self._map[pages] != PADDING_PAGE].tolist()
+        for page in live:
+            self._spare[page] = None
+        return len(live) * self.page_size
+
+    def claim(self, indices: torch.Tensor) -> None:
+        """These full slots' window pages are no longer spare (the tree holds them now)."""
+        if self._spare:
+            for page in pages_of(indices.to(dtype=INDEX_DTYPE), self.page_size).tolist():
+                self._spare.pop(page, None)
+
+    def _window_alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Window slots, taking spare pages back, oldest first, when the pool is short."""
+        short = num_tokens - self.windowed.available_size()
+        if short > 0 and self._spare:
+            pages = []
+            while self._spare and len(pages) * self.page_size < short:
+                pages.append(next(iter(self._spare)))
+                del self._spare[pages[-1]]
+            offsets = torch.arange(self.page_size, dtype=INDEX_DTYPE)
+            self.drop_window((torch.tensor(pages, dtype=INDEX_DTYPE)[:, None] * self.page_size
+                              + offsets).reshape(-1))
+        return self.windowed.alloc(num_tokens)
+
     def window_available(self) -> int:
-        """Window-layer tokens free now."""
-        return self.windowed.available_size()
+        """Window-layer tokens free now, or spare (taken back when needed)."""
+        return self.windowed.available_size() + len(self._spare) * self.page_size
 
     def window_capacity(self) -> int:
         return self.windowed.total_size()
 
     def window_used(self) -> int:
-        return self.windowed.allocator.used_size()
+        """Window-layer tokens held (spare ones are not)."""
+        return self.windowed.allocator.used_size() - len(self._spare) * self.page_size
 
     def _set_map(self, pages: torch.Tensor, window_pages: torch.Tensor) -> None:
         self._map[pages] = window_pages

@@ -66,15 +66,12 @@ BACKUP_BATCH_PAGES = 256
 # 16-page read of a 2k-token model's pages is ~2 MB: 0.4 s at 5 MB/s).
 PROBE_PAGES = (1, 4, 16)
 PROBE_BUDGET_S = 0.5
-# A hybrid model's query tries at most this many shorter prefixes when window parts are
-# missing (each an existence check of a window's pages) before it calls the hit nothing.
-WINDOW_QUERIES = 8
 
 
 class BackupAck(NamedTuple):
     node_id: int
     ok: bool               # its full parts are stored
-    window_pages: int = 0  # window parts stored with them (a hybrid model's)
+    window_pages: int = 0  # its last pages' window parts, all stored (a hybrid model's)
 
 
 class WindowParts(NamedTuple):
@@ -172,17 +169,18 @@ class StorageController:
     def _window_hit(self, op: PrefetchOp, pages: int) -> int:
         """The longest prefix of the `pages` whose full parts L3 holds that is a hit by the
         tree's rule: L3 holds the window parts of its trailing window (those of pages before
-        `op.hashes[0]` are the tree's to judge). Each missing part cuts the prefix before it."""
+        `op.hashes[0]` are the tree's to judge). One check of that window; when a part is
+        missing, one of every page's, and the longest prefix they allow."""
         kinds, store = self.window
-        for _ in range(WINDOW_QUERIES):
-            if pages == 0 or op.cancelled:
-                return 0
-            first = kinds.window_first(op.prefix_tokens, pages)
-            keys = window_keys(op.hashes[first:pages][::-1])
-            present = self._call("exists", lambda k=keys: store.batch_exists(k), 0)
-            if present == len(keys):
-                return pages
-            pages -= present + 1
+        first = kinds.window_first(op.prefix_tokens, pages)
+        keys = window_keys(op.hashes[first:pages])
+        if self._call("exists", lambda: store.batch_exists(keys), 0) == len(keys):
+            return pages
+        present = self._call("exists", lambda: store.batch_present(
+            window_keys(op.hashes[:pages])), [False] * pages)
+        for end in range(pages - 1, 0, -1):
+            if all(present[kinds.window_first(op.prefix_tokens, end):end]):
+                return end
         return 0
 
     def _run_fetches(self) -> None:
@@ -284,7 +282,8 @@ class StorageController:
 
     def _write_windows(self, batch: list[Backup]) -> list[int]:
         """The window parts of the backups' last `window_pages` pages; per backup, how many
-        were stored (one not stored leaves its boundary no hit after a restart)."""
+        were stored: all or none (one not stored leaves its boundary no hit after a
+        restart)."""
         ps, starts = self.page_size, [len(b.hashes) - b.window_pages for b in batch]
         keys = window_keys([h for b, s in zip(batch, starts) for h in b.hashes[s:]])
         if not keys:
@@ -294,7 +293,7 @@ class StorageController:
                                                                     slots), [False] * len(keys))
         out, pos = [], 0
         for b in batch:
-            out.append(sum(oks[pos:pos + b.window_pages]))
+            out.append(b.window_pages if all(oks[pos:pos + b.window_pages]) else 0)
             pos += b.window_pages
         return out
 

@@ -82,7 +82,8 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
                        s.backend, bandwidth, s.throttle.latency_ms)
     stats = backend.stats()
     logger.info("L3 (%s): %s", s.backend, stats)
-    window = None if kinds is None else WindowParts(kinds, backend.with_codec(window_codec))
+    window = None if kinds is None else WindowParts(kinds, _window_view(backend, window_codec,
+                                                                        s.backend))
     tier = StorageTier(tree, StorageController(backend, host, s.fetch_workers, window), hasher,
                        prefetch_policy=s.prefetch_policy,
                        prefetch_threshold=s.prefetch_threshold,
@@ -93,6 +94,17 @@ def open_storage_tier(config: TierSections, model: ModelKV, tree: HiRadixCache, 
     if s.cost_model and not stats.get(STAT_ERRORS, 0):  # a store that answers: time it
         log_probe(s.backend, tier.probe_fetch(), host.page_bytes)
     return tier
+
+
+def _window_view(backend: StorageBackend, codec: PageCodec, name: str) -> StorageBackend:
+    """The store's view for a hybrid model's window parts; ValueError (the store closed)
+    for a backend that keeps one kind of value only."""
+    try:
+        return backend.with_codec(codec)
+    except TypeError as err:
+        backend.close()
+        raise ValueError(f"L3 ({name}) cannot keep a hybrid model's window layers apart: "
+                         f"{err}") from None
 
 
 def log_probe(name: str, reads: list[tuple[int, float]], page_bytes: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 from hicache.events.recorder import EventRecorder
-from hicache.events.schema import GROUP_FULL, GROUP_WINDOW, MEDIUM_CPU
+from hicache.events.schema import GROUP_FULL, GROUP_WINDOW, MEDIUM_CPU, MEDIUM_GPU
 from hicache.tree.node import TreeNode, node_hashes
 
 
@@ -68,10 +68,13 @@ class TreeEvents:
 
     def record_all(self, nodes: Iterable[TreeNode]) -> None:
         """Say again what `nodes` (parents first) hold, after an `AllBlocksCleared` some of
-        them outlived (a flush of L3, pinned pages a flush kept)."""
+        them outlived (a flush of L3, pinned pages a flush kept). L3's window parts are not
+        said again: the tree does not keep which pages have one."""
         for node in nodes:
             for medium in node.media():
                 self.stored(node, medium)
+            if getattr(node, "has_window", False) and node.value is not None:
+                self.window(node, MEDIUM_GPU, True)
 
     def flushing(self) -> AbstractContextManager[None]:
         """Removals inside are an operator's flush (`BlockRemoved.reason` "flushed")."""

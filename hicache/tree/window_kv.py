@@ -81,6 +81,7 @@ class WindowKV:
               ) -> list[TreeNode]:
         """A new unlocked L1 node: mark which of its pages hold window KV (the pool's map),
         splitting it where that changes; the node and its upper halves, top down."""
+        self.pool.claim(node.value)  # a request's spare window pages are the tree's now
         live = (self.pool.window_pages_of(node.value) != PADDING_PAGE).tolist()
         nodes, start = [], 0
         for i in range(1, len(live)):

@@ -82,6 +82,11 @@ class StorageBackend(ABC):
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from `keys[0]`, are stored consecutively (stops at the first miss)."""
 
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is stored (every key checked; this default asks one at a
+        time)."""
+        return [self.batch_exists([key]) == 1 for key in keys]
+
     @abstractmethod
     def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:
@@ -189,6 +194,9 @@ class CodecView(ValueStore):
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         return self.store.batch_exists(keys)
+
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.store.batch_present(keys)
 
     def get_values(self, keys: Sequence[bytes], take: ValueTaker,
                    codec: PageCodec | None = None) -> list[bool]:

@@ -138,8 +138,8 @@ class LmdbEnvironment:
                                      f"created: {err}") from err
         self._env = env
         self.psize = env.stat()["psize"]
-        self._value_disk_bytes = -(-(self.codec.value_bytes + _OVERFLOW_HEADER)
-                                   // self.psize) * self.psize
+        self._value_disk_bytes = 0
+        self.note_value_bytes(self.codec.value_bytes)
         if env.info()["map_size"] > self.max_size_bytes:
             logger.warning("LMDB store %s already maps %d bytes, over max_size_bytes=%d; it "
                            "stays that size (LMDB files never shrink)", self.path,
@@ -198,6 +198,12 @@ class LmdbEnvironment:
         if self._env is None:
             raise StoreClosed
         return self._env
+
+    def note_value_bytes(self, value_bytes: int) -> None:
+        """Values of `value_bytes` are stored too (a hybrid model's second kind): eviction
+        and the disk-full check count pages of the largest."""
+        disk = -(-(value_bytes + _OVERFLOW_HEADER) // self.psize) * self.psize
+        self._value_disk_bytes = max(self._value_disk_bytes, disk)
 
     def txn(self, write: bool, body: Callable[[lmdb.Transaction], T],
              make_room: bool = True, room_pages: int = 1) -> T:

@@ -83,6 +83,18 @@ class LmdbStore(ValueStore):
 
     # ------------------------------------------------------------------ ValueStore
 
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        def body(txn: lmdb.Transaction) -> list[bool]:
+            return [txn.get(key, db=self.env.pages) is not None for key in keys]
+
+        return self.env.guard("batch_exists", None,
+                              lambda: self.env.txn(False, body)) or [False] * len(keys)
+
+    def with_codec(self, codec: PageCodec) -> ValueStore:
+        """The view, and eviction sized by the larger of the two values (`LmdbEnvironment`)."""
+        self.env.note_value_bytes(codec.value_bytes)
+        return super().with_codec(codec)
+
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         found = [0]
 

@@ -131,6 +131,14 @@ class RedisStore(ValueStore):
 
         return self._redis.call("batch_exists", READ, 0, body) if keys else 0
 
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        def body(client: Client) -> list[bool]:
+            return [bool(hit) for hit in self._pipeline(
+                client, "EXISTS", lambda pipe: [pipe.exists(n) for n in self._names(keys)])]
+
+        missing = [False] * len(keys)
+        return self._redis.call("batch_exists", READ, missing, body) if keys else []
+
     def get_values(self, keys: Sequence[bytes], take: ValueTaker,
                    codec: PageCodec | None = None) -> list[bool]:
         served = [False] * len(keys)

@@ -147,6 +147,12 @@ class ThrottledBackend(StorageBackend):
             self._charge(0)
         return found
 
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        found = self.inner.batch_present(keys)
+        if keys:
+            self._charge(0)
+        return found
+
     def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:
         served = self.inner.batch_get(keys, host_pool, host_indices)

@@ -77,6 +77,13 @@ class TieredStore(ValueStore):
             return found
         return found + self.shared.batch_exists(keys[found:])
 
+    def batch_present(self, keys: Sequence[bytes]) -> list[bool]:
+        local = self.local.batch_present(keys)
+        missed = [i for i, ok in enumerate(local) if not ok]
+        for i, ok in zip(missed, self.shared.batch_present([keys[i] for i in missed])):
+            local[i] = ok
+        return local
+
     def batch_get(self, keys: Sequence[bytes], host_pool: HostKVPool,
                   host_indices: torch.Tensor) -> list[bool]:
         served = self.local.batch_get(keys, host_pool, host_indices)  # checks the arguments
