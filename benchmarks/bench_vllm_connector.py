@@ -3,8 +3,12 @@ connector, ExampleConnector), side by side in one run, every server with the sam
 KV size (`make bench-vllm-connector`):
 
     restart     three prompts of --restart-tokens computed, the server stopped and started
-                again over its store, the prompts replayed: one token each, its latency;
-                replay / vLLM alone (computing them) per connector, cached tokens, tokens
+                again over its store, the prompts replayed: one token each, its latency
+                (and time to first token); replay / vLLM alone (computing them) and replay /
+                first pass per connector, cached tokens, tokens; hicache twice: its L3 hits
+                loaded within their step (its default) and all asynchronously
+                (l3_step_load_mb 0, the connector's first design); --restart-passes
+                passes, the connectors' order turned each pass, their prompts pooled
     multi-turn  bench_vs_vllm's chats (--clients x --rounds) against a KV of --kv-tokens,
                 several times smaller than the chats' working set, --multiturn-passes
                 alternating passes: req/s, TTFT of rounds >= 2, cached share, answers
@@ -16,7 +20,8 @@ KV size (`make bench-vllm-connector`):
 vLLM runs `--enforce-eager` by default (the same kernels for every server, without minutes
 of compilation per start) and with the libraries vLLM's CPU guide preloads (tcmalloc,
 libiomp5: `bench_vs_vllm.vllm_preload`; the report names those it found). Each goal is
-judged on both the median over the median and the median of the pairs' ratios. JSON: benchmarks/results/vllm_connector.json.
+judged on both the median over the median and the median of the pairs' ratios. --probes picks
+some of the three (e.g. `--probes restart`). JSON: benchmarks/results/vllm_connector.json.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ OUT = rm.RESULTS / "vllm_connector.json"
 MODEL = "smollm2-135m-instruct"
 BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 heads x 64
 ALONE, HICACHE, EXAMPLE = "vLLM alone", "vLLM + HiCacheConnector", "vLLM + ExampleConnector"
+HICACHE_ASYNC = "vLLM + HiCacheConnector, L3 loads async"
+PROBES = ("restart", "multiturn", "no-reuse")
 WARMUP_TOKENS = 64
 WRITE_TIMEOUT_S = 120.0
 GOAL_RESTART = 0.15
@@ -84,19 +91,24 @@ def one_by_one(base_url: str, batch: list[list[int]]) -> list[dict[str, Any]]:
     out = []
     for p in batch:
         rec = bv.concurrent(base_url, [p], 1)[0]
-        out.append({"latency_s": rec.latency, "cached": rec.cached.get("device", 0),
-                    "token": rec.output_ids, "error": rec.error})
+        out.append({"latency_s": rec.latency, "ttft_s": rec.ttft,
+                    "cached": rec.cached.get("device", 0), "token": rec.output_ids,
+                    "error": rec.error})
     return out
 
 
 def lmdb_pages(path: Path) -> int:
-    """Pages in the LMDB store at `path`, read beside the server that writes it."""
+    """Pages in the LMDB store at `path`, read beside the server that writes it (0 while
+    it grows the map: the callers poll)."""
     if not (path / "data.mdb").exists():
         return 0
     with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
         db = env.open_db(b"pages", create=False)
-        with env.begin(db=db) as txn:
-            return txn.stat(db)["entries"]
+        try:
+            with env.begin(db=db) as txn:
+                return txn.stat(db)["entries"]
+        except lmdb.MapResizedError:  # the writer grew the map since this opened: ask again
+            return 0
 
 
 def restart(args: argparse.Namespace, label: str, kv_transfer: str,
@@ -121,26 +133,46 @@ def multiturn(args: argparse.Namespace, label: str, kv_transfer: str | None,
         return bv.multiturn(s.base_url, args, label, no_reuse)
 
 
+def hicache(path: Path, host_gb: float, **extra: Any) -> str:
+    """HiCacheConnector over the LMDB store at `path`."""
+    return connector("HiCacheConnector", "hicache.integrations.vllm",
+                     {"host_size_gb": host_gb, "storage_backend": "lmdb",
+                      "lmdb": {"path": str(path)}, **extra})
+
+
+def restarts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The restart probe, --restart-passes times: vLLM alone, then each connector over a
+    store of its own, in an order that turns each pass (a machine that drifts is shared);
+    every pass's prompts pooled."""
+    def connectors(n: int) -> list[tuple[str, str, Any]]:
+        example = tmp / f"example-{n}"
+        example.mkdir()
+        hi, hi_async = tmp / f"hicache-l3-{n}", tmp / f"hicache-l3-async-{n}"
+        return [(HICACHE, hicache(hi, args.host_gb), lambda: lmdb_pages(hi)),
+                (HICACHE_ASYNC, hicache(hi_async, args.host_gb, l3_step_load_mb=0),
+                 lambda: lmdb_pages(hi_async)),
+                (EXAMPLE, connector(
+                    "ExampleConnector",
+                    "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+                    {"shared_storage_path": str(example)}), lambda: 1 << 30)]
+
+    out: dict[str, Any] = {ALONE: []}
+    for n in range(args.restart_passes):
+        with start(args, ALONE, None) as s:
+            out[ALONE] += one_by_one(s.base_url, prompts(1, 3, args.restart_tokens))
+        each = connectors(n)
+        for name, kv, stored in each[n % len(each):] + each[:n % len(each)]:
+            run = restart(args, name, kv, stored)
+            row = out.setdefault(name, {"first": [], "replay": []})
+            row["first"] += run["first"]
+            row["replay"] += run["replay"]
+    return out
+
+
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    l3 = tmp / "hicache-l3"
-    hi = connector("HiCacheConnector", "hicache.integrations.vllm",
-                   {"host_size_gb": args.host_gb, "storage_backend": "lmdb",
-                    "lmdb": {"path": str(l3)}})
-    example_dir = tmp / "example"
-    example_dir.mkdir()
-    ex = connector("ExampleConnector",
-                   "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-                   {"shared_storage_path": str(example_dir)})
-    with start(args, ALONE, None) as s:
-        alone_restart = one_by_one(s.base_url, prompts(1, 3, args.restart_tokens))
-    result: dict[str, Any] = {"restart": {
-        ALONE: alone_restart,
-        HICACHE: restart(args, HICACHE, hi, lambda: lmdb_pages(l3)),
-        EXAMPLE: restart(args, EXAMPLE, ex, lambda: 1 << 30)}}
-    def fresh(name: str) -> str:  # the connector over an L3 of its own
-        return connector("HiCacheConnector", "hicache.integrations.vllm",
-                         {"host_size_gb": args.host_gb, "storage_backend": "lmdb",
-                          "lmdb": {"path": str(tmp / name)}})
+    result: dict[str, Any] = {}
+    if "restart" in args.probes:
+        result["restart"] = restarts(args, tmp)
 
     # pairs of passes in ABBA order (alone first, then the connector first, ...): a machine
     # that drifts over the run is shared by both sides, not charged to whichever runs second
@@ -148,14 +180,17 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {ALONE: [], HICACHE: []}
         for n in range(passes):
             for name in ((ALONE, HICACHE) if n % 2 == 0 else (HICACHE, ALONE)):
-                kv = None if name == ALONE else fresh(f"hicache-l3-{what}{n}")
+                kv = None if name == ALONE else hicache(tmp / f"hicache-l3-{what}{n}",
+                                                        args.host_gb)
                 runs[name].append(multiturn(args, name, kv, no_reuse=no_reuse))
         return runs
 
-    mt = pairs(args.multiturn_passes, "mt", False)
-    result["serving"] = {name: {"multiturn": runs[0]} for name, runs in mt.items()}
-    result["multiturn_more"] = {name: runs[1:] for name, runs in mt.items()}
-    result["no_reuse"] = pairs(args.no_reuse_passes, "nr", True)
+    if "multiturn" in args.probes:
+        mt = pairs(args.multiturn_passes, "mt", False)
+        result["serving"] = {name: {"multiturn": runs[0]} for name, runs in mt.items()}
+        result["multiturn_more"] = {name: runs[1:] for name, runs in mt.items()}
+    if "no-reuse" in args.probes:
+        result["no_reuse"] = pairs(args.no_reuse_passes, "nr", True)
     return result
 
 
@@ -169,18 +204,32 @@ def _median_or_none(values: list[float | None]) -> float | None:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    r = result["restart"]
+    """The probes `result` holds, summarized."""
+    out: dict[str, Any] = {}
+    if "restart" in result:
+        out.update(summarize_restart(result["restart"]))
+    if "serving" in result:
+        out.update(summarize_multiturn(result))
+    if "no_reuse" in result:
+        out.update(summarize_no_reuse(result["no_reuse"]))
+    return out
+
+
+def summarize_restart(r: dict[str, Any]) -> dict[str, Any]:
     alone = median([x["latency_s"] for x in r[ALONE]])
     tokens = [x["token"] for x in r[ALONE]]
-    restart_rows = {}
-    for name in (HICACHE, EXAMPLE):
-        replay = r[name]["replay"]
-        restart_rows[name] = {
-            "first_s": median([x["latency_s"] for x in r[name]["first"]]),
-            "replay_s": median([x["latency_s"] for x in replay]),
-            "replay_over_alone": median([x["latency_s"] for x in replay]) / alone,
-            "cached": [x["cached"] for x in replay],
-            "same_tokens": [x["token"] for x in replay] == tokens}
+    rows = {}
+    for name in (n for n in r if n != ALONE):
+        first = median([x["latency_s"] for x in r[name]["first"]])
+        replay = median([x["latency_s"] for x in r[name]["replay"]])
+        rows[name] = {"first_s": first, "replay_s": replay, "replay_over_alone": replay / alone,
+                      "replay_over_first": replay / first,
+                      "cached": [x["cached"] for x in r[name]["replay"]],
+                      "same_tokens": [x["token"] for x in r[name]["replay"]] == tokens}
+    return {"alone_restart_s": alone, "restart": rows}
+
+
+def summarize_multiturn(result: dict[str, Any]) -> dict[str, Any]:
     s = result["serving"]
     more = result.get("multiturn_more", {})  # passes after the first (older JSON: none)
     runs = {name: [s[name]["multiturn"], *more.get(name, [])] for name in s}
@@ -192,59 +241,81 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                  "ttft_after_first_s": _median_or_none([r["ttft_after_first_s"] for r in rs]),
                  "hit_rate": s[name]["multiturn"]["hit_rate"]["all"],
                  "errors": sum(r["errors"] for r in rs)} for name, rs in runs.items()}
-    nr = {name: {"req_s": [p["request_throughput"] for p in passes],
-                 "errors": sum(p["errors"] for p in passes)}
-          for name, passes in result["no_reuse"].items()}
-    return {"alone_restart_s": alone, "restart": restart_rows, "multiturn": mt,
-            "multiturn_ratio": mt[HICACHE]["req_s"] / mt[ALONE]["req_s"],
+    return {"multiturn": mt, "multiturn_ratio": mt[HICACHE]["req_s"] / mt[ALONE]["req_s"],
             "multiturn_pair_ratios": [c / a for c, a in zip(mt[HICACHE]["req_s_each"],
                                                             mt[ALONE]["req_s_each"])],
-            "same_multiturn_tokens": [same, total], "no_reuse": nr,
+            "same_multiturn_tokens": [same, total]}
+
+
+def summarize_no_reuse(no_reuse: dict[str, Any]) -> dict[str, Any]:
+    nr = {name: {"req_s": [p["request_throughput"] for p in passes],
+                 "errors": sum(p["errors"] for p in passes)}
+          for name, passes in no_reuse.items()}
+    return {"no_reuse": nr,
             "no_reuse_ratio": median(nr[HICACHE]["req_s"]) / median(nr[ALONE]["req_s"]),
             "no_reuse_pair_ratios": [c / a for c, a in zip(nr[HICACHE]["req_s"],
                                                            nr[ALONE]["req_s"])]}
 
 
 def report(summary: dict[str, Any], args: argparse.Namespace, preload: list[str]) -> str:
-    lines = [f"vLLM preloads {', '.join(preload) or 'nothing'}", "",
-             (f"restart: three {args.restart_tokens}-token prompts, one token each; vLLM alone "
-             f"computes them in {summary['alone_restart_s'] * 1000:.0f} ms (median)"), "",
-             ("| connector | first pass | replay after restart | replay / vLLM alone | goal | "
-             "cached tokens | same tokens |"), "|---|---:|---:|---:|---|---|---|"]
+    lines = [f"vLLM preloads {', '.join(preload) or 'nothing'}"]
+    if "restart" in summary:
+        lines += report_restart(summary, args)
+    if "multiturn" in summary:
+        lines += report_multiturn(summary, args)
+    if "no_reuse" in summary:
+        lines += report_no_reuse(summary, args)
+    return "\n".join(lines)
+
+
+def report_restart(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    lines = ["", (f"restart: three {args.restart_tokens}-token prompts, one token each; vLLM "
+             f"alone computes them in {summary['alone_restart_s'] * 1000:.0f} ms (median)"), "",
+             ("| connector | first pass | replay after restart | replay / first pass | "
+              "replay / vLLM alone | goal | cached tokens | same tokens |"),
+             "|---|---:|---:|---:|---:|---|---|---|"]
     for name, row in summary["restart"].items():
         goal = (f"<= {GOAL_RESTART} {'met' if row['replay_over_alone'] <= GOAL_RESTART else 'not met'}"
                 if name == HICACHE else "-")
+        over_first = row.get("replay_over_first", row["replay_s"] / row["first_s"])
         lines.append(f"| {name} | {row['first_s'] * 1000:.0f} ms | {row['replay_s'] * 1000:.0f} ms"
-                     f" | {row['replay_over_alone']:.2f} | {goal} | {row['cached']} | "
-                     f"{'yes' if row['same_tokens'] else 'NO'} |")
-    lines += ["", (f"multi-turn: {args.clients} chats x {args.rounds} rounds, KV "
-              f"{args.kv_tokens} tokens"), "",
-              "| server | req/s | TTFT rounds >= 2 | cached share | errors |",
-              "|---|---:|---:|---:|---:|"]
+                     f" | {over_first:.3f} | {row['replay_over_alone']:.3f} | {goal} | "
+                     f"{row['cached']} | {'yes' if row['same_tokens'] else 'NO'} |")
+    return lines
+
+
+def report_multiturn(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    lines = ["", (f"multi-turn: {args.clients} chats x {args.rounds} rounds, KV "
+             f"{args.kv_tokens} tokens"), "",
+             "| server | req/s | TTFT rounds >= 2 | cached share | errors |",
+             "|---|---:|---:|---:|---:|"]
     for name, m in summary["multiturn"].items():
         ttft = m["ttft_after_first_s"]
         lines.append(f"| {name} | {m['req_s']:.3f} | "
                      f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'} | "
                      f"{(m['hit_rate'] or 0) * 100:.1f}% | {m['errors']} |")
     same, compared = summary["same_multiturn_tokens"]
-    ratio, nr = summary["multiturn_ratio"], summary["no_reuse_ratio"]
-    mt_pairs, pairs = summary["multiturn_pair_ratios"], summary["no_reuse_pair_ratios"]
+    ratio, mt_pairs = summary["multiturn_ratio"], summary["multiturn_pair_ratios"]
     mt_met = min(ratio, median(mt_pairs)) >= GOAL_MULTITURN
+    return lines + ["", (
+        f"multi-turn req/s with the connector / alone ({len(mt_pairs)} pairs of passes in "
+        f"ABBA order, the table's req/s their median): {ratio:.2f}x, median over median; pair "
+        f"by pair " + ", ".join(f"{x:.2f}x" for x in mt_pairs) + f", median "
+        f"{median(mt_pairs):.2f}x (goal >= {GOAL_MULTITURN}, both: "
+        f"{'met' if mt_met else 'not met'}); {same} of {compared} answers the same as "
+        "vLLM alone's")]
+
+
+def report_no_reuse(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    nr, pairs = summary["no_reuse_ratio"], summary["no_reuse_pair_ratios"]
     nr_met = min(nr, median(pairs)) >= GOAL_NO_REUSE
-    lines += ["", (f"multi-turn req/s with the connector / alone ({len(mt_pairs)} pairs of "
-              f"passes in ABBA order, the table's req/s their median): {ratio:.2f}x, median "
-              f"over median; pair by pair " + ", ".join(f"{x:.2f}x" for x in mt_pairs) +
-              f", median {median(mt_pairs):.2f}x (goal >= {GOAL_MULTITURN}, both: "
-              f"{'met' if mt_met else 'not met'}); {same} of {compared} answers the same as "
-              "vLLM alone's"),
-              (f"no reuse (the chats sharing nothing, {args.no_reuse_passes} pairs of passes "
-              f"in ABBA order, fresh servers): {nr:.2f}x vLLM alone's req/s, median over "
-              f"median; pair by pair " + ", ".join(f"{x:.2f}x" for x in pairs) +
-              f", median {median(pairs):.2f}x (goal >= {GOAL_NO_REUSE}, both: "
-              f"{'met' if nr_met else 'not met'}); req/s of each pass: " + "; ".join(
-                  f"{name} " + ", ".join(f"{x:.3f}" for x in row["req_s"])
-                  for name, row in summary["no_reuse"].items()))]
-    return "\n".join(lines)
+    return [(f"no reuse (the chats sharing nothing, {args.no_reuse_passes} pairs of passes in "
+             f"ABBA order, fresh servers): {nr:.2f}x vLLM alone's req/s, median over median; "
+             f"pair by pair " + ", ".join(f"{x:.2f}x" for x in pairs) + f", median "
+             f"{median(pairs):.2f}x (goal >= {GOAL_NO_REUSE}, both: "
+             f"{'met' if nr_met else 'not met'}); req/s of each pass: " + "; ".join(
+                 f"{name} " + ", ".join(f"{x:.3f}" for x in row["req_s"])
+                 for name, row in summary["no_reuse"].items()))]
 
 
 def main() -> int:
@@ -254,6 +325,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--host-gb", type=float, default=2.0)
     ap.add_argument("--restart-tokens", type=int, default=1500)
+    ap.add_argument("--restart-passes", type=int, default=1)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--system-prompt-length", type=int, default=512)
@@ -264,6 +336,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-args", default="--enforce-eager")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--probes", nargs="+", choices=PROBES, default=list(PROBES),
+                    help="which probes to run (default: all)")
     args = ap.parse_args()
     args.model_path = bv.model_folder(MODEL).resolve()
     args.log_dir = rm.REPO / ".benchtmp" / "vllm_connector"

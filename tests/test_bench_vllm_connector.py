@@ -67,3 +67,22 @@ def test_a_report_of_one_multiturn_pass_still_summarizes() -> None:
     s = bc.summarize(result)
     assert s["multiturn_pair_ratios"] == [1.6] and s["same_multiturn_tokens"] == [1, 1]
     assert "both: met" in bc.report(s, _args(), [])
+
+
+def test_a_restart_only_run_reports_each_connector_against_its_first_pass() -> None:
+    one = [{"latency_s": 1.0, "token": [5], "cached": 0}]
+    result = {"restart": {ALONE: one,
+                          HI: {"first": one, "replay": [{"latency_s": 0.06, "token": [5],
+                                                         "cached": 1472}]},
+                          bc.HICACHE_ASYNC: {"first": one, "replay": [
+                              {"latency_s": 0.08, "token": [6], "cached": 1472}]},
+                          EX: {"first": [{"latency_s": 2.0, "token": [5], "cached": 0}],
+                               "replay": [{"latency_s": 0.1, "token": [5], "cached": 1472}]}}}
+    s = bc.summarize(result)
+    assert set(s) == {"alone_restart_s", "restart"}
+    assert s["restart"][EX]["replay_over_first"] == pytest.approx(0.05)
+    assert s["restart"][HI]["replay_over_first"] == pytest.approx(0.06)
+    assert not s["restart"][bc.HICACHE_ASYNC]["same_tokens"]
+    text = bc.report(s, _args(), [])
+    assert "| 0.060 | 0.060 | <= 0.15 met |" in text and "multi-turn" not in text
+    assert f"| {bc.HICACHE_ASYNC} | 1000 ms | 80 ms | 0.080 |" in text

@@ -2,8 +2,10 @@
 fields of vLLM's Request / SchedulerOutput, the worker side on per-layer caches shaped as
 vLLM's CPU backend lays them out ([num_blocks, kv_heads, block_size, 2 * head_dim]), in the
 order vLLM calls them each step: match, allocate, build the step's plan, load before the
-forward, save after it; a request whose hit reaches into L3 is held back a step and more,
-as vLLM holds it (WAITING_FOR_REMOTE_KVS), until the worker reports its loads finished.
+forward, save after it; a request whose hit reaches into L3 runs in the step that allocated
+its blocks, or, where its L3 pages are too many for a step (`ASYNC`: any), is held back a
+step and more, as vLLM holds it (WAITING_FOR_REMOTE_KVS), until the worker reports its
+loads finished.
 vLLM itself runs them in tests/integrations/test_vllm_connector.py."""
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ GEOMETRY = BlockGeometry(LAYERS, HEADS, DIM, BLOCK, "float32",
                          layer_block_bytes=HEADS * BLOCK * 2 * DIM * 4)
 PROMPT = list(range(100, 100 + 4 * BLOCK + 1))  # 4 whole blocks and one token
 PAGE = LAYERS * GEOMETRY.layer_block_bytes
+ASYNC = {"l3_step_load_mb": 0}  # every L3 hit loads asynchronously
 
 
 def ring_gb(pages: int) -> float:
@@ -76,16 +79,23 @@ class Server:
     def prefill(self, req_id: str, tokens: list[int], block_ids: list[int],
                 others: int = 0) -> int:
         """One request as vLLM runs it: its matched tokens (what vLLM would not compute;
-        after a failed load, only those before the first block that failed). `others`:
-        tokens of other requests (not the connector's) in the step that allocates it."""
+        after a failed load, only those before the first block that failed: an in-step
+        load's step is run again from there). `others`: tokens of other requests (not the
+        connector's) in the step that allocates it."""
         _, (hit, wait) = self.allocate(req_id, tokens, block_ids)
         if wait:  # a step without the request; its loads finish beside later steps
             errors = self.step([], {}, others)
             self.waited.append(req_id)
             errors |= self.wait_for_loads(req_id)
             hit = min([hit] + [block_ids.index(b) * BLOCK for b in errors if b in block_ids])
-        new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
-        self.step([new], {req_id: len(tokens) - hit})
+        while True:
+            new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,),
+                                  num_computed_tokens=hit)
+            errors = self.step([new], {req_id: len(tokens) - hit})
+            failed = [block_ids.index(b) * BLOCK for b in errors if b in block_ids]
+            if not failed:
+                break
+            hit = min(failed)  # vLLM drops the step's output and computes from there
         self.scheduler.finished(req_id)
         return hit
 
@@ -105,7 +115,8 @@ class Server:
         """One step (with no forward when it schedules no token); the blocks the worker
         reported it could not load."""
         plan = self.plan(new, scheduled, others)
-        self.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
+        self.worker.prefetch(plan)  # vLLM's handle_preemptions
+        self.worker.load(plan)
         if not plan.idle:  # the forward: each layer's attention waits for its loads
             for name in self.kv:
                 self.worker.wait_layer(name)
@@ -160,7 +171,7 @@ def until(condition) -> None:
 def restarted(tmp_path: Path, **extra: object) -> tuple[Server, list[list[torch.Tensor]]]:
     """A server over an L3 that holds PROMPT's four pages, and those pages' blocks as
     another server computed them."""
-    first = Server(tmp_path / "l3", seed=1, **extra)
+    first = Server(tmp_path / "l3", seed=1)
     first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
@@ -179,12 +190,14 @@ def reading_threads(store: object) -> list[str]:
     return names
 
 
-def hold(store: object, method: str) -> threading.Event:
-    """`store.<method>` made to wait, in whichever thread calls it, until the event is set."""
+def hold(store: object, method: str, only: str | None = None) -> threading.Event:
+    """`store.<method>` made to wait, in whichever thread calls it (or only in the thread
+    named `only`), until the event is set."""
     go, real = threading.Event(), getattr(store, method)
 
     def held(*args, **kwargs):
-        go.wait(30)
+        if only in (None, threading.current_thread().name):
+            go.wait(30)
         return real(*args, **kwargs)
 
     setattr(store, method, held)
@@ -196,13 +209,13 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_restarted_server_loads_the_prefix_from_l3_bit_for_bit(tmp_path: Path,
+def test_a_restarted_server_loads_a_big_hit_from_l3_bit_for_bit(tmp_path: Path,
                                                                   layout: str) -> None:
     first = Server(tmp_path / "l3", seed=1, layout=layout)
     assert first.prefill("a", PROMPT, [3, 5, 7, 9, 11]) == 0
     computed = [first.block(b) for b in (3, 5, 7, 9)]
     first.close()
-    again = Server(tmp_path / "l3", seed=2, layout=layout)
+    again = Server(tmp_path / "l3", seed=2, layout=layout, **ASYNC)
     readers = reading_threads(again.worker_space.store)
     untouched = again.block(0)
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
@@ -228,10 +241,97 @@ def test_l2_serves_a_prefix_without_a_store(tmp_path: Path, layout: str) -> None
     server.close()
 
 
+def test_a_small_l3_hit_lands_in_its_step_before_its_forward_reads_it(tmp_path: Path) -> None:
+    """vLLM runs the request in the step that allocated its blocks: the loader reads its
+    pages straight into them from start_load_kv (vLLM zeroes new blocks before that), and
+    they are in place before the forward's first layer reads its cache (at start_load_kv
+    until a forward has shown that vLLM waits on every layer)."""
+    again, computed = restarted(tmp_path)
+    names, ids = list(again.kv), [1, 2, 4, 6, 8]
+    readers = reading_threads(again.worker_space.store)
+    again.prefill("x", [7] * (BLOCK + 1), [0, 3])  # its forward waits on every layer
+    assert again.worker.gate.state is ByLayer.ON
+    assert again.allocate("a", PROMPT, ids)[1] == (4 * BLOCK, False)
+    new = SimpleNamespace(req_id="a", block_ids=(ids,), num_computed_tokens=4 * BLOCK)
+    plan = again.plan([new], {"a": 1})
+    before = again.block(1)
+    again.worker.prefetch(plan)  # vLLM's handle_preemptions; then it zeroes the new blocks
+    time.sleep(0.05)
+    assert readers == [] and same(again.block(1), before)
+    again.worker.load(plan)
+    again.worker.wait_layer(names[0])
+    assert all(same(again.block(b), c) for b, c in zip(ids, computed))
+    again.worker.wait_layer(names[1])
+    again.worker.finish_loads()
+    again.worker.save(plan.saves)
+    assert readers and set(readers) <= {"hicache-l3-loader", threading.current_thread().name}
+    assert again.worker.take_load_errors() == set()
+    assert again.worker.counters["l3_step_pages"] == 4
+    assert again.worker.take_finished_loads() == set()  # never held back: nothing to hand
+    again.close()
+
+
+def test_a_step_reads_its_own_l3_pages_while_the_loader_is_busy(tmp_path: Path) -> None:
+    """A hit of more pages than `l3_step_load_mb` loads asynchronously; a smaller one in
+    its step, read on vLLM's thread while the loader is still held by the larger one."""
+    first = Server(tmp_path / "l3", seed=1)
+    first.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    short = [7] * (2 * BLOCK + 1)
+    first.prefill("b", short, [0, 1, 2])
+    computed = [first.block(b) for b in (3, 5, 7, 9, 0, 1)]
+    first.close()
+    again = Server(tmp_path / "l3", seed=2, l3_step_load_mb=3.5 * PAGE / 1e6)  # 3 pages
+    go = hold(again.worker_space.store, "get_values", only="hicache-l3-loader")
+    readers = reading_threads(again.worker_space.store)
+    assert again.allocate("a", PROMPT, [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
+    again.step([], {}, others=1)
+    until(lambda: readers)  # the loader holds "a"
+    assert again.prefill("b", short, [0, 10, 12]) == 2 * BLOCK
+    assert same(again.block(0), computed[4]) and same(again.block(10), computed[5])
+    assert readers == ["hicache-l3-loader", threading.current_thread().name]
+    go.set()
+    again.wait_for_loads("a")
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.errors == set() and again.waited == []
+    again.close()
+
+
+def test_blocks_computed_over_a_failed_in_step_load_are_never_saved(tmp_path: Path) -> None:
+    """The forward ran over blocks that failed to load: vLLM drops its output, and the
+    blocks it computed after them reach neither L2 (its index never names them) nor L3."""
+    again, _ = restarted(tmp_path)
+    store = again.worker_space.store
+    read, store.get_values = store.get_values, lambda *args, **kwargs: 1 / 0
+    longer, ids = PROMPT[:4 * BLOCK] + [7] * (2 * BLOCK + 1), [1, 2, 4, 6, 8, 10, 12]
+    assert again.allocate("a", longer, ids)[1] == (4 * BLOCK, False)
+    new = SimpleNamespace(req_id="a", block_ids=(ids,), num_computed_tokens=4 * BLOCK)
+    assert again.step([new], {"a": 2 * BLOCK + 1}) == {1, 2, 4, 6}  # in its step
+    assert again.worker.counters["l3_dropped_saves"] == 2 and len(again.scheduler.index) == 0
+    new.num_computed_tokens = 0  # vLLM computes the request from its first block
+    assert again.step([new], {"a": len(longer)}) == set()
+    assert len(again.scheduler.index) == 6 and again.worker.counters["l2_saved_pages"] == 6
+    store.get_values = read
+    again.close()
+
+
+def test_in_step_l3_pages_left_for_a_wait_never_made_are_load_errors(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    again, _ = restarted(tmp_path)
+    again.prefill("x", [7] * (BLOCK + 1), [0, 3])
+    assert again.worker.gate.state is ByLayer.ON
+    again.allocate("a", PROMPT, [1, 2, 4, 6, 8])
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 4, 6, 8],), num_computed_tokens=4 * BLOCK)
+    again.worker.load(again.plan([new], {"a": 1}))
+    again.worker.finish_loads()  # a forward that waited on no layer ran without them
+    assert again.worker.take_load_errors() == {1, 2, 4, 6}
+    assert again.worker.gate.state is ByLayer.OFF and "waited on no layer" in caplog.text
+    again.close()
+
+
 def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     """A hit from L3 holds its request back while the loader reads it; the steps of other
     requests go on meanwhile, and the request is handed back with its blocks in place."""
-    again, computed = restarted(tmp_path)
+    again, computed = restarted(tmp_path, **ASYNC)
     go = hold(again.worker_space.store, "get_values")
     readers = reading_threads(again.worker_space.store)  # named as they start to read
     assert again.allocate("a", PROMPT, [1, 2, 4, 6, 8])[1] == (4 * BLOCK, True)
@@ -248,24 +348,27 @@ def test_l3_loads_run_beside_other_requests_steps(tmp_path: Path) -> None:
     again.close()
 
 
-def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path) -> None:
-    again, _ = restarted(tmp_path)
+@pytest.mark.parametrize("extra", [{}, ASYNC], ids=["in_step", "async"])
+def test_a_store_that_fails_a_load_fails_only_that_request(tmp_path: Path,
+                                                           extra: dict) -> None:
+    again, _ = restarted(tmp_path, **extra)
+    waited = ["a"] if extra else []
     before = [again.block(b) for b in (1, 2, 4, 6)]
     store = again.worker_space.store
     read = store.get_values
     store.get_values = lambda *args, **kwargs: 1 / 0
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 0  # every page recomputed
-    assert again.errors == {1, 2, 4, 6} and again.waited == ["a"]
+    assert again.errors == {1, 2, 4, 6} and again.waited == waited
     assert all(same(again.block(b), x) for b, x in zip((1, 2, 4, 6), before))
     store.get_values = read
     # the blocks computed again were saved: L2 serves them
     assert again.prefill("b", PROMPT, [0, 10, 12, 13, 14]) == 4 * BLOCK
-    assert again.worker.counters["l2_loaded_pages"] == 4 and again.waited == ["a"]
+    assert again.worker.counters["l2_loaded_pages"] == 4 and again.waited == waited
     again.close()
 
 
 def test_load_errors_from_the_loader_come_with_the_requests_finish(tmp_path: Path) -> None:
-    again, _ = restarted(tmp_path)
+    again, _ = restarted(tmp_path, **ASYNC)
     store = again.worker_space.store
     store.get_values = lambda *args, **kwargs: 1 / 0
     go = hold(store, "get_values")
@@ -282,7 +385,7 @@ def test_load_errors_from_the_loader_come_with_the_requests_finish(tmp_path: Pat
 def test_a_request_whose_l3_load_failed_is_matched_again_from_l2_alone(tmp_path: Path) -> None:
     """After a load that failed from its first block, vLLM frees the blocks and looks the
     request up again: L3 is not planned again (its pages may fail the same way forever)."""
-    again, _ = restarted(tmp_path)
+    again, _ = restarted(tmp_path, **ASYNC)
     again.worker_space.store.get_values = lambda *args, **kwargs: 1 / 0
     request, hit = again.allocate("a", PROMPT, [1, 2, 4, 6, 8])
     assert hit == (4 * BLOCK, True)
@@ -295,7 +398,7 @@ def test_a_hit_from_l2_then_l3_copies_its_l2_pages_in_its_step(tmp_path: Path) -
     """The first two pages in L2, the last two in L3 only: the request waits for L3, and
     its L2 pages are copied in the step that allocated its blocks (a later step's save may
     take their slots)."""
-    again, computed = restarted(tmp_path)
+    again, computed = restarted(tmp_path, **ASYNC)
     hashes = again.scheduler.c.hasher.hash_pages(PROMPT[:4 * BLOCK])
     for h, page in zip(hashes[:2], computed[:2]):  # what a save of these pages leaves in L2
         slot = again.scheduler.index.assign(h, set())
@@ -317,12 +420,12 @@ def test_close_returns_while_the_loader_waits_for_buffers(
     placed; with no step to place them (vLLM stopping), close() still returns."""
     monkeypatch.setattr(vllm_worker, "STAGING_CHUNK_BYTES", PAGE)
     monkeypatch.setattr(vllm_worker, "STAGING_KEPT_CHUNKS", 1)
-    again, _ = restarted(tmp_path)
+    again, _ = restarted(tmp_path, **ASYNC)
     again.allocate("a", PROMPT, [1, 2, 4, 6, 8])
     again.step([], {}, others=1)  # four buffers to read, one may wait
-    until(lambda: again.worker._read)
+    until(lambda: again.worker._reader._read)
     time.sleep(0.05)
-    assert len(again.worker._read) == 1  # the loader waits for a buffer back
+    assert len(again.worker._reader._read) == 1  # the loader waits for a buffer back
     closing = threading.Thread(target=again.close)
     closing.start()
     closing.join(30)
@@ -339,7 +442,7 @@ def forward_step(server: Server, req_id: str, tokens: list[int], block_ids: list
     hit_blocks = block_ids[:hit // BLOCK]
     new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=hit)
     plan = server.plan([new], {req_id: len(tokens) - hit})
-    server.worker.load(plan.loads, plan.async_loads, idle=plan.idle)
+    server.worker.load(plan)
 
     def by_layer() -> list[list[torch.Tensor]]:
         return [[kv.select(server.block_dim, b).clone() for b in hit_blocks]
@@ -466,10 +569,12 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     first.close()
     assert len(first.worker._staging._free) <= vllm_worker.STAGING_KEPT_CHUNKS
     again = Server(tmp_path / "l3", seed=2, layout="kv_first")
+    again.worker._into = None  # through staging buffers, read from `prefetch` on, as on a GPU
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK  # from L3
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     assert again.worker.counters["l3_loaded_pages"] == 4
-    assert again.errors == set() and again.waited == ["a"]
+    assert again.errors == set() and again.waited == []
+    assert again.worker.counters["l3_step_pages"] == 4
     again.close()
 
 
@@ -539,7 +644,9 @@ def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
             value = bytearray(txn.get(key))
             value[-1] ^= 0x10
             txn.put(key, bytes(value))
-    again = Server(tmp_path / "l3", seed=2)
+    # asynchronously: in its step the page is checked in its blocks, left undefined there
+    # while vLLM drops the step's output (test_blocks_computed_over_a_failed_in_step_load_...)
+    again = Server(tmp_path / "l3", seed=2, **ASYNC)
     before = again.block(2)
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == BLOCK
     assert again.errors == {2}  # vLLM recomputes block 2 and later

@@ -13,33 +13,41 @@ scheduler, once in each worker; they may be different processes and share nothin
 metadata the scheduler sends each step.
 
     scheduler side                              worker side
-    get_num_new_matched_tokens: the leading     start_load_kv: L2 slots into the request's
-      blocks in L2 (its own index of the          blocks, each layer's as the forward
-      worker's slots) or in L3 (batch_exists);    reaches it (wait_for_layer_load); L3
-      asynchronous when L3 has some               pages the loader thread has read into
-    update_state_after_alloc: the load plan       theirs; a page L3 cannot give (missing,
-    build_connector_meta: loads; saves of         failed checksum, store down) is reported
-      every block this step fills, each to an     through get_block_ids_with_load_errors:
-      L2 slot (least recently used evicted)       vLLM recomputes it (kv_load_failure_policy
-    request_finished: forget the request          "recompute"), never serves it
-      (saves end within their step: no block    get_finished: requests whose L3 pages are
-      is held past it)                            all placed
+    get_num_new_matched_tokens: the leading     handle_preemptions (the metadata arrives):
+      blocks in L2 (its own index of the          the step's L3 pages queued for the loader
+      worker's slots) or in L3 (batch_exists);    thread, ahead of every other read
+      asynchronous when L3 has more than        start_load_kv: L2 slots into the request's
+      l3_step_load_mb of them                     blocks, each layer's as the forward
+    update_state_after_alloc: the load plan       reaches it (wait_for_layer_load); the
+    build_connector_meta: loads; saves of         step's L3 pages placed before its first
+      every block this step fills, each to an     layer; a page L3 cannot give (missing,
+      L2 slot (least recently used evicted)       failed checksum, store down) is reported
+    request_finished: forget the request          through get_block_ids_with_load_errors:
+      (saves end within their step: no block      vLLM recomputes it (kv_load_failure_policy
+      is held past it)                            "recompute"), never serves it
+                                                get_finished: requests whose asynchronous
+                                                  L3 pages are all placed
                                                 wait_for_save: the step's filled blocks
                                                   copied into their L2 slots, then queued
                                                   for L3 (a writer thread, from a copy)
 
-A hit from L2 alone loads synchronously, in the request's own step: `start_load_kv` starts
-it, each layer's pages land before `wait_for_layer_load` lets that layer's attention read
-them (on a GPU the copies run on a stream of their own, layer i+1 copied while layer i
-computes), and every layer is in place before the step's saves (`vllm_layers`). A hit that
-reaches into L3 loads asynchronously: `get_num_new_matched_tokens` says so, vLLM allocates
-the request's blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the worker's loader
-thread reads and checks its L3 pages beside the steps of other requests; a later step's
-`start_load_kv` places them, and `get_finished` hands the request back, its failed blocks
-reported in the same step, for vLLM to compute. Saves are copies into host memory at the end
-of the step; the L3 write runs beside the next steps. The scheduler's index of L2 follows
-the slots it assigns, so both sides agree without talking: a slot is reassigned only by a
-later step's save, after this step's loads have read it.
+A hit loads within the request's own step: `start_load_kv` starts its L2 pages, each layer's
+landing before `wait_for_layer_load` lets that layer's attention read them (on a GPU the
+copies run on a stream of their own, layer i+1 copied while layer i computes), and every
+layer is in place before the step's saves (`vllm_layers`). Its L3 pages are read and checked
+by the worker's loader thread from the moment the step's metadata arrives, while vLLM
+prepares the step's inputs, and placed before the forward's first layer reads its cache (by
+vLLM's thread if the loader is busy: a step never waits for another request's read). A
+failed page is reported in that same step: vLLM drops the step's output for the request and
+computes from that block on, and the blocks the step computed over it are not saved. A hit
+of more than `l3_step_load_mb` of L3 pages loads asynchronously instead, so that other
+requests' steps do not wait for it: vLLM holds the request back (WAITING_FOR_REMOTE_KVS)
+while the loader reads it beside their steps; a later step's `start_load_kv` places its
+pages, and `get_finished` hands the request back, its failed blocks reported in the same
+step. Saves are copies into host memory at the end of the step; the L3 write runs beside the
+next steps. The scheduler's index of L2 follows the slots it assigns, so both sides agree
+without talking: a slot is reassigned only by a later step's save, after this step's loads
+have read it.
 
 Imports vLLM: load this module only inside vLLM (hicache itself never imports it).
 """
@@ -125,10 +133,15 @@ class HiCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # the step's metadata, as it arrives: its L3 reads start while vLLM prepares inputs
+        assert isinstance(kv_connector_metadata, HiCacheMetadata)
+        self._worker.prefetch(kv_connector_metadata.plan)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMetadata)
-        self._worker.load(meta.plan.loads, meta.plan.async_loads, idle=meta.plan.idle)
+        self._worker.load(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_layer(layer_name)

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from enum import Enum
 
+import numpy as np
 import torch
 
 from hicache.integrations.vllm_buffers import Staging
@@ -68,12 +70,23 @@ class LayerGate:
     def begin(self, idle: bool) -> None:
         self._idle = idle
 
+    @property
+    def defers(self) -> bool:
+        """Whether the step's loads may wait for the forward's layer waits: the forward is
+        still to come and vLLM has shown it waits on every layer."""
+        return self.state is ByLayer.ON and not self._idle and not self._waited
+
+    def turn_off(self, why: str) -> None:
+        """Loads before the forward from now on, for good (a forward skipped its waits)."""
+        self.state = ByLayer.OFF
+        logger.error("hicache connector: %s; loads are copied before the forward from now on",
+                     why)
+
     def load(self, slots: list[int], block_ids: list[int]) -> bool:
-        """The step's L2 loads: left to land at each layer's wait where that is safe (the
-        forward is still to come and vLLM has shown it waits), else placed now; whether
-        they were left to the waits."""
+        """The step's L2 loads: left to land at each layer's wait where that is safe
+        (`defers`), else placed now; whether they were left to the waits."""
         assert self.loads is not None, "L2 loads need an L2"
-        self._deferred = self.state is ByLayer.ON and not self._idle and not self._waited
+        self._deferred = self.defers
         self.loads.start(slots, block_ids)
         if not self._deferred:
             self.loads.finish()
@@ -94,14 +107,12 @@ class LayerGate:
         read that layer without them: said loudly, and never deferred again."""
         missed = self.loads.finish() if self.loads is not None else []
         if missed and self._deferred:
-            self.state = ByLayer.OFF
-            logger.error("hicache connector: vLLM's forward did not wait for layers %s of "
-                         "this step's loads (wait_for_layer_load); L2 loads are copied "
-                         "before the forward from now on", missed)
-        elif (self.loads is not None and self.state is ByLayer.UNPROVEN and not self._idle
+            self.turn_off(f"vLLM's forward did not wait for layers {missed} of this step's "
+                          "loads (wait_for_layer_load)")
+        elif (self.state is ByLayer.UNPROVEN and not self._idle
               and len(self._waited) == len(self.layer_of)):
             self.state = ByLayer.ON
-            logger.info("hicache connector: vLLM's forward waits on every layer: L2 loads "
+            logger.info("hicache connector: vLLM's forward waits on every layer: loads "
                         "land layer by layer from now on")
         self._waited, self._deferred = set(), False
 
@@ -242,6 +253,22 @@ def layer_loads(layers: list[torch.Tensor], block_dims: list[int], host: torch.T
     """The kind of `LayerLoads` for where vLLM's caches are."""
     kind = CudaLayerLoads if layers[0].is_cuda else HostLayerLoads
     return kind(layers, block_dims, host, staging)
+
+
+def block_bytes(layers: list[torch.Tensor], block_dims: list[int]
+                ) -> Callable[[int], list[np.ndarray]] | None:
+    """For caches in host memory: a block id -> that block's bytes in every layer, in
+    the order a page stores them (per layer its block, or its K block then its V block),
+    as views any thread may copy into without a torch op; None for caches on a GPU."""
+    if not layers or layers[0].is_cuda:
+        return None
+    arrays = [kv.view(torch.uint8).numpy() for kv in layers]  # made here, on vLLM's thread
+
+    def parts(block: int) -> list[np.ndarray]:
+        return [part for arr, dim in zip(arrays, block_dims)
+                for part in ((arr[block],) if dim == 0 else (arr[0, block], arr[1, block]))]
+
+    return parts
 
 
 def scatter_layer(kv: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor) -> None:

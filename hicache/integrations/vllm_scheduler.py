@@ -7,17 +7,20 @@ What must stay true: only `step` assigns L2 slots, and a slot a step loads from 
 reassigned in that step (`keep`); the worker copies a step's L2 loads before that step's
 saves, so the worker's host pool holds what `index` says at every load.
 
-A request whose hit reaches into L3 is loaded asynchronously (vLLM's WAITING_FOR_REMOTE_KVS):
-its L2 pages are copied in the step that allocated its blocks, as a synchronous load's are,
-and its L3 pages by the worker's loader thread while vLLM goes on with other requests; the
-worker reports it done through `get_finished`. A hit from L2 alone is a memory copy and
-stays synchronous.
+A hit that reaches into L3 loads within its step when its L3 pages are few
+(`l3_step_load_mb`): vLLM runs the request's forward in the step that allocated its blocks,
+and the worker reads and checks the pages before that forward reads them. A larger one loads
+asynchronously (vLLM's WAITING_FOR_REMOTE_KVS): its L2 pages are copied in the step that
+allocated its blocks, its L3 pages by the worker's loader thread while vLLM goes on with
+other requests, and the worker reports it done through `get_finished`. The blocks a step
+computes over an in-step L3 load are saved to L3 only, and only if that load arrived whole
+(`PageSave.over`): L2's index names no page the worker may drop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key
 
@@ -34,6 +37,9 @@ class PageSave:
     block_id: int
     page_hash: bytes
     slot: int | None  # the L2 slot it is copied to; None: L3 only (L2 full or none)
+    # the request whose in-step L3 load this block's KV was computed over: dropped if a
+    # page of that load failed (vLLM computes the block again, and it is saved then)
+    over: str | None = None
 
 
 @dataclass
@@ -41,6 +47,8 @@ class StepPlan:
     """One step's work for the workers (inside vLLM's connector metadata)."""
 
     loads: list[PageLoad] = field(default_factory=list)  # copied before this step's saves
+    # L3 pages by request, read and placed before this step's forward reads them
+    l3_loads: dict[str, list[PageLoad]] = field(default_factory=dict)
     idle: bool = False  # the step runs no forward: the workers may read L3 on their thread
     saves: list[PageSave] = field(default_factory=list)
     # L3 pages of requests loaded asynchronously, by request: read beside the steps that follow
@@ -60,6 +68,14 @@ class _Tracked:
     l3_planned: bool = False
 
 
+class _Hit(NamedTuple):
+    """What `matched` found of a request, for `allocated` to plan."""
+
+    first: int  # the first block it covers
+    plan: list[PageLoad]  # from L2 (a slot) then from L3 (none), block ids still to come
+    load_async: bool  # what `matched` told vLLM: too many L3 pages to load within a step
+
+
 class ConnectorScheduler:
     """The scheduler side: which blocks hicache holds, what each step loads and saves."""
 
@@ -67,9 +83,11 @@ class ConnectorScheduler:
         self.c = c
         self.index = HostIndex(c.slots)
         self.tracked: dict[str, _Tracked] = {}
-        self.planned: dict[str, tuple[int, list[PageLoad]]] = {}  # req_id -> (first block, hit)
+        self.planned: dict[str, _Hit] = {}  # matched, not yet allocated
         self.loads: list[PageLoad] = []               # allocated, for this step's meta
+        self.l3_loads: dict[str, list[PageLoad]] = {}  # the same, L3 pages in the step
         self.async_loads: dict[str, list[PageLoad]] = {}  # the same, L3 pages loaded async
+        self.step_load_pages = c.settings.step_load_pages(c.geometry.page_bytes)
         self.counters = {"queries": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0,
                          "saved_pages": 0}
 
@@ -84,7 +102,7 @@ class ConnectorScheduler:
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed` (block-aligned) found in L2 or L3: whole blocks, and
         never the prompt's last token (vLLM computes at least one); and whether they load
-        asynchronously (some are in L3 only)."""
+        asynchronously (more L3 pages than a step loads)."""
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         self.counters["queries"] += 1
         blocks = (request.num_prompt_tokens - 1) // self.c.block_size
@@ -103,27 +121,29 @@ class ConnectorScheduler:
         if i < blocks and store is not None:
             found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
             plan += [PageLoad(-1, h, None) for h in hashes[i:i + found]]
+        hit = _Hit(first, plan, sum(x.slot is None for x in plan) > self.step_load_pages)
         if plan:
-            self.planned[request.request_id] = (first, plan)
+            self.planned[request.request_id] = hit
         else:
             self.planned.pop(request.request_id, None)
-        return len(plan) * self.c.block_size, any(x.slot is None for x in plan)
+        return len(plan) * self.c.block_size, hit.load_async
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
         planned = self.planned.pop(request.request_id, None)
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         if not num_external or planned is None:
             return
-        first, plan = planned
+        first, plan = planned.first, planned.plan
         ids = blocks.get_block_ids()[0]
         n = num_external // self.c.block_size
+        l3 = self.async_loads if planned.load_async else self.l3_loads
         for k, load in enumerate(plan[:n]):
             load.block_id = ids[first + k]
             if load.slot is not None:
                 self.loads.append(load)
                 self.counters["l2_hit_tokens"] += self.c.block_size
             else:
-                self.async_loads.setdefault(request.request_id, []).append(load)
+                l3.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += self.c.block_size
                 t.l3_planned = True
         t.saved = max(t.saved, first + n)
@@ -131,9 +151,9 @@ class ConnectorScheduler:
     def step(self, so: Any) -> StepPlan:
         """This step's loads (allocated since the last step) and saves (the blocks it
         fills), from vLLM's `SchedulerOutput`."""
-        meta = StepPlan(loads=self.loads, async_loads=self.async_loads,
-                        idle=so.total_num_scheduled_tokens == 0)
-        self.loads, self.async_loads = [], {}
+        meta = StepPlan(loads=self.loads, l3_loads=self.l3_loads,
+                        async_loads=self.async_loads, idle=so.total_num_scheduled_tokens == 0)
+        self.loads, self.l3_loads, self.async_loads = [], {}, {}
         keep = {load.slot for load in meta.loads if load.slot is not None}
         for new in so.scheduled_new_reqs:
             t = self.tracked.get(new.req_id)
@@ -141,7 +161,7 @@ class ConnectorScheduler:
                 continue
             t.block_ids = list(new.block_ids[0])
             self._save(t, new.num_computed_tokens, so.num_scheduled_tokens[new.req_id],
-                       keep, meta)
+                       keep, meta, new.req_id in meta.l3_loads)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.tracked.get(req_id)
@@ -153,15 +173,16 @@ class ConnectorScheduler:
             elif new_ids is not None:
                 t.block_ids += new_ids[0]
             self._save(t, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
-                       keep, meta)
+                       keep, meta, req_id in meta.l3_loads)
         return meta
 
     def _save(self, t: _Tracked, computed: int, scheduled: int, keep: set[int],
-              meta: StepPlan) -> None:
+              meta: StepPlan, over_l3: bool) -> None:
         """Plan the saves of `t`'s blocks that this step fills: its tokens from `computed`
         (what vLLM has) to `computed + scheduled`. Where vLLM has less than was saved or
         loaded (blocks that failed to load, a preempted request), it computes them again
-        and they are saved again: a page that failed its checksum is stored anew."""
+        and they are saved again: a page that failed its checksum is stored anew. `over_l3`:
+        the step loads `t`'s L3 pages too, so its blocks go to L3 only, if that load holds."""
         bs = self.c.block_size
         t.saved = min(t.saved, computed // bs)
         full = min((computed + scheduled) // bs, len(t.block_ids),
@@ -172,10 +193,11 @@ class ConnectorScheduler:
         for i in range(t.saved, full):
             if self.index.find(hashes[i]) is not None:
                 continue  # L2 has it (another request's save)
-            slot = self.index.assign(hashes[i], keep)
+            slot = None if over_l3 else self.index.assign(hashes[i], keep)
             if slot is None and not self.c.settings.has_storage:
                 continue
-            meta.saves.append(PageSave(t.block_ids[i], hashes[i], slot))
+            over = t.request.request_id if over_l3 else None
+            meta.saves.append(PageSave(t.block_ids[i], hashes[i], slot, over))
             self.counters["saved_pages"] += 1
         t.saved = full
 

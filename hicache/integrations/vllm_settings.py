@@ -10,6 +10,9 @@ The extra config holds hicache's tier keys::
     redis             {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
     write_buffer_gb   host memory for pages waiting for the L3 writer (GB, made at start);
                       a block it has no room for is kept in L2 only (counted)
+    l3_step_load_mb   an L3 hit of up to this many MB loads within its step (that step's
+                      forward waits for it); a larger one asynchronously, beside other
+                      requests' steps; 0: every L3 hit asynchronously
     namespace         a salt: servers with different salts never share pages
     secret_file       the fleet secret's file (else HICACHE_STORAGE_SECRET): keyed page
                       keys and a MAC on every page (docs/architecture.md, "Stored page format")
@@ -51,8 +54,8 @@ from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.page_seal import FleetKeys
 
 CONFIG_KEY = "kv_connector_extra_config"
-KEYS = ("host_size_gb", "storage_backend", "write_buffer_gb", "namespace", *TIERED_PARTS,
-        *SECRET_KEYS)
+KEYS = ("host_size_gb", "storage_backend", "write_buffer_gb", "l3_step_load_mb", "namespace",
+        *TIERED_PARTS, *SECRET_KEYS)
 NO_STORAGE = "none"
 BACKENDS = (*STORES, NO_STORAGE)
 # Apart from a hicache server's own L3 (and SGLang's), so the two never share a clear. The
@@ -65,6 +68,10 @@ DEFAULT_SECTIONS = {"lmdb": {"path": "~/.cache/hicache/vllm", "prefault_gb": 2.0
 DEFAULT_HOST_GB = 1.0
 # ~340 pages of SmolLM2-135M in float32 (1.47 MB each), ~240 of an 8B model's 16-token blocks
 DEFAULT_WRITE_BUFFER_GB = 0.5
+# the other requests' steps wait while a hit loads within its step: on 2 cores a 68 MB hit
+# (SmolLM2-135M float32, 1,472 tokens) reads, checks and lands in ~25 ms, so 256 MB holds
+# them ~0.1 s at most; a lone request waits a step less (docs/integrations.md)
+DEFAULT_STEP_LOAD_MB = 256.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class ConnectorSettings:
     write_buffer_gb: float = DEFAULT_WRITE_BUFFER_GB
     namespace: str = ""
     fleet: FleetKeys | None = None  # the fleet secret's keys (secret_file, encrypt)
+    l3_step_load_mb: float = DEFAULT_STEP_LOAD_MB
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -94,6 +102,10 @@ class ConnectorSettings:
         if not _finite(ring) or ring <= 0:
             raise ConfigError(f"{CONFIG_KEY} write_buffer_gb",
                               f"must be a number > 0, got {ring!r}")
+        step_mb = extra.get("l3_step_load_mb", DEFAULT_STEP_LOAD_MB)
+        if not _finite(step_mb) or step_mb < 0:
+            raise ConfigError(f"{CONFIG_KEY} l3_step_load_mb",
+                              f"must be a number >= 0, got {step_mb!r}")
         namespace = extra.get("namespace", "")
         if not isinstance(namespace, str):
             raise ConfigError(f"{CONFIG_KEY} namespace", f"must be a string, got {namespace!r}")
@@ -102,7 +114,7 @@ class ConnectorSettings:
             raise ConfigError(f"{CONFIG_KEY}", "host_size_gb 0 and storage_backend none "
                               "leave hicache nothing to keep")
         return cls(float(host), backend, sections, float(ring), namespace,
-                   fleet_keys(CONFIG_KEY, extra))
+                   fleet_keys(CONFIG_KEY, extra), float(step_mb))
 
     @property
     def has_storage(self) -> bool:
@@ -120,6 +132,10 @@ class ConnectorSettings:
     def host_slots(self, page_bytes: int) -> int:
         """How many pages of `page_bytes` L2 holds (the scheduler and the worker agree)."""
         return int(self.host_size_gb * 1e9) // page_bytes
+
+    def step_load_pages(self, page_bytes: int) -> int:
+        """The most L3 pages of `page_bytes` a hit may have and still load within its step."""
+        return int(self.l3_step_load_mb * 1e6) // page_bytes
 
     def write_ring_pages(self, page_bytes: int) -> int:
         """How many pages of `page_bytes` the L3 writer's ring holds (one at least)."""

@@ -6,14 +6,16 @@ A page is one block of every layer, each layer's block copied whole (its bytes i
 order: the layout is the backend's, and the namespace names it). Loads from L2 are copies
 made in the step, before its saves: layer by layer as the forward reaches each layer
 (`vllm_layers`), once a forward has shown that vLLM waits on every layer, and before the
-forward until then (`LayerGate`). Loads from L3 are asynchronous: a loader thread reads a
-request's pages into staging buffers while vLLM holds the request back, checking each page's
-header and checksum as it copies it; vLLM's thread places what was read into the blocks at
-its next step and then reports the request (`take_finished_loads`). A page that failed is
-never copied into its block: it is reported (`take_load_errors`, in the same step) and
-vLLM computes it. Saves copy the step's blocks into their L2 slots and queue a copy for the
-L3 writer thread; a store fault there costs the pages, never the step. The writer runs on
-the cores' leftovers (`hicache.threads.background_priority`).
+forward until then (`LayerGate`). Loads from L3 are read and checked (header and checksum)
+into staging buffers by the loader thread or vLLM's (`vllm_reads`) and placed on vLLM's
+thread: a step's own L3 pages are queued as its metadata arrives (`prefetch`) and placed
+before the forward's first layer reads its cache; an asynchronous request's are read beside
+later steps, placed at the next, and the request reported (`take_finished_loads`). A page
+that failed is never copied into its block: it is reported (`take_load_errors`, in the same
+step) and vLLM computes it; the blocks a step computed over its failed in-step load are not
+saved. Saves copy the step's blocks into their L2 slots and queue a copy for the L3 writer
+thread; a store fault there costs the pages, never the step. The writer runs on the cores'
+leftovers (`hicache.threads.background_priority`).
 
 Copies between the blocks and host memory go through buffers made once and reused
 (`vllm_buffers`): a save gathers its blocks into the write ring's free rows, copies them on
@@ -28,7 +30,6 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +37,14 @@ from hicache.integrations.vllm_buffers import Staging, WriteRing
 from hicache.integrations.vllm_layers import (
     WORD_BYTES,
     LayerGate,
+    block_bytes,
     block_shape,
     layer_loads,
     scatter_layer,
     words,
 )
-from hicache.integrations.vllm_scheduler import PageLoad, PageSave
+from hicache.integrations.vllm_reads import BlockBytes, L3Reader, Staged, StepRead, as_bytes
+from hicache.integrations.vllm_scheduler import PageSave, StepPlan
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.threads import background_priority
 
@@ -49,19 +52,6 @@ logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers 
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
 STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
-
-
-@dataclass
-class _Read:
-    """A staging buffer of one request's L3 pages, read by the loader thread."""
-
-    req_id: str
-    loads: Sequence[PageLoad]
-    chunk: torch.Tensor | None  # the pages, in `loads`' order
-    ok: list[bool]  # which arrived whole (header and checksum passed)
-    total: int  # the request's L3 pages
-    last: bool  # its last buffer
-    held: bool = False  # read by the loader: one of the buffers it may hold
 
 
 class ConnectorWorker:
@@ -75,15 +65,15 @@ class ConnectorWorker:
         self.host: torch.Tensor | None = None  # [slots, layers, layer block bytes] uint8
         self.load_errors: set[int] = set()
         self.finished_loads: set[str] = set()  # requests whose L3 pages are all placed
-        self._async: queue.Queue[tuple[str, list[PageLoad]] | None] = queue.Queue()
-        self._read: list[_Read] = []  # read by the loader, not yet placed in their blocks
-        self._read_lock = threading.Lock()
-        self._held = threading.Semaphore(STAGING_KEPT_CHUNKS)  # the loader's buffers waiting
         self._failed: dict[str, list[int]] = {}  # blocks that failed, of requests placing
-        self._loader: threading.Thread | None = None
+        self._reader: L3Reader | None = None  # with an L3 (from `register`)
+        self._into: BlockBytes | None = None  # CPU caches: where in-step pages are read to
+        self._plan: StepPlan | None = None  # the step's plan, once `prefetch` queued its reads
+        self._step_reads: list[StepRead] = []  # the step's L3 reads, not yet placed
+        self._step_failed: set[str] = set()  # requests whose in-step L3 load failed
         self.counters = {"l2_loaded_pages": 0, "l2_layered_pages": 0, "l3_loaded_pages": 0,
-                         "load_errors": 0, "l2_saved_pages": 0, "l3_written_pages": 0,
-                         "l3_skipped_pages": 0}
+                         "l3_step_pages": 0, "load_errors": 0, "l2_saved_pages": 0,
+                         "l3_written_pages": 0, "l3_skipped_pages": 0, "l3_dropped_saves": 0}
         self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
         self._staging: Staging | None = None
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
@@ -107,6 +97,7 @@ class ConnectorWorker:
             raise ValueError(f"hicache connector: {len(layers)} KV layers registered, the KV "
                              f"cache config has {self.c.geometry.num_layers}")
         self.layers = layers
+        self._into = block_bytes(layers, self._block_dims)
         self._pin = layers[0].is_cuda  # host buffers pinned for the copies to and from CUDA
         page_bytes = len(layers) * want
         # ready buffers: the first request's loads (a restart's first replay) would
@@ -126,9 +117,8 @@ class ConnectorWorker:
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name="hicache-l3-writer")
             self._writer.start()
-            self._loader = threading.Thread(target=self._load_loop, daemon=True,
-                                            name="hicache-l3-loader")
-            self._loader.start()
+            self._reader = L3Reader(lambda: self.c.store, self.c.codec, self.tp_rank,
+                                    self._staging, STAGING_KEPT_CHUNKS)
 
     def _gather(self, block_ids: list[int], pages: torch.Tensor) -> None:
         """Blocks `block_ids` of every layer into `pages` ([n, layers, bytes] uint8, CPU).
@@ -154,127 +144,124 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, loads: list[PageLoad], async_loads: dict[str, list[PageLoad]] | None = None,
-             idle: bool = False) -> None:
-        """The step's loads, on vLLM's thread: L2 pages into their blocks; each request's L3
-        pages in `async_loads` queued for the loader; what the loader has read since the
-        last step into its blocks (a request whose pages are all placed is finished). In an
-        `idle` step (no forward: vLLM only waits for loads) this thread reads what is
-        queued itself, placing each buffer as it is read: it stalls nothing, reuses one
-        staging buffer where the loader holds a request's buffers till the next step, and
-        hands the request back a step sooner."""
-        new = list((async_loads or {}).items())
-        if not idle and self._loader is not None:
-            for item in new:
-                self._async.put(item)
-        else:  # what is queued first, then this step's, each read and placed here
-            for item in iter(self._queued, None):
-                self._read_request(*item, place=True)
-            for req_id, pages in new:
-                self._read_request(req_id, pages, place=True)
-        self.gate.begin(idle)
-        if loads and self.layers:
-            assert all(x.slot is not None for x in loads), "L3 pages load asynchronously"
-            if self.gate.load([x.slot for x in loads], [x.block_id for x in loads]):
-                self.counters["l2_layered_pages"] += len(loads)
-            self.counters["l2_loaded_pages"] += len(loads)
-        with self._read_lock:
-            read, self._read = self._read, []
-        for r in read:
-            self._place(r)
+    def prefetch(self, plan: StepPlan) -> None:
+        """As the step's metadata arrives (vLLM's `handle_preemptions`, before it prepares
+        the step's inputs): the step's L3 reads, queued for the loader ahead of the reads
+        of requests vLLM holds back where they go through staging buffers (caches on a
+        GPU). Reads straight into the blocks wait for `load`: vLLM zeroes a step's new
+        blocks while it prepares the inputs. Once a step, on vLLM's thread."""
+        assert self._staging is not None or not plan.l3_loads, "loads before register"
+        self._plan, self._step_failed = plan, set()
+        self._step_reads = [StepRead(r, loads, self._into, self._staging.pages)
+                            for r, loads in plan.l3_loads.items()]
+        if self._into is None:
+            self._queue_step_reads()
+
+    def _queue_step_reads(self) -> None:
+        for read in self._step_reads:
+            assert self._reader is not None, "L3 loads need an L3"
+            self._reader.ahead(read)
+
+    def load(self, plan: StepPlan) -> None:
+        """The step's loads, on vLLM's thread (start_load_kv): L2 pages into their blocks
+        (`LayerGate`); the step's L3 pages read (by the loader and, once the forward needs
+        them, this thread) and placed now, or before the forward's first layer once vLLM
+        has shown that it waits on every layer; the L3 pages of requests vLLM
+        holds back queued for the loader, and what it has read of them placed (a request
+        whose pages are all placed is finished). In an `idle` step (no forward: vLLM only
+        waits for loads) this thread reads those itself, placing each buffer as it is read:
+        it stalls nothing, reuses one staging buffer, and hands the request back a step
+        sooner."""
+        if self._plan is not plan:
+            self.prefetch(plan)
+        if self._into is not None:
+            self._queue_step_reads()
+        if self._reader is not None and not plan.idle:
+            for req_id, pages in plan.async_loads.items():
+                self._reader.later(req_id, pages)
+        elif self._reader is not None:  # what is queued first, then this step's
+            for req_id, pages in [*iter(self._reader.queued, None), *plan.async_loads.items()]:
+                for staged in self._reader.read(req_id, pages):
+                    self._place_async(staged)
+        self.gate.begin(plan.idle)
+        if plan.loads and self.layers:
+            assert all(x.slot is not None for x in plan.loads), "L3 pages are l3_loads"
+            if self.gate.load([x.slot for x in plan.loads], [x.block_id for x in plan.loads]):
+                self.counters["l2_layered_pages"] += len(plan.loads)
+            self.counters["l2_loaded_pages"] += len(plan.loads)
+        for staged in self._reader.take_read() if self._reader is not None else []:
+            self._place_async(staged)
+        if not self.gate.defers:
+            self._place_step()
 
     def wait_layer(self, name: str) -> None:
         """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`)."""
+        if self._step_reads:
+            self._place_step()
         self.gate.wait(name)
 
     def finish_loads(self) -> None:
         """After the step's forward (vLLM's `wait_for_save`, before its saves): every L2
-        page in place."""
+        page in place. In-step L3 pages still unplaced were left for a layer's wait that
+        the forward never made: it ran without them, so they are load errors."""
+        if self._step_reads:
+            self.gate.turn_off("the forward waited on no layer (wait_for_layer_load)")
+            for read in self._step_reads:
+                self._fail_step(read.req_id, [x.block_id for x in read.loads])
+                assert self._reader is not None
+                self._reader.drop(read)
+            self._step_reads = []
         self.gate.finish()
+        self._plan = None
 
-    def _queued(self) -> tuple[str, list[PageLoad]] | None:
-        """A request queued for the loader that it has not taken yet, or None. (close(),
-        which queues the loader's stop, runs on vLLM's thread too, and only once the
-        steps are over.)"""
+    def _place_step(self) -> None:
+        """The step's L3 pages into their blocks, each request's as soon as it is read;
+        a request with a page that failed is reported, and its step's saves dropped."""
+        reads, self._step_reads = self._step_reads, []
+        for read in reads:
+            assert self._reader is not None
+            bad = [block for staged in self._reader.wait(read) for block in self._place(staged)]
+            self.counters["l3_step_pages"] += len(read.loads) - len(bad)
+            if bad:
+                self._fail_step(read.req_id, bad, len(read.loads))
+
+    def _fail_step(self, req_id: str, blocks: list[int], total: int | None = None) -> None:
+        self._step_failed.add(req_id)
+        self._report(blocks, total or len(blocks))
+
+    def _place(self, staged: Staged) -> list[int]:
+        """Pages read into their blocks, on vLLM's thread, the buffer given back; the blocks
+        of those that did not arrive whole (from a buffer: never copied; vLLM computes
+        them)."""
+        n, ok = len(staged.loads), staged.ok
+        good = [i for i in range(n) if ok[i]]
         try:
-            return self._async.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _load_loop(self) -> None:
-        """The loader thread: each request's L3 pages read and checked into staging
-        buffers, a buffer at a time, handed to vLLM's thread (`load`) to copy into the
-        request's blocks. Torch ops stay on vLLM's thread: one here would start an OpenMP
-        team of its own beside the forward's."""
-        while True:
-            item = self._async.get()
-            if item is None:
-                return
-            self._read_request(*item)
-
-    def _read_request(self, req_id: str, loads: list[PageLoad], place: bool = False) -> None:
-        """One request's L3 pages read into staging buffers, queued for `load` to place;
-        or, on vLLM's thread (`place`), each buffer placed as it is read, and so reused."""
-        assert self._staging is not None
-        runs = list(self._staging.runs(loads))
-        for k, run in enumerate(runs):
-            if not place:  # at most STAGING_KEPT_CHUNKS buffers wait for vLLM's thread
-                self._held.acquire()
-            chunk = None
-            try:
-                chunk = self._staging.take()
-                ok = self._read_l3(run, chunk)
-            except Exception:  # a fault (the store, memory) costs these pages, no more
-                logger.exception("hicache connector: an L3 read failed")
-                ok = [False] * len(run)
-            read = _Read(req_id, run, chunk, ok, len(loads), k == len(runs) - 1, not place)
-            if place:
-                self._place(read)
-                continue
-            with self._read_lock:
-                self._read.append(read)
-
-    def _read_l3(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> list[bool]:
-        """L3's pages (at most `chunk`'s) into `chunk`, each checked (header and tag, under
-        its key) as it is copied: which arrived whole."""
-        store = self.c.store
-        if store is None:
-            return [False] * len(loads)
-        keys = [store_key(x.page_hash, self.tp_rank) for x in loads]
-        return store.get_values(keys, lambda i, value: self.c.codec.copy_into(
-            keys[i], value, _bytes(chunk[i])))
-
-    def _place(self, r: _Read) -> None:
-        """Pages the loader read into their blocks, on vLLM's thread; those that did not
-        arrive whole are load errors (vLLM computes them, and the blocks after them)."""
-        n = len(r.loads)
-        good = [i for i in range(n) if r.ok[i]]
-        try:
-            if good:
-                assert r.chunk is not None
-                self._scatter([r.loads[i].block_id for i in good],
-                              r.chunk[:n] if len(good) == n else r.chunk[good])
+            if good and not staged.placed:
+                assert staged.chunk is not None
+                self._scatter([staged.loads[i].block_id for i in good],
+                              staged.chunk[:n] if len(good) == n else staged.chunk[good])
         finally:
-            self._give(r)
-        bad = self._failed.setdefault(r.req_id, [])
-        bad += [r.loads[i].block_id for i in range(n) if not r.ok[i]]
+            assert self._reader is not None
+            self._reader.give(staged)
         self.counters["l3_loaded_pages"] += len(good)
-        if not r.last:
-            return
-        del self._failed[r.req_id]
+        return [staged.loads[i].block_id for i in range(n) if not ok[i]]
+
+    def _place_async(self, staged: Staged) -> None:
+        """A buffer of a request vLLM holds back placed; after its last, the request is
+        finished, its failed blocks reported in the same step."""
+        bad = self._failed.setdefault(staged.req_id, [])
+        bad += self._place(staged)
+        if staged.last:
+            del self._failed[staged.req_id]
+            self._report(bad, staged.total)
+            self.finished_loads.add(staged.req_id)
+
+    def _report(self, bad: list[int], total: int) -> None:
         if bad:
             self.counters["load_errors"] += len(bad)
             self.load_errors.update(bad)
             logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
-                           "or failed their checksum): vLLM recomputes them", len(bad), r.total)
-        self.finished_loads.add(r.req_id)
-
-    def _give(self, r: _Read) -> None:
-        """`r`'s staging buffer back, and its place among those the loader may hold."""
-        if r.chunk is not None:
-            self._staging.give(r.chunk)
-        if r.held:
-            self._held.release()
+                           "or failed their checksum): vLLM recomputes them", len(bad), total)
 
     def take_load_errors(self) -> set[int]:
         """Blocks that could not be loaded, since the last call."""
@@ -293,7 +280,12 @@ class ConnectorWorker:
         """The step's filled blocks: gathered into the write ring's free rows, copied on into
         their L2 slots, and queued for the L3 writer (the ring's copy, not the L2 slot: a
         later step may reassign the slot before the write). Blocks the ring has no room for
-        go to L2 alone, a staging buffer at a time."""
+        go to L2 alone, a staging buffer at a time; blocks computed over a failed in-step L3
+        load are dropped (their KV is wrong; vLLM computes them again)."""
+        if self._step_failed:
+            kept = [x for x in saves if x.over not in self._step_failed]
+            self.counters["l3_dropped_saves"] += len(saves) - len(kept)
+            saves = kept
         if not saves or not self.layers:
             return
         rest: Sequence[PageSave] = saves
@@ -343,7 +335,7 @@ class ConnectorWorker:
                 # free memory vLLM's own activations fault in from (docs/integrations.md)
                 for row, key in zip(range(rows.start, rows.stop), keys):
                     page = ring.rows[row]
-                    stored = self.c.store.put_values([key], lambda _, page=page: [_bytes(page)])
+                    stored = self.c.store.put_values([key], lambda _, page=page: [as_bytes(page)])
                     self.counters["l3_written_pages"] += sum(stored)
             except Exception:  # a store fault costs the pages, never the server
                 logger.exception("hicache connector: an L3 write failed")
@@ -353,24 +345,13 @@ class ConnectorWorker:
     def close(self) -> None:
         """Stop the loader (what it read is dropped: vLLM is stopping), then write what is
         queued and stop the writer."""
-        if self._loader is not None:
-            self._async.put(None)
-            while self._loader.is_alive():  # a loader waiting for buffers gets them back
-                with self._read_lock:
-                    read, self._read = self._read, []
-                for r in read:
-                    self._give(r)
-                self._loader.join(0.05)
-            self._loader = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, writable, without a copy."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def _layer_order(name: str) -> tuple[int, str]:

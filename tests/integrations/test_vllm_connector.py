@@ -1,7 +1,8 @@
 """vLLM's CPU build with HiCacheConnector inside (`make test-integrations`: vLLM in .venv-vllm,
 SmolLM2-135M-Instruct in float32): a restarted server answers from hicache's L3 with the
-tokens of vLLM without the connector; a corrupted stored page is recomputed, never served;
-two servers share their pages through one Redis.
+tokens of vLLM without the connector, its L3 hits loaded within their step (the default);
+a corrupted stored page is recomputed, never served; two servers share their pages through
+one Redis; a request given up on during an asynchronous L3 load costs nothing.
 
 Every server is a real `vllm.entrypoints.openai.api_server` (`--enforce-eager`: the same
 kernels, without minutes of compilation per start); `usage.prompt_tokens_details.
@@ -187,17 +188,19 @@ def test_prefixes_vllm_evicted_come_back_from_l2_layer_by_layer(
             assert complete(s.base_url, p) == (ref, 0)
         assert complete(s.base_url, prompts(1)[0]) == (reference[0], HIT_TOKENS)
         log = s.log_path.read_text(errors="replace")
-    assert "L2 loads land layer by layer" in log
+    assert "loads land layer by layer from now on" in log
 
 
 def test_a_request_aborted_while_its_l3_load_is_in_flight_costs_nothing(
         log_dir: Path, reference: list[list[str]], tmp_path: Path) -> None:
-    """Its L3 pages come through a slow link (the load takes seconds); the client gives up
-    during it. vLLM holds the request's blocks until the connector reports the load done,
-    then frees them: the server goes on answering, right, and holds no block after."""
+    """Its L3 pages come through a slow link (the load takes seconds) and load
+    asynchronously (`l3_step_load_mb` 0); the client gives up during the load. vLLM holds
+    the request's blocks until the connector reports the load done, then frees them: the
+    server goes on answering, right, and holds no block after."""
     require_redis_server()
     with RedisServer.start(tmp_path) as rs:
-        direct = {"host_size_gb": 0.1, "storage_backend": "redis", "redis": {"url": rs.url}}
+        direct = {"host_size_gb": 0.1, "storage_backend": "redis", "redis": {"url": rs.url},
+                  "l3_step_load_mb": 0}
         with server(log_dir, "abort-fill", direct) as s:
             assert complete(s.base_url, prompts(1)[0]) == (reference[0], 0)
             wait_for(lambda: redis.Redis.from_url(rs.url).dbsize(), PAGES_PER_PROMPT)
