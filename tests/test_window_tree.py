@@ -637,3 +637,13 @@ TestWindowTreeW8 = WindowTreeModel.TestCase
 TestWindowTreeW8.settings = MACHINE_SETTINGS
 TestWindowTreeW9 = WindowTreeModelW9.TestCase
 TestWindowTreeW9.settings = MACHINE_SETTINGS
+
+
+def test_the_window_bytes_bench_floor_is_what_hits_at_node_ends_read() -> None:
+    from benchmarks.bench_window_bytes import boundary_window_tokens
+
+    pool = make_pool()
+    tree = make_tree(pool)
+    put(tree, pool, seq(0, 24), live_from=12)  # nodes [0, 12) and [12, 24)
+    # a hit at 12 reads [4, 12), one at 24 reads [16, 24) (windows of 8, pages of 4)
+    assert boundary_window_tokens(tree) == 16
