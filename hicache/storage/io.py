@@ -87,6 +87,7 @@ class Backup(NamedTuple):
     hashes: list[bytes]
     host_indices: torch.Tensor
     window_pages: int  # of the last pages, how many get a window part too (hybrid models)
+    full: bool = True  # False: the window parts alone (the full parts are stored already)
 
 
 class StorageController:
@@ -226,14 +227,14 @@ class StorageController:
     # -------------------------------------------------------------------------- backup
 
     def backup(self, node_id: int, hashes: list[bytes], host_indices: torch.Tensor,
-               window_pages: int = 0) -> None:
-        """Write a node's host pages to storage, and the window parts of its last
-        `window_pages` (a hybrid model's); the ack comes from `poll_backups` (its full parts
-        stored). Callers queue parents before children, so L3 never holds a child without
-        its parent unless the parent's write failed."""
+               window_pages: int = 0, full: bool = True) -> None:
+        """Write a node's host pages to storage (not when `full` is False), and the window
+        parts of its last `window_pages` (a hybrid model's); the ack comes from
+        `poll_backups` (its full parts stored). Callers queue parents before children, so
+        L3 never holds a child without its parent unless the parent's write failed."""
         with self._idle:
             self._backups_in_flight += 1
-        self._backup_q.put(Backup(node_id, hashes, host_indices, window_pages))
+        self._backup_q.put(Backup(node_id, hashes, host_indices, window_pages, full))
 
     def poll_backups(self) -> list[BackupAck]:
         acks = []
@@ -266,16 +267,18 @@ class StorageController:
             self._write_batch(batch)
 
     def _write_batch(self, batch: list[Backup]) -> None:
-        keys = [h for b in batch for h in b.hashes]
-        slots = torch.cat([b.host_indices for b in batch])
-        oks = self._call("set", lambda: self.backend.batch_set(keys, self.host_pool, slots),
-                         [False] * len(keys))
+        full = [b for b in batch if b.full]
+        keys = [h for b in full for h in b.hashes]
+        oks = self._call("set", lambda: self.backend.batch_set(
+            keys, self.host_pool, torch.cat([b.host_indices for b in full])),
+            [False] * len(keys)) if keys else []
         windows = self._write_windows(batch) if self.window is not None else []
         pos = 0
-        for i, (node_id, hashes, _, _) in enumerate(batch):
-            ok = all(oks[pos:pos + len(hashes)])
-            pos += len(hashes)
-            self._backup_acks.put(BackupAck(node_id, ok, windows[i] if windows else 0))
+        for i, b in enumerate(batch):
+            n = len(b.hashes) if b.full else 0
+            ok = all(oks[pos:pos + n])
+            pos += n
+            self._backup_acks.put(BackupAck(b.node_id, ok, windows[i] if windows else 0))
         with self._idle:
             self._backups_in_flight -= len(batch)
             self._idle.notify_all()

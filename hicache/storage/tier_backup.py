@@ -33,6 +33,7 @@ class Backups:
         self.counters = counters
         self.stored = stored
         self._in_flight: dict[int, HiTreeNode] = {}
+        self._window_only: set[int] = set()  # in flight: window parts of a stored node
 
     def busy(self) -> bool:
         return bool(self._in_flight)
@@ -41,6 +42,8 @@ class Backups:
         """Write a node that just reached L2 to storage, with any ancestor not there yet,
         parents first (a match may have split the node while its D->H copy ran: the upper
         half is acknowledged by the same copy). Host pages stay until each ack."""
+        if node.storage_backed:  # a boundary made by a split: its window parts only
+            return self._backup_window(node)
         chain = []
         while node is not self.tree.root:
             if node is None:  # it left the tree since it reached L2 (evicted from L2)
@@ -68,6 +71,19 @@ class Backups:
             self._in_flight[n.id] = n
             self.io.backup(n.id, hashes, host, windows)
 
+    def _backup_window(self, node: HiTreeNode) -> None:
+        """A stored node's window parts, for the boundary at its end (a split made it after
+        the node was stored), when its L2 copy holds the window KV."""
+        windows = self._window_pages(node)
+        if not windows or node.parent is None or node.id in self._in_flight:
+            return
+        hashes = node_hashes(node, self.tree.root, self.hasher)[-windows:]
+        host = node.host_value[len(node.key) - windows * self.page_size:]
+        self.tree.protect_host(node)
+        self._in_flight[node.id] = node
+        self._window_only.add(node.id)
+        self.io.backup(node.id, hashes, host, windows, full=False)
+
     def _window_pages(self, node: HiTreeNode) -> int:
         """Of a hybrid model's node, the trailing pages whose window parts L3 gets: those its
         end's window reads, when its L2 copy holds its window KV (`StoreKinds`)."""
@@ -80,13 +96,18 @@ class Backups:
         for ack in self.io.poll_backups():
             node = self._in_flight.pop(ack.node_id)
             self.tree.release_host(node)
-            if ack.ok:
+            if ack.node_id in self._window_only:
+                self._window_only.discard(ack.node_id)
+                self._window_stored(node, ack.window_pages)
+            elif ack.ok:
                 self.tree.mark_stored(node)
                 self.counters.backed_up_tokens += len(node.key)
-                self.counters.window_backed_up_tokens += ack.window_pages * self.page_size
                 self.tree.kv_events.stored(node, MEDIUM_DISK)
-                if ack.window_pages:
-                    self.tree.kv_events.window(node, MEDIUM_DISK, True,
-                                               last_pages=ack.window_pages)
+                self._window_stored(node, ack.window_pages)
             else:
                 self.counters.backup_failures += 1
+
+    def _window_stored(self, node: HiTreeNode, pages: int) -> None:
+        if pages and node.parent is not None:
+            self.counters.window_backed_up_tokens += pages * self.page_size
+            self.tree.kv_events.window(node, MEDIUM_DISK, True, last_pages=pages)

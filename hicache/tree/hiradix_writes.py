@@ -68,7 +68,11 @@ class HostWrites:
         return node_id in self.ongoing or node_id in self._write_of
 
     def split(self, new: HiTreeNode, child: HiTreeNode) -> None:
-        """`new` was split off above `child`: if `child`'s copy runs, it lands `new` too."""
+        """`new` was split off above `child`: if `child`'s copy runs, it lands `new` too. A
+        hybrid model's new boundary in L3 pages whose L2 copy holds window KV is handed on
+        with the nodes that reached L2 (`writing_check`): L3 gets its window parts."""
+        if new.storage_backed and new.host_window and new.host_value is not None:
+            self._landed.append(new)
         if self._track_halves:
             write = self._write_of.get(child.id, child.id)
             if write in self.ongoing:
