@@ -86,3 +86,14 @@ def test_a_restart_only_run_reports_each_connector_against_its_first_pass() -> N
     text = bc.report(s, _args(), [])
     assert "| 0.060 | 0.060 | <= 0.15 met |" in text and "multi-turn" not in text
     assert f"| {bc.HICACHE_ASYNC} | 1000 ms | 80 ms | 0.080 |" in text
+
+
+def test_kv_bytes_per_token_reads_the_model_folders_config(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 18, "num_key_value_heads": 1, "head_dim": 256, '
+        '"hidden_size": 640, "num_attention_heads": 4}')
+    assert bc.kv_bytes_per_token(tmp_path) == 18 * 2 * 256 * 4  # Gemma 3 270M: 36,864
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 30, "num_key_value_heads": 3, "hidden_size": 576, '
+        '"num_attention_heads": 9}')
+    assert bc.kv_bytes_per_token(tmp_path) == 46_080  # SmolLM2-135M: head_dim 64 derived

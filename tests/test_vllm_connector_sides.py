@@ -23,6 +23,7 @@ import torch
 from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
 from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_groups import KVGroup, KVGroups
 from hicache.integrations.vllm_layers import ByLayer, layer_loads
 from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
 from hicache.integrations.vllm_settings import (
@@ -758,3 +759,180 @@ def test_with_the_fleet_secret_only_a_server_of_that_secret_loads_the_pages(
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
     assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
     again.close()
+
+
+# ---------------------------------------------------------------- a hybrid model's groups
+
+# Gemma 3's shape in small: six layers, 2 and 5 full attention, the rest a window of
+# WINDOW tokens; vLLM's hybrid manager groups them two by two, the groups' layers at one
+# position sharing one tensor (its block pool is shared: block ids never collide).
+WINDOW = 6  # a query at token 16 reads tokens [11, 16]: blocks 2 and 3
+HYBRID = KVGroups((KVGroup(("model.layers.2.attn", "model.layers.5.attn"), (2, 5), None),
+                   KVGroup(("model.layers.0.attn", "model.layers.1.attn"), (0, 1), WINDOW),
+                   KVGroup(("model.layers.3.attn", "model.layers.4.attn"), (3, 4), WINDOW)),
+                  BLOCK)
+HIT = 4  # PROMPT's whole blocks
+WINDOW_FROM = HYBRID.needed_from(HIT)  # 2: window blocks [2, 4) a hit of 4 blocks reads
+
+
+class HybridServer:
+    """A connector pair of a hybrid model over `l3`; block ids by group, as vLLM's."""
+
+    def __init__(self, l3: Path | None, seed: int, **extra: object) -> None:
+        config = {"storage_backend": "none"} if l3 is None else \
+            {"lmdb": {"path": str(l3), "prefault_gb": 0}, "write_buffer_gb": ring_gb(64)}
+        settings = ConnectorSettings.from_extra_config({**config, **extra})
+        g = torch.Generator().manual_seed(seed)
+        shared = [torch.randn(LAYOUTS["blocks_first"], generator=g) for _ in range(LAYERS)]
+        self.kv = {name: shared[k] for group in HYBRID.groups
+                   for k, name in enumerate(group.names)}
+        self.scheduler = ConnectorScheduler(ConnectorSpace(settings, GEOMETRY, "gemma", HYBRID))
+        self.space = ConnectorSpace(settings, GEOMETRY, "gemma", HYBRID)
+        self.worker = ConnectorWorker(self.space, tp_rank=0)
+        self.worker.register(self.kv)
+        self.failed: set[str] = set()
+
+    def run(self, req_id: str, ids: tuple[list[int], ...]) -> int:
+        """PROMPT as vLLM runs it: matched, allocated (the window groups' blocks before the
+        hit's window null), held back while its L3 units load, then computed from its hit
+        (from 0 after a failed load); the tokens matched."""
+        request = SimpleNamespace(request_id=req_id, all_token_ids=PROMPT,
+                                  num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
+        hit, wait = self.scheduler.matched(request, 0)
+        skipped = HYBRID.needed_from(hit // BLOCK) if hit else 0
+        ids = (ids[0], *([0] * skipped + x[skipped:] for x in ids[1:]))
+        self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ids), hit)
+        if wait:
+            self.step([], {})
+            until(lambda: self.step([], {}) or req_id in self.worker.take_finished_loads())
+            if req_id in self.failed:
+                hit = 0
+        new = SimpleNamespace(req_id=req_id, block_ids=ids, num_computed_tokens=hit)
+        self.step([new], {req_id: len(PROMPT) - hit})
+        self.scheduler.finished(req_id)
+        return hit
+
+    def step(self, new: list[SimpleNamespace], scheduled: dict[str, int]) -> bool:
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[])
+        plan = self.scheduler.step(SimpleNamespace(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values())))
+        self.worker.prefetch(plan)
+        self.worker.load(plan)
+        self.worker.finish_loads()
+        self.worker.save(plan.saves)
+        assert self.worker.take_load_errors() == set()  # vLLM refuses them with groups
+        self.failed |= self.worker.take_failed_loads()
+        return False
+
+    def blocks(self, ids: tuple[list[int], ...], upto: int) -> list[torch.Tensor]:
+        """Each group's layers' blocks [0, upto) (`ids`: by group)."""
+        return [self.kv[name][b].clone() for group, gids in zip(HYBRID.groups, ids)
+                for name in group.names for b in gids[:upto]]
+
+    def close(self) -> None:
+        self.worker.close()
+        self.space.close_store()
+        self.scheduler.c.close_store()
+
+
+FIRST_IDS = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])
+AGAIN_IDS = ([15, 14, 13, 12, 11], [10, 9, 8, 7, 6], [5, 4, 3, 2, 1])  # of NUM_BLOCKS
+
+
+def stored_hybrid(tmp_path: Path) -> list[torch.Tensor]:
+    """L3 after a server computed PROMPT; each group's blocks as it computed them."""
+    first = HybridServer(tmp_path / "l3", seed=1)
+    assert first.run("a", FIRST_IDS) == 0
+    computed = first.blocks(FIRST_IDS, HIT)
+    first.close()
+    return computed
+
+
+def test_the_hybrid_hit_rule_needs_the_window_of_its_end() -> None:
+    assert HYBRID.hybrid and HYBRID.full == (0,) and HYBRID.windowed == (1, 2)
+    assert WINDOW_FROM == 2 and HYBRID.needed_from(3) == 1
+    full, window = [True] * 4, [False, False, True, True]
+    assert HYBRID.hit_end(0, full, window) == 4  # blocks 0 and 1 lie before the window
+    assert HYBRID.hit_end(0, full, [True, True, True, False]) == 3
+    assert HYBRID.hit_end(0, [True, False, True, True], [True] * 4) == 1
+    assert HYBRID.hit_end(2, full[2:], [False, False]) == 2  # vLLM's own hit, no more
+    assert HYBRID.hit_end(1, full[1:], [False, True, True]) == 4
+
+
+def test_a_hybrid_restart_loads_each_group_from_l3_bit_for_bit(tmp_path: Path) -> None:
+    computed = stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    null = [kv[0].clone() for kv in again.kv.values()]
+    assert again.run("a", AGAIN_IDS) == HIT * BLOCK
+    got = again.blocks(AGAIN_IDS, HIT)
+    per_group = 2 * HIT  # two layers of four blocks
+    assert same(got[:per_group], computed[:per_group])  # the full group: every block
+    for g in (1, 2):  # the window groups: the blocks of the hit's window, no others
+        mine = got[g * per_group:(g + 1) * per_group]
+        theirs = computed[g * per_group:(g + 1) * per_group]
+        for k in range(2 * HIT):
+            assert torch.equal(mine[k], theirs[k]) == (k % HIT >= WINDOW_FROM)
+    assert same([kv[0] for kv in again.kv.values()], null)  # the null block untouched
+    # 4 full units, 2 of each window group
+    assert again.worker.counters["l3_loaded_pages"] == HIT + 2 * (HIT - WINDOW_FROM)
+    again.close()
+
+
+def test_a_hybrid_hit_without_its_window_units_ends_where_they_are(tmp_path: Path) -> None:
+    stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    store = again.scheduler.c.open_store(prefault=False)
+    last = again.space.hasher.hash_pages(PROMPT[:HIT * BLOCK])[HIT - 1]
+    assert store.delete([store_key(last, 0, 2)]) == 1  # block 3 of one window group
+    # a hit of 3 blocks reads the window of blocks [1, 3): block 1's units were stored too
+    assert again.run("a", AGAIN_IDS) == 3 * BLOCK
+    again.close()
+
+
+def corrupt(l3: Path, key: bytes) -> None:
+    """The value under `key` flipped a bit, by a raw writer (the stores closed)."""
+    with lmdb.open(str(l3), max_dbs=2) as env, env.begin(
+            write=True, db=env.open_db(b"pages")) as txn:
+        value = bytearray(txn.get(key))
+        value[-1] ^= 0x10
+        txn.put(key, bytes(value))
+
+
+def test_a_failed_hybrid_unit_fails_its_request_never_a_block_id(tmp_path: Path) -> None:
+    stored_hybrid(tmp_path)
+    probe = HybridServer(None, seed=0)
+    hashes = probe.space.hasher.hash_pages(PROMPT[:HIT * BLOCK])
+    probe.close()
+    corrupt(tmp_path / "l3", store_key(hashes[0], 0, 1))
+    again = HybridServer(tmp_path / "l3", seed=2)
+    # block 0's window units lie before the hit's window: a hit of 4 blocks never reads them
+    assert again.run("a", AGAIN_IDS) == HIT * BLOCK and not again.failed
+    again.close()
+    corrupt(tmp_path / "l3", store_key(hashes[HIT - 1], 0, 1))
+    again = HybridServer(tmp_path / "l3", seed=2)
+    assert again.run("a", AGAIN_IDS) == 0  # vLLM computes it whole
+    assert again.failed == {"a"} and again.worker.counters["load_errors"] == 1
+    again.close()
+
+
+def test_l2_serves_a_hybrid_prefix_by_group(tmp_path: Path) -> None:
+    server = HybridServer(None, seed=1)
+    assert server.run("a", FIRST_IDS) == 0
+    computed = server.blocks(FIRST_IDS, HIT)
+    assert server.run("b", AGAIN_IDS) == HIT * BLOCK  # from L2, in its step
+    got = server.blocks(AGAIN_IDS, HIT)
+    assert same(got[:2 * HIT], computed[:2 * HIT])
+    assert server.worker.counters["l2_loaded_pages"] == HIT + 2 * (HIT - WINDOW_FROM)
+    server.close()
+
+
+def test_a_model_of_one_group_keeps_its_keys() -> None:
+    import xxhash
+    page = b"\x01" * 16
+    assert store_key(page, 3) == xxhash.xxh3_128_digest(page + (3).to_bytes(4, "little"))
+    assert len({store_key(page, 0, g) for g in range(3)}) == 3
+    one = ConnectorSpace(ConnectorSettings.from_extra_config({"storage_backend": "none"}),
+                         GEOMETRY, "m", KVGroups(HYBRID.groups[:1], BLOCK))
+    assert one.groups is None and len(one.codecs) == 1

@@ -49,6 +49,11 @@ next steps. The scheduler's index of L2 follows the slots it assigns, so both si
 without talking: a slot is reassigned only by a later step's save, after this step's loads
 have read it.
 
+With vLLM's hybrid KV cache manager (the connector is `SupportsHMA`) a model with sliding
+windows has several KV cache groups: the unit is then one group's block of a page, a hit
+follows hicache's rule by kind (`vllm_groups`), L3 hits load asynchronously and a failed
+one fails its request's load (vLLM takes no block ids of several groups).
+
 Imports vLLM: load this module only inside vLLM (hicache itself never imports it).
 """
 
@@ -63,8 +68,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from hicache.integrations.vllm_groups import KVGroup, KVGroups
+from hicache.integrations.vllm_layers import layer_order
 from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
 from hicache.integrations.vllm_settings import (
     BlockGeometry,
@@ -93,7 +102,7 @@ class HiCacheMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """hicache's tiers as a vLLM v1 KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -101,14 +110,15 @@ class HiCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
-        geometry = _geometry(vllm_config, kv_cache_config)
-        self.space = ConnectorSpace(settings, geometry,
-                                    _fingerprint(vllm_config, geometry, settings.namespace))
+        geometry, groups = _geometry(vllm_config, kv_cache_config)
+        self.space = ConnectorSpace(settings, geometry, _fingerprint(
+            vllm_config, geometry, groups, settings.namespace), groups)
         self._scheduler = (ConnectorScheduler(self.space)
                            if role == KVConnectorRole.SCHEDULER else None)
         self._worker = None if self._scheduler else ConnectorWorker(self.space, _tp_rank())
-        logger.info("hicache connector (%s): L2 %d pages of %d bytes, L3 %s", role.name,
-                    self.space.slots, geometry.page_bytes, settings.backend)
+        logger.info("hicache connector (%s): L2 %d pages of %d bytes, L3 %s, %d KV cache "
+                    "group(s)", role.name, self.space.slots, geometry.page_bytes,
+                    settings.backend, len(groups.groups) if groups else 1)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -126,6 +136,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)  # (vLLM's call with its hybrid manager)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -162,6 +177,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         # no save outlives its step; loads: the requests whose L3 pages are in place
         return None, self._worker.take_finished_loads() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # a hybrid model's failed L3 loads, by request (their blocks are of several groups)
+        _, finished = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(finished or ()),
+                                          failed_recving=self._worker.take_failed_loads())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
@@ -184,29 +205,47 @@ def _tp_rank() -> int:
         return 0
 
 
-def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> BlockGeometry:
-    """One block of every layer, from vLLM's KV cache config (one full-attention group)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError("hicache connector: needs vLLM's KV cache config with one group of "
-                         "full-attention layers (hybrid and sliding-window models are not "
-                         "supported yet)")
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None:
-        raise ValueError(f"hicache connector: {type(spec).__name__} layers are not supported "
-                         "(full attention only)")
-    return BlockGeometry(len(group.layer_names), spec.num_kv_heads, spec.head_size,
-                         spec.block_size, str(spec.dtype).removeprefix("torch."),
-                         spec.page_size_bytes)
+def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+              ) -> tuple[BlockGeometry, KVGroups | None]:
+    """One unit's geometry (a block of every layer; with several groups, a block of one
+    group's layers) and the groups, from vLLM's KV cache config."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise ValueError("hicache connector: needs vLLM's KV cache config")
+    groups, specs = [], []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        full = isinstance(spec, FullAttentionSpec) and window is None
+        if not (full or type(spec) is SlidingWindowSpec) or (
+                window is not None and len(kv_cache_config.kv_cache_groups) == 1):
+            raise ValueError(f"hicache connector: {type(spec).__name__} layers (sliding "
+                             f"window {window}) are not supported: full attention, or "
+                             "sliding windows with vLLM's hybrid KV cache manager")
+        names = tuple(sorted(group.layer_names, key=layer_order))
+        groups.append(KVGroup(names, tuple(layer_order(n)[0] for n in names), window))
+        specs.append(spec)
+    spec = specs[0]
+    if len({(s.num_kv_heads, s.head_size, s.block_size, s.dtype, s.page_size_bytes)
+            for s in specs}) != 1:
+        raise ValueError("hicache connector: KV cache groups of different layer shapes "
+                         "are not supported")
+    layers = max(len(x.names) for x in groups)
+    kinds = KVGroups(tuple(groups), spec.block_size)
+    return (BlockGeometry(layers, spec.num_kv_heads, spec.head_size, spec.block_size,
+                          str(spec.dtype).removeprefix("torch."), spec.page_size_bytes),
+            kinds if kinds.hybrid else None)
 
 
-def _fingerprint(vllm_config: VllmConfig, geometry: BlockGeometry, salt: str) -> str:
+def _fingerprint(vllm_config: VllmConfig, geometry: BlockGeometry, groups: KVGroups | None,
+                 salt: str) -> str:
     import vllm
     from vllm.platforms import current_platform
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     layout = {"vllm": vllm.__version__, "attention_backend": str(backend or "auto"),
               "cache_dtype": str(vllm_config.cache_config.cache_dtype)}
+    if groups is not None:  # a hybrid layout never shares keys with a non-hybrid one
+        layout["kv_groups"] = groups.layout()
     tp = (0, vllm_config.parallel_config.tensor_parallel_size)
     return namespace_fingerprint(vllm_config.model_config.model, geometry, layout,
                                  current_platform.device_type, tp, salt)

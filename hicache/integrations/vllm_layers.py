@@ -109,7 +109,7 @@ class LayerGate:
         if missed and self._deferred:
             self.turn_off(f"vLLM's forward did not wait for layers {missed} of this step's "
                           "loads (wait_for_layer_load)")
-        elif (self.state is ByLayer.UNPROVEN and not self._idle
+        elif (self.state is ByLayer.UNPROVEN and not self._idle and self.layer_of
               and len(self._waited) == len(self.layer_of)):
             self.state = ByLayer.ON
             logger.info("hicache connector: vLLM's forward waits on every layer: loads "
@@ -290,3 +290,27 @@ def words(pages: torch.Tensor) -> torch.Tensor:
     """A uint8 buffer whose last dim is whole 8-byte words, as words (the worker checks at
     registration that a layer's block is a whole number of them)."""
     return pages.view(torch.int64)
+
+
+def layer_order(name: str) -> tuple[int, str]:
+    """vLLM's layer names carry their index ("model.layers.11.self_attn.attn")."""
+    digits = [int(part) for part in name.split(".") if part.isdigit()]
+    return (digits[0] if digits else -1, name)
+
+
+def block_dim(name: str, kv: torch.Tensor, block_bytes: int) -> int:
+    """0 where `kv` is `[num_blocks, ...]`, 1 where it is `[2, num_blocks, ...]` (K, V), by
+    where a block of `block_bytes` fits; ValueError for a layout it fits neither way, or
+    both ways (`[2, 2, ...]`: two blocks, or K and V of two: nothing in the shape tells)."""
+    fits = []
+    if kv.dim() >= 2 and kv[0].numel() * kv.element_size() == block_bytes:
+        fits.append(0)
+    if kv.dim() >= 3 and kv.shape[0] == 2 and kv[:, 0].numel() * kv.element_size() == block_bytes:
+        fits.append(1)
+    if len(fits) != 1:
+        why = "both" if fits else "neither"
+        raise ValueError(f"hicache connector: layer {name}'s cache {tuple(kv.shape)} has "
+                         f"blocks of {block_bytes} bytes (the KV cache spec) at {why} of dim 0 "
+                         "([num_blocks, ...]) and dim 1 ([2, num_blocks, ...]): a layout it "
+                         "cannot copy whole blocks of")
+    return fits[0]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hicache.integrations.vllm_buffers import Staging
+from hicache.integrations.vllm_groups import by_group
 from hicache.integrations.vllm_scheduler import PageLoad
 from hicache.integrations.vllm_settings import store_key
 from hicache.storage.backends.base import ValueStore
@@ -107,9 +108,10 @@ class L3Reader:
     (None: every page fails); `staging`: the worker's buffers; `kept`: how many buffers of
     asynchronous reads may wait for vLLM's thread."""
 
-    def __init__(self, store: Callable[[], ValueStore | None], codec: PageCodec, tp_rank: int,
-                 staging: Staging, kept: int) -> None:
-        self.store, self.codec, self.tp_rank, self.staging = store, codec, tp_rank, staging
+    def __init__(self, store: Callable[[], ValueStore | None], codecs: Sequence[PageCodec],
+                 tp_rank: int, staging: Staging, kept: int) -> None:
+        # `codecs`: per KV cache group, its units' (one group: every layer's pages)
+        self.store, self.codecs, self.tp_rank, self.staging = store, codecs, tp_rank, staging
         self._jobs: queue.PriorityQueue[tuple[int, int, StepRead | tuple | None]] = (
             queue.PriorityQueue())
         self._order = itertools.count()  # FIFO within a kind
@@ -188,12 +190,8 @@ class L3Reader:
     def _read_l3(self, loads: Sequence[PageLoad], chunk: torch.Tensor) -> list[bool]:
         """L3's pages (at most `chunk`'s) into `chunk`, each checked as it is copied: which
         arrived whole."""
-        store = self.store()
-        if store is None:
-            return [False] * len(loads)
-        keys = [store_key(x.page_hash, self.tp_rank) for x in loads]
-        return store.get_values(keys, lambda i, value: self.codec.copy_into(
-            keys[i], value, as_bytes(chunk[i])))
+        return self._get(loads, lambda i: as_bytes(chunk[i, :self.codecs[
+            loads[i].group].geometry.num_layers]))
 
     def _work(self, read: StepRead) -> None:
         """Runs of `read` read on this thread until none is left to take."""
@@ -212,12 +210,23 @@ class L3Reader:
 
     def _read_into(self, loads: Sequence[PageLoad], into: BlockBytes) -> list[bool]:
         """L3's pages straight into their blocks, each checked there: which arrived whole."""
+        return self._get(loads, lambda i: into(loads[i].block_id))
+
+    def _get(self, loads: Sequence[PageLoad], into: Callable[[int], Any]) -> list[bool]:
+        """Each page of `loads` copied into `into(its index)` and checked there, a group's
+        at a time (each by its codec): which arrived whole."""
+        ok = [False] * len(loads)
         store = self.store()
         if store is None:
-            return [False] * len(loads)
-        keys = [store_key(x.page_hash, self.tp_rank) for x in loads]
-        return store.get_values(keys, lambda i, value: self.codec.copy_into(
-            keys[i], value, into(loads[i].block_id)))
+            return ok
+        for group, index in by_group(range(len(loads)), lambda i: loads[i].group):
+            codec = self.codecs[group]
+            keys = [store_key(loads[i].page_hash, self.tp_rank, group) for i in index]
+            got = store.get_values(keys, lambda k, value, keys=keys, index=index, codec=codec:
+                                   codec.copy_into(keys[k], value, into(index[k])), codec)
+            for i, good in zip(index, got):
+                ok[i] = good
+        return ok
 
     def _loop(self) -> None:
         while True:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key
+from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroups
+from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key, unit_id
 
 
 @dataclass
@@ -30,6 +31,8 @@ class PageLoad:
     block_id: int
     page_hash: bytes
     slot: int | None  # its L2 slot; None: from L3
+    group: int = 0  # the KV cache group whose block it is (`vllm_groups`)
+    block: int = -1  # its block's index in the request's blocks
 
 
 @dataclass
@@ -40,6 +43,7 @@ class PageSave:
     # the request whose in-step L3 load this block's KV was computed over: dropped if a
     # page of that load failed (vLLM computes the block again, and it is saved then)
     over: str | None = None
+    group: int = 0  # the KV cache group whose block it is (`vllm_groups`)
 
 
 @dataclass
@@ -60,7 +64,7 @@ class _Tracked:
     """A request the scheduler side follows: its blocks, page hashes and what is saved."""
 
     request: Any  # vLLM's Request: request_id, all_token_ids, num_prompt_tokens
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     hashes: list[bytes] = field(default_factory=list)
     saved: int = 0  # blocks [0, saved) are in hicache's tiers, queued for them, or vLLM's
     # an L3 load was planned: a later match (after a load that failed, vLLM asks again)
@@ -109,24 +113,36 @@ class ConnectorScheduler:
         first = num_computed // self.c.block_size
         t.saved = max(t.saved, first)  # vLLM's own hits: saved when vLLM computed them
         hashes = self._hashes(t, blocks)
-        plan: list[PageLoad] = []
-        i = first
-        while i < blocks:
-            slot = self.index.find(hashes[i])
-            if slot is None:
-                break
-            plan.append(PageLoad(-1, hashes[i], slot))
-            i += 1
         store = None if t.l3_planned else self.c.open_store(prefault=False)
-        if i < blocks and store is not None:
-            found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
-            plan += [PageLoad(-1, h, None) for h in hashes[i:i + found]]
-        hit = _Hit(first, plan, sum(x.slot is None for x in plan) > self.step_load_pages)
+        if self.c.groups is not None:
+            plan = by_groups(self.c.groups, self.index, store, hashes, first)
+        else:
+            plan = self._by_pages(store, hashes, first)
+        l3_pages = sum(x.slot is None for x in plan)
+        # a hybrid model's L3 loads are asynchronous: vLLM takes a failed load of several
+        # groups only as its request's (failed_recving, of a request it holds back)
+        hit = _Hit(first, plan, l3_pages > (0 if self.c.groups else self.step_load_pages))
         if plan:
             self.planned[request.request_id] = hit
         else:
             self.planned.pop(request.request_id, None)
-        return len(plan) * self.c.block_size, hit.load_async
+        end = max((x.block + 1 for x in plan), default=first)
+        return (end - first) * self.c.block_size, hit.load_async
+
+    def _by_pages(self, store: Any, hashes: list[bytes], first: int) -> list[PageLoad]:
+        """One group: the leading pages from `first` in L2, then those after in L3."""
+        plan: list[PageLoad] = []
+        i, blocks = first, len(hashes)
+        while i < blocks:
+            slot = self.index.find(hashes[i])
+            if slot is None:
+                break
+            plan.append(PageLoad(-1, hashes[i], slot, block=i))
+            i += 1
+        if i < blocks and store is not None:
+            found = store.batch_exists([store_key(h, 0) for h in hashes[i:blocks]])
+            plan += [PageLoad(-1, h, None, block=i + k) for k, h in enumerate(hashes[i:i + found])]
+        return plan
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
         planned = self.planned.pop(request.request_id, None)
@@ -134,19 +150,24 @@ class ConnectorScheduler:
         if not num_external or planned is None:
             return
         first, plan = planned.first, planned.plan
-        ids = blocks.get_block_ids()[0]
-        n = num_external // self.c.block_size
+        ids = blocks.get_block_ids()
+        end = first + num_external // self.c.block_size
         l3 = self.async_loads if planned.load_async else self.l3_loads
-        for k, load in enumerate(plan[:n]):
-            load.block_id = ids[first + k]
+        for load in plan:
+            if load.block >= end:
+                continue  # past the hit vLLM took
+            load.block_id = ids[load.group][load.block]
+            if self.c.groups is not None and load.block_id == NULL_BLOCK_ID:
+                continue  # a window block vLLM skipped (before the window)
+            tokens = self.c.block_size if load.group == 0 else 0  # a block's, counted once
             if load.slot is not None:
                 self.loads.append(load)
-                self.counters["l2_hit_tokens"] += self.c.block_size
+                self.counters["l2_hit_tokens"] += tokens
             else:
                 l3.setdefault(request.request_id, []).append(load)
-                self.counters["l3_hit_tokens"] += self.c.block_size
+                self.counters["l3_hit_tokens"] += tokens
                 t.l3_planned = True
-        t.saved = max(t.saved, first + n)
+        t.saved = max(t.saved, end)
 
     def step(self, so: Any) -> StepPlan:
         """This step's loads (allocated since the last step) and saves (the blocks it
@@ -159,7 +180,7 @@ class ConnectorScheduler:
             t = self.tracked.get(new.req_id)
             if t is None:
                 continue
-            t.block_ids = list(new.block_ids[0])
+            t.block_ids = [list(ids) for ids in new.block_ids]
             self._save(t, new.num_computed_tokens, so.num_scheduled_tokens[new.req_id],
                        keep, meta, new.req_id in meta.l3_loads)
         cached = so.scheduled_cached_reqs
@@ -169,9 +190,10 @@ class ConnectorScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+                t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                t.block_ids += new_ids[0]
+                t.block_ids = [old + list(ids) for old, ids in
+                               zip(t.block_ids or [[] for _ in new_ids], new_ids)]
             self._save(t, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
                        keep, meta, req_id in meta.l3_loads)
         return meta
@@ -185,22 +207,48 @@ class ConnectorScheduler:
         the step loads `t`'s L3 pages too, so its blocks go to L3 only, if that load holds."""
         bs = self.c.block_size
         t.saved = min(t.saved, computed // bs)
-        full = min((computed + scheduled) // bs, len(t.block_ids),
+        full = min((computed + scheduled) // bs, len(t.block_ids[0]) if t.block_ids else 0,
                    len(t.request.all_token_ids) // bs)
         if full <= t.saved:
             return
         hashes = self._hashes(t, full)
-        for i in range(t.saved, full):
-            if self.index.find(hashes[i]) is not None:
-                continue  # L2 has it (another request's save)
-            slot = None if over_l3 else self.index.assign(hashes[i], keep)
-            if slot is None and not self.c.settings.has_storage:
-                continue
-            over = t.request.request_id if over_l3 else None
-            meta.saves.append(PageSave(t.block_ids[i], hashes[i], slot, over))
-            self.counters["saved_pages"] += 1
+        over = t.request.request_id if over_l3 else None
+        for group, ids in enumerate(t.block_ids):
+            for i in range(t.saved, min(full, len(ids))):
+                if ((self.c.groups is not None and ids[i] == NULL_BLOCK_ID)
+                        or self.index.find(unit_id(hashes[i], group)) is not None):
+                    continue  # outside the window, or L2 has it (another request's save)
+                slot = None if over_l3 else self.index.assign(unit_id(hashes[i], group), keep)
+                if slot is None and not self.c.settings.has_storage:
+                    continue
+                meta.saves.append(PageSave(ids[i], hashes[i], slot, over, group))
+                self.counters["saved_pages"] += 1
         t.saved = full
 
     def finished(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
         self.planned.pop(req_id, None)
+
+
+def by_groups(groups: KVGroups, index: HostIndex, store: Any, hashes: list[bytes],
+              first: int) -> list[PageLoad]:
+    """A hybrid model's hit from block `first` (`KVGroups.hit_end`): each unit from L2 (its
+    slot) or L3 (`batch_present`); block ids still to come."""
+    where: dict[tuple[int, int], int | None] = {}  # (group, block) -> slot; None: L3
+    for group in range(len(groups.groups)):
+        missing = []
+        for i in range(first, len(hashes)):
+            slot = index.find(unit_id(hashes[i], group))
+            if slot is not None:
+                where[group, i] = slot
+            else:
+                missing.append(i)
+        if missing and store is not None:
+            present = store.batch_present([store_key(hashes[i], 0, group) for i in missing])
+            where.update({(group, i): None for i, ok in zip(missing, present) if ok})
+    held = [[all((g, i) in where for g in kind) for i in range(first, len(hashes))]
+            for kind in (groups.full, groups.windowed)]
+    end = groups.hit_end(first, *held)
+    window_from = max(first, groups.needed_from(end))
+    return [PageLoad(-1, hashes[i], where[g, i], g, i) for g in range(len(groups.groups))
+            for i in range(first if g in groups.full else window_from, end)]

@@ -22,7 +22,8 @@ A page is one vLLM block of every layer, keyed by hicache's page hash (`PageHash
 the block's token ids, chained from the first block) from a root that names everything that
 makes two servers' bytes for one prefix differ: the model, dtype, block size, the KV layout
 (the per-layer block's shape, the attention backend), the platform (cpu / cuda), the tp rank
-and size, and the salt. A CPU layout is never served to a GPU one.
+and size, and the salt, and with several KV cache groups the groups (`vllm_groups`: each
+group's block is stored as a unit of its own). A CPU layout is never served to a GPU one.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ from hicache.integrations.store_sections import (
     fleet_keys,
     store_sections,
 )
+from hicache.integrations.vllm_groups import KVGroups
 from hicache.storage.backends import create_backend
 from hicache.storage.backends.base import ValueStore, check_section_keys
 from hicache.storage.hashing import PageHasher
+from hicache.storage.kinds import window_key
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.page_seal import FleetKeys
 
@@ -171,9 +174,16 @@ def namespace_fingerprint(model: str, geometry: BlockGeometry, layout: Mapping[s
                        "salt": salt}, sort_keys=True, separators=(",", ":"))
 
 
-def store_key(page_hash: bytes, tp_rank: int) -> bytes:
-    """The stored key of a page hash on tp rank `tp_rank` (each rank stores its shard)."""
-    return xxhash.xxh3_128_digest(page_hash + tp_rank.to_bytes(4, "little"))
+def store_key(page_hash: bytes, tp_rank: int, group: int = 0) -> bytes:
+    """The stored key of a page hash on tp rank `tp_rank` (each rank stores its shard), of
+    KV cache group `group`'s unit (`vllm_groups`; group 0: the page's key, as without)."""
+    key = xxhash.xxh3_128_digest(page_hash + tp_rank.to_bytes(4, "little"))
+    return key if not group else window_key(key + group.to_bytes(4, "little"))
+
+
+def unit_id(page_hash: bytes, group: int) -> bytes:
+    """What L2's index knows group `group`'s unit of a page by."""
+    return page_hash if not group else page_hash + group.to_bytes(4, "little")
 
 
 class HostIndex:
@@ -217,9 +227,10 @@ class ConnectorSpace:
     writes; each process opens its own)."""
 
     def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry,
-                 fingerprint: str) -> None:
+                 fingerprint: str, groups: KVGroups | None = None) -> None:
         self.settings = settings
-        self.geometry = geometry
+        self.geometry = geometry  # hybrid: of one unit (a group's block)
+        self.groups = groups if groups is not None and groups.hybrid else None
         self.block_size = geometry.block_size
         fleet = settings.fleet
         self.hasher = PageHasher(geometry.block_size, fingerprint, geometry.dtype,
@@ -230,8 +241,25 @@ class ConnectorSpace:
                                             geometry.head_dim, geometry.block_size, dtype),
                                payload_bytes=geometry.page_bytes,
                                namespace=self.hasher.namespace, keys=fleet)
+        self.codecs = [self.codec] if self.groups is None else self._group_codecs(fleet)
+        self.codec = self.codecs[0]  # the store's own (each unit's is passed with it)
         self.slots = settings.host_slots(geometry.page_bytes)
         self.store: ValueStore | None = None
+
+    def _group_codecs(self, fleet: FleetKeys | None) -> list[PageCodec]:
+        """Per group, a codec of its layers alone (`PageCodec(layers=...)`)."""
+        assert self.groups is not None
+        g = self.geometry
+        layers = 1 + max(max(x.layers) for x in self.groups.groups)
+        whole = PageGeometry(layers, g.kv_heads, g.head_dim, g.block_size, getattr(torch, g.dtype))
+        return [PageCodec(whole, len(x.layers) * g.layer_block_bytes, layers=x.layers,
+                          namespace=self.hasher.namespace, keys=fleet)
+                for x in self.groups.groups]
+
+    def unit_layers(self, group: int) -> int:
+        """Layers of group `group`'s unit (those of every layer without groups)."""
+        return self.geometry.num_layers if self.groups is None else len(
+            self.groups.groups[group].layers)
 
     def open_store(self, prefault: bool = True) -> ValueStore | None:
         """The L3 store; None without one. One per process for one store and geometry (an

@@ -3,10 +3,12 @@ host pool and L3. Torch and hicache's stores only (no vLLM), so it runs in a tes
 tensors shaped as vLLM's CPU backend lays them out.
 
 A page is one block of every layer, each layer's block copied whole (its bytes in vLLM's own
-order: the layout is the backend's, and the namespace names it). Loads from L2 are copies
-made in the step, before its saves: layer by layer as the forward reaches each layer
-(`vllm_layers`), once a forward has shown that vLLM waits on every layer, and before the
-forward until then (`LayerGate`). Loads from L3 are read and checked (header and checksum)
+order: the layout is the backend's, and the namespace names it); with several KV cache
+groups (vLLM's hybrid manager), a unit is one group's block of its layers (`vllm_groups`),
+its L2 loads placed before the forward, its failed L3 loads reported by request. Loads
+from L2 are copies made in the step, before its saves: layer by layer as the forward
+reaches each layer (`vllm_layers`), once a forward has shown that vLLM waits on every
+layer, and before the forward until then (`LayerGate`). Loads from L3 are read and checked (header and checksum)
 into staging buffers by the loader thread or vLLM's (`vllm_reads`) and placed on vLLM's
 thread: a step's own L3 pages are queued as its metadata arrives (`prefetch`) and placed
 before the forward's first layer reads its cache; an asynchronous request's are read beside
@@ -34,17 +36,20 @@ from collections.abc import Sequence
 import torch
 
 from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_groups import by_group
 from hicache.integrations.vllm_layers import (
     WORD_BYTES,
     LayerGate,
     block_bytes,
+    block_dim,
     block_shape,
     layer_loads,
+    layer_order,
     scatter_layer,
     words,
 )
 from hicache.integrations.vllm_reads import BlockBytes, L3Reader, Staged, StepRead, as_bytes
-from hicache.integrations.vllm_scheduler import PageSave, StepPlan
+from hicache.integrations.vllm_scheduler import PageLoad, PageSave, StepPlan
 from hicache.integrations.vllm_settings import ConnectorSpace, store_key
 from hicache.threads import background_priority
 
@@ -62,6 +67,8 @@ class ConnectorWorker:
         self.tp_rank = tp_rank
         self.layers: list[torch.Tensor] = []  # each layer's cache
         self._block_dims: list[int] = []  # each layer's block dim: 0, or 1 after K / V
+        self._groups: list[list[int]] = []  # per KV cache group, its layers' indices
+        self.failed_loads: set[str] = set()  # hybrid: requests whose L3 load failed
         self.host: torch.Tensor | None = None  # [slots, layers, layer block bytes] uint8
         self.load_errors: set[int] = set()
         self.finished_loads: set[str] = set()  # requests whose L3 pages are all placed
@@ -74,7 +81,8 @@ class ConnectorWorker:
         self.counters = {"l2_loaded_pages": 0, "l2_layered_pages": 0, "l3_loaded_pages": 0,
                          "l3_step_pages": 0, "load_errors": 0, "l2_saved_pages": 0,
                          "l3_written_pages": 0, "l3_skipped_pages": 0, "l3_dropped_saves": 0}
-        self._writes: queue.Queue[tuple[list[bytes], slice] | None] = queue.Queue()
+        # (stored key, group) per page, and the ring's rows that hold them
+        self._writes: queue.Queue[tuple[list[tuple[bytes, int]], slice] | None] = queue.Queue()
         self._staging: Staging | None = None
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
         self._writer: threading.Thread | None = None
@@ -86,59 +94,72 @@ class ConnectorWorker:
         dim 0 (`[num_blocks, ...]`: the CPU backend, FlashInfer) or K and V first, then the
         block (`[2, num_blocks, ...]`: FlashAttention on CUDA); one block of one layer is
         `layer_block_bytes` long either way."""
-        names = sorted(kv_caches, key=_layer_order)
+        groups = self.c.groups
+        names = (sorted(kv_caches, key=layer_order) if groups is None
+                 else [name for group in groups.groups for name in group.names])
         layers = [kv_caches[n] for n in names]
         want = self.c.geometry.layer_block_bytes
-        self._block_dims = [_block_dim(name, kv, want) for name, kv in zip(names, layers)]
+        self._block_dims = [block_dim(name, kv, want) for name, kv in zip(names, layers)]
         if want % WORD_BYTES:
             raise ValueError(f"hicache connector: a layer's block is {want} bytes, not a "
                              f"multiple of {WORD_BYTES}")
-        if len(layers) != self.c.geometry.num_layers:
+        sizes = [self.c.unit_layers(g) for g in range(len(self.c.codecs))]
+        if len(layers) != sum(sizes):
             raise ValueError(f"hicache connector: {len(layers)} KV layers registered, the KV "
-                             f"cache config has {self.c.geometry.num_layers}")
+                             f"cache config has {sum(sizes)}")
         self.layers = layers
-        self._into = block_bytes(layers, self._block_dims)
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        self._groups = [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+        # a hybrid model's L3 loads go through staging (they are all asynchronous)
+        self._into = block_bytes(layers, self._block_dims) if groups is None else None
         self._pin = layers[0].is_cuda  # host buffers pinned for the copies to and from CUDA
-        page_bytes = len(layers) * want
+        unit = self.c.geometry.num_layers  # layers of a page (hybrid: of a group's block)
         # ready buffers: the first request's loads (a restart's first replay) would
         # otherwise fault their memory in on the forward's thread
-        self._staging = Staging(max(1, STAGING_CHUNK_BYTES // page_bytes), len(layers), want,
+        self._staging = Staging(max(1, STAGING_CHUNK_BYTES // (unit * want)), unit, want,
                                 self._pin, keep=STAGING_KEPT_CHUNKS, ready=STAGING_READY_CHUNKS)
         # zeros, not empty: every page of L2 is touched here, at start-up, as vLLM's own KV
         # cache is, and not by the first save into each slot on the forward's thread
-        self.host = torch.zeros((self.c.slots, len(layers), want), dtype=torch.uint8,
+        self.host = torch.zeros((self.c.slots, unit, want), dtype=torch.uint8,
                                 pin_memory=self._pin) if self.c.slots else None
-        self.gate = LayerGate(names, None if self.host is None else
-                              layer_loads(layers, self._block_dims, self.host, self._staging))
+        if self.host is not None and groups is None:  # a hybrid model's: before the forward
+            self.gate = LayerGate(names, layer_loads(layers, self._block_dims, self.host,
+                                                     self._staging))
         if self.c.settings.has_storage:
-            self.c.open_store()
-            self._ring = WriteRing(self.c.settings.write_ring_pages(page_bytes), len(layers),
-                                   want, self._pin)
-            self._writer = threading.Thread(target=self._write_loop, daemon=True,
-                                            name="hicache-l3-writer")
-            self._writer.start()
-            self._reader = L3Reader(lambda: self.c.store, self.c.codec, self.tp_rank,
-                                    self._staging, STAGING_KEPT_CHUNKS)
+            self._start_l3(unit * want, unit, want)
 
-    def _gather(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        """Blocks `block_ids` of every layer into `pages` ([n, layers, bytes] uint8, CPU).
+    def _start_l3(self, page_bytes: int, unit: int, want: int) -> None:
+        self.c.open_store()
+        self._ring = WriteRing(self.c.settings.write_ring_pages(page_bytes), unit, want,
+                               self._pin)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="hicache-l3-writer")
+        self._writer.start()
+        self._reader = L3Reader(lambda: self.c.store, self.c.codecs, self.tp_rank,
+                                self._staging, STAGING_KEPT_CHUNKS)
+
+    def _gather(self, block_ids: list[int], pages: torch.Tensor, group: int = 0) -> None:
+        """Blocks `block_ids` of every layer of `group` into `pages` ([n, layers, bytes]
+        uint8, CPU).
         Each layer's rows are copied in its own dtype (a byte-wise copy of a strided view is
         many times slower), on the CPU straight into the buffer. A `[2, blocks, ...]`
         layer's block is stored as its K rows, then its V rows."""
         n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
-            dst = pages[:, layer].view(kv.dtype).view(n, *block_shape(kv, dim))
+        for row, layer in enumerate(self._groups[group]):
+            kv, dim = self.layers[layer], self._block_dims[layer]
+            dst = pages[:, row].view(kv.dtype).view(n, *block_shape(kv, dim))
             if dim == 0 and not kv.is_cuda:
                 torch.index_select(kv, 0, index, out=dst)
             else:
                 dst.copy_(kv.index_select(dim, index).movedim(dim, 0))
 
-    def _scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer."""
+    def _scatter(self, block_ids: list[int], pages: torch.Tensor, group: int = 0) -> None:
+        """`pages` ([n, layers, bytes] uint8, CPU) into blocks `block_ids` of every layer of
+        `group`."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, (kv, dim) in enumerate(zip(self.layers, self._block_dims)):
-            scatter_layer(kv, dim, index, pages[:, layer])
+        for row, layer in enumerate(self._groups[group]):
+            scatter_layer(self.layers[layer], self._block_dims[layer], index, pages[:, row])
         if self.layers and self.layers[0].is_cuda:  # the staging buffer is reused next
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
@@ -186,13 +207,26 @@ class ConnectorWorker:
         self.gate.begin(plan.idle)
         if plan.loads and self.layers:
             assert all(x.slot is not None for x in plan.loads), "L3 pages are l3_loads"
-            if self.gate.load([x.slot for x in plan.loads], [x.block_id for x in plan.loads]):
+            if self.c.groups is not None:
+                self._load_units(plan.loads)
+            elif self.gate.load([x.slot for x in plan.loads], [x.block_id for x in plan.loads]):
                 self.counters["l2_layered_pages"] += len(plan.loads)
             self.counters["l2_loaded_pages"] += len(plan.loads)
         for staged in self._reader.take_read() if self._reader is not None else []:
             self._place_async(staged)
         if not self.gate.defers:
             self._place_step()
+
+    def _load_units(self, loads: list[PageLoad]) -> None:
+        """A hybrid model's L2 units into their blocks now, before the forward, a group and
+        a staging buffer at a time."""
+        assert self.host is not None and self._staging is not None
+        for group, units in by_group(loads):
+            for run in self._staging.runs(units):
+                with self._staging.lent() as chunk:
+                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
+                    torch.index_select(words(self.host), 0, slots, out=words(chunk[:len(run)]))
+                    self._scatter([x.block_id for x in run], chunk[:len(run)], group)
 
     def wait_layer(self, name: str) -> None:
         """Before layer `name`'s attention reads its cache (vLLM's `wait_for_layer_load`)."""
@@ -236,10 +270,11 @@ class ConnectorWorker:
         n, ok = len(staged.loads), staged.ok
         good = [i for i in range(n) if ok[i]]
         try:
-            if good and not staged.placed:
+            for group, rows in by_group(good if not staged.placed else [],
+                                        lambda i: staged.loads[i].group):
                 assert staged.chunk is not None
-                self._scatter([staged.loads[i].block_id for i in good],
-                              staged.chunk[:n] if len(good) == n else staged.chunk[good])
+                self._scatter([staged.loads[i].block_id for i in rows],
+                              staged.chunk[:n] if len(rows) == n else staged.chunk[rows], group)
         finally:
             assert self._reader is not None
             self._reader.give(staged)
@@ -253,13 +288,18 @@ class ConnectorWorker:
         bad += self._place(staged)
         if staged.last:
             del self._failed[staged.req_id]
-            self._report(bad, staged.total)
+            self._report(bad, staged.total, staged.req_id)
             self.finished_loads.add(staged.req_id)
 
-    def _report(self, bad: list[int], total: int) -> None:
+    def _report(self, bad: list[int], total: int, req_id: str | None = None) -> None:
+        """Blocks that failed to load; a hybrid model's as their request's (vLLM cannot map
+        block ids of several groups back to requests: it computes the request whole)."""
         if bad:
             self.counters["load_errors"] += len(bad)
-            self.load_errors.update(bad)
+            if self.c.groups is not None and req_id is not None:
+                self.failed_loads.add(req_id)
+            else:
+                self.load_errors.update(bad)
             logger.warning("hicache connector: %d of %d L3 pages could not be loaded (missing "
                            "or failed their checksum): vLLM recomputes them", len(bad), total)
 
@@ -267,6 +307,12 @@ class ConnectorWorker:
         """Blocks that could not be loaded, since the last call."""
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose L3 load failed (a hybrid model's), since the last call; they are
+        in `take_finished_loads` too."""
+        failed, self.failed_loads = self.failed_loads, set()
+        return failed
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose L3 loads are done (placed or failed), since the last call; their
@@ -288,7 +334,7 @@ class ConnectorWorker:
             saves = kept
         if not saves or not self.layers:
             return
-        rest: Sequence[PageSave] = saves
+        rest: Sequence[PageSave] = sorted(saves, key=lambda x: x.group)  # runs by group
         while rest and self._ring is not None:
             rows = self._ring.reserve(len(rest))
             if rows is None:
@@ -299,7 +345,8 @@ class ConnectorWorker:
             except BaseException:
                 self._ring.cancel(rows)
                 raise
-            self._writes.put(([store_key(x.page_hash, self.tp_rank) for x in run], rows))
+            self._writes.put(([(store_key(x.page_hash, self.tp_rank, x.group), x.group)
+                               for x in run], rows))
         if rest and self._ring is not None:
             self.counters["l3_skipped_pages"] += len(rest)
         rest = [x for x in rest if x.slot is not None]
@@ -311,7 +358,10 @@ class ConnectorWorker:
     def _save_rows(self, saves: Sequence[PageSave], rows: torch.Tensor) -> None:
         """`saves`' blocks gathered into `rows` ([n, layers, bytes]), then those with an L2
         slot copied into it."""
-        self._gather([x.block_id for x in saves], rows)
+        start = 0
+        for group, units in by_group(saves):
+            self._gather([x.block_id for x in units], rows[start:start + len(units)], group)
+            start += len(units)
         in_l2 = [i for i, x in enumerate(saves) if x.slot is not None]
         if in_l2 and self.host is not None:
             slots = torch.tensor([saves[i].slot for i in in_l2], dtype=torch.long)
@@ -333,9 +383,10 @@ class ConnectorWorker:
                 # and frees them at commit; a page's worth is reused by the next, while a
                 # batch's is handed back to the kernel and faulted in again, drawing on the
                 # free memory vLLM's own activations fault in from (docs/integrations.md)
-                for row, key in zip(range(rows.start, rows.stop), keys):
-                    page = ring.rows[row]
-                    stored = self.c.store.put_values([key], lambda _, page=page: [as_bytes(page)])
+                for row, (key, group) in zip(range(rows.start, rows.stop), keys):
+                    page = ring.rows[row, :self.c.unit_layers(group)]
+                    stored = self.c.store.put_values([key], lambda _, page=page: [as_bytes(page)],
+                                                     self.c.codecs[group])
                     self.counters["l3_written_pages"] += sum(stored)
             except Exception:  # a store fault costs the pages, never the server
                 logger.exception("hicache connector: an L3 write failed")
@@ -353,26 +404,3 @@ class ConnectorWorker:
             self._writer.join()
             self._writer = None
 
-
-def _layer_order(name: str) -> tuple[int, str]:
-    """vLLM's layer names carry their index ("model.layers.11.self_attn.attn")."""
-    digits = [int(part) for part in name.split(".") if part.isdigit()]
-    return (digits[0] if digits else -1, name)
-
-
-def _block_dim(name: str, kv: torch.Tensor, block_bytes: int) -> int:
-    """0 where `kv` is `[num_blocks, ...]`, 1 where it is `[2, num_blocks, ...]` (K, V), by
-    where a block of `block_bytes` fits; ValueError for a layout it fits neither way, or
-    both ways (`[2, 2, ...]`: two blocks, or K and V of two: nothing in the shape tells)."""
-    fits = []
-    if kv.dim() >= 2 and kv[0].numel() * kv.element_size() == block_bytes:
-        fits.append(0)
-    if kv.dim() >= 3 and kv.shape[0] == 2 and kv[:, 0].numel() * kv.element_size() == block_bytes:
-        fits.append(1)
-    if len(fits) != 1:
-        why = "both" if fits else "neither"
-        raise ValueError(f"hicache connector: layer {name}'s cache {tuple(kv.shape)} has "
-                         f"blocks of {block_bytes} bytes (the KV cache spec) at {why} of dim 0 "
-                         "([num_blocks, ...]) and dim 1 ([2, num_blocks, ...]): a layout it "
-                         "cannot copy whole blocks of")
-    return fits[0]

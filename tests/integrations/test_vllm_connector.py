@@ -65,10 +65,11 @@ def connector_config(extra: dict[str, Any]) -> str:
 
 
 def server(log_dir: Path, label: str, extra: dict[str, Any] | None,
-           kv_bytes: int = KV_BYTES, max_len: int = 4096) -> bv.VllmServer:
+           kv_bytes: int = KV_BYTES, max_len: int = 4096,
+           model: Path | None = None) -> bv.VllmServer:
     if not VLLM_PYTHON.exists():
         pytest.skip("vLLM is not installed: `make test-integrations` installs it")
-    model = bv.model_folder(MODEL)
+    model = model or bv.model_folder(MODEL)
     flags = ["--model", str(model), "--served-model-name", "smol", "--dtype", "float32",
              "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(max_len),
              "--enable-prompt-tokens-details", "--enforce-eager", "--seed", str(SEED),
@@ -78,14 +79,19 @@ def server(log_dir: Path, label: str, extra: dict[str, Any] | None,
     return bv.VllmServer(label, VLLM_PYTHON, flags, log_dir, START_TIMEOUT_S)
 
 
-def complete(base_url: str, prompt: list[int], timeout_s: float = 300) -> tuple[list[str], int]:
-    """(the greedy answer's text pieces, vLLM's cached prompt tokens)."""
+def completion(base_url: str, prompt: list[int], timeout_s: float = 300) -> dict[str, Any]:
+    """vLLM's answer to `prompt`, greedy, with each token's logprob."""
     body = {"model": "smol", "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
             "logprobs": 0}
     req = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        out = json.load(resp)
+        return json.load(resp)
+
+
+def complete(base_url: str, prompt: list[int], timeout_s: float = 300) -> tuple[list[str], int]:
+    """(the greedy answer's text pieces, vLLM's cached prompt tokens)."""
+    out = completion(base_url, prompt, timeout_s)
     tokens = out["choices"][0]["logprobs"]["tokens"]
     return tokens, out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -219,3 +225,52 @@ def test_a_request_aborted_while_its_l3_load_is_in_flight_costs_nothing(
                 assert kv_usage(s.base_url) == 0.0
                 log = s.log_path.read_text(errors="replace")
     assert "Traceback" not in log
+
+
+# A hybrid model: random-weight Gemma 3 (tests/test_gemma3_tiers.py: six layers, two of full
+# attention, four of a 40-token window), which vLLM serves with its hybrid KV cache manager:
+# three groups of two layers (full, window, window), each group's blocks its own.
+GEMMA_GROUPS = 3
+GEMMA_MAX_LEN = 2048  # its max_position_embeddings
+GEMMA_PAGES = PAGES_PER_PROMPT * GEMMA_GROUPS  # a window group's every block is stored too
+GEMMA_VOCAB = 256  # the byte tokenizer's bytes (its vocabulary: 300)
+LOGPROB_TOLERANCE = 1e-3  # the same KV read in one chunk or two: float32 sums reordered
+HMA_OFF = "Turning off hybrid kv cache manager"  # vLLM's warning when a connector lacks HMA
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_gemma3_tiers import write_random_gemma3
+    return write_random_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def answer(base_url: str, prompt: list[int]) -> tuple[list[str], list[float], int]:
+    """(tokens, their logprobs, vLLM's cached prompt tokens)."""
+    out = completion(base_url, prompt)
+    logprobs = out["choices"][0]["logprobs"]
+    return (logprobs["tokens"], logprobs["token_logprobs"],
+            out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_gemma3_keeps_vllms_hybrid_manager_and_replays_from_l3(
+        log_dir: Path, gemma3: Path, l3: dict[str, Any]) -> None:
+    """vLLM keeps its hybrid manager with the connector (it subclasses SupportsHMA); a
+    restarted server loads the prompt's full and window units from L3 and answers with the
+    tokens (and logprobs) of vLLM without the connector."""
+    rng = random.Random(SEED)
+    prompt = [rng.randrange(GEMMA_VOCAB) for _ in range(PROMPT_TOKENS)]
+    path = Path(l3["lmdb"]["path"])
+    with server(log_dir, "gemma3-alone", None, max_len=GEMMA_MAX_LEN, model=gemma3) as s:
+        tokens, logprobs, _ = answer(s.base_url, prompt)
+    with server(log_dir, "gemma3-first", l3, max_len=GEMMA_MAX_LEN, model=gemma3) as s:
+        assert answer(s.base_url, prompt)[::2] == (tokens, 0)
+        wait_for(lambda: lmdb_pages(path), GEMMA_PAGES)
+        log = s.log_path.read_text(errors="replace")
+    assert HMA_OFF not in log and f"{GEMMA_GROUPS} KV cache group(s)" in log
+    with server(log_dir, "gemma3-restarted", l3, max_len=GEMMA_MAX_LEN,
+                model=gemma3) as s:
+        again, again_logprobs, cached = answer(s.base_url, prompt)
+        log = s.log_path.read_text(errors="replace")
+    assert (again, cached) == (tokens, HIT_TOKENS)
+    assert again_logprobs == pytest.approx(logprobs, abs=LOGPROB_TOLERANCE)
+    assert HMA_OFF not in log and "could not be loaded" not in log
