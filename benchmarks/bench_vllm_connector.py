@@ -30,6 +30,7 @@ import argparse
 import json
 import platform
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -48,6 +49,7 @@ OUT = rm.RESULTS / "vllm_connector.json"
 MODEL = "smollm2-135m-instruct"
 F32_BYTES = 4
 HMA_OFF = "Turning off hybrid kv cache manager"  # vLLM's warning, in a server's log
+GROUPS_LOGGED = r"(\d+) KV cache group\(s\)"  # hicache's connector, as it starts
 ALONE, HICACHE, EXAMPLE = "vLLM alone", "vLLM + HiCacheConnector", "vLLM + ExampleConnector"
 HICACHE_ASYNC = "vLLM + HiCacheConnector, L3 loads async"
 PROBES = ("restart", "multiturn", "no-reuse")
@@ -129,7 +131,10 @@ def restart(args: argparse.Namespace, label: str, kv_transfer: str,
     batch = prompts(1, 3, args.restart_tokens)
     with start(args, label, kv_transfer) as s:
         first = one_by_one(s.base_url, batch)
-        want = len(batch) * ((args.restart_tokens - 1) // args.block_size)
+        # hicache stores a value per KV cache group of each page (its log names the groups)
+        groups = re.search(GROUPS_LOGGED, s.log_path.read_text(errors="replace"))
+        want = (len(batch) * ((args.restart_tokens - 1) // args.block_size)
+                * (int(groups.group(1)) if groups else 1))
         deadline = time.monotonic() + WRITE_TIMEOUT_S
         while stored() < want and time.monotonic() < deadline:
             time.sleep(0.2)  # hicache writes L3 beside serving
