@@ -315,6 +315,36 @@ def test_blocks_computed_over_a_failed_in_step_load_are_never_saved(tmp_path: Pa
     again.close()
 
 
+def test_another_request_s_blocks_over_a_failed_in_step_load_are_never_saved(
+        tmp_path: Path) -> None:
+    """B shares A's blocks through vLLM's prefix cache in the step A loads them from L3 (vLLM
+    caches them at allocation): when A's load fails, B's blocks computed over them reach
+    neither L2 nor L3 (vLLM computes B again)."""
+    again, _ = restarted(tmp_path)
+    again.worker_space.store.get_values = lambda *args, **kwargs: 1 / 0  # every read fails
+    ids_a, ids_b = [1, 2, 4, 6, 8], [1, 2, 4, 6, 10, 12, 14]
+    assert again.allocate("a", PROMPT, ids_a)[1] == (4 * BLOCK, False)  # in its step
+    b_tokens = PROMPT[:4 * BLOCK] + [7] * (2 * BLOCK + 1)
+    req_b = SimpleNamespace(request_id="b", all_token_ids=b_tokens,
+                            num_prompt_tokens=len(b_tokens), num_computed_tokens=0)
+    assert again.scheduler.matched(req_b, 4 * BLOCK) == (0, False)  # vLLM's own hit
+    again.scheduler.allocated(req_b, SimpleNamespace(get_block_ids=lambda: (ids_b,)), 0)
+    new_a = SimpleNamespace(req_id="a", block_ids=(ids_a,), num_computed_tokens=4 * BLOCK)
+    new_b = SimpleNamespace(req_id="b", block_ids=(ids_b,), num_computed_tokens=4 * BLOCK)
+    plan = again.plan([new_a, new_b], {"a": 1, "b": 2 * BLOCK + 1})
+    assert [(x.block_id, x.slot, x.over) for x in plan.saves] == [
+        (10, None, ("a",)), (12, None, ("a",))]  # L3 only, over A's load
+    again.worker.prefetch(plan)
+    again.worker.load(plan)
+    for name in again.kv:
+        again.worker.wait_layer(name)
+    again.worker.finish_loads()
+    again.worker.save(plan.saves)
+    assert again.worker.take_load_errors() == {1, 2, 4, 6}
+    assert again.worker.counters["l3_dropped_saves"] == 2 and len(again.scheduler.index) == 0
+    again.close()
+
+
 def test_in_step_l3_pages_left_for_a_wait_never_made_are_load_errors(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     again, _ = restarted(tmp_path)

@@ -40,9 +40,10 @@ class PageSave:
     block_id: int
     page_hash: bytes
     slot: int | None  # the L2 slot it is copied to; None: L3 only (L2 full or none)
-    # the request whose in-step L3 load this block's KV was computed over: dropped if a
-    # page of that load failed (vLLM computes the block again, and it is saved then)
-    over: str | None = None
+    # the requests whose in-step L3 loads this block's KV was computed over (its own, or
+    # another's whose blocks vLLM's prefix cache shared with it in the same step): dropped
+    # if a page of one of them failed (vLLM computes the block again, and it is saved then)
+    over: tuple[str, ...] = ()
     group: int = 0  # the KV cache group whose block it is (`vllm_groups`)
 
 
@@ -176,13 +177,17 @@ class ConnectorScheduler:
                         async_loads=self.async_loads, idle=so.total_num_scheduled_tokens == 0)
         self.loads, self.l3_loads, self.async_loads = [], {}, {}
         keep = {load.slot for load in meta.loads if load.slot is not None}
+        # (group, block id) -> the request loading it from L3 in this step: a request that
+        # reads such a block (vLLM's prefix cache shares it at once) computes over that load
+        loading = {(load.group, load.block_id): req_id
+                   for req_id, loads in meta.l3_loads.items() for load in loads}
         for new in so.scheduled_new_reqs:
             t = self.tracked.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = [list(ids) for ids in new.block_ids]
             self._save(t, new.num_computed_tokens, so.num_scheduled_tokens[new.req_id],
-                       keep, meta, new.req_id in meta.l3_loads)
+                       keep, meta, _over(new.req_id, t, meta, loading))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.tracked.get(req_id)
@@ -195,16 +200,17 @@ class ConnectorScheduler:
                 t.block_ids = [old + list(ids) for old, ids in
                                zip(t.block_ids or [[] for _ in new_ids], new_ids)]
             self._save(t, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
-                       keep, meta, req_id in meta.l3_loads)
+                       keep, meta, _over(req_id, t, meta, loading))
         return meta
 
     def _save(self, t: _Tracked, computed: int, scheduled: int, keep: set[int],
-              meta: StepPlan, over_l3: bool) -> None:
+              meta: StepPlan, over: tuple[str, ...]) -> None:
         """Plan the saves of `t`'s blocks that this step fills: its tokens from `computed`
         (what vLLM has) to `computed + scheduled`. Where vLLM has less than was saved or
         loaded (blocks that failed to load, a preempted request), it computes them again
-        and they are saved again: a page that failed its checksum is stored anew. `over_l3`:
-        the step loads `t`'s L3 pages too, so its blocks go to L3 only, if that load holds."""
+        and they are saved again: a page that failed its checksum is stored anew. `over`:
+        the in-step L3 loads its KV is computed over, so its blocks go to L3 only, if those
+        loads hold."""
         bs = self.c.block_size
         t.saved = min(t.saved, computed // bs)
         full = min((computed + scheduled) // bs, len(t.block_ids[0]) if t.block_ids else 0,
@@ -212,13 +218,12 @@ class ConnectorScheduler:
         if full <= t.saved:
             return
         hashes = self._hashes(t, full)
-        over = t.request.request_id if over_l3 else None
         for group, ids in enumerate(t.block_ids):
             for i in range(t.saved, min(full, len(ids))):
                 if ((self.c.groups is not None and ids[i] == NULL_BLOCK_ID)
                         or self.index.find(unit_id(hashes[i], group)) is not None):
                     continue  # outside the window, or L2 has it (another request's save)
-                slot = None if over_l3 else self.index.assign(unit_id(hashes[i], group), keep)
+                slot = None if over else self.index.assign(unit_id(hashes[i], group), keep)
                 if slot is None and not self.c.settings.has_storage:
                     continue
                 meta.saves.append(PageSave(ids[i], hashes[i], slot, over, group))
@@ -228,6 +233,18 @@ class ConnectorScheduler:
     def finished(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
         self.planned.pop(req_id, None)
+
+
+def _over(req_id: str, t: _Tracked, meta: StepPlan, loading: dict[tuple[int, int], str]
+          ) -> tuple[str, ...]:
+    """The in-step L3 loads `t`'s KV is computed over: its own, and those of the blocks it
+    shares with another request loading them in this step."""
+    own = (req_id,) if req_id in meta.l3_loads else ()
+    if not loading:
+        return own
+    others = {loading[(g, b)] for g, ids in enumerate(t.block_ids or ())
+              for b in ids if (g, b) in loading} - {req_id}
+    return own + tuple(sorted(others))
 
 
 def by_groups(groups: KVGroups, index: HostIndex, store: Any, hashes: list[bytes],

@@ -329,7 +329,7 @@ class ConnectorWorker:
         go to L2 alone, a staging buffer at a time; blocks computed over a failed in-step L3
         load are dropped (their KV is wrong; vLLM computes them again)."""
         if self._step_failed:
-            kept = [x for x in saves if x.over not in self._step_failed]
+            kept = [x for x in saves if self._step_failed.isdisjoint(x.over)]
             self.counters["l3_dropped_saves"] += len(saves) - len(kept)
             saves = kept
         if not saves or not self.layers:
