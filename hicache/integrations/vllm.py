@@ -221,7 +221,9 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
                 window is not None and len(kv_cache_config.kv_cache_groups) == 1):
             raise ValueError(f"hicache connector: {type(spec).__name__} layers (sliding "
                              f"window {window}) are not supported: full attention, or "
-                             "sliding windows with vLLM's hybrid KV cache manager")
+                             "sliding windows with vLLM's hybrid KV cache manager (start "
+                             "vLLM with --disable-hybrid-kv-cache-manager to serve such a "
+                             "model's layers as full attention)")
         names = tuple(sorted(group.layer_names, key=layer_order))
         groups.append(KVGroup(names, tuple(layer_order(n)[0] for n in names), window))
         specs.append(spec)
