@@ -18,6 +18,12 @@ def pages_up(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size) * page_size
 
 
+def window_start(end: int, window: int, page_size: int) -> int:
+    """The first token (page-aligned down) a window layer reads for a query at `end`, its
+    window `window` tokens (the query's own included): the hybrid hit rule's in every tier."""
+    return pages_down(max(0, end - window + 1), page_size)
+
+
 def page_count(tokens: int, page_size: int) -> int:
     """How many pages hold `tokens` (the last one maybe partly)."""
     return -(-tokens // page_size)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from hicache.pages import window_start
+
 T = TypeVar("T")
 
 NULL_BLOCK_ID = 0  # vLLM's null block (its block pool's first): a window group's skipped block
@@ -60,7 +62,8 @@ class KVGroups(NamedTuple):
         windows = [x.window for x in self.groups if x.window is not None]
         if not windows:
             return end
-        return max(0, end * self.block_size - max(windows) + 1) // self.block_size
+        return window_start(end * self.block_size, max(windows), self.block_size) \
+            // self.block_size
 
     def hit_end(self, first: int, full: Sequence[bool], window: Sequence[bool]) -> int:
         """The longest hit's end (a block boundary; `first`: none) from block `first`, where

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import xxhash
 
 from hicache.model_kv import ModelKV
-from hicache.pages import pages_down
+from hicache.pages import window_start
 from hicache.storage.page_format import PageCodec, PageGeometry
 from hicache.storage.page_seal import FleetKeys
 
@@ -62,7 +62,7 @@ class StoreKinds(NamedTuple):
 
     def needed_from(self, end: int) -> int:
         """The first token (page-aligned down) a window layer's query at `end` reads."""
-        return pages_down(max(0, end - self.window + 1), self.page_size)
+        return window_start(end, self.window, self.page_size)
 
     def window_pages_of(self, start: int, end: int) -> int:
         """Of a stored node's pages [start, end) (tokens), how many trailing ones get a window

@@ -35,7 +35,7 @@ import torch
 from hicache.events.schema import MEDIUM_GPU, REASON_DEMOTED, REASON_EVICTED
 from hicache.memory.device import PADDING_PAGE
 from hicache.memory.windowed import WindowedKVPool
-from hicache.pages import pages_down
+from hicache.pages import window_start
 from hicache.tree.leaf_heap import LeafHeap
 from hicache.tree.node import TreeNode
 from hicache.tree.tree_events import TreeEvents
@@ -56,7 +56,7 @@ class WindowKV:
 
     def needed_from(self, end: int) -> int:
         """The first token (page-aligned down) a window layer's query at `end` reads."""
-        return pages_down(max(0, end - self.window + 1), self.page_size)
+        return window_start(end, self.window, self.page_size)
 
     # -------------------------------------------------------------------------- hits
 
