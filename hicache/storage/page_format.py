@@ -244,61 +244,43 @@ class PageCodec:
 
     def _layers_reader(self, pool: HostKVPool) -> Callable[[int], Payload]:
         if pool.layout == PAGE_FIRST:
-            per_layer = pool.page_bytes // pool.num_layers
-            runs = self._layer_runs()
-            return lambda page: [pool.page_buffer(page)[a * per_layer:b * per_layer]
-                                 for a, b in runs]
+            return self._page_parts(pool)
         index = torch.tensor(self.layers)
         return lambda page: memoryview(
             pool.get_page(page).index_select(0, index).reshape(-1).view(torch.uint8).numpy())
 
+    def _page_parts(self, pool: HostKVPool) -> Callable[[int], Payload]:
+        """A page_first pool's page id -> this codec's parts of it, views of the pool's
+        memory: [num_pages, page_bytes] as numpy, a page's view in ~0.2 us, where
+        `page_buffer` (a torch view per call) takes ~6 us, 15% of a 128 KiB page's read."""
+        pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
+        per_layer = pool.page_bytes // pool.num_layers
+        runs = self._layer_runs() or [(0, pool.num_layers)]
+
+        def parts(page: int) -> Payload:
+            if not 0 <= page < pool.num_pages:  # numpy would wrap a negative id
+                raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
+            row = pages[page]
+            return [row[a * per_layer:b * per_layer] for a, b in runs]
+        return parts
+
     def value_writer(self, pool: HostKVPool) -> Callable[[bytes, memoryview | bytes, int], bool]:
-        """(page key, stored value, page id) -> copy its payload into the page; False when
-        it is bad (`copy_into`). After False the page holds undefined bytes. layer_first
-        pages go through a scratch page (not thread-safe: one writer per thread).
+        """(page key, stored value, page id) -> copy its payload into the page (only this
+        codec's layers of it); False when it is bad (`copy_into`). After False those layers
+        hold undefined bytes. layer_first pages go through a scratch page (not thread-safe:
+        one writer per thread).
         """
-        if self.layers is not None:
-            return self._layers_writer(pool)
         if pool.layout == PAGE_FIRST:
-            # [num_pages, page_bytes], the pool's memory: a page's view in ~0.2 us, where
-            # `page_buffer` (a torch view per call) takes ~6 us, 15% of a 128 KiB page's read.
-            pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
-
-            def copy_page_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
-                if not 0 <= page < pool.num_pages:  # numpy would wrap a negative id
-                    raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
-                return self.copy_into(key, value, pages[page])
-            return copy_page_first
+            parts = self._page_parts(pool)
+            return lambda key, value, page: self.copy_into(key, value, parts(page))
         scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
         scratch_bytes = memoryview(scratch.view(-1).view(torch.uint8).numpy())
 
         def copy_layer_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
             if not self.copy_into(key, value, scratch_bytes):
                 return False
-            pool.set_page(page, scratch)
-            return True
-        return copy_layer_first
-
-    def _layers_writer(self, pool: HostKVPool) -> Callable[[bytes, memoryview | bytes, int], bool]:
-        """`value_writer` of a codec of some layers: only those layers of the page change."""
-        if pool.layout == PAGE_FIRST:
-            pages = pool.buffer.view(pool.num_pages, -1).view(torch.uint8).numpy()
-            per_layer = pool.page_bytes // pool.num_layers
-            runs = self._layer_runs()
-
-            def copy_layers(key: bytes, value: memoryview | bytes, page: int) -> bool:
-                if not 0 <= page < pool.num_pages:
-                    raise IndexError(f"host page {page} is out of range [0, {pool.num_pages})")
-                row = pages[page]
-                return self.copy_into(key, value, [row[a * per_layer:b * per_layer]
-                                                   for a, b in runs])
-            return copy_layers
-        scratch = torch.empty(self.geometry.page_shape, dtype=self.geometry.dtype)
-        scratch_bytes = memoryview(scratch.view(-1).view(torch.uint8).numpy())
-
-        def copy_layer_first(key: bytes, value: memoryview | bytes, page: int) -> bool:
-            if not self.copy_into(key, value, scratch_bytes):
-                return False
+            if self.layers is None:
+                pool.set_page(page, scratch)
             for i, layer in enumerate(self.layers or ()):
                 k, v = pool.layer_kv(layer)
                 k[page].copy_(scratch[i, 0])
