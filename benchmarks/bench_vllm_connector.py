@@ -116,13 +116,13 @@ def lmdb_pages(path: Path) -> int:
     it grows the map: the callers poll)."""
     if not (path / "data.mdb").exists():
         return 0
-    with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
-        db = env.open_db(b"pages", create=False)
-        try:
+    try:
+        with lmdb.open(str(path), max_dbs=2, readonly=True) as env:
+            db = env.open_db(b"pages", create=False)  # its own transaction: may see it too
             with env.begin(db=db) as txn:
                 return txn.stat(db)["entries"]
-        except lmdb.MapResizedError:  # the writer grew the map since this opened: ask again
-            return 0
+    except lmdb.MapResizedError:  # the writer grew the map since this opened: ask again
+        return 0
 
 
 def restart(args: argparse.Namespace, label: str, kv_transfer: str,

@@ -675,14 +675,21 @@ def test_a_corrupted_page_is_a_load_error_never_served(tmp_path: Path) -> None:
             value = bytearray(txn.get(key))
             value[-1] ^= 0x10
             txn.put(key, bytes(value))
-    # asynchronously: in its step the page is checked in its blocks, left undefined there
-    # while vLLM drops the step's output (test_blocks_computed_over_a_failed_in_step_load_...)
+    # asynchronously (in its step the page is checked in its blocks, left undefined there
+    # while vLLM drops the step's output: test_blocks_computed_over_a_failed_in_step_load_...)
+    # in a step with no forward: read into its blocks too, reported before vLLM caches them
     again = Server(tmp_path / "l3", seed=2, **ASYNC)
-    before = again.block(2)
     assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == BLOCK
     assert again.errors == {2}  # vLLM recomputes block 2 and later
-    assert same(again.block(2), before)  # the bad page never reached the cache
     assert again.worker.counters["load_errors"] == 1
+    again.close()
+    # through staging buffers (caches on a GPU): the bad page never reaches its block
+    corrupt(tmp_path / "l3", key)  # again: the read dropped it, a save stored it anew
+    again = Server(tmp_path / "l3", seed=2, **ASYNC)
+    again.worker._into = None
+    before = again.block(2)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == BLOCK
+    assert again.errors == {2} and same(again.block(2), before)
     again.close()
     # the read dropped the bad value, and the recomputed block was stored anew
     third = Server(tmp_path / "l3", seed=3)
@@ -907,6 +914,21 @@ def test_a_hybrid_restart_loads_each_group_from_l3_bit_for_bit(tmp_path: Path) -
     assert same([kv[0] for kv in again.kv.values()], null)  # the null block untouched
     # 4 full units, 2 of each window group
     assert again.worker.counters["l3_loaded_pages"] == HIT + 2 * (HIT - WINDOW_FROM)
+    again.close()
+
+
+def test_a_step_with_no_forward_reads_held_back_units_straight_into_their_blocks(
+        tmp_path: Path) -> None:
+    computed = stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    taken, real = [], again.worker._staging.take
+    again.worker._staging.take = lambda: taken.append(1) or real()
+    readers = reading_threads(again.space.store)
+    assert again.run("a", AGAIN_IDS) == HIT * BLOCK
+    assert not taken  # no staging buffer, no copy out of one
+    assert set(readers) <= {"MainThread", "hicache-l3-loader"} and readers
+    got = again.blocks(AGAIN_IDS, HIT)
+    assert same(got[:2 * HIT], computed[:2 * HIT])
     again.close()
 
 

@@ -255,17 +255,18 @@ def layer_loads(layers: list[torch.Tensor], block_dims: list[int], host: torch.T
     return kind(layers, block_dims, host, staging)
 
 
-def block_bytes(layers: list[torch.Tensor], block_dims: list[int]
-                ) -> Callable[[int], list[np.ndarray]] | None:
-    """For caches in host memory: a block id -> that block's bytes in every layer, in
-    the order a page stores them (per layer its block, or its K block then its V block),
-    as views any thread may copy into without a torch op; None for caches on a GPU."""
+def block_bytes(layers: list[torch.Tensor], block_dims: list[int], groups: list[list[int]]
+                ) -> Callable[[int, int], list[np.ndarray]] | None:
+    """For caches in host memory: (a block id, a KV cache group) -> that block's bytes in
+    each of the group's layers (`groups`: per group, its layers' indices), in the order a
+    page stores them (per layer its block, or its K block then its V block), as views any
+    thread may copy into without a torch op; None for caches on a GPU."""
     if not layers or layers[0].is_cuda:
         return None
     arrays = [kv.view(torch.uint8).numpy() for kv in layers]  # made here, on vLLM's thread
 
-    def parts(block: int) -> list[np.ndarray]:
-        return [part for arr, dim in zip(arrays, block_dims)
+    def parts(block: int, group: int) -> list[np.ndarray]:
+        return [part for i in groups[group] for arr, dim in ((arrays[i], block_dims[i]),)
                 for part in ((arr[block],) if dim == 0 else (arr[0, block], arr[1, block]))]
 
     return parts

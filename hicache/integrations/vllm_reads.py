@@ -13,6 +13,8 @@ for the worker to place into vLLM's blocks on vLLM's thread. Two kinds, one load
                  (vLLM drops the step's output for the request and computes them again).
     async reads  a request vLLM holds back (WAITING_FOR_REMOTE_KVS): read beside the steps
                  of other requests; at most `kept` of its buffers wait for vLLM's thread.
+                 In a step with no forward, a StepRead straight into its blocks instead
+                 (caches in host memory), shared by both threads.
 
 No torch op runs on the loader thread (one would start an OpenMP team of its own beside the
 forward's): it fills buffers through their bytes. A store fault costs the buffer's pages.
@@ -56,7 +58,8 @@ class Staged:
     placed: bool = False  # read straight into its blocks: nothing left to copy
 
 
-BlockBytes = Callable[[int], list[Any]]  # a block id -> its bytes in every layer, in order
+BlockBytes = Callable[[int, int], list[Any]]  # (block id, group) -> its bytes in the group's
+# layers, in order
 STEP_RUN_PAGES = 4  # pages a thread claims at a time of an in-step read straight into blocks:
 # a 46-page hit (SmolLM2 float32, 1,472 tokens) is 12 runs for two threads to share, and a
 # run's read transaction and key hashing are spread over 4 pages of 1.5 MB
@@ -210,7 +213,7 @@ class L3Reader:
 
     def _read_into(self, loads: Sequence[PageLoad], into: BlockBytes) -> list[bool]:
         """L3's pages straight into their blocks, each checked there: which arrived whole."""
-        return self._get(loads, lambda i: into(loads[i].block_id))
+        return self._get(loads, lambda i: into(loads[i].block_id, loads[i].group))
 
     def _get(self, loads: Sequence[PageLoad], into: Callable[[int], Any]) -> list[bool]:
         """Each page of `loads` copied into `into(its index)` and checked there, a group's
