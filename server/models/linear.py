@@ -138,8 +138,9 @@ class Linear(nn.Module):
       one-row step: 2.7 ms against oneDNN's 4.6 on 2 cores). Chunks of ONEDNN_MIN_ROWS
       rows or more take a oneDNN copy too, where its bits are the kernel's.
     - bfloat16 on the same kernel: float32 sums over the input pairs, one rounding; on AMX
-      0.6-0.9x the speed of oneDNN's bfloat16 matmul at 2,048 rows and 1.5-4x faster for decode
-      batches (kernels/cpu_linear.py), every call on the kernel.
+      (2 x 2 tiles) 0.75x the speed of oneDNN's bfloat16 matmul at 2,048 rows of Gemma 3's
+      shapes, 0.8x at 300 and 1.7-2.1x faster for decode batches of 1-8 rows (2-core Xeon,
+      kernels/cpu_linear.py), every call on the kernel.
     - otherwise oneDNN's blocked layout (vLLM's CPU backend does the same): no per-call
       reorder of the weight (measured on 2 cores, the embedded model's gate|up at 8 rows:
       505 -> 272 us), and a row's result does not depend on how many rows share the call

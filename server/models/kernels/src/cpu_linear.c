@@ -259,48 +259,96 @@ TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
 
 /* ------------------------------------------------------------------------ bfloat16, AMX */
 
-/* tmm0-3: C, rows x 16 float32 (outputs 16j .. 16j + 15 of the panel); tmm4: A, rows x 16
- * pairs of x; tmm5, tmm6: B, 16 pairs x 16 outputs, loaded in turn (cpu_amx.h). */
-/* C tiles += A (rows of `a`, `lda` bytes apart) times the four B tiles of one block of the
- * panel at `wt` (rows 2 * NR elements apart). */
-#define AMX_BLOCK(a, lda, wt, half)                                                   \
+/* A tile call covers up to 32 rows of x and 32 outputs (half a panel) at a time, as a 2 x 2
+ * block of C tiles: tmm0, tmm1 the first 16 rows' outputs 0-15 and 16-31, tmm2, tmm3 the
+ * next rows'; tmm4, tmm5 their A tiles (16 pairs of each row); tmm6, tmm7 the two B tiles
+ * (16 pairs x 16 outputs). Each block of 16 pairs loads four tiles into four registers and
+ * runs four tdpbf16ps: every tile loaded is used twice, and no load waits for a product to
+ * free its register within the block. With 16 rows or fewer, the first row of tiles alone.
+ *
+ * Every output's arithmetic is the same whatever the blocking: tdpbf16ps over the blocks
+ * of 16 pairs in order, into a float32 tile row that is that row of x times B. */
+#define AMX_ROWS 32  /* rows of x per tile call: two A tiles */
+#define AMX_HALF 32  /* outputs per tile call: two B tiles */
+
+/* Tiles for `r0` (1..16) rows in tmm0, tmm1, tmm4 and `r1` (0..16) in tmm2, tmm3, tmm5
+ * (unused when 0); tmm6, tmm7: 16 rows of 64 bytes. */
+static inline void configure_tiles_2x2(int r0, int r1) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = rows[t] ? 64 : 0;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");  /* as configure_tiles */
+}
+
+/* C tiles += the A tiles (rows of `a`, `lda` bytes apart; the second 16 rows below the
+ * first when `two`) times B_0, B_1 at `b` and `b` + 16 outputs (rows `ldb` bytes apart). */
+#define AMX_2X2(a, lda, b, ldb, two)                                                  \
     do {                                                                              \
-        if (half)                                                                     \
-            AMX_DOT2(a, lda, wt, 32, 2 * NR * 2);                                     \
-        else                                                                          \
-            AMX_DOT4(a, lda, wt, 32, 2 * NR * 2);                                     \
+        _tile_loadd(6, (b), (ldb));                                                   \
+        _tile_loadd(7, (b) + 32, (ldb));                                              \
+        _tile_loadd(4, (a), (lda));                                                   \
+        _tile_dpbf16ps(0, 4, 6);                                                      \
+        _tile_dpbf16ps(1, 4, 7);                                                      \
+        if (two) {                                                                    \
+            _tile_loadd(5, (const char *)(a) + 16 * (lda), (lda));                    \
+            _tile_dpbf16ps(2, 5, 6);                                                  \
+            _tile_dpbf16ps(3, 5, 7);                                                  \
+        }                                                                             \
     } while (0)
 
-/* Rows [0, mr) of x (mr <= 16) times one panel on the tiles, configured for mr rows. */
-/* `half`: 0 for the whole panel; 1 or 2 for its first or second 32 outputs alone (a
- * decode call's work split finer, so that two threads share an odd number of panels
- * evenly; each output's arithmetic is the same either way). */
-static __attribute__((target("amx-tile,amx-bf16"))) void tile_bf16_amx(
-        int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
-        const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int half) {
-    float c[16 * NR] __attribute__((aligned(64)));
-    uint16_t tail[16 * 2 * PAIR_TILE] __attribute__((aligned(64)));
-    if (half)
-        w += (half - 1) * NR;  /* the B tiles of outputs 32 .. 63: 32 pairs in */
-    AMX_ZERO_C();
-    const int64_t whole = K / (2 * PAIR_TILE);
-    for (int64_t t = 0; t < whole; t++)
-        AMX_BLOCK(x + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR, half);
-    const int64_t left = K - whole * 2 * PAIR_TILE;
-    if (left) {  /* the last inputs, zero-padded to a whole block (never read past a row) */
-        memset(tail, 0, sizeof tail);
-        for (int i = 0; i < mr; i++)
-            memcpy(tail + i * 2 * PAIR_TILE, x + i * ldx + whole * 2 * PAIR_TILE,
-                   (size_t)left * sizeof(uint16_t));
-        AMX_BLOCK(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR, half);
-    }
-    AMX_STORE_C(c, NR * 4);
-    __m512 acc[MR][4];
-    for (int i0 = 0; i0 < mr; i0 += MR) {  /* store_bf16 takes MR rows at a time */
-        const int n = mr - i0 < MR ? mr - i0 : MR;
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_load_ps(c + (i0 + i) * NR + j * VEC);
-        store_bf16(n, acc, bias, y + i0 * ldy, ldy, cols);
+/* Rows [0, rows) of x times outputs [0, cols) of the panel at `w` (cols <= 32: the B tiles
+ * of its first 32 outputs; the caller offsets `w`, the bias and y for the second 32), a
+ * strip of 32 rows at a time over every block of pairs; each strip rounded to bfloat16
+ * with the bias. `configured`: the rows the calling thread's tiles are set for (0: none
+ * yet). Chunks of pairs kept in L1 across the strips were no faster here. */
+static __attribute__((target("amx-tile,amx-bf16"))) void panel_half_amx(
+        int rows, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
+        const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int *configured) {
+    float c[AMX_ROWS * AMX_HALF] __attribute__((aligned(64)));
+    uint16_t tail[AMX_ROWS * 2 * PAIR_TILE] __attribute__((aligned(64)));
+    const int64_t whole = K / (2 * PAIR_TILE), left = K - whole * 2 * PAIR_TILE;
+    const int64_t ldb = 2 * NR * 2, ldc = AMX_HALF * 4;
+    for (int m = 0; m < rows; m += AMX_ROWS) {
+        const int mr = rows - m < AMX_ROWS ? rows - m : AMX_ROWS, two = mr > 16;
+        const uint16_t *xs = x + m * ldx;
+        if (*configured != mr) {
+            configure_tiles_2x2(mr < 16 ? mr : 16, mr > 16 ? mr - 16 : 0);
+            *configured = mr;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t t = 0; t < whole; t++)
+            AMX_2X2(xs + t * 2 * PAIR_TILE, ldx * 2, w + t * PAIR_TILE * 2 * NR, ldb, two);
+        if (left) {  /* the last inputs, zero-padded to a whole block (never read past a row) */
+            memset(tail, 0, sizeof tail);
+            for (int i = 0; i < mr; i++)
+                memcpy(tail + i * 2 * PAIR_TILE, xs + i * ldx + whole * 2 * PAIR_TILE,
+                       (size_t)left * sizeof(uint16_t));
+            AMX_2X2(tail, 2 * PAIR_TILE * 2, w + whole * PAIR_TILE * 2 * NR, ldb, two);
+        }
+        _tile_stored(0, c, ldc);
+        _tile_stored(1, c + 16, ldc);
+        if (two) {
+            _tile_stored(2, c + 16 * AMX_HALF, ldc);
+            _tile_stored(3, c + 16 * AMX_HALF + 16, ldc);
+        }
+        __m512 acc[MR][4];
+        for (int i0 = 0; i0 < mr; i0 += MR) {  /* store_bf16 takes MR rows at a time */
+            const int n = mr - i0 < MR ? mr - i0 : MR;
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < 2; j++)  /* store_bf16 reads no more: cols <= 32 */
+                    acc[i][j] = _mm512_load_ps(c + (i0 + i) * AMX_HALF + j * VEC);
+            store_bf16(n, acc, bias, y + (m + i0) * ldy, ldy, cols);
+        }
     }
 }
 
@@ -345,48 +393,48 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
         return -1;
     if (M == 0)
         return 0;
-    const int64_t unit = isa == ISA_AMX ? 48 : MR;  /* whole tiles of rows: 3 x 16, 8 x 6 */
+    const int64_t unit = isa == ISA_AMX ? 2 * AMX_ROWS : MR;  /* whole tiles of rows */
     int64_t most = X_BLOCK_BYTES / (K * (int64_t)sizeof(uint16_t)) / unit * unit;
     most = most < unit ? unit : most > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS : most;
     const int64_t blocks = (M + most - 1) / most;
     const int64_t block = ((M + blocks - 1) / blocks + unit - 1) / unit * unit;
     const int64_t panels = (N + NR - 1) / NR, panel_size = padded_pairs(K) * 2 * NR;
-    const int step = isa == ISA_AMX ? 16 : MR;  /* rows per tile */
-    /* one block (a decode batch) over an odd share of panels per thread: on AMX, halves */
-    const int halves = isa == ISA_AMX && blocks == 1 && threads > 1 && panels % threads ? 2 : 1;
+    /* AMX runs half a panel a call; one block (a decode batch) over an odd share of panels
+     * per thread splits them there too, so that the threads share them evenly */
+    const int halves = isa == ISA_AMX ? 2 : 1;
+    const int split = isa == ISA_AMX && blocks == 1 && threads > 1 && panels % threads;
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;  /* the rows this thread's tiles are configured for */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            for (int64_t u = 0; u < panels * halves; u++) {
-                const int64_t p = u / halves;
-                const int half = halves == 2 ? (int)(u % 2) + 1 : 0;
-                const int64_t col0 = half == 2 ? NR / 2 : 0;
+            for (int64_t u = 0; u < panels * (split ? 2 : 1); u++) {
+                const int64_t p = split ? u / 2 : u;
                 const int64_t end = (b + 1) * block < M ? (b + 1) * block : M;
-                int cols = N - p * NR - col0 < NR - col0 ? (int)(N - p * NR - col0)
-                                                         : (int)(NR - col0);
-                if (half == 1 && cols > NR / 2)
-                    cols = NR / 2;
-                if (cols <= 0)
-                    continue;  /* the second half of a last panel of 32 outputs or fewer */
                 const uint16_t *w = packed + p * panel_size;
-                const uint16_t *bp = bias ? bias + p * NR + col0 : NULL;
-                for (int64_t m = b * block; m < end; m += step) {
-                    const int mr = end - m < step ? (int)(end - m) : step;
-                    const uint16_t *xm = x + m * ldx;
-                    const int fetch = m == b * block;  /* the panel's first tile streams it */
-                    uint16_t *ym = y + m * N + p * NR + col0;
+                for (int h = split ? (int)(u % 2) : 0; h < (split ? (int)(u % 2) + 1 : halves);
+                     h++) {
+                    const int64_t col0 = p * NR + (int64_t)h * AMX_HALF;
+                    const int64_t room = isa == ISA_AMX ? AMX_HALF : NR;
+                    const int cols = N - col0 < room ? (int)(N - col0) : (int)room;
+                    if (cols <= 0)
+                        continue;  /* the second half of a last panel of 32 outputs or fewer */
+                    const uint16_t *bp = bias ? bias + col0 : NULL;
                     if (isa == ISA_AMX) {
-                        if (configured != mr) {
-                            configure_tiles(mr);
-                            configured = mr;
-                        }
-                        tile_bf16_amx(mr, xm, ldx, w, K, bp, ym, N, cols, half);
-                    } else if (isa == ISA_AVX512BF16) {
-                        tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
-                    } else {
-                        tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
+                        panel_half_amx((int)(end - b * block), x + b * block * ldx, ldx,
+                                       w + h * 2 * AMX_HALF, K, bp, y + b * block * N + col0,
+                                       N, cols, &configured);
+                        continue;
+                    }
+                    for (int64_t m = b * block; m < end; m += MR) {
+                        const int mr = end - m < MR ? (int)(end - m) : MR;
+                        const uint16_t *xm = x + m * ldx;
+                        const int fetch = m == b * block;  /* the panel's first tile streams it */
+                        uint16_t *ym = y + m * N + col0;
+                        if (isa == ISA_AVX512BF16)
+                            tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
+                        else
+                            tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                     }
                 }
             }
