@@ -147,6 +147,19 @@ class L3Reader:
             if staged is not None:
                 self.give(staged)
 
+    def read_now(self, jobs: list[tuple[str, list[PageLoad]]], into: BlockBytes
+                 ) -> Iterator[Staged]:
+        """Held-back requests' pages (`jobs`) in a step with no forward, read straight into
+        their blocks (`into`) by this thread and the loader together, as an in-step read
+        is; each request's runs in order. A page that fails leaves its blocks undefined:
+        vLLM caches a held-back request's blocks only once its load is reported done, up
+        to its first failed one, and computes the rest."""
+        reads = [StepRead(req_id, pages, into, 0) for req_id, pages in jobs]
+        for read in reads:
+            self.ahead(read)
+        for read in reads:
+            yield from self.wait(read)
+
     def queued(self) -> tuple[str, list[PageLoad]] | None:
         """An asynchronous read the loader has not taken yet, or None (in-step reads left
         in the queue were read in their step already)."""

@@ -14,9 +14,9 @@ thread: a step's own L3 pages are queued as its metadata arrives (`prefetch`) an
 before the forward's first layer reads its cache; an asynchronous request's are read beside
 later steps, placed at the next, and the request reported (`take_finished_loads`); in a step
 with no forward (vLLM only waits for loads) they are read straight into their blocks by
-both threads where the caches are in host memory (`_read_idle`). A page
-that failed is never copied into its block: it is reported (`take_load_errors`, in the same
-step) and vLLM computes it; the blocks a step computed over its failed in-step load are not
+both threads where the caches are in host memory (`L3Reader.read_now`). A page that failed
+is reported (`take_load_errors`, in the same step; undefined in its block if read there)
+and vLLM computes it; the blocks a step computed over its failed in-step load are not
 saved. Saves copy the step's blocks into their L2 slots and queue a copy for the L3 writer
 thread; a store fault there costs the pages, never the step. The writer runs on the cores'
 leftovers (`hicache.threads.background_priority`).
@@ -203,12 +203,10 @@ class ConnectorWorker:
                 self._reader.later(req_id, pages)
         elif self._reader is not None:  # what is queued first, then this step's
             jobs = [*iter(self._reader.queued, None), *plan.async_loads.items()]
-            if self._into is not None:
-                self._read_idle(jobs)
-            else:
-                for req_id, pages in jobs:
-                    for staged in self._reader.read(req_id, pages):
-                        self._place_async(staged)
+            reader = self._reader
+            for staged in (reader.read_now(jobs, self._into) if self._into is not None else
+                           (s for req_id, pages in jobs for s in reader.read(req_id, pages))):
+                self._place_async(staged)
         self.gate.begin(plan.idle)
         if plan.loads and self.layers:
             assert all(x.slot is not None for x in plan.loads), "L3 pages are l3_loads"
@@ -221,20 +219,6 @@ class ConnectorWorker:
             self._place_async(staged)
         if not self.gate.defers:
             self._place_step()
-
-    def _read_idle(self, jobs: list[tuple[str, list[PageLoad]]]) -> None:
-        """Held-back requests' L3 pages in a step with no forward, caches in host memory:
-        read straight into their blocks by the loader and this thread together, as an
-        in-step read is. A page that fails leaves its blocks undefined: vLLM has not cached
-        them (it caches a held-back request's blocks once its load is reported done), and
-        the failure reported with it makes vLLM compute them again."""
-        assert self._reader is not None and self._into is not None
-        reads = [StepRead(req_id, pages, self._into, 0) for req_id, pages in jobs]
-        for read in reads:
-            self._reader.ahead(read)
-        for read in reads:
-            for staged in self._reader.wait(read):
-                self._place_async(staged)
 
     def _load_units(self, loads: list[PageLoad]) -> None:
         """A hybrid model's L2 units into their blocks now, before the forward, a group and
