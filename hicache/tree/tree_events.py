@@ -68,8 +68,9 @@ class TreeEvents:
 
     def record_all(self, nodes: Iterable[TreeNode]) -> None:
         """Say again what `nodes` (parents first) hold, after an `AllBlocksCleared` some of
-        them outlived (a flush of L3, pinned pages a flush kept). L3's window parts are not
-        said again: the tree does not keep which pages have one."""
+        them outlived (pinned pages a flush kept, L1 and L2 after L3 went). It follows only
+        an emptied or detached L3, so L3's window parts, which the tree does not keep, are
+        never left to say."""
         for node in nodes:
             for medium in node.media():
                 self.stored(node, medium)
