@@ -42,8 +42,8 @@ class Backups:
         """Write a node that just reached L2 to storage, with any ancestor not there yet,
         parents first (a match may have split the node while its D->H copy ran: the upper
         half is acknowledged by the same copy). Host pages stay until each ack."""
-        if node.storage_backed:  # a boundary made by a split: its window parts only
-            return self._backup_window(node)
+        if node.storage_backed:  # a boundary in stored pages (a split): its window parts
+            self._backup_window(node)
         chain = []
         while node is not self.tree.root:
             if node is None:  # it left the tree since it reached L2 (evicted from L2)
@@ -75,7 +75,8 @@ class Backups:
         """A stored node's window parts, for the boundary at its end (a split made it after
         the node was stored), when its L2 copy holds the window KV."""
         windows = self._window_pages(node)
-        if not windows or node.parent is None or node.id in self._in_flight:
+        if (not windows or node.parent is None or node.host_value is None
+                or node.id in self._in_flight):  # gone from L2 meanwhile, or being written
             return
         hashes = node_hashes(node, self.tree.root, self.hasher)[-windows:]
         host = node.host_value[len(node.key) - windows * self.page_size:]

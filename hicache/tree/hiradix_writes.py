@@ -71,7 +71,8 @@ class HostWrites:
         """`new` was split off above `child`: if `child`'s copy runs, it lands `new` too. A
         hybrid model's new boundary in L3 pages whose L2 copy holds window KV is handed on
         with the nodes that reached L2 (`writing_check`): L3 gets its window parts."""
-        if new.storage_backed and new.host_window and new.host_value is not None:
+        if (new.storage_backed and new.host_window and new.host_value is not None
+                and not self.writing(child.id)):  # else with the copy's ack
             self._landed.append(new)
         if self._track_halves:
             write = self._write_of.get(child.id, child.id)
@@ -153,6 +154,8 @@ class HostWrites:
             self.tree.copy_changed(node)
             for half in halves:
                 self.tree.kv_events.stored(half, MEDIUM_CPU)
+            # a boundary split off in stored pages while the copy ran: its window parts now
+            written += [h for h in halves[:-1] if h.storage_backed and h.host_window]
             written.append(node)
         self._landed.extend(written)
         if not claim:
