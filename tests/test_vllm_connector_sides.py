@@ -23,7 +23,7 @@ import torch
 from hicache.config import ConfigError
 from hicache.integrations import vllm_worker
 from hicache.integrations.vllm_buffers import Staging, WriteRing
-from hicache.integrations.vllm_groups import KVGroup, KVGroups
+from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroup, KVGroups
 from hicache.integrations.vllm_layers import ByLayer, layer_loads
 from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
 from hicache.integrations.vllm_settings import (
@@ -929,6 +929,34 @@ def test_a_step_with_no_forward_reads_held_back_units_straight_into_their_blocks
     assert set(readers) <= {"MainThread", "hicache-l3-loader"} and readers
     got = again.blocks(AGAIN_IDS, HIT)
     assert same(got[:2 * HIT], computed[:2 * HIT])
+    again.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_held_back_request_with_no_l3_unit_left_is_finished_at_once(
+        tmp_path: Path, idle: bool) -> None:
+    """vLLM holds a request back once the match said asynchronous; when every L3 unit it
+    planned turns out a null block (a narrower window group), the worker still hands it
+    back (it would wait forever)."""
+    stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    request = SimpleNamespace(request_id="a", all_token_ids=PROMPT,
+                              num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
+    hit, wait = again.scheduler.matched(request, 0)
+    assert wait and hit == HIT * BLOCK
+    # every planned unit dropped, as a window block vLLM skipped is
+    nulls = tuple([NULL_BLOCK_ID] * len(ids) for ids in AGAIN_IDS)
+    again.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: nulls), hit)
+    plan = again.scheduler.step(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=int(
+            not idle), scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])))
+    assert plan.async_loads == {"a": []} and plan.idle == idle
+    again.worker.prefetch(plan)
+    again.worker.load(plan)
+    again.worker.finish_loads()
+    assert again.worker.take_finished_loads() == {"a"}
+    assert again.worker.counters["l3_loaded_pages"] == 0
     again.close()
 
 

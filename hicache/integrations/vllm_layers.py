@@ -266,8 +266,11 @@ def block_bytes(layers: list[torch.Tensor], block_dims: list[int], groups: list[
     arrays = [kv.view(torch.uint8).numpy() for kv in layers]  # made here, on vLLM's thread
 
     def parts(block: int, group: int) -> list[np.ndarray]:
-        return [part for i in groups[group] for arr, dim in ((arrays[i], block_dims[i]),)
-                for part in ((arr[block],) if dim == 0 else (arr[0, block], arr[1, block]))]
+        out: list[np.ndarray] = []
+        for i in groups[group]:
+            arr = arrays[i]
+            out += [arr[block]] if block_dims[i] == 0 else [arr[0, block], arr[1, block]]
+        return out
 
     return parts
 

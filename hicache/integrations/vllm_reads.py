@@ -147,13 +147,19 @@ class L3Reader:
             if staged is not None:
                 self.give(staged)
 
-    def read_now(self, jobs: list[tuple[str, list[PageLoad]]], into: BlockBytes
+    def read_now(self, jobs: list[tuple[str, list[PageLoad]]], into: BlockBytes | None
                  ) -> Iterator[Staged]:
-        """Held-back requests' pages (`jobs`) in a step with no forward, read straight into
-        their blocks (`into`) by this thread and the loader together, as an in-step read
-        is; each request's runs in order. A page that fails leaves its blocks undefined:
-        vLLM caches a held-back request's blocks only once its load is reported done, up
-        to its first failed one, and computes the rest."""
+        """Held-back requests' pages (`jobs`) in a step with no forward, each request's
+        runs in order: straight into their blocks (`into`) by this thread and the loader
+        together, as an in-step read is; or (None: caches on a GPU) on this thread, a
+        staging buffer at a time, which the caller places before the next is read. A page
+        that fails in its blocks leaves them undefined: vLLM caches a held-back request's
+        blocks only once its load is reported done, up to its first failed one, and
+        computes the rest."""
+        if into is None:
+            for req_id, pages in jobs:
+                yield from self.read(req_id, pages)
+            return
         reads = [StepRead(req_id, pages, into, 0) for req_id, pages in jobs]
         for read in reads:
             self.ahead(read)

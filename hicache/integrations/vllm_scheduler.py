@@ -168,6 +168,8 @@ class ConnectorScheduler:
                 l3.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += tokens
                 t.l3_planned = True
+        if planned.load_async:  # vLLM holds the request until the worker says it is done,
+            l3.setdefault(request.request_id, [])  # even with no L3 unit left to load
         t.saved = max(t.saved, end)
 
     def step(self, so: Any) -> StepPlan:

@@ -190,22 +190,23 @@ class ConnectorWorker:
         them, this thread) and placed now, or before the forward's first layer once vLLM
         has shown that it waits on every layer; the L3 pages of requests vLLM
         holds back queued for the loader, and what it has read of them placed (a request
-        whose pages are all placed is finished). In an `idle` step (no forward: vLLM only
-        waits for loads) this thread reads those itself, placing each buffer as it is read:
-        it stalls nothing, reuses one staging buffer, and hands the request back a step
-        sooner."""
+        whose pages are all placed is finished; one with none at once). In an `idle` step
+        (no forward: vLLM only waits for loads) this thread reads those too, with the loader
+        straight into their blocks where the caches are in host memory, else a staging
+        buffer at a time (`L3Reader.read_now`): it stalls nothing and hands the request back
+        a step sooner."""
         if self._plan is not plan:
             self.prefetch(plan)
         if self._into is not None:
             self._queue_step_reads()
+        async_loads = {r: pages for r, pages in plan.async_loads.items() if pages}
+        self.finished_loads.update(r for r in plan.async_loads if r not in async_loads)
         if self._reader is not None and not plan.idle:
-            for req_id, pages in plan.async_loads.items():
+            for req_id, pages in async_loads.items():
                 self._reader.later(req_id, pages)
         elif self._reader is not None:  # what is queued first, then this step's
-            jobs = [*iter(self._reader.queued, None), *plan.async_loads.items()]
-            reader = self._reader
-            for staged in (reader.read_now(jobs, self._into) if self._into is not None else
-                           (s for req_id, pages in jobs for s in reader.read(req_id, pages))):
+            jobs = [*iter(self._reader.queued, None), *async_loads.items()]
+            for staged in self._reader.read_now(jobs, self._into):
                 self._place_async(staged)
         self.gate.begin(plan.idle)
         if plan.loads and self.layers:
