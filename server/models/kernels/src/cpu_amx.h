@@ -24,18 +24,24 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* tmm0-4: `rows` rows of 64 bytes; tmm5, tmm6: 16 rows of 64 bytes (B tiles: 16 pairs). */
-static inline void configure_tiles(int rows) {
+/* tmm0-7: rows[t] rows of 64 bytes each (0: tmm t unused). */
+static inline void configure_tile_rows(const int rows[8]) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.rows[t] = (uint8_t)(t < 5 ? rows : 16);
-        c.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = rows[t] ? 64 : 0;
     }
     /* ldtilecfg through asm with the config as a memory input: GCC 12's _tile_loadconfig
      * does not tell the optimiser it reads the struct, which then drops the stores */
     __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
+}
+
+/* tmm0-4: `rows` rows of 64 bytes; tmm5, tmm6: 16 rows of 64 bytes (B tiles: 16 pairs). */
+static inline void configure_tiles(int rows) {
+    const int all[8] = {rows, rows, rows, rows, rows, 16, 16, 0};
+    configure_tile_rows(all);
 }
 
 /* The four C tiles (tmm0-3) set to zero; and stored, row-major, C_j at c + 16 j, rows

@@ -274,15 +274,8 @@ TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
 /* Tiles for `r0` (1..16) rows in tmm0, tmm1, tmm4 and `r1` (0..16) in tmm2, tmm3, tmm5
  * (unused when 0); tmm6, tmm7: 16 rows of 64 bytes. */
 static inline void configure_tiles_2x2(int r0, int r1) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = rows[t] ? 64 : 0;
-    }
-    __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");  /* as configure_tiles */
+    configure_tile_rows(rows);
 }
 
 /* C tiles += the A tiles (rows of `a`, `lda` bytes apart; the second 16 rows below the
@@ -399,43 +392,35 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
     const int64_t blocks = (M + most - 1) / most;
     const int64_t block = ((M + blocks - 1) / blocks + unit - 1) / unit * unit;
     const int64_t panels = (N + NR - 1) / NR, panel_size = padded_pairs(K) * 2 * NR;
-    /* AMX runs half a panel a call; one block (a decode batch) over an odd share of panels
-     * per thread splits them there too, so that the threads share them evenly */
-    const int halves = isa == ISA_AMX ? 2 : 1;
-    const int split = isa == ISA_AMX && blocks == 1 && threads > 1 && panels % threads;
+    /* a work item: half a panel (32 outputs) on AMX, so that a decode batch's items split
+     * evenly over the threads whatever the panels' count; a panel on the other paths */
+    const int64_t width = isa == ISA_AMX ? AMX_HALF : NR, items = (N + width - 1) / width;
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;  /* the rows this thread's tiles are configured for */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            for (int64_t u = 0; u < panels * (split ? 2 : 1); u++) {
-                const int64_t p = split ? u / 2 : u;
-                const int64_t end = (b + 1) * block < M ? (b + 1) * block : M;
-                const uint16_t *w = packed + p * panel_size;
-                for (int h = split ? (int)(u % 2) : 0; h < (split ? (int)(u % 2) + 1 : halves);
-                     h++) {
-                    const int64_t col0 = p * NR + (int64_t)h * AMX_HALF;
-                    const int64_t room = isa == ISA_AMX ? AMX_HALF : NR;
-                    const int cols = N - col0 < room ? (int)(N - col0) : (int)room;
-                    if (cols <= 0)
-                        continue;  /* the second half of a last panel of 32 outputs or fewer */
-                    const uint16_t *bp = bias ? bias + col0 : NULL;
-                    if (isa == ISA_AMX) {
-                        panel_half_amx((int)(end - b * block), x + b * block * ldx, ldx,
-                                       w + h * 2 * AMX_HALF, K, bp, y + b * block * N + col0,
-                                       N, cols, &configured);
-                        continue;
-                    }
-                    for (int64_t m = b * block; m < end; m += MR) {
-                        const int mr = end - m < MR ? (int)(end - m) : MR;
-                        const uint16_t *xm = x + m * ldx;
-                        const int fetch = m == b * block;  /* the panel's first tile streams it */
-                        uint16_t *ym = y + m * N + col0;
-                        if (isa == ISA_AVX512BF16)
-                            tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
-                        else
-                            tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
-                    }
+            for (int64_t u = 0; u < items; u++) {
+                const int64_t col0 = u * width, start = b * block;
+                const int64_t end = start + block < M ? start + block : M;
+                const int cols = N - col0 < width ? (int)(N - col0) : (int)width;
+                /* the item's first output's pairs in its panel */
+                const uint16_t *w = packed + col0 / NR * panel_size + col0 % NR * 2;
+                const uint16_t *bp = bias ? bias + col0 : NULL;
+                if (isa == ISA_AMX) {
+                    panel_half_amx((int)(end - start), x + start * ldx, ldx, w, K, bp,
+                                   y + start * N + col0, N, cols, &configured);
+                    continue;
+                }
+                for (int64_t m = start; m < end; m += MR) {
+                    const int mr = end - m < MR ? (int)(end - m) : MR;
+                    const uint16_t *xm = x + m * ldx;
+                    const int fetch = m == start;  /* the panel's first tile streams it */
+                    uint16_t *ym = y + m * N + col0;
+                    if (isa == ISA_AVX512BF16)
+                        tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
+                    else
+                        tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                 }
             }
         }
