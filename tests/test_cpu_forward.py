@@ -1,5 +1,7 @@
-"""server/models/cpu_forward.py: the lean forward of small batches gives the modules' bits
-(logits and the K/V it writes), runs without them, and steps aside where it does not apply."""
+"""server/models/cpu_forward.py and gemma_forward.py: the lean forward of small batches gives
+the modules' bits (logits and the K/V it writes) for Llama's layers (the embedded model,
+Qwen2) and Gemma's (random Gemma 3 and Gemma 2: windows, two RoPE bases, q/k norms, caps),
+runs without them, and steps aside where it does not apply."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from arch_reference import GEMMA_NORMS, random_model
+from test_gemma2 import CONFIGS as GEMMA2_CONFIGS
+from test_gemma2 import gemma2_config
+from test_gemma3 import gemma3_config
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models import EMBEDDED_TINY_LLAMA, ForwardBatch, LoadedModel, load_model
@@ -40,12 +46,29 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_qwen2(tmp_path_factory.mktemp("qwen2"), SEED)
 
 
-@pytest.fixture(scope="module", params=["embedded-float32", "embedded-bfloat16",
-                                        "qwen2-float32", "qwen2-bfloat16"])
-def lm(request: pytest.FixtureRequest, qwen2_folder: Path) -> LoadedModel:
+@pytest.fixture(scope="module")
+def gemma_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Gemma 3 ("mixed": windows of 32 beside full layers, q/k norms, two RoPE bases) and
+    Gemma 2 ("alternating": windows of 32, scores soft-capped, no q/k norms)."""
+    models = {"gemma3": (transformers.Gemma3ForCausalLM, gemma3_config("mixed")),
+              "gemma2": (transformers.Gemma2ForCausalLM,
+                         gemma2_config(**GEMMA2_CONFIGS["alternating"]))}
+    folders = {}
+    for name, (cls, config) in models.items():
+        folders[name] = tmp_path_factory.mktemp(name)
+        random_model(cls, config, SEED, GEMMA_NORMS).save_pretrained(folders[name])
+    return folders
+
+
+@pytest.fixture(scope="module", params=[f"{m}-{d}" for m in ("embedded", "qwen2", "gemma3",
+                                                              "gemma2")
+                                        for d in ("float32", "bfloat16")])
+def lm(request: pytest.FixtureRequest, qwen2_folder: Path,
+       gemma_folders: dict[str, Path]) -> LoadedModel:
     name, dtype = request.param.split("-")
-    model = load_model(EMBEDDED_TINY_LLAMA if name == "embedded" else str(qwen2_folder),
-                       dtype=dtype, device="cpu")
+    folder = {"embedded": EMBEDDED_TINY_LLAMA, "qwen2": str(qwen2_folder),
+              **{k: str(v) for k, v in gemma_folders.items()}}[name]
+    model = load_model(folder, dtype=dtype, device="cpu")
     assert isinstance(model.model.attn_backend, CpuKernelAttention)
     assert model.model.model.lean is not None  # every op on the kernels: the lean path is on
     return model

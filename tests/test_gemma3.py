@@ -143,13 +143,18 @@ def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
     check_every_layer_writes_its_kv_in_hook_order(lm.model, prompt)
 
 
-def test_no_lean_path_and_every_layer_op_on_the_layer_kernel(
+def test_gemma_lean_path_and_every_layer_op_on_the_layer_kernel(
         checkpoint: tuple[Path, torch.nn.Module]) -> None:
-    """LeanForward binds Llama's layers; the layer kernel runs Gemma's norms (the q/k norms
-    too), RoPE and GeGLU, every one of them where it builds."""
+    """LeanForward.build binds Llama's layers, build_gemma_lean Gemma's (test_cpu_forward.py
+    compares their bits); the layer kernel runs Gemma's norms (the q/k norms too), RoPE and
+    GeGLU, every one of them where it builds."""
     lm = load_model(str(checkpoint[0]), device="cpu")
     assert LeanForward.build(lm.model.model, lm.config, lm.dtype) is None
-    assert not hasattr(lm.model.model, "lean")
+    lean = lm.model.model.lean
+    assert (lean is not None) == (lm.model.layer_ops == "CpuLayerKernel"
+                                  and lm.model.model.norm.kernel is not None
+                                  and lm.model.linear_backend.startswith("CpuLinearKernel"))
+    assert lean is None or lean.new_plan.__module__.endswith("gemma_forward")
     on_layer_kernel = {name for name, m in lm.model.named_modules()
                        if hasattr(m, "kernel") and not isinstance(m, Linear)}
     layers = lm.config.num_hidden_layers

@@ -7,7 +7,7 @@ layers (Llama's layers, whose lean path steps aside) give the very logits and gr
 of a plain DeviceKVPool, for a prompt several windows long prefilled in one chunk and in two,
 then decoded; every window page a token no longer needs is given back after each forward
 (and poisoned with NaN, so a read of it would show), so the window pool stays about a
-window and a chunk."""
+window and a chunk. Their lean paths over the pool give the modules' bits."""
 
 from __future__ import annotations
 
@@ -316,20 +316,42 @@ def test_windowed_pool_gives_the_plain_pools_logits_and_tokens(
         assert pool.get_kv(layer)[0] is pool.full.k_buffers[i]
 
 
+class _Counting:
+    """A lean path that counts the batches it ran (returned logits for)."""
+
+    def __init__(self, lean: object) -> None:
+        self.lean, self.ran = lean, 0
+
+    def __call__(self, batch: object, pool: object) -> torch.Tensor | None:
+        out = self.lean(batch, pool)
+        self.ran += out is not None
+        return out
+
+
 @pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F and a C compiler")
-def test_the_lean_path_steps_aside_for_a_windowed_pool(prompt: torch.Tensor,
-                                                       tmp_path: Path) -> None:
-    """Llama's lean path binds one slot set for every layer: it runs on a plain pool and
-    returns None (the modules run) on a WindowedKVPool."""
-    lm = load_model(str(qwen2_windows(tmp_path / "qwen2")), dtype="float32", device="cpu")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_lean_path_over_a_windowed_pool_gives_the_modules_bits(
+        folder: Path, prompt: torch.Tensor, dtype: str) -> None:
+    """Short extends and decode steps take the lean path over a WindowedKVPool too (Gemma's
+    and Llama's: the full layers bound to the request's slots, the window layers to their
+    window slots): the very logits and tokens of the modules, every window page given back
+    poisoned with NaN."""
+    lm = load_model(str(folder), dtype=dtype, device="cpu")
     lean = lm.model.model.lean
     assert lean is not None
-    c = lm.config
-    plain = DeviceKVPool(FULL_PAGES, PAGE, c.num_hidden_layers, c.num_key_value_heads,
-                         c.head_dim, torch.float32, "cpu")
-    pool = WindowedKVPool(FULL_PAGES, 4, PAGE, windows_of(lm), c.num_key_value_heads,
-                          c.head_dim, torch.float32, "cpu")
-    batch = extend_batch([(prompt[:PAGE], plain.alloc(PAGE), 0)])
-    assert lean(batch, plain) is not None
-    batch = extend_batch([(prompt[:PAGE], pool.alloc(PAGE), 0)])
-    assert lean(batch, pool) is None
+    windows, c = windows_of(lm), lm.config
+    chunks = [100, 30, 20]  # the last two short enough for the lean path
+    window_pages = -(-(max(w for w in windows if w is not None) + max(chunks)) // PAGE) + 2
+    counting, runs = _Counting(lean), []
+    for path in (counting, None):
+        lm.model.model.lean = path
+        pool = WindowedKVPool(FULL_PAGES, window_pages, PAGE, windows, c.num_key_value_heads,
+                              c.head_dim, lm.dtype, "cpu")
+        runs.append(run(lm, pool, prompt, chunks))
+    got, want = runs
+    lm.model.model.lean = lean
+    assert got.tokens == want.tokens
+    for g, w in zip(got.logits, want.logits, strict=True):
+        assert not g.isnan().any()
+        assert torch.equal(g, w), (g - w).abs().max().item()
+    assert counting.ran == len(chunks) - 1 + DECODE_STEPS  # all but the 100-token chunk

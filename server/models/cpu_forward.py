@@ -8,9 +8,11 @@ step copies its positions in, binds attention to its slots, and runs the bound c
 same kernels in the same order on the same inputs: the modules' bits (tests compare).
 
 It takes a batch of at most LEAN_MAX_ROWS new tokens when every Linear runs on the linear
-kernel's panels, RMSNorm, RoPE and SiLU * up on the layer kernel and every layer's attention
-(full or over its window) on one CpuKernelAttention, in float32 or bfloat16, over a CPU pool
-of the model's dtype; otherwise `LlamaModel.forward` runs the modules.
+kernel's panels, the layer's other ops on the layer kernel and every layer's attention (full or
+over its window) on one CpuKernelAttention, in float32 or bfloat16, over a CPU pool of the
+model's dtype, plain or a WindowedKVPool (`_BoundAttention`: a slot set per pool);
+otherwise the model runs its modules. `LeanForward` binds Llama's layers (RMSNorm, RoPE,
+SiLU * up; Qwen3's q/k norms); gemma_forward.py binds Gemma's on the same frame.
 
 What must stay true: a plan's calls hold raw pointers into its buffers and into the model's
 packed weights, so a plan keeps references to every tensor it bound, and is dropped when a
@@ -52,7 +54,7 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Phi3ForCausalLM", "Qwen3ForCausalLM")
 
 
-class _Layer(NamedTuple):
+class LayerCalls(NamedTuple):
     """One decoder layer's bound calls, in order around its attention."""
 
     before_attention: tuple[Callable[[], object], ...]  # input norm, q|k|v, RoPE
@@ -60,7 +62,12 @@ class _Layer(NamedTuple):
 
 
 class _Plan:
-    """Buffers of `rows` rows and every call of one forward bound to them."""
+    """Buffers of `rows` rows and every call of one forward bound to them. What
+    `LeanForward.__call__` reads of a plan: `positions`, `h[0]` (the embeddings land there),
+    `embedded` (calls on them), `layers`, `q`/`k`/`v` (views of this step's q, k, v rows)
+    and `attention_out` (what attention reads and writes), `final` and `out`."""
+
+    embedded: tuple[Callable[[], object], ...] = ()  # Llama's embeddings are the residual
 
     def __init__(self, lean: LeanForward, rows: int, threads: int) -> None:
         model, config = lean.model, lean.config
@@ -95,9 +102,9 @@ class _Plan:
         self._current = 0  # which of self.h holds the residual while binding
         self._keep: list[torch.Tensor] = []  # packed weights the calls point into
         self.layers = [self._bind_layer(lean, layer, i) for i, layer in enumerate(model.layers)]
-        self.final_norm = self._norm(lean.layer_kernel, model.norm, self.m, self.out)
+        self.final = (self._norm(lean.layer_kernel, model.norm, self.m, self.out),)
 
-    def _bind_layer(self, lean: LeanForward, layer: nn.Module, i: int) -> _Layer:
+    def _bind_layer(self, lean: LeanForward, layer: nn.Module, i: int) -> LayerCalls:
         """Layer i's calls (`layer` a LlamaDecoderLayer: llama.py imports this module)."""
         attn, mlp, ops = layer.self_attn, layer.mlp, lean.layer_kernel
         if i == 0:  # the embeddings are the residual: h[0]
@@ -125,7 +132,7 @@ class _Plan:
                  self._linear(lean, mlp.gate_up_proj, self.x, self.gate_up),
                  ops.bind_silu_mul(self.gate_up, self.act, self.threads),
                  self._linear(lean, mlp.down_proj, self.act, self.m))
-        return _Layer(before, after)
+        return LayerCalls(before, after)
 
     def _norm(self, ops: CpuLayerKernel, norm: nn.Module, x: torch.Tensor,
               out: torch.Tensor) -> Callable[[], None]:
@@ -138,29 +145,46 @@ class _Plan:
 
     def _linear(self, lean: LeanForward, linear: Linear, x: torch.Tensor,
                 y: torch.Tensor) -> Callable[[], int]:
-        self._keep.append(linear.panels)
-        return lean.linear_kernel.bind(x, linear.panels, linear.weight.shape[0], linear.bias,
-                                       y, self.threads)
+        return bind_linear(lean, linear, x, y, self.threads, self._keep)
+
+
+def bind_linear(lean: LeanForward, linear: Linear, x: torch.Tensor, y: torch.Tensor,
+                threads: int, keep: list[torch.Tensor]) -> Callable[[], int]:
+    """`y = linear(x)` on the lean path's linear kernel, bound now; the packed weights the
+    call points into are appended to `keep` (the plan's)."""
+    keep.append(linear.panels)
+    return lean.linear_kernel.bind(x, linear.panels, linear.weight.shape[0], linear.bias, y,
+                                   threads)
 
 
 class LeanForward:
-    """`LlamaModel.forward` for small batches on the CPU kernels (the module docstring)."""
+    """A model's forward for small batches on the CPU kernels (the module docstring): the
+    frame (plans kept per batch size, embeddings, attention bound per batch, the layers'
+    calls in order); `new_plan` binds the architecture's layers: `_Plan` Llama's (`build`),
+    gemma_forward.py's Gemma's."""
 
     def __init__(self, model: nn.Module, config: ModelArchConfig, dtype: torch.dtype,
                  linear_kernel: CpuLinearKernel, layer_kernel: CpuLayerKernel,
-                 rope_tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+                 rope_tables: tuple[torch.Tensor, torch.Tensor],
+                 new_plan: Callable[[LeanForward, int, int], _Plan] = _Plan) -> None:
         self.model, self.config, self.dtype = model, config, dtype
+        self.new_plan = new_plan
         self.linear_kernel, self.layer_kernel = linear_kernel, layer_kernel
         self.rope_tables = rope_tables
-        # each layer's window (Mistral's, Qwen2's), None: full attention
+        self.max_positions = rope_tables[0].shape[0]
+        # each layer's window (Mistral's, Qwen2's, Gemma's), None: full attention
         self.windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
+        self.softcaps = [config.attn_logit_softcapping] * config.num_hidden_layers
+        scale = config.attention_scale  # the modules' (CpuKernelAttention's default if None)
+        self.scale = 1.0 / math.sqrt(config.head_dim) if scale is None else scale
         self._local = threading.local()
 
     @classmethod
     def build(cls, model: nn.Module, config: ModelArchConfig,
               dtype: torch.dtype) -> LeanForward | None:
-        """A LeanForward for `model` (a LlamaModel) when all of it runs on the CPU kernels
-        (the module docstring); None otherwise, and for any other architecture."""
+        """A LeanForward of Llama's layers for `model` (a LlamaModel) when all of it runs on
+        the CPU kernels (the module docstring); None otherwise, and for any other
+        architecture."""
         if config.architecture not in LEAN_ARCHITECTURES:
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -181,42 +205,34 @@ class LeanForward:
 
     @torch.inference_mode()  # its plans' buffers are inference tensors
     def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
-        """The final norm's `[T, hidden]` output, as `LlamaModel.forward`; None when this
+        """The final norm's `[T, hidden]` output, as the model's forward; None when this
         batch, pool or attention backend is not the lean path's (the caller runs the
         modules)."""
         backend = self._attention(batch, kv_pool)
         if backend is None:
             return None
         plan = self._plan(batch.num_tokens, torch.get_num_threads())
-        check_positions(batch.positions, self.rope_tables[0].shape[0])
+        check_positions(batch.positions, self.max_positions)
         plan.positions.copy_(batch.positions)
         torch.index_select(self.model.embed_tokens.weight, 0, batch.input_ids, out=plan.h[0])
-        slots, seqs = kernel_indices(batch)  # checked by bind_layers
-        k_buffers, v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
-        attention = backend.kernel.bind_layers(
-            plan.q, list(zip(k_buffers, v_buffers)), slots, seqs,
-            1.0 / math.sqrt(self.config.head_dim), plan.attention_out, plan.threads,
-            windows=self.windows)
-        hook, out_slots = batch.layer_hook, batch.out_slots
+        _run(plan.embedded)
+        attention = _BoundAttention(self, backend, batch, kv_pool, plan)
+        hook = batch.layer_hook
         for i, layer in enumerate(plan.layers):
             _run(layer.before_attention)
             if hook is not None:  # the runner waits here for this layer's loads
                 hook(i)
-            k_buffers[i].index_copy_(0, out_slots, plan.k)
-            v_buffers[i].index_copy_(0, out_slots, plan.v)
             attention(i)
             _run(layer.after_attention)
-        plan.final_norm()
+        _run(plan.final)
         return plan.out.clone()  # the plan's buffer is the next step's
 
     def _attention(self, batch: ForwardBatch, kv_pool: DeviceKVPool
                    ) -> CpuKernelAttention | None:
-        """The layers' one CpuKernelAttention when the batch and pool are the lean path's
-        (not a pool with window layers by their own slots: the kernel binds one slot set)."""
+        """The layers' one CpuKernelAttention when the batch and pool are the lean path's."""
         layers = self.model.layers
         backend = layers[0].self_attn.backend
-        if (kv_pool.has_windows
-                or not 0 < batch.num_tokens <= LEAN_MAX_ROWS
+        if (not 0 < batch.num_tokens <= LEAN_MAX_ROWS
                 or not isinstance(backend, CpuKernelAttention)
                 or batch.input_ids.device.type != "cpu"
                 or kv_pool.dtype != self.dtype or kv_pool.device.type != "cpu"
@@ -232,11 +248,45 @@ class LeanForward:
         key = (rows, threads, self.linear_kernel.bf16_path)
         plan = plans.get(key)
         if plan is None or plan.packings != Linear.packings:
-            plan = plans[key] = _Plan(self, rows, threads)
+            plan = plans[key] = self.new_plan(self, rows, threads)
             if len(plans) > MAX_PLANS:
                 plans.popitem(last=False)
         plans.move_to_end(key)
         return plan
+
+
+class _BoundAttention:
+    """Every layer's K/V write and attention for one batch, bound: `self(i)` writes layer
+    i's new K/V (the plan's k, v) at the batch's out slots and runs its attention into the
+    plan's `attention_out`. A plain pool has one slot set for every layer; a WindowedKVPool
+    one for its full layers and one for its window layers (`batch_for`: mapped once), each
+    bound over its own pool's buffers."""
+
+    def __init__(self, lean: LeanForward, backend: CpuKernelAttention, batch: ForwardBatch,
+                 kv_pool: DeviceKVPool, plan: _Plan) -> None:
+        groups: dict[bool, list[int]] = {}
+        for i in range(len(lean.windows)):
+            groups.setdefault(kv_pool.has_windows and kv_pool.is_window_layer(i), []).append(i)
+        self.k, self.v = plan.k, plan.v
+        self.k_buffers, self.v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
+        self.bound: list[tuple[Callable[[int], None], int, torch.Tensor]] = [None] * len(
+            lean.windows)
+        for layers in groups.values():
+            b = kv_pool.batch_for(layers[0], batch) if kv_pool.has_windows else batch
+            slots, seqs = kernel_indices(b)  # checked by bind_layers
+            bound = backend.kernel.bind_layers(
+                plan.q, [(self.k_buffers[i], self.v_buffers[i]) for i in layers], slots, seqs,
+                lean.scale, plan.attention_out, plan.threads,
+                windows=[lean.windows[i] for i in layers],
+                softcaps=[lean.softcaps[i] for i in layers])
+            for j, i in enumerate(layers):
+                self.bound[i] = (bound, j, b.out_slots)
+
+    def __call__(self, layer: int) -> None:
+        bound, j, out_slots = self.bound[layer]
+        self.k_buffers[layer].index_copy_(0, out_slots, self.k)
+        self.v_buffers[layer].index_copy_(0, out_slots, self.v)
+        bound(j)
 
 
 def _qk_norms(attention: nn.Module) -> tuple[nn.Module, ...]:

@@ -40,8 +40,8 @@ from hicache_server.models.config import (
 from hicache_server.models.gemma3 import (
     GELU_TANH,
     Gemma3Model,
-    fold_norms,
     gemma_kernel_modules,
+    refresh_gemma,
 )
 from hicache_server.models.gemma3 import GGUF_TENSOR_NAMES as GEMMA3_TENSOR_NAMES
 from hicache_server.models.gguf_tokenizer import GGUFError
@@ -74,7 +74,7 @@ class Gemma2ForCausalLM(CausalLM):
         return gemma_kernel_modules(self)
 
     def _refresh_derived(self) -> None:
-        fold_norms(self)
+        refresh_gemma(self)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits, `c * tanh(x / c)` with c the final cap."""

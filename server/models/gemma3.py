@@ -17,8 +17,8 @@ Every layer's K/V is written to the pool at `batch.out_slots` (the cache keeps a
 KV of every token). On the CPU the layer kernel runs all of a layer's ops but its matmuls
 and attention: RoPE, the norms (Gemma's arithmetic: `gemma_rms_norm`, and a norm after a
 branch, the residual add and the next norm in one pass: `gemma_norm_add_norm`) and GeGLU
-(`gelu_tanh_mul`); elsewhere their torch references of the same signature. There is no lean
-path (`LeanForward` is Llama's).
+(`gelu_tanh_mul`); elsewhere their torch references of the same signature. Small batches with
+all of this on the kernels take the lean path (gemma_forward.py, the modules' bits).
 
 Threading: `forward` runs on the scheduler thread, which owns the KV pool it writes.
 """
@@ -45,8 +45,10 @@ from hicache_server.models.config import (
     parse_rope,
     windows_of,
 )
+from hicache_server.models.cpu_forward import LeanForward
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.gemma_forward import build_gemma_lean
 from hicache_server.models.gguf_tokenizer import GGUFError
 from hicache_server.models.kernels.cpu_layer import (
     CpuLayerKernel,
@@ -215,8 +217,15 @@ class Gemma3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, device)  # full layers
         self.rotary_emb_local = RotaryEmbedding(
             replace(config, rope_theta=config.rope_local_theta, rope_scaling=None), device)
+        # small batches with every op on the CPU kernels: the same calls, bound once (set by
+        # the CausalLM whenever its kernels or weights change: `refresh_gemma`)
+        self.lean: LeanForward | None = None
 
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
+        if self.lean is not None:
+            x = self.lean(batch, kv_pool)
+            if x is not None:
+                return x
         h = F.embedding(batch.input_ids, self.embed_tokens.weight) * self.embed_scale
         x = self.layers[0].input_layernorm(h)  # [T, hidden], as h
         next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
@@ -240,7 +249,14 @@ class Gemma3ForCausalLM(CausalLM):
         return gemma_kernel_modules(self)
 
     def _refresh_derived(self) -> None:
-        fold_norms(self)
+        refresh_gemma(self)
+
+
+def refresh_gemma(lm: CausalLM) -> None:
+    """What a Gemma 2 or 3 CausalLM derives from its weights and kernels: every norm's
+    folded `1 + w` (`fold_norms`), then the lean path bound to them (or none)."""
+    fold_norms(lm)
+    lm.model.lean = build_gemma_lean(lm.model, lm.config, lm.dtype, gemma_kernel_modules(lm))
 
 
 def fold_norms(model: nn.Module) -> None:

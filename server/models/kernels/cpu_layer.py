@@ -233,6 +233,36 @@ class CpuLayerKernel:
         return NormAdd(out, total)
 
 
+    def bind_gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor,
+                           threads: int = 1) -> Callable[[], None]:
+        """`gelu_tanh_mul` into `out` (contiguous `[M, I]`), as a call bound now."""
+        _check_gate_up(gate_up)
+        _check_out("out", out, gate_up.dtype, (gate_up.shape[0], gate_up.shape[1] // 2))
+        return self._silu_call(gate_up, out, _threads(threads), "gelu")
+
+    def bind_gemma_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out: torch.Tensor, residual: torch.Tensor | None = None,
+                        next_weight: torch.Tensor | None = None, threads: int = 1
+                        ) -> Callable[[], None]:
+        """As a call bound now: `gemma_rms_norm` of x into `out` (x's shape, contiguous);
+        with `residual` and `next_weight`, `gemma_norm_add_norm` with the sum written over
+        the residual (row by row, each element read before it is written: the same bits as
+        apart). The tensors must outlive the call (server/models/gemma_forward.py keeps
+        them)."""
+        rows, heads = _check_gemma_x(x, weight, heads_allowed=residual is None)
+        _check_out("out", out, x.dtype, tuple(x.shape))
+        if (residual is None) != (next_weight is None):
+            raise ValueError("next_weight is given exactly when residual is")
+        if residual is not None:
+            _check_gemma_weight("next_weight", next_weight, x.shape[1])
+            _check_out("residual", residual, x.dtype, tuple(x.shape))
+        res = None if residual is None else residual.data_ptr()
+        return functools.partial(
+            self._fn("gemma_norm", x.dtype), x.data_ptr(), _row_stride(x), heads,
+            weight.data_ptr(), res, res, None if next_weight is None else next_weight.data_ptr(),
+            eps, rows * heads, x.shape[-1], out.data_ptr(), _threads(threads))
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     _float_rows("x", x)
     rows, hidden = x.shape
