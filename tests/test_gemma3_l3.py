@@ -165,3 +165,24 @@ def test_a_boundary_made_by_a_split_gets_its_window_parts_in_l3(
         assert out["output_ids"] == want
         assert out["meta_info"]["cached_tokens_details"]["storage"] == 192
         again.cache.check_integrity()
+
+
+def test_a_stored_node_whose_l2_copy_comes_back_writes_no_window_part_again(
+        served: Path, answers: dict[str, list[int]], tmp_path: Path) -> None:
+    """PROMPT's nodes are in L3 with their boundaries' window parts (`window_stored`); L2 is
+    flushed, and asking PROMPT again copies its L1 pages to L2 again: L3 is written nothing,
+    neither full nor window parts."""
+    with tiers.tiered(served, tmp_path / "lmdb") as e:
+        e.generate(input_ids=PROMPT, sampling_params=tiers.GREEDY)
+        e._call(e.cache.steps.quiesce)
+        before = _storage(e)
+        assert before["window_backed_up_tokens"] > 0
+        e.flush_cache(["host"])
+        out = e.generate(input_ids=PROMPT, sampling_params=tiers.GREEDY)
+        assert out["output_ids"] == answers["prompt"]
+        e._call(e.cache.steps.quiesce)
+        assert e.stats()["tiers"]["host"]["used"] > 0  # the copies came back
+        after = _storage(e)
+        for key in ("backed_up_tokens", "window_backed_up_tokens"):
+            assert after[key] == before[key], key
+        e.cache.check_integrity()

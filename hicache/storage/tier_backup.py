@@ -1,7 +1,9 @@
 """A storage tier's backups (`StorageTier` holds one `Backups`): a node that reached L2 is
 written to L3 with its ancestors not there yet, parents first; its host pages are protected
 until the ack, which marks it stored. Pages L3 is known to hold (`KnownStored`: a hit
-recomputed, a raced head) are not sent again.
+recomputed, a raced head) are not sent again. A hybrid model's node whose end's window parts
+L3 holds (`window_stored`: written, or read from L3) does not write them again when its L2
+copy comes back.
 
 Threading: scheduler thread only, like the storage tier; the writes run on the
 `StorageController`'s threads.
@@ -42,8 +44,8 @@ class Backups:
         """Write a node that just reached L2 to storage, with any ancestor not there yet,
         parents first (a match may have split the node while its D->H copy ran: the upper
         half is acknowledged by the same copy). Host pages stay until each ack."""
-        if node.storage_backed:  # a boundary in stored pages (a split): its window parts
-            self._backup_window(node)
+        if node.storage_backed and not node.window_stored:  # a boundary in stored pages
+            self._backup_window(node)  # (a split): its window parts
         chain = []
         while node is not self.tree.root:
             if node is None:  # it left the tree since it reached L2 (evicted from L2)
@@ -109,6 +111,10 @@ class Backups:
                 self.counters.backup_failures += 1
 
     def _window_stored(self, node: HiTreeNode, pages: int) -> None:
+        """`pages` window parts of `node`'s end were written: it is window_stored when they
+        are all its end reads (pages L3 already held were skipped, their parts unknown)."""
+        if pages and pages == self._window_pages(node):
+            self.tree.mark_stored(node, window=True)
         if pages and node.parent is not None:
             self.counters.window_backed_up_tokens += pages * self.page_size
             self.tree.kv_events.window(node, MEDIUM_DISK, True, last_pages=pages)

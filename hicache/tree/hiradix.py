@@ -364,13 +364,13 @@ class HiRadixCache(RadixCache):
     def host_counters(self) -> HostCounters:
         return replace(self.counters)
 
-    def mark_stored(self, node: HiTreeNode) -> None:
-        """`node`'s pages are in L3 now (the storage tier's backup or query said so)."""
-        node.storage_backed = True
+    def mark_stored(self, node: HiTreeNode, window: bool = False) -> None:
+        """`node` is in L3 now (a backup or query said so); `window`: its end's window parts too."""
+        node.storage_backed, node.window_stored = True, node.window_stored or window
 
     def forget_stored(self) -> None:
         for node in self.iter_nodes():
-            node.storage_backed = False
+            node.storage_backed = node.window_stored = False
 
     def copies_pending(self) -> bool:
         return self.controller.has_pending()

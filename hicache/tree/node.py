@@ -95,7 +95,8 @@ class TreeNode:
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host_ref_counter", "host_value", "host_window", "storage_backed")
+    __slots__ = ("host_ref_counter", "host_value", "host_window", "storage_backed",
+                 "window_stored")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -103,6 +104,9 @@ class HiTreeNode(TreeNode):
         self.host_ref_counter = 0
         self.storage_backed = False  # known to be in L3
         self.host_window = False  # its host copy holds its window layers' KV (hybrid models)
+        # L3 holds the window parts its end reads (known like storage_backed; a split's
+        # upper half, a new end, starts without)
+        self.window_stored = False
 
     def media(self) -> tuple[str, ...]:
         """L1, L2 and L3 (as far as the tree knows), each where it holds the pages."""
