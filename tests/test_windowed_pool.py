@@ -3,7 +3,7 @@ the request's slots, sliding-window layers' K/V in a smaller pool through a page
 
 Its bookkeeping (alloc, drop_window, free, the page map), then the models through it: a
 random-weight Gemma 3 (windows of 40 and 48 tokens, pages of 16) and a Qwen2 with window
-layers (Llama's layers, whose lean path steps aside) give the very logits and greedy tokens
+layers (Llama's layers) give the very logits and greedy tokens
 of a plain DeviceKVPool, for a prompt several windows long prefilled in one chunk and in two,
 then decoded; every window page a token no longer needs is given back after each forward
 (and poisoned with NaN, so a read of it would show), so the window pool stays about a

@@ -113,7 +113,7 @@ class Backups:
     def _window_stored(self, node: HiTreeNode, pages: int) -> None:
         """`pages` window parts of `node`'s end were written: it is window_stored when they
         are all its end reads (pages L3 already held were skipped, their parts unknown)."""
-        if pages and pages == self._window_pages(node):
+        if pages and pages >= self._window_pages(node):  # (a split since may need fewer)
             self.tree.mark_stored(node, window=True)
         if pages and node.parent is not None:
             self.counters.window_backed_up_tokens += pages * self.page_size

@@ -213,7 +213,7 @@ class HostLoads:
         node.host_window = window
         node.hash_value = hashes[:len(node.key) // self.page_size]
         node.storage_backed = True
-        node.window_stored = window  # its pages' window parts were read from L3
+        node.window_stored = node.window_stored or window  # read from L3: there
         self.tree.copy_changed(node)
         self.tree.kv_events.stored(node, MEDIUM_CPU)  # DISK: reported when the query found them
 

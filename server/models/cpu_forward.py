@@ -28,7 +28,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from hicache_server.models.attention import CpuKernelAttention, kernel_indices
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import KERNEL_DTYPES
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.kernels.cpu_attention import BoundLayers
 from hicache_server.models.kernels.cpu_layer import CpuLayerKernel, check_positions
 from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache_server.models.linear import Linear
@@ -47,9 +48,9 @@ from hicache_server.models.linear import Linear
 LEAN_MAX_ROWS = 64
 # Plans kept per thread, one per batch size (and thread count, kernel paths) seen lately.
 MAX_PLANS = 16
-# The architectures whose layers a plan binds: Llama's (RMSNorm, RoPE, SiLU * up, attention
-# at the default scale, full or windowed), with q/k norms where the attention has them
-# (Qwen3's, `_qk_norms`); any other (Gemma 3) runs its modules.
+# The architectures whose layers `_Plan` binds: Llama's (RMSNorm, RoPE, SiLU * up, attention
+# full or windowed), with q/k norms where the attention has them (Qwen3's, `_qk_norms`);
+# Gemma's are gemma_forward.py's.
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Phi3ForCausalLM", "Qwen3ForCausalLM")
 
@@ -160,13 +161,14 @@ def bind_linear(lean: LeanForward, linear: Linear, x: torch.Tensor, y: torch.Ten
 class LeanForward:
     """A model's forward for small batches on the CPU kernels (the module docstring): the
     frame (plans kept per batch size, embeddings, attention bound per batch, the layers'
-    calls in order); `new_plan` binds the architecture's layers: `_Plan` Llama's (`build`),
-    gemma_forward.py's Gemma's."""
+    calls in order); `new_plan(lean, rows, threads)` makes a plan binding the architecture's
+    layers (what `__call__` reads of one: `_Plan`'s docstring): `_Plan` Llama's (`build`),
+    gemma_forward.py's `_GemmaPlan` Gemma's."""
 
     def __init__(self, model: nn.Module, config: ModelArchConfig, dtype: torch.dtype,
                  linear_kernel: CpuLinearKernel, layer_kernel: CpuLayerKernel,
                  rope_tables: tuple[torch.Tensor, torch.Tensor],
-                 new_plan: Callable[[LeanForward, int, int], _Plan] = _Plan) -> None:
+                 new_plan: Callable[[LeanForward, int, int], Any] = _Plan) -> None:
         self.model, self.config, self.dtype = model, config, dtype
         self.new_plan = new_plan
         self.linear_kernel, self.layer_kernel = linear_kernel, layer_kernel
@@ -174,8 +176,13 @@ class LeanForward:
         self.max_positions = rope_tables[0].shape[0]
         # each layer's window (Mistral's, Qwen2's, Gemma's), None: full attention
         self.windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
-        self.softcaps = [config.attn_logit_softcapping] * config.num_hidden_layers
-        scale = config.attention_scale  # the modules' (CpuKernelAttention's default if None)
+        # what each attention module passes its backend (Gemma's; Llama's pass none): its
+        # softcap, and the one scale of every layer (None: CpuKernelAttention's default)
+        attns = [layer.self_attn for layer in model.layers]
+        self.softcaps = [getattr(a, "softcap", None) for a in attns]
+        scale = getattr(attns[0], "scale", None)
+        if any(getattr(a, "scale", None) != scale for a in attns):
+            raise ValueError("the lean path binds one attention scale for every layer")
         self.scale = 1.0 / math.sqrt(config.head_dim) if scale is None else scale
         self._local = threading.local()
 
@@ -269,7 +276,8 @@ class _BoundAttention:
             groups.setdefault(kv_pool.has_windows and kv_pool.is_window_layer(i), []).append(i)
         self.k, self.v = plan.k, plan.v
         self.k_buffers, self.v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
-        self.bound: list[tuple[Callable[[int], None], int, torch.Tensor]] = [None] * len(
+        # layer -> (its group's BoundLayers, its index there, the group's out slots)
+        self.bound: list[tuple[BoundLayers, int, torch.Tensor] | None] = [None] * len(
             lean.windows)
         for layers in groups.values():
             b = kv_pool.batch_for(layers[0], batch) if kv_pool.has_windows else batch

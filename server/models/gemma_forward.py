@@ -22,6 +22,7 @@ buffers and the packed weights; a plan dropped when a Linear repacks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -71,7 +72,7 @@ class _GemmaPlan:
         self.act = empty(rows, config.intermediate_size)
         self._keep: list[torch.Tensor] = []  # packed weights the calls point into
         scale = model.embed_scale
-        self.embedded = (lambda: _scale(self.h[0], scale),)
+        self.embedded = (functools.partial(_scale, self.h[0], scale),)  # no cycle to self
         layers = model.layers
         next_norms = [*(layer.input_layernorm for layer in layers[1:]), model.norm]
         self.layers = [self._bind_layer(lean, layer, i, next_norm)

@@ -232,7 +232,6 @@ class CpuLayerKernel:
                 out.data_ptr(), torch.get_num_threads())
         return NormAdd(out, total)
 
-
     def bind_gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor,
                            threads: int = 1) -> Callable[[], None]:
         """`gelu_tanh_mul` into `out` (contiguous `[M, I]`), as a call bound now."""
