@@ -30,7 +30,6 @@ import argparse
 import json
 import platform
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -49,12 +48,12 @@ OUT = rm.RESULTS / "vllm_connector.json"
 MODEL = "smollm2-135m-instruct"
 F32_BYTES = 4
 HMA_OFF = "Turning off hybrid kv cache manager"  # vLLM's warning, in a server's log
-GROUPS_LOGGED = r"(\d+) KV cache group\(s\)"  # hicache's connector, as it starts
 ALONE, HICACHE, EXAMPLE = "vLLM alone", "vLLM + HiCacheConnector", "vLLM + ExampleConnector"
 HICACHE_ASYNC = "vLLM + HiCacheConnector, L3 loads async"
 PROBES = ("restart", "multiturn", "no-reuse")
 WARMUP_TOKENS = 64
 WRITE_TIMEOUT_S = 120.0
+WRITES_SETTLED_S = 3.0  # L3's page count unchanged this long: the first pass's writes are in
 GOAL_RESTART = 0.15
 GOAL_NO_REUSE = 0.97
 GOAL_MULTITURN = 1.5
@@ -131,13 +130,14 @@ def restart(args: argparse.Namespace, label: str, kv_transfer: str,
     batch = prompts(1, 3, args.restart_tokens)
     with start(args, label, kv_transfer) as s:
         first = one_by_one(s.base_url, batch)
-        # hicache stores a value per KV cache group of each page (its log names the groups)
-        groups = re.search(GROUPS_LOGGED, s.log_path.read_text(errors="replace"))
-        want = (len(batch) * ((args.restart_tokens - 1) // args.block_size)
-                * (int(groups.group(1)) if groups else 1))
+        # hicache stores a value per KV cache group of each page, a window group's only near
+        # each prompt's end (L3 by kind): its writes are done when the count stops growing
         deadline = time.monotonic() + WRITE_TIMEOUT_S
-        while stored() < want and time.monotonic() < deadline:
+        count, still_since = stored(), time.monotonic()
+        while time.monotonic() - still_since < WRITES_SETTLED_S and time.monotonic() < deadline:
             time.sleep(0.2)  # hicache writes L3 beside serving
+            if (now := stored()) != count:
+                count, still_since = now, time.monotonic()
     with start(args, f"{label} (restarted)", kv_transfer) as s:
         replay = one_by_one(s.base_url, batch)
         log = s.log_path.read_text(errors="replace")

@@ -33,6 +33,7 @@ from hicache.integrations.vllm_settings import (
     HostIndex,
     namespace_fingerprint,
     store_key,
+    unit_id,
 )
 from hicache.integrations.vllm_worker import ConnectorWorker
 
@@ -829,12 +830,12 @@ class HybridServer:
         self.worker.register(self.kv)
         self.failed: set[str] = set()
 
-    def run(self, req_id: str, ids: tuple[list[int], ...]) -> int:
-        """PROMPT as vLLM runs it: matched, allocated (the window groups' blocks before the
-        hit's window null), held back while its L3 units load, then computed from its hit
-        (from 0 after a failed load); the tokens matched."""
-        request = SimpleNamespace(request_id=req_id, all_token_ids=PROMPT,
-                                  num_prompt_tokens=len(PROMPT), num_computed_tokens=0)
+    def run(self, req_id: str, ids: tuple[list[int], ...], prompt: list[int] = PROMPT) -> int:
+        """`prompt` as vLLM runs it: matched, allocated (the window groups' blocks before
+        the hit's window null), held back while its L3 units load, then computed from its
+        hit (from 0 after a failed load); the tokens matched."""
+        request = SimpleNamespace(request_id=req_id, all_token_ids=prompt,
+                                  num_prompt_tokens=len(prompt), num_computed_tokens=0)
         hit, wait = self.scheduler.matched(request, 0)
         skipped = HYBRID.needed_from(hit // BLOCK) if hit else 0
         ids = (ids[0], *([0] * skipped + x[skipped:] for x in ids[1:]))
@@ -845,7 +846,7 @@ class HybridServer:
             if req_id in self.failed:
                 hit = 0
         new = SimpleNamespace(req_id=req_id, block_ids=ids, num_computed_tokens=hit)
-        self.step([new], {req_id: len(PROMPT) - hit})
+        self.step([new], {req_id: len(prompt) - hit})
         self.scheduler.finished(req_id)
         return hit
 
@@ -960,14 +961,60 @@ def test_a_held_back_request_with_no_l3_unit_left_is_finished_at_once(
     again.close()
 
 
+def window_units_in_l3(server: HybridServer, prompt: list[int], blocks: int
+                       ) -> list[list[bool]]:
+    """Per window group, whether L3 holds each of `prompt`'s first `blocks` blocks' units."""
+    store = server.scheduler.c.open_store(prefault=False)
+    hashes = server.space.hasher.hash_pages(prompt[:blocks * BLOCK])
+    return [store.batch_present([store_key(h, 0, g) for h in hashes]) for g in HYBRID.windowed]
+
+
+def test_l3_keeps_the_window_units_of_a_prompt_s_end_and_l2_every_one(tmp_path: Path) -> None:
+    """hicache's rule (L3 by kind): the full group's unit of every block, a window group's
+    only for the blocks a query at the prompt's end reads (and after); L2 keeps them all."""
+    stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    for present in window_units_in_l3(again, PROMPT, HIT):
+        assert present == [i >= WINDOW_FROM for i in range(HIT)]
+    store = again.scheduler.c.open_store(prefault=False)
+    hashes = again.space.hasher.hash_pages(PROMPT[:HIT * BLOCK])
+    assert all(store.batch_present([store_key(h, 0, 0) for h in hashes]))
+    again.close()
+    server = HybridServer(None, seed=1)
+    server.run("a", FIRST_IDS)
+    assert all(server.scheduler.index.find(unit_id(h, g)) is not None
+               for h in hashes for g in range(len(HYBRID.groups)))
+    server.close()
+
+
+def test_a_boundary_hit_from_l2_sends_its_window_units_to_l3(tmp_path: Path) -> None:
+    """A second prompt sharing PROMPT's first 3 blocks hits them from L2: that boundary's
+    window units ([1, 3)) go to L3, so after a restart a third prompt sharing them hits
+    the 3 blocks from L3 (block 1's units lay before PROMPT's end's window)."""
+    shared = PROMPT[:3 * BLOCK]
+    second = shared + list(range(900, 900 + 2 * BLOCK + 1))
+    third = shared + list(range(700, 700 + BLOCK + 1))
+    first = HybridServer(tmp_path / "l3", seed=1)
+    assert first.run("a", FIRST_IDS) == 0
+    until(lambda: window_units_in_l3(first, shared, 3) == [[False, False, True]] * 2)
+    assert first.run("b", AGAIN_IDS, second) == 3 * BLOCK  # from L2
+    # block 0's none: no query at 3 reads it
+    until(lambda: window_units_in_l3(first, shared, 3) == [[False, True, True]] * 2)
+    first.close()
+    again = HybridServer(tmp_path / "l3", seed=2)
+    assert again.run("c", FIRST_IDS, third) == 3 * BLOCK  # from L3
+    again.close()
+
+
 def test_a_hybrid_hit_without_its_window_units_ends_where_they_are(tmp_path: Path) -> None:
     stored_hybrid(tmp_path)
     again = HybridServer(tmp_path / "l3", seed=2)
     store = again.scheduler.c.open_store(prefault=False)
     last = again.space.hasher.hash_pages(PROMPT[:HIT * BLOCK])[HIT - 1]
     assert store.delete([store_key(last, 0, 2)]) == 1  # block 3 of one window group
-    # a hit of 3 blocks reads the window of blocks [1, 3): block 1's units were stored too
-    assert again.run("a", AGAIN_IDS) == 3 * BLOCK
+    # a hit of 3 blocks would read the window of blocks [1, 3): block 1's units lie before
+    # the prompt's end's window, never stored; no boundary before has its window in L3
+    assert again.run("a", AGAIN_IDS) == 0
     again.close()
 
 
@@ -985,9 +1032,10 @@ def test_a_failed_hybrid_unit_fails_its_request_never_a_block_id(tmp_path: Path)
     probe = HybridServer(None, seed=0)
     hashes = probe.space.hasher.hash_pages(PROMPT[:HIT * BLOCK])
     probe.close()
-    corrupt(tmp_path / "l3", store_key(hashes[0], 0, 1))
     again = HybridServer(tmp_path / "l3", seed=2)
-    # block 0's window units lie before the hit's window: a hit of 4 blocks never reads them
+    # block 0's window units lie before the hit's window (never stored): a hit of 4 blocks
+    # never reads them
+    assert window_units_in_l3(again, PROMPT, 1) == [[False], [False]]
     assert again.run("a", AGAIN_IDS) == HIT * BLOCK and not again.failed
     again.close()
     corrupt(tmp_path / "l3", store_key(hashes[HIT - 1], 0, 1))

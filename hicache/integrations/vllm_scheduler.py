@@ -19,11 +19,15 @@ computes over an in-step L3 load are saved to L3 only, and only if that load arr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroups
 from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key, unit_id
+
+# Window units `ConnectorScheduler` remembers sending to L3 (ids of 16 bytes: ~2 MB)
+WINDOW_UNITS_REMEMBERED = 1 << 16
 
 
 @dataclass
@@ -45,6 +49,7 @@ class PageSave:
     # if a page of one of them failed (vLLM computes the block again, and it is saved then)
     over: tuple[str, ...] = ()
     group: int = 0  # the KV cache group whose block it is (`vllm_groups`)
+    l3: bool = True  # written to L3 too (a window unit outside every boundary's window: L2)
 
 
 @dataclass
@@ -95,6 +100,8 @@ class ConnectorScheduler:
         self.step_load_pages = c.settings.step_load_pages(c.geometry.page_bytes)
         self.counters = {"queries": 0, "l2_hit_tokens": 0, "l3_hit_tokens": 0,
                          "saved_pages": 0}
+        # window units sent to L3 lately (a hybrid model's), so a boundary's are sent once
+        self.window_units_sent: OrderedDict[bytes, None] = OrderedDict()
 
     def _hashes(self, t: _Tracked, blocks: int) -> list[bytes]:
         """The page hashes of `t`'s first `blocks` blocks (its tokens so far)."""
@@ -168,6 +175,8 @@ class ConnectorScheduler:
                 l3.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += tokens
                 t.l3_planned = True
+                if self.c.groups is not None and load.group in self.c.groups.windowed:
+                    self._window_to_l3(unit_id(load.page_hash, load.group))  # L3 has it
         if planned.load_async:  # vLLM holds the request until the worker says it is done,
             l3.setdefault(request.request_id, [])  # even with no L3 unit left to load
         t.saved = max(t.saved, end)
@@ -188,8 +197,10 @@ class ConnectorScheduler:
             if t is None:
                 continue
             t.block_ids = [list(ids) for ids in new.block_ids]
+            over = _over(new.req_id, t, meta, loading)
+            self._save_boundary(t, new.num_computed_tokens // self.c.block_size, meta, over)
             self._save(t, new.num_computed_tokens, so.num_scheduled_tokens[new.req_id],
-                       keep, meta, _over(new.req_id, t, meta, loading))
+                       keep, meta, over)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.tracked.get(req_id)
@@ -220,17 +231,63 @@ class ConnectorScheduler:
         if full <= t.saved:
             return
         hashes = self._hashes(t, full)
+        window_l3_from = self._window_l3_from(t)
         for group, ids in enumerate(t.block_ids):
+            windowed = self.c.groups is not None and group in self.c.groups.windowed
             for i in range(t.saved, min(full, len(ids))):
-                if ((self.c.groups is not None and ids[i] == NULL_BLOCK_ID)
-                        or self.index.find(unit_id(hashes[i], group)) is not None):
-                    continue  # outside the window, or L2 has it (another request's save)
-                slot = None if over else self.index.assign(unit_id(hashes[i], group), keep)
-                if slot is None and not self.c.settings.has_storage:
+                if windowed and ids[i] == NULL_BLOCK_ID:
+                    continue  # outside the window
+                unit = unit_id(hashes[i], group)
+                if self.index.find(unit) is not None:
+                    continue  # L2 has it (another request's save, which sent it on to L3)
+                to_l3 = self.c.settings.has_storage and (
+                    not windowed or (i >= window_l3_from and self._window_to_l3(unit)))
+                slot = None if over else self.index.assign(unit, keep)
+                if slot is None and not to_l3:
                     continue
-                meta.saves.append(PageSave(ids[i], hashes[i], slot, over, group))
+                meta.saves.append(PageSave(ids[i], hashes[i], slot, over, group, to_l3))
                 self.counters["saved_pages"] += 1
         t.saved = full
+
+    def _window_l3_from(self, t: _Tracked) -> int:
+        """The first block whose window units a save sends to L3: those a query at the
+        prompt's end reads (the same prompt asked again hits a block short of it when its
+        tokens fill whole blocks: `matched` never takes the last token), and every block after
+        (the boundaries a later request can hit at; hicache's rule: docs/architecture.md,
+        "L3 by kind")."""
+        groups = self.c.groups
+        return 0 if groups is None else groups.needed_from(
+            (t.request.num_prompt_tokens - 1) // self.c.block_size)
+
+    def _save_boundary(self, t: _Tracked, end: int, meta: StepPlan,
+                       over: tuple[str, ...]) -> None:
+        """A hybrid request's first step starts at `end` blocks vLLM or hicache had: a
+        boundary another request may hit at again (a shared system prompt). Its window units
+        ([needed_from(end), end): vLLM keeps them for this request) go to L3 from its blocks
+        (loaded before the step's saves), but for those known to be there."""
+        groups = self.c.groups
+        if groups is None or not end or not self.c.settings.has_storage:
+            return
+        hashes = self._hashes(t, end)
+        for group in groups.windowed:
+            ids = t.block_ids[group]
+            for i in range(groups.needed_from(end), min(end, len(ids))):
+                unit = unit_id(hashes[i], group)
+                if ids[i] == NULL_BLOCK_ID or not self._window_to_l3(unit):
+                    continue  # outside the window, or in L3 (sent, or loaded from there)
+                meta.saves.append(PageSave(ids[i], hashes[i], None, over, group))
+                self.counters["saved_pages"] += 1
+
+    def _window_to_l3(self, unit: bytes) -> bool:
+        """Whether a window unit still has to go to L3: False when this scheduler already
+        sent it (a bounded memory: an older one is sent again, which L3 skips)."""
+        if unit in self.window_units_sent:
+            self.window_units_sent.move_to_end(unit)
+            return False
+        self.window_units_sent[unit] = None
+        if len(self.window_units_sent) > WINDOW_UNITS_REMEMBERED:
+            self.window_units_sent.popitem(last=False)
+        return True
 
     def finished(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)

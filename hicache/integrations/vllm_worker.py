@@ -330,15 +330,17 @@ class ConnectorWorker:
         """The step's filled blocks: gathered into the write ring's free rows, copied on into
         their L2 slots, and queued for the L3 writer (the ring's copy, not the L2 slot: a
         later step may reassign the slot before the write). Blocks the ring has no room for
-        go to L2 alone, a staging buffer at a time; blocks computed over a failed in-step L3
-        load are dropped (their KV is wrong; vLLM computes them again)."""
+        go to L2 alone, a staging buffer at a time, as do those for L2 alone (`l3` False);
+        blocks computed over a failed in-step L3 load are dropped (their KV is wrong; vLLM
+        computes them again)."""
         if self._step_failed:
             kept = [x for x in saves if self._step_failed.isdisjoint(x.over)]
             self.counters["l3_dropped_saves"] += len(saves) - len(kept)
             saves = kept
         if not saves or not self.layers:
             return
-        rest: Sequence[PageSave] = sorted(saves, key=lambda x: x.group)  # runs by group
+        l2_only = [x for x in saves if not x.l3]
+        rest: Sequence[PageSave] = sorted((x for x in saves if x.l3), key=lambda x: x.group)
         while rest and self._ring is not None:
             rows = self._ring.reserve(len(rest))
             if rows is None:
@@ -353,7 +355,7 @@ class ConnectorWorker:
                                for x in run], rows))
         if rest and self._ring is not None:
             self.counters["l3_skipped_pages"] += len(rest)
-        rest = [x for x in rest if x.slot is not None]
+        rest = sorted([x for x in rest if x.slot is not None] + l2_only, key=lambda x: x.group)
         assert self._staging is not None
         for run in self._staging.runs(rest):
             with self._staging.lent() as chunk:

@@ -31,6 +31,7 @@ from redis_fixtures import RedisServer, require_redis_server
 from benchmarks import bench_vs_vllm as bv
 from benchmarks.bench_l3_overlap import proxy_process
 from benchmarks.bench_vllm_connector import lmdb_pages
+from hicache.pages import window_start
 
 pytestmark = pytest.mark.integrations
 
@@ -232,7 +233,11 @@ def test_a_request_aborted_while_its_l3_load_is_in_flight_costs_nothing(
 # three groups of two layers (full, window, window), each group's blocks its own.
 GEMMA_GROUPS = 3
 GEMMA_MAX_LEN = 2048  # its max_position_embeddings
-GEMMA_PAGES = PAGES_PER_PROMPT * GEMMA_GROUPS  # a window group's every block is stored too
+GEMMA_WINDOW = 40
+# L3 by kind: the full group's unit of every block, a window group's only of the blocks a
+# query at the prompt's end reads (here the last: 1,369 of 1,408 lies in block 10 of 11)
+GEMMA_WINDOW_PAGES = PAGES_PER_PROMPT - window_start(HIT_TOKENS, GEMMA_WINDOW, BLOCK) // BLOCK
+GEMMA_PAGES = PAGES_PER_PROMPT + (GEMMA_GROUPS - 1) * GEMMA_WINDOW_PAGES
 GEMMA_VOCAB = 256  # the byte tokenizer's bytes (its vocabulary: 300)
 LOGPROB_TOLERANCE = 1e-3  # the same KV read in one chunk or two: float32 sums reordered
 HMA_OFF = "Turning off hybrid kv cache manager"  # vLLM's warning when a connector lacks HMA
