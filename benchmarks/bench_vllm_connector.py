@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -125,24 +126,31 @@ def lmdb_pages(path: Path) -> int:
 
 
 def restart(args: argparse.Namespace, label: str, kv_transfer: str,
-            stored: Any) -> dict[str, Any]:
+            stored: Callable[[], int] | None) -> dict[str, Any]:
     """First pass, stop, start again over the same store, replay."""
     batch = prompts(1, 3, args.restart_tokens)
     with start(args, label, kv_transfer) as s:
         first = one_by_one(s.base_url, batch)
         # hicache stores a value per KV cache group of each page, a window group's only near
         # each prompt's end (L3 by kind): its writes are done when the count stops growing
-        deadline = time.monotonic() + WRITE_TIMEOUT_S
-        count, still_since = stored(), time.monotonic()
-        while time.monotonic() - still_since < WRITES_SETTLED_S and time.monotonic() < deadline:
-            time.sleep(0.2)  # hicache writes L3 beside serving
-            if (now := stored()) != count:
-                count, still_since = now, time.monotonic()
+        count = None if stored is None else settled(stored)
     with start(args, f"{label} (restarted)", kv_transfer) as s:
         replay = one_by_one(s.base_url, batch)
         log = s.log_path.read_text(errors="replace")
     # vLLM turns its hybrid KV cache manager off for a connector that lacks SupportsHMA
-    return {"first": first, "replay": replay, "hybrid_manager_off": [HMA_OFF in log]}
+    return {"first": first, "replay": replay, "hybrid_manager_off": [HMA_OFF in log],
+            "l3_values": [] if count is None else [count]}  # hicache's, after the first pass
+
+
+def settled(stored: Callable[[], int]) -> int:
+    """L3's value count once it stops growing (hicache writes L3 beside serving)."""
+    deadline = time.monotonic() + WRITE_TIMEOUT_S
+    count, still_since = stored(), time.monotonic()
+    while time.monotonic() - still_since < WRITES_SETTLED_S and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if (now := stored()) != count:
+            count, still_since = now, time.monotonic()
+    return count
 
 
 def multiturn(args: argparse.Namespace, label: str, kv_transfer: str | None,
@@ -173,7 +181,7 @@ def restarts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 (EXAMPLE, connector(
                     "ExampleConnector",
                     "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-                    {"shared_storage_path": str(example)}), lambda: 1 << 30)]
+                    {"shared_storage_path": str(example)}), None)]  # writes in its step
 
     out: dict[str, Any] = {ALONE: []}
     for n in range(args.restart_passes):
@@ -182,7 +190,8 @@ def restarts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         each = connectors(n)
         for name, kv, stored in each[n % len(each):] + each[:n % len(each)]:
             run = restart(args, name, kv, stored)
-            row = out.setdefault(name, {"first": [], "replay": [], "hybrid_manager_off": []})
+            row = out.setdefault(name, {"first": [], "replay": [], "hybrid_manager_off": [],
+                                        "l3_values": []})
             for key in row:
                 row[key] += run[key]
     return out
@@ -245,7 +254,8 @@ def summarize_restart(r: dict[str, Any]) -> dict[str, Any]:
                       "replay_over_first": replay / first,
                       "cached": [x["cached"] for x in r[name]["replay"]],
                       "same_tokens": [x["token"] for x in r[name]["replay"]] == tokens,
-                      "hybrid_manager_off": any(r[name].get("hybrid_manager_off", []))}
+                      "hybrid_manager_off": any(r[name].get("hybrid_manager_off", [])),
+                      "l3_values": r[name].get("l3_values", [])}
     return {"alone_restart_s": alone, "restart": rows}
 
 
