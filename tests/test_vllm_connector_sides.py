@@ -1043,6 +1043,10 @@ def test_a_failed_hybrid_unit_fails_its_request_never_a_block_id(tmp_path: Path)
     assert again.run("a", AGAIN_IDS) == 0  # vLLM computes it whole
     assert again.failed == {"a"} and again.worker.counters["load_errors"] == 1
     again.close()
+    # the unit that failed was stored anew by that computation: a restart hits it whole
+    third = HybridServer(tmp_path / "l3", seed=3)
+    assert third.run("a", FIRST_IDS) == HIT * BLOCK and not third.failed
+    third.close()
 
 
 def test_l2_serves_a_hybrid_prefix_by_group(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroups
 from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_key, unit_id
 
-# Window units `ConnectorScheduler` remembers sending to L3 (ids of 16 bytes: ~2 MB)
+# Window units `ConnectorScheduler` remembers sending to L3 (~10 MB of ids in a dict)
 WINDOW_UNITS_REMEMBERED = 1 << 16
 
 
@@ -175,8 +175,6 @@ class ConnectorScheduler:
                 l3.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += tokens
                 t.l3_planned = True
-                if self.c.groups is not None and load.group in self.c.groups.windowed:
-                    self._window_to_l3(unit_id(load.page_hash, load.group))  # L3 has it
         if planned.load_async:  # vLLM holds the request until the worker says it is done,
             l3.setdefault(request.request_id, [])  # even with no L3 unit left to load
         t.saved = max(t.saved, end)
@@ -221,7 +219,8 @@ class ConnectorScheduler:
         """Plan the saves of `t`'s blocks that this step fills: its tokens from `computed`
         (what vLLM has) to `computed + scheduled`. Where vLLM has less than was saved or
         loaded (blocks that failed to load, a preempted request), it computes them again
-        and they are saved again: a page that failed its checksum is stored anew. `over`:
+        and they are saved again: a page that failed its checksum is stored anew (a window
+        unit where this request's rule sends it, `_window_l3_from`). `over`:
         the in-step L3 loads its KV is computed over, so its blocks go to L3 only, if those
         loads hold."""
         bs = self.c.block_size
@@ -238,11 +237,13 @@ class ConnectorScheduler:
                 if windowed and ids[i] == NULL_BLOCK_ID:
                     continue  # outside the window
                 unit = unit_id(hashes[i], group)
-                if self.index.find(unit) is not None:
-                    continue  # L2 has it (another request's save, which sent it on to L3)
+                in_l2 = self.index.find(unit) is not None
                 to_l3 = self.c.settings.has_storage and (
                     not windowed or (i >= window_l3_from and self._window_to_l3(unit)))
-                slot = None if over else self.index.assign(unit, keep)
+                if in_l2 and not (windowed and to_l3):
+                    continue  # L2 has it (another request's save sent it on to L3, a window
+                    # unit if that request's rule took it; else this one's sends it now)
+                slot = None if over or in_l2 else self.index.assign(unit, keep)
                 if slot is None and not to_l3:
                     continue
                 meta.saves.append(PageSave(ids[i], hashes[i], slot, over, group, to_l3))
@@ -279,10 +280,11 @@ class ConnectorScheduler:
                 self.counters["saved_pages"] += 1
 
     def _window_to_l3(self, unit: bytes) -> bool:
-        """Whether a window unit still has to go to L3: False when this scheduler already
-        sent it (a bounded memory: an older one is sent again, which L3 skips)."""
+        """Whether a window unit still has to go to L3: False when this scheduler sent it
+        lately. The memory is first in, first out, never refreshed: a send the worker lost
+        (its write ring full, a store fault) or a value L3 dropped since is sent again once
+        it ages out, and L3 skips what it holds."""
         if unit in self.window_units_sent:
-            self.window_units_sent.move_to_end(unit)
             return False
         self.window_units_sent[unit] = None
         if len(self.window_units_sent) > WINDOW_UNITS_REMEMBERED:
