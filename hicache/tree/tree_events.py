@@ -69,8 +69,8 @@ class TreeEvents:
     def record_all(self, nodes: Iterable[TreeNode]) -> None:
         """Say again what `nodes` (parents first) hold, after an `AllBlocksCleared` some of
         them outlived (pinned pages a flush kept, L1 and L2 after L3 went). It follows only
-        an emptied or detached L3, so L3's window parts, which the tree does not keep, are
-        never left to say."""
+        an emptied or detached L3, so L3's window parts (`window_stored`, cleared with it)
+        are never left to say."""
         for node in nodes:
             for medium in node.media():
                 self.stored(node, medium)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -194,21 +194,15 @@ class LeanForward:
         architecture."""
         if config.architecture not in LEAN_ARCHITECTURES:
             return None
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        kernels = {m.kernel for m in linears}
-        layer_kernels = {model.norm.kernel, model.rotary_emb.kernel,
-                         *(layer.mlp.kernel for layer in model.layers),
-                         *(norm.kernel for layer in model.layers
-                           for norm in _qk_norms(layer.self_attn))}
-        if (dtype not in KERNEL_DTYPES or model.norm.weight.device.type != "cpu"
-                or len(kernels) != 1 or None in kernels
-                or any(m.panels is None for m in linears)
-                or len(layer_kernels) != 1 or None in layer_kernels):
+        found = lean_kernels(model, dtype, [
+            model.norm, model.rotary_emb, *(layer.mlp for layer in model.layers),
+            *(norm for layer in model.layers for norm in _qk_norms(layer.self_attn))])
+        if found is None:
             return None
         rotary = model.rotary_emb
         tables = ((rotary.cos_bf16, rotary.sin_bf16) if dtype == torch.bfloat16
                   else (rotary.cos, rotary.sin))
-        return cls(model, config, dtype, kernels.pop(), layer_kernels.pop(), tables)
+        return cls(model, config, dtype, *found, tables)
 
     @torch.inference_mode()  # its plans' buffers are inference tensors
     def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
@@ -260,6 +254,21 @@ class LeanForward:
                 plans.popitem(last=False)
         plans.move_to_end(key)
         return plan
+
+
+def lean_kernels(model: nn.Module, dtype: torch.dtype, layer_modules: Iterable[nn.Module]
+                 ) -> tuple[CpuLinearKernel, CpuLayerKernel] | None:
+    """(the linear kernel, the layer kernel) when all of `model` runs on them, on the CPU in
+    a kernel dtype: every Linear on one linear kernel's panels, every one of `layer_modules`
+    (its norms, RoPE, MLP activation) on one layer kernel; None otherwise."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kernels = {m.kernel for m in linears}
+    layer_kernels = {m.kernel for m in layer_modules}
+    if (dtype not in KERNEL_DTYPES or model.norm.weight.device.type != "cpu"
+            or len(kernels) != 1 or None in kernels or any(m.panels is None for m in linears)
+            or len(layer_kernels) != 1 or None in layer_kernels):
+        return None
+    return kernels.pop(), layer_kernels.pop()
 
 
 class _BoundAttention:

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from hicache_server.models.config import ModelArchConfig
-from hicache_server.models.cpu_forward import LayerCalls, LeanForward, bind_linear
-from hicache_server.models.cpu_kernels import KERNEL_DTYPES
+from hicache_server.models.cpu_forward import LayerCalls, LeanForward, bind_linear, lean_kernels
 from hicache_server.models.linear import Linear
 
 # The architectures whose layers `build_gemma_lean` binds (gemma3.py's and gemma2.py's)
@@ -142,13 +141,8 @@ def build_gemma_lean(model: nn.Module, config: ModelArchConfig, dtype: torch.dty
     kernel; None otherwise."""
     if config.architecture not in GEMMA_ARCHITECTURES:
         return None
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    kernels = {m.kernel for m in linears}
-    layer_kernels = {m.kernel for m in kernel_modules}
-    if (dtype not in KERNEL_DTYPES or model.norm.weight.device.type != "cpu"
-            or len(kernels) != 1 or None in kernels
-            or any(m.panels is None for m in linears)
-            or len(layer_kernels) != 1 or None in layer_kernels):
+    found = lean_kernels(model, dtype, kernel_modules)
+    if found is None:
         return None
     rotary, local = model.rotary_emb, model.rotary_emb_local
     if rotary.cos.shape[0] != local.cos.shape[0]:  # one positions check covers both
@@ -156,5 +150,4 @@ def build_gemma_lean(model: nn.Module, config: ModelArchConfig, dtype: torch.dty
                          f"{rotary.cos.shape[0]} and {local.cos.shape[0]}")
     tables = ((rotary.cos_bf16, rotary.sin_bf16) if dtype == torch.bfloat16
               else (rotary.cos, rotary.sin))
-    return LeanForward(model, config, dtype, kernels.pop(), layer_kernels.pop(), tables,
-                       new_plan=_GemmaPlan)
+    return LeanForward(model, config, dtype, *found, tables, new_plan=_GemmaPlan)
