@@ -35,8 +35,7 @@ split, so prefilled, extended and decoded tokens (and their K/V) are bit-identic
 TorchAttention serves where the kernel cannot (no AVX-512 or C compiler, float16, head dims
 it does not take, `HICACHE_CPU_ATTENTION=sdpa`). On CUDA `CudaPagedAttention` runs decode
 batches, windowed or not, on the CuPy kernel (kernels/src/paged_attention.cu). Every backend
-soft-caps a layer's scores where asked (`softcap`: Gemma 2); SDPA cannot, so TorchAttention
-and the reference compute such a layer's scores themselves (`softcapped`).
+soft-caps scores where asked (`softcap`: Gemma 2; SDPA cannot: `softcapped`).
 """
 
 from __future__ import annotations
@@ -298,15 +297,16 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float | None, softcap: float) -> torch.Tensor:
-    """SDPA with the scores soft-capped, which SDPA cannot do: `s = scale * q.k` in float32,
-    `softcap * tanh(s / softcap)`, the mask (boolean, True: attend; additive; or None),
-    softmax, P V; q's dtype out. transformers' eager attention applies them in this order (in
-    q's dtype). q `[..., L, d]`, k/v `[..., S, d]`, mask broadcast to `[..., L, S]`."""
-    s = q.float() @ k.float().transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    """SDPA with the scores soft-capped: `s = scale * q.k`, `softcap * tanh(s / softcap)`, the
+    mask (boolean, True: attend; additive; or None), softmax, P V (transformers' eager order),
+    q's dtype out; q `[..., L, d]`, k/v `[..., S, d]`, mask broadcast to `[..., L, S]`. Sums in
+    float64 on the CPU, float32 on CUDA (docs/kernels.md, soft-capped scores)."""
+    wide = torch.float64 if q.device.type == "cpu" else torch.float32
+    s = q.to(wide) @ k.to(wide).transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
     s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    return (s.softmax(-1) @ v.float()).to(q.dtype)
+    return (s.softmax(-1) @ v.to(wide)).to(q.dtype)
 
 
 class ReferenceAttention(AttentionBackend):
