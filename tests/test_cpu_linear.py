@@ -2,15 +2,17 @@
 promises (float32: one FMA chain per output, in input order; bfloat16: one float32 chain
 over the input pairs, then one rounding), and that a row's bits depend on nothing else in
 the call: not the rows beside it, their number, the row stride nor the thread count; in
-bfloat16 on each path this CPU has (AVX-512F, AVX512-BF16, AMX). The model on it: test_cpu_layer (either backend, the same logits) and
-test_cpu_attention (cached and recomputed K/V, the same bits).
+bfloat16 on each path this CPU has (AVX-512F, AVX512-BF16, AMX; the AVX2 build's one). The
+model on it: test_cpu_layer (either backend, the same logits) and test_cpu_attention (cached
+and recomputed K/V, the same bits).
 
-Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
-skipped elsewhere, and a supported machine whose build fails fails here.
+Runs where the kernel is supported (AVX-512F, or AVX2 and FMA, and a C compiler: this
+project's machines); skipped elsewhere, and a supported machine whose build fails fails here.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch
 from conftest import bf16_paths as paths
 
 from hicache_server.models.cpu_kernels import CPU_LINEAR_ENV, make_linear_kernel
-from hicache_server.models.kernels import cpu_linear
+from hicache_server.models.kernels import cpu_build, cpu_linear
 from hicache_server.models.linear import Linear, onednn_matches_kernel
 
 SEED = 11
@@ -29,7 +31,7 @@ SHAPES = ((768, 512), (3072, 512), (512, 1536), (260, 512), (100, 40), (65, 17),
 ROWS = (1, 2, 5, 6, 7, 13, 300)
 
 pytestmark = pytest.mark.skipif(not cpu_linear.supported(),
-                                reason="the CPU linear kernel needs AVX-512F and a C compiler")
+                                reason="the CPU linear kernel needs AVX-512F or AVX2, and a C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +212,8 @@ def pair_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return (out if b is None else out + b.float()).to(torch.bfloat16)
 
 
-EXACT_PATHS = ("avx512f", "avx512bf16")  # the pair chain exactly; AMX rounds its own way
+# the pair chain exactly (the AVX2 build's one path too); AMX rounds its own way
+EXACT_PATHS = ("avx512f", "avx512bf16", "avx2")
 ALL_PATHS = (*EXACT_PATHS, "amx")
 
 
@@ -309,3 +312,20 @@ def test_a_bfloat16_linear_runs_on_the_kernel(kernel) -> None:
         assert torch.equal(whole, kernel(x, lin.panels, 960, lin.bias))
         for lo, hi in [(0, 1), (3, 11), (100, 700), (1500, 2048), (7, 519)]:
             assert torch.equal(lin(x[lo:hi]), whole[lo:hi])
+
+
+def test_the_avx2_build_gives_the_avx512_builds_bits(kernel, tmp_path: Path) -> None:
+    """The AVX2 build (cpu_linear_avx2.h), which also runs on an AVX-512 CPU: every output's
+    bits equal those of the build this CPU loads by default, float32 and bfloat16 on its
+    exact paths, every row count of a register tile and over."""
+    path = cpu_build.build(cpu_linear._SOURCE, tmp_path, cpu_build.AVX2_FLAGS)
+    avx2 = cpu_linear.CpuLinearKernel(ctypes.CDLL(str(path)), path)
+    assert avx2.isa == "avx2" and avx2.bf16_paths == ("avx2",)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in [(130, 64), (65, 17), (960, 576)]:
+            w, b, x = (t.to(dtype) for t in weights(n, k, 300))
+            packed = kernel.pack(w)
+            assert torch.equal(avx2.pack(w), packed)
+            for rows in (1, 2, 3, 5, 6, 7, 300):
+                for on_path in paths(kernel, EXACT_PATHS) if dtype == torch.bfloat16 else [kernel]:
+                    assert torch.equal(avx2(x[:rows], packed, n, b), on_path(x[:rows], packed, n, b))

@@ -1,6 +1,6 @@
 """Compile a C kernel of src/ once with the system compiler and load it (ctypes).
 
-    path = build(Path("src/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-<key>.so
+    path = build(Path("src/cpu_linear.c"), cache_dir, FLAGS)  # cache_dir/cpu_linear-avx512-<key>.so
     kernel = load(source, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN")
 
 The .so is keyed by a hash of the source, the folder's headers (`cpu_exp.h`), the flags and
@@ -9,7 +9,9 @@ compiles each kernel once (about a second). A finished build is renamed into pla
 concurrent processes never load a half-written file. The kernels use AVX-512 (F, BW, VL, DQ)
 intrinsics, not -march=native, so one build runs on every AVX-512 machine; the bfloat16
 linear kernel's AVX512-BF16 and AMX paths are compiled per function (`target` attributes)
-and chosen at run time from CPUID. OpenMP comes from libgomp.so.1, the very runtime torch
+and chosen at run time from CPUID. A kernel with an AVX2 half (the linear kernel's) also
+builds with AVX2_FLAGS, on a CPU whose best is AVX2 (`isa()`, as torch dispatches); the
+others need AVX-512. OpenMP comes from libgomp.so.1, the very runtime torch
 loaded (same soname), so torch and the kernels share one thread pool.
 
 Threading: any thread.
@@ -35,6 +37,11 @@ T = TypeVar("T")
 
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
          "-fPIC", "-shared", "-std=c11")  # AVX-512 F+BW+VL+DQ: what torch calls AVX512
+# AVX2 + FMA (what torch calls AVX2): the build of a kernel that has an AVX2 half (the
+# linear kernel's, `#ifndef __AVX512F__`) on a CPU without AVX-512
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+ISA_FLAGS = {"avx512": FLAGS, "avx2": AVX2_FLAGS}
+ISA_NAMES = {"avx512": "AVX-512F", "avx2": "AVX2 and FMA"}
 COMPILE_TIMEOUT_S = 120
 
 
@@ -45,8 +52,15 @@ def compiler() -> str:
 
 def supported() -> bool:
     """AVX-512F on this CPU (what torch dispatches its own kernels on) and a C compiler."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and shutil.which(compiler()) is not None)
+    return isa() == "avx512"
+
+
+def isa() -> str | None:
+    """The vector ISA this CPU gives the kernels, as torch dispatches its own: "avx512",
+    "avx2" (AVX2 + FMA, no AVX-512), or None (neither, or no C compiler)."""
+    if shutil.which(compiler()) is None:
+        return None
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
 
 
 def build(source: Path, cache_dir: Path, flags: Sequence[str] = FLAGS) -> Path:
@@ -58,7 +72,8 @@ def build(source: Path, cache_dir: Path, flags: Sequence[str] = FLAGS) -> Path:
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + version.encode()).hexdigest()[:16]
-    path = cache_dir / f"{source.stem}-{key}.so"
+    tag = next((i for i, f in ISA_FLAGS.items() if tuple(flags) == f), "custom")
+    path = cache_dir / f"{source.stem}-{tag}-{key}.so"
     if path.exists():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -75,16 +90,18 @@ def build(source: Path, cache_dir: Path, flags: Sequence[str] = FLAGS) -> Path:
 
 
 def load(source: Path, cache_dir: Path, make: Callable[[ctypes.CDLL, Path], T], what: str,
-         fallback: str, flags: Sequence[str] = FLAGS) -> T | None:
-    """`make(library, path)` of `source` built (`build`) and loaded; None where unsupported,
-    or where the build, the load or `make` (a symbol missing) fails: logged, naming `what`
-    and the `fallback` the caller keeps."""
-    if not supported():
-        logger.info("%s unavailable (needs AVX-512F and %s): using %s", what, compiler(),
-                    fallback)
+         fallback: str, isas: Sequence[str] = ("avx512",)) -> T | None:
+    """`make(library, path)` of `source` built (`build`, with this CPU's ISA's flags) and
+    loaded; None where this CPU's ISA is not one of `isas` (the source's builds), or where
+    the build, the load or `make` (a symbol missing) fails: logged, naming `what` and the
+    `fallback` the caller keeps. `make` finds the ISA built in the .so's name."""
+    found = isa()
+    if found not in isas:
+        logger.info("%s unavailable (needs %s and %s): using %s", what,
+                    " or ".join(ISA_NAMES[i] for i in isas), compiler(), fallback)
         return None
     try:
-        path = build(source, cache_dir, flags)
+        path = build(source, cache_dir, ISA_FLAGS[found])
         return make(ctypes.CDLL(str(path)), path)
     except subprocess.CalledProcessError as exc:
         logger.warning("%s did not build (%s exited %s: %s): using %s", what, exc.cmd[0],

@@ -1,5 +1,6 @@
 """Linear layers on the CPU: the C kernels of cpu_linear.c (float32 and bfloat16, AVX-512F,
-AVX512-BF16 where the CPU has it, OpenMP).
+AVX512-BF16 and AMX where the CPU has them, OpenMP; on a CPU without AVX-512, its AVX2 + FMA
+build, cpu_linear_avx2.h, whose every output has the same bits).
 
     kernel = load(cache_dir)            # None where unsupported: the caller keeps oneDNN
     packed = kernel.pack(weight)        # [N, K] -> panels, once per weight (its dtype)
@@ -35,6 +36,8 @@ _SOURCE = Path(__file__).with_name("src") / "cpu_linear.c"
 PANEL = 64  # outputs per panel: must match NR in cpu_linear.c
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_PATHS = ("avx512f", "avx512bf16", "amx")  # the ISA_ values of cpu_linear.c, in order
+# the AVX2 build's one bfloat16 path: cpu_linear.c's plain path (ISA_AVX512F), in AVX2
+AVX2_PATH = "avx2"
 
 
 class CpuLinearKernel:
@@ -59,8 +62,10 @@ class CpuLinearKernel:
         self._fn_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int,
                                   ctypes.c_int]
         # the bfloat16 path: AMX's tiles where the CPU has them, else vdpbf16ps, else
-        # AVX-512F (vdpbf16ps's very bits); tests set another that this CPU runs
-        self.bf16_paths = ("avx512f",)
+        # AVX-512F (vdpbf16ps's very bits), or in the AVX2 build its plain path (the same
+        # bits); tests set another that this CPU runs
+        self.isa = "avx2" if "-avx2-" in path.name else "avx512"
+        self.bf16_paths = (AVX2_PATH,) if self.isa == "avx2" else ("avx512f",)
         if library.hicache_linear_has_avx512bf16():
             self.bf16_paths += ("avx512bf16",)
         if library.hicache_linear_has_amx():
@@ -119,8 +124,8 @@ class CpuLinearKernel:
         args = (x.data_ptr(), row_stride, rows, k, packed.data_ptr(), out_features,
                 None if bias is None else bias.data_ptr(), y.data_ptr())
         if x.dtype == torch.bfloat16:
-            return functools.partial(self._fn_bf16, *args, BF16_PATHS.index(self.bf16_path),
-                                     threads)
+            isa = 0 if self.bf16_path == AVX2_PATH else BF16_PATHS.index(self.bf16_path)
+            return functools.partial(self._fn_bf16, *args, isa, threads)
         return functools.partial(self._fn, *args, threads)
 
     def check(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -151,12 +156,13 @@ class CpuLinearKernel:
 
 
 def supported() -> bool:
-    """AVX-512F on this CPU and a C compiler (`cpu_build.supported`)."""
-    return cpu_build.supported()
+    """AVX-512F, or AVX2 and FMA, on this CPU and a C compiler (`cpu_build.isa`)."""
+    return cpu_build.isa() is not None
 
 
 @functools.cache
 def load(cache_dir: Path) -> CpuLinearKernel | None:
     """The kernel, compiled into `cache_dir` on first use; None where unsupported or the
     build fails (logged once)."""
-    return cpu_build.load(_SOURCE, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN")
+    return cpu_build.load(_SOURCE, cache_dir, CpuLinearKernel, "CPU linear kernel", "oneDNN",
+                          isas=("avx512", "avx2"))

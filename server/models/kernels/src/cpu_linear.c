@@ -26,15 +26,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX512F__
 #include "cpu_amx.h"
 #include "cpu_bf16.h"
+#endif
 
-#define VEC 16                  /* floats per AVX-512 vector */
-#define NR 64                   /* outputs per panel: 4 vectors */
+#define NR 64                   /* outputs per panel */
 #define MR 6                    /* rows per register tile */
 #define X_BLOCK_BYTES 262144    /* a block of x rows kept in L2 while the panels go by */
 #define MAX_BLOCK_ROWS 192
 #define PREFETCH_ROWS 8         /* panel rows (k) ahead that a memory-bound tile prefetches */
+
+#ifdef __AVX512F__
+#define VEC 16                  /* floats per AVX-512 vector: a panel is 4 */
 
 /* Rows [0, mr) of x times one panel: y[i][0 .. cols) for i < mr. Inlined with a constant
  * mr, so the accumulators live in registers. */
@@ -87,6 +91,9 @@ static void tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64
     default: tile(6, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
     }
 }
+#else
+#include "cpu_linear_avx2.h"  /* tile_rows and tile_rows_bf16_f on 8-float vectors */
+#endif
 
 /* Floats of the packed weight: whole panels. */
 int64_t hicache_linear_packed_size(int64_t N, int64_t K) {
@@ -169,6 +176,10 @@ int hicache_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const 
  */
 
 #define PAIR_TILE 16  /* pairs per AMX tile row: 64 bytes */
+#define AMX_ROWS 32  /* rows of x per tile call: two A tiles */
+#define AMX_HALF 32  /* outputs per tile call: two B tiles */
+
+#ifdef __AVX512F__
 
 /* The tile's store: acc (+ bias) rounded to bfloat16, columns [0, cols) of rows [0, mr). */
 static inline __attribute__((always_inline)) void store_bf16(
@@ -268,8 +279,6 @@ TILE_ROWS_BF16(tile_rows_bf16_f, tile_bf16_f, "avx512f")
  *
  * Every output's arithmetic is the same whatever the blocking: tdpbf16ps over the blocks
  * of 16 pairs in order, into a float32 tile row that is that row of x times B. */
-#define AMX_ROWS 32  /* rows of x per tile call: two A tiles */
-#define AMX_HALF 32  /* outputs per tile call: two B tiles */
 
 /* Tiles for `r0` (1..16) rows in tmm0, tmm1, tmm4 and `r1` (0..16) in tmm2, tmm3, tmm5
  * (unused when 0); tmm6, tmm7: 16 rows of 64 bytes. */
@@ -350,6 +359,12 @@ int hicache_linear_has_amx(void) { return amx_available(); }
 
 /* Whether this CPU has AVX512-BF16 (vdpbf16ps). */
 int hicache_linear_has_avx512bf16(void) { return avx512bf16_available(); }
+#else
+/* The AVX2 build has the plain path only (cpu_linear_avx2.h): vdpbf16ps and AMX are
+ * AVX-512 CPUs' instructions. */
+int hicache_linear_has_amx(void) { return 0; }
+int hicache_linear_has_avx512bf16(void) { return 0; }
+#endif
 
 /* Pairs of one panel: ceil(K / 2) rounded up to whole AMX tiles. */
 static inline int64_t padded_pairs(int64_t K) {
@@ -384,6 +399,10 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
                         int isa, int threads) {
     if (M < 0 || K < 1 || N < 1 || ldx < K || threads < 1 || isa < 0 || isa > ISA_AMX)
         return -1;
+#ifndef __AVX512F__
+    if (isa != ISA_AVX512F)  /* the AVX2 build: the plain path, in AVX2 */
+        return -1;
+#endif
     if (M == 0)
         return 0;
     const int64_t unit = isa == ISA_AMX ? 2 * AMX_ROWS : MR;  /* whole tiles of rows */
@@ -391,13 +410,14 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
     most = most < unit ? unit : most > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS : most;
     const int64_t blocks = (M + most - 1) / most;
     const int64_t block = ((M + blocks - 1) / blocks + unit - 1) / unit * unit;
-    const int64_t panels = (N + NR - 1) / NR, panel_size = padded_pairs(K) * 2 * NR;
+    const int64_t panel_size = padded_pairs(K) * 2 * NR;
     /* a work item: half a panel (32 outputs) on AMX, so that a decode batch's items split
      * evenly over the threads whatever the panels' count; a panel on the other paths */
     const int64_t width = isa == ISA_AMX ? AMX_HALF : NR, items = (N + width - 1) / width;
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;  /* the rows this thread's tiles are configured for */
+        (void)configured;    /* the AVX2 build has no tiles */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             for (int64_t u = 0; u < items; u++) {
@@ -407,25 +427,31 @@ int hicache_linear_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
                 /* the item's first output's pairs in its panel */
                 const uint16_t *w = packed + col0 / NR * panel_size + col0 % NR * 2;
                 const uint16_t *bp = bias ? bias + col0 : NULL;
+#ifdef __AVX512F__
                 if (isa == ISA_AMX) {
                     panel_half_amx((int)(end - start), x + start * ldx, ldx, w, K, bp,
                                    y + start * N + col0, N, cols, &configured);
                     continue;
                 }
+#endif
                 for (int64_t m = start; m < end; m += MR) {
                     const int mr = end - m < MR ? (int)(end - m) : MR;
                     const uint16_t *xm = x + m * ldx;
                     const int fetch = m == start;  /* the panel's first tile streams it */
                     uint16_t *ym = y + m * N + col0;
+#ifdef __AVX512F__
                     if (isa == ISA_AVX512BF16)
                         tile_rows_bf16_dp(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                     else
+#endif
                         tile_rows_bf16_f(mr, xm, ldx, w, K, bp, ym, N, cols, fetch);
                 }
             }
         }
+#ifdef __AVX512F__
         if (configured)
             release_tiles();
+#endif
     }
     return 0;
 }
