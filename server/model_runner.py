@@ -5,7 +5,9 @@
                      model waits for layer i's pages just before layer i's attention
     logits        -> the last new token's of each request (`hicache_server.sampling` turns them into
                      tokens and logprobs), and, for a request that wants prompt logprobs,
-                     those of every prompt position from its `logprob_start_len`
+                     those of every prompt position from its `logprob_start_len`; a plain
+                     greedy request's row may be the head screen's (`argmax_only`: exact
+                     wherever its argmax can be, models/head_screen.py)
 
 Threading: scheduler thread only.
 """
@@ -62,6 +64,7 @@ class ModelRunner:
         rows = logit_rows(reqs, extend_lens)
         if any(r.count > 1 for r in rows):  # else the model's own last-token path
             batch.output_rows = _output_rows(rows, reqs, batch.extend_starts)
+        batch.argmax_only = argmax_only(reqs, rows)
         handle = self.cache.steps.launch_loads()
         if handle is not None:
             batch.layer_hook = handle.wait_layer
@@ -124,6 +127,18 @@ def logit_rows(reqs: list[Request], extend_lens: list[int]) -> list[LogitRows]:
         out.append(LogitRows(row, first, last - first + 1))
         row += last - first + 1
     return out
+
+
+def argmax_only(reqs: list[Request], rows: list[LogitRows]) -> torch.Tensor | None:
+    """`ForwardBatch.argmax_only` for `rows`: a request's last row where its token is a plain
+    greedy one (greedy, no logit changes, no logprobs), so only that row's argmax is read
+    (scheduler/tokens.py); None when no row is."""
+    marks = []
+    for req, r in zip(reqs, rows):
+        p = req.input.params
+        plain = p.greedy and not p.shapes_logits and not req.input.return_logprob
+        marks += [False] * (r.count - 1) + [plain]
+    return torch.tensor(marks, dtype=torch.bool) if any(marks) else None
 
 
 def _output_rows(rows: list[LogitRows], reqs: list[Request],

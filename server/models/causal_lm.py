@@ -22,6 +22,8 @@ from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import AttentionBackend
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.head_screen import HeadScreen, screen_wanted
+from hicache_server.models.kernels import cpu_head
 from hicache_server.models.kernels.cpu_layer import CpuLayerKernel
 from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 from hicache_server.models.linear import Linear, linear, onednn_linear_works
@@ -40,6 +42,10 @@ class CausalLM(nn.Module, ABC):
     `batch.output_rows`); K/V of the new tokens land in `kv_pool` at `batch.out_slots`,
     every layer."""
 
+    # whether a row's argmax may come from the head screen: its logits are the head's as
+    # they are (an architecture that reshapes them after the head says False)
+    screens_head = True
+
     def __init__(self, config: ModelArchConfig, model: nn.Module, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -52,6 +58,10 @@ class CausalLM(nn.Module, ABC):
         self._onednn_head = self.device.type == "cpu" and onednn_linear_works(dtype)
         self._head_kernel: CpuLinearKernel | None = None
         self._head_panels: torch.Tensor | None = None
+        # the head's greedy screen, on the linear kernel's head once weights are loaded
+        # (`_pack_head`)
+        self._screen: HeadScreen | None = None
+        self._weights_loaded = False
         if config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -118,9 +128,20 @@ class CausalLM(nn.Module, ABC):
         same bits in any batch, as oneDNN does not promise, and streams the table faster
         for decode batches (SmolLM2's float32 head, from memory: 1 row 3.30 -> 2.64 ms,
         8 rows 5.39 -> 3.05 against oneDNN)."""
-        self._head_panels = None
-        if self._head_kernel is not None and self.config.tie_word_embeddings:
+        self._head_panels = self._screen = None
+        if self._head_kernel is None:
+            return
+        if self.config.tie_word_embeddings:
             self._head_panels = self._head_kernel.pack(self.model.embed_tokens.weight)
+            weight, panels = self.model.embed_tokens.weight, self._head_panels
+        else:
+            weight, panels = self.lm_head.weight, self.lm_head.panels
+        if (panels is not None and self._weights_loaded and self.screens_head
+                and screen_wanted()):
+            kernel = cpu_head.load(self._head_kernel.path.parent)
+            if kernel is not None:
+                self._screen = HeadScreen.build(weight.detach(), kernel, self._head_kernel,
+                                                panels)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
@@ -129,12 +150,30 @@ class CausalLM(nn.Module, ABC):
         returned go through the LM head."""
         batch = batch.to(kv_pool.device)
         h = self.model(batch, kv_pool)  # [T, hidden]
-        return self._logits(h.index_select(0, batch.logit_rows()))
+        h = h.index_select(0, batch.logit_rows())
+        if batch.argmax_only is not None and self._screen is not None:
+            return self._screened_logits(h, batch.argmax_only)
+        return self._logits(h)
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:
         """`[T, vocab]` float32 logits of every new token (tests, scoring)."""
         return self._logits(self.model(batch.to(kv_pool.device), kv_pool))
+
+    def _screened_logits(self, h: torch.Tensor, argmax_only: torch.Tensor) -> torch.Tensor:
+        """`_logits(h)`, except that the rows marked `argmax_only` may be the head screen's
+        (exact only where the argmax can be: models/head_screen.py)."""
+        picked = argmax_only.nonzero().flatten()
+        screened = self._screen.logits(h[picked]) if picked.numel() else None
+        if screened is None:
+            return self._logits(h)
+        if picked.numel() == h.shape[0]:
+            return screened
+        out = torch.empty((h.shape[0], self.config.vocab_size), dtype=torch.float32)
+        out[picked] = screened
+        rest = (~argmax_only).nonzero().flatten()
+        out[rest] = self._logits(h[rest])
+        return out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, Linear):
@@ -159,6 +198,7 @@ class CausalLM(nn.Module, ABC):
         finally:
             for m in linears:
                 m.pack()
+            self._weights_loaded = True
             self._pack_head()
             self._refresh_derived()
 

@@ -42,6 +42,10 @@ class ForwardBatch:
     # [R] int64 rows of `[T]` whose logits the model returns, ascending; None = each
     # sequence's last new token (`last_token_indices`), the normal path
     output_rows: torch.Tensor | None = None
+    # [R] bool (CPU) over the rows whose logits the model returns: True where only the row's
+    # argmax is read (a plain greedy token, `ModelRunner.forward`), so the model may return
+    # the head screen's row there (models/head_screen.py); None = every row whole
+    argmax_only: torch.Tensor | None = None
     # Lazily built padded slot table for decode kernels; see `slot_table`.
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False

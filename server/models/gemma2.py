@@ -76,6 +76,12 @@ class Gemma2ForCausalLM(CausalLM):
     def _refresh_derived(self) -> None:
         refresh_gemma(self)
 
+    @property
+    def screens_head(self) -> bool:
+        """No head screen under a final cap: tanh may round two logits to one value, so
+        the argmax of the capped row is not the screen's (models/head_screen.py)."""
+        return self.config.final_logit_softcapping is None
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 logits, `c * tanh(x / c)` with c the final cap."""
         logits = super()._logits(h)  # [rows, vocab]

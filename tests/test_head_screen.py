@@ -1,0 +1,160 @@
+"""The LM head's greedy screen (models/head_screen.py, kernels/src/cpu_head.c): a screened
+row's argmax is the whole head's, first index on ties, in float32 and bfloat16; its
+candidates' logits are the whole head's bits and every other output is -inf; rows built to
+tie (equal outputs, outputs one float32 step apart, logits that round to one bfloat16) and
+non-finite rows; and served: a greedy model gives the same tokens with the screen on and
+off, a request that asks for logprobs gets the whole row.
+
+Runs where the kernels are supported (AVX-512F, or AVX2 and FMA, and a C compiler)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hicache_server.models import head_screen
+from hicache_server.models.head_screen import HEAD_SCREEN_ENV, MAX_PANEL_SHARE, HeadScreen
+from hicache_server.models.kernels import cpu_head, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_head.supported(),
+                                reason="the head screen needs AVX-512F or AVX2, and a C compiler")
+
+SEED = 5
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[cpu_head.CpuHeadKernel, cpu_linear.CpuLinearKernel]:
+    folder = tmp_path_factory.mktemp("kernels")
+    head, linear = cpu_head.load(folder), cpu_linear.load(folder)
+    assert head is not None and linear is not None, "supported, so both must build"
+    return head, linear
+
+
+def screen_of(kernels, w: torch.Tensor) -> tuple[HeadScreen, torch.Tensor]:
+    head, linear = kernels
+    panels = linear.pack(w)
+    return HeadScreen.build(w, head, linear, panels), panels
+
+
+def check_row(kernels, screen: HeadScreen, panels: torch.Tensor, x: torch.Tensor) -> None:
+    """The screen's rows of x against the whole head's: the same argmax; exact bits where
+    not -inf; the argmax's every tie among the exact outputs."""
+    whole = kernels[1](x, panels, screen.vocab).float()
+    got = screen.logits(x)
+    assert got is not None
+    assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
+    kept = got != -math.inf
+    assert torch.equal(got[kept], whole[kept])
+    top = whole.max(dim=1, keepdim=True).values
+    assert bool(kept[whole == top].all())  # every output equal to the largest is exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(20000, 96), (16384, 64), (8257, 17)])
+def test_a_screened_row_has_the_whole_heads_argmax(kernels, dtype, shape) -> None:
+    vocab, k = shape
+    gen = torch.Generator().manual_seed(SEED + vocab)
+    w = (torch.randn(vocab, k, generator=gen) * 0.05).to(dtype)
+    screen, panels = screen_of(kernels, w)
+    for rows in (1, 3, 8, 13):
+        x = (torch.randn(rows, k, generator=gen) * 4).to(dtype)
+        # half the rows aimed at an output, as a trained model's are, half random
+        x[: rows // 2] = (w[torch.randint(0, vocab, (rows // 2,), generator=gen)].float()
+                          * 40).to(dtype)
+        check_row(kernels, screen, panels, x)
+    assert screen.screened_rows == 25
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_go_to_the_first_output_as_in_the_whole_head(kernels, dtype) -> None:
+    """Outputs equal to the winner (copies of its weights), a float32 step below it, and a
+    bfloat16 head whose logits round to one value: the argmax is the whole head's."""
+    vocab, k = 12000, 64
+    gen = torch.Generator().manual_seed(SEED)
+    w = (torch.randn(vocab, k, generator=gen) * 0.05).to(dtype)
+    w[2000] = w[100]
+    w[11999] = w[100]
+    w[50] = w[100]
+    w[1500] = (w[100].float() * (1 - 2.0 ** -20)).to(dtype)  # just below in float32
+    w[10] = (w[100].float() * (1 - 2.0 ** -9)).to(dtype)    # rounds with it in bfloat16
+    screen, panels = screen_of(kernels, w)
+    x = (w[100].float() * 30).to(dtype).repeat(4, 1)
+    x[1] *= -1
+    x[2] += (torch.randn(k, generator=gen) * 0.01).to(dtype)
+    check_row(kernels, screen, panels, x)
+    whole = kernels[1](x[:1], panels, vocab).float()
+    assert int(whole.argmax()) in (10, 50)  # the first of the tied, in either dtype
+
+
+def test_a_non_finite_row_and_a_wide_screen_take_the_whole_head(kernels) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    w = torch.randn(1024, 32, generator=gen)
+    screen, _ = screen_of(kernels, w)
+    x = torch.randn(2, 32, generator=gen)
+    x[1, 3] = math.nan
+    assert screen.logits(x) is None
+    x[1, 3] = math.inf
+    assert screen.logits(x) is None
+    # an all-equal head: every output a candidate, more panels than the screen keeps
+    flat = screen_of(kernels, torch.ones(1024, 32))[0]
+    assert flat.logits(torch.ones(1, 32)) is None
+    assert flat.exact_rows == 1 and MAX_PANEL_SHARE < 1
+
+
+def test_the_screen_refuses_what_it_does_not_take(kernels) -> None:
+    head, _ = kernels
+    with pytest.raises(ValueError, match="int8"):
+        head.pack(torch.zeros(4, 4))
+    w = torch.randn(128, 16)
+    screen, _ = screen_of(kernels, w)
+    with pytest.raises(ValueError, match="refused"):
+        head.screen(torch.zeros(2, 15), screen.packed, screen.scale, screen.reach,
+                    torch.ones(2, dtype=torch.float64), 0.0, screen.screened, screen.flags)
+
+
+# ------------------------------------------------------------------------------- served
+
+
+def greedy_tokens(engine, prompts: list[list[int]], **options) -> list[list[int]]:
+    """Each prompt's greedy tokens, all taken in by one step (so decoded in one batch, the
+    same batches every run: on a CPU without the attention kernel, SDPA's decode bits
+    follow the batch)."""
+    from conftest import WAIT_S, submit_in_one_step
+
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    reqs = [r for p in prompts
+            for r in engine.make_requests(input_ids=p, sampling_params=params, **options)]
+    return [f.result(WAIT_S)["output_ids"] for f in submit_in_one_step(engine, reqs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_served_greedy_tokens_are_the_same_with_the_screen_on_and_off(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's default model (the embedded Llama) on the linear kernel: greedy tokens of
+    several prompts, decoded in one batch, the same with the screen on and off; with it on,
+    decode rows went through it, and a request that asks for logprobs got the whole row."""
+    from conftest import small_engine
+
+    gen = torch.Generator().manual_seed(SEED)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (9, 30, 64)]
+    # the embedded model's random head spreads its logits thin over a small vocabulary:
+    # let every screen through, however many panels it keeps (still exact)
+    monkeypatch.setattr(head_screen, "MAX_PANEL_SHARE", 1.0)
+    got = {}
+    for choice in ("off", "on"):
+        monkeypatch.setenv(HEAD_SCREEN_ENV, choice)
+        for e in small_engine(**{"model.dtype": dtype}):
+            screen = e.loaded.model._screen
+            assert (screen is not None) == (choice == "on")
+            got[choice] = greedy_tokens(e, prompts)
+            if screen is not None:
+                assert screen.screened_rows > screen.exact_rows  # some rows screened
+                before = screen.screened_rows
+                with_lp = greedy_tokens(e, prompts[:1], return_logprob=True)
+                assert screen.screened_rows == before  # logprobs: the whole row
+                assert with_lp == got[choice][:1]
+    assert got["on"] == got["off"]
