@@ -8,9 +8,9 @@
  * rounding to nearest even. So both builds give every output the same bits (vector width,
  * tiling and threads change which outputs share a register, never an output's chain).
  *
- * Tiles: of the 16 registers, 12 hold 3 rows x 32 outputs (half a panel) of float32
- * accumulators (2 rows in bfloat16, whose pairs take more registers); a call of up to 6 rows
- * runs each half panel for each tile of rows in turn (the panel from L1/L2 again).
+ * Tiles: of the 16 registers, 12 hold 6 rows x 16 outputs (a quarter panel) of float32
+ * accumulators, the 6 x 16 tile of AVX2 GEMMs (4 rows in bfloat16, whose pairs take more
+ * registers); a call runs each quarter panel for its rows in turn.
  */
 #ifndef HICACHE_CPU_LINEAR_AVX2_H
 #define HICACHE_CPU_LINEAR_AVX2_H
@@ -19,9 +19,9 @@
 #include <string.h>
 
 #define VEC 8          /* floats per AVX2 vector */
-#define HALF 32        /* outputs per half panel: 4 vectors */
-#define ROWS_AVX2 3    /* rows per float32 register tile */
-#define ROWS_BF16 2    /* rows per bfloat16 register tile (each pair's weights take 2 more) */
+#define QUARTER 16     /* outputs per quarter panel: 2 vectors */
+#define ROWS_AVX2 6    /* rows per float32 register tile: 12 accumulators */
+#define ROWS_BF16 4    /* rows per bfloat16 register tile (each pair's weights take 4) */
 
 /* A mask of the first `left` (0..8) lanes, for maskload / maskstore. */
 static inline __m256i lanes_below(int left) {
@@ -29,32 +29,31 @@ static inline __m256i lanes_below(int left) {
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* Rows [0, mr) (mr <= 3) of x times the half panel at w (rows NR floats apart): y[i][0 ..
- * cols) for cols <= 32. */
-static inline __attribute__((always_inline)) void half_tile(
+/* Rows [0, mr) (mr <= 6) of x times the quarter panel at w (rows NR floats apart): y[i][0 ..
+ * cols) for cols <= 16. */
+static inline __attribute__((always_inline)) void quarter_tile(
         const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
         const float *bias, float *y, int64_t ldy, int cols, int fetch) {
-    __m256 acc[ROWS_AVX2][4];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    /* the accumulators as named registers (gcc kept an array of them on the stack) */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define ROW_FMA(i)                                                                          \
+    if (mr > i) {                                                                           \
+        const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                              \
+        c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);                                          \
+        c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);                                          \
+    }
     for (int64_t k = 0; k < K; k++) {
         const float *wk = w + k * NR;
-        if (fetch) {
-            const char *ahead = (const char *)(wk + PREFETCH_ROWS * NR);
-            _mm_prefetch(ahead, _MM_HINT_T0);
-            _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        }
+        if (fetch)
+            _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + VEC);
-        const __m256 w2 = _mm256_loadu_ps(wk + 2 * VEC), w3 = _mm256_loadu_ps(wk + 3 * VEC);
-        for (int i = 0; i < mr; i++) {
-            const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
-            acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
-            acc[i][2] = _mm256_fmadd_ps(a, w2, acc[i][2]);
-            acc[i][3] = _mm256_fmadd_ps(a, w3, acc[i][3]);
-        }
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
     }
-    for (int j = 0; j < 4; j++) {
+#undef ROW_FMA
+    const __m256 acc[ROWS_AVX2][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                      {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int j = 0; j < 2; j++) {
         const int left = cols - j * VEC;
         if (left <= 0)
             break;
@@ -67,24 +66,27 @@ static inline __attribute__((always_inline)) void half_tile(
     }
 }
 
-static void half_tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                           const float *bias, float *y, int64_t ldy, int cols, int fetch) {
+static void quarter_tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                              const float *bias, float *y, int64_t ldy, int cols, int fetch) {
     switch (mr) {
-    case 1: half_tile(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
-    case 2: half_tile(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
-    default: half_tile(3, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 1: quarter_tile(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 2: quarter_tile(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 3: quarter_tile(3, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 4: quarter_tile(4, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 5: quarter_tile(5, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    default: quarter_tile(6, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
     }
 }
 
 /* Rows [0, mr) (mr <= MR) of x times one panel: y[i][0 .. cols) for i < mr. */
 static void tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64_t K,
                       const float *bias, float *y, int64_t ldy, int cols, int fetch) {
-    for (int h = 0; h * HALF < cols; h++) {
-        const int hc = cols - h * HALF < HALF ? cols - h * HALF : HALF;
+    for (int h = 0; h * QUARTER < cols; h++) {
+        const int hc = cols - h * QUARTER < QUARTER ? cols - h * QUARTER : QUARTER;
         for (int i = 0; i < mr; i += ROWS_AVX2)
-            half_tile_rows(mr - i < ROWS_AVX2 ? mr - i : ROWS_AVX2, x + i * ldx, ldx,
-                           w + h * HALF, K, bias ? bias + h * HALF : NULL,
-                           y + i * ldy + h * HALF, ldy, hc, fetch && i == 0);
+            quarter_tile_rows(mr - i < ROWS_AVX2 ? mr - i : ROWS_AVX2, x + i * ldx, ldx,
+                              w + h * QUARTER, K, bias ? bias + h * QUARTER : NULL,
+                              y + i * ldy + h * QUARTER, ldy, hc, fetch && i == 0);
     }
 }
 
@@ -105,46 +107,45 @@ static inline __m128i round_bf16_avx2(__m256 v) {
     return _mm256_castsi256_si128(packed);
 }
 
-/* Rows [0, mr) (mr <= 2) of x times the bfloat16 half panel at w (pairs 2 * NR uint16s
+/* Rows [0, mr) (mr <= 4) of x times the bfloat16 quarter panel at w (pairs 2 * NR uint16s
  * apart): the chain of the module docstring, rounded to bfloat16 with the bias. */
-static inline __attribute__((always_inline)) void half_tile_bf16(
+static inline __attribute__((always_inline)) void quarter_tile_bf16(
         const int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K,
         const uint16_t *bias, uint16_t *y, int64_t ldy, int cols, int fetch) {
-    __m256 acc[ROWS_BF16][4];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;  /* named: in */
+    __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00;                    /* registers */
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
     const int64_t pairs = (K + 1) / 2;
+    /* row i's pair (x[2q], x[2q+1]) against each output's: the odd element's product first */
+#define ROW_PAIR(i)                                                                         \
+    if (mr > i) {                                                                           \
+        uint32_t pair;                                                                      \
+        if (whole)                                                                          \
+            memcpy(&pair, x + i * ldx + 2 * q, sizeof pair);                                \
+        else                                                                                \
+            pair = x[i * ldx + 2 * q];                                                      \
+        const __m256i a = _mm256_set1_epi32((int)pair);                                     \
+        const __m256 ah = _mm256_castsi256_ps(_mm256_and_si256(a, hi_mask));                \
+        const __m256 al = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));                    \
+        c##i##0 = _mm256_fmadd_ps(al, wl0, _mm256_fmadd_ps(ah, wh0, c##i##0));              \
+        c##i##1 = _mm256_fmadd_ps(al, wl1, _mm256_fmadd_ps(ah, wh1, c##i##1));              \
+    }
     for (int64_t q = 0; q < pairs; q++) {
         const uint16_t *wq = w + q * 2 * NR;
-        if (fetch) {
-            const char *ahead = (const char *)(wq + PREFETCH_ROWS * 2 * NR);
-            _mm_prefetch(ahead, _MM_HINT_T0);
-            _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        }
+        if (fetch)
+            _mm_prefetch((const char *)(wq + PREFETCH_ROWS * 2 * NR), _MM_HINT_T0);
         const int whole = 2 * q + 1 < K;  /* else an odd K's last input, partner 0 */
-        __m256 ah[ROWS_BF16], al[ROWS_BF16];  /* each row's odd and even input of the pair */
-        for (int i = 0; i < mr; i++) {
-            uint32_t pair;
-            if (whole)
-                memcpy(&pair, x + i * ldx + 2 * q, sizeof pair);
-            else
-                pair = x[i * ldx + 2 * q];
-            const __m256i a = _mm256_set1_epi32((int)pair);
-            ah[i] = _mm256_castsi256_ps(_mm256_and_si256(a, hi_mask));
-            al[i] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
-        }
-        for (int j = 0; j < 4; j++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wq + j * 2 * VEC));
-            const __m256 wh = _mm256_castsi256_ps(_mm256_and_si256(wv, hi_mask));
-            const __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-            for (int i = 0; i < mr; i++) {  /* the odd element's product first */
-                acc[i][j] = _mm256_fmadd_ps(ah[i], wh, acc[i][j]);
-                acc[i][j] = _mm256_fmadd_ps(al[i], wl, acc[i][j]);
-            }
-        }
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)wq);
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wq + 2 * VEC));
+        const __m256 wh0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask));
+        const __m256 wl0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 wh1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask));
+        const __m256 wl1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        ROW_PAIR(0) ROW_PAIR(1) ROW_PAIR(2) ROW_PAIR(3)
     }
-    for (int j = 0; j < 4; j++) {
+#undef ROW_PAIR
+    const __m256 acc[ROWS_BF16][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+    for (int j = 0; j < 2; j++) {
         const int left = cols - j * VEC;
         if (left <= 0)
             break;
@@ -167,12 +168,14 @@ static inline __attribute__((always_inline)) void half_tile_bf16(
     }
 }
 
-static void half_tile_rows_bf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w,
+static void quarter_tile_rows_bf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w,
                                 int64_t K, const uint16_t *bias, uint16_t *y, int64_t ldy,
                                 int cols, int fetch) {
     switch (mr) {
-    case 1: half_tile_bf16(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
-    default: half_tile_bf16(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 1: quarter_tile_bf16(1, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 2: quarter_tile_bf16(2, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    case 3: quarter_tile_bf16(3, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
+    default: quarter_tile_bf16(4, x, ldx, w, K, bias, y, ldy, cols, fetch); break;
     }
 }
 
@@ -180,12 +183,12 @@ static void half_tile_rows_bf16(int mr, const uint16_t *x, int64_t ldx, const ui
 static void tile_rows_bf16_f(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w,
                              int64_t K, const uint16_t *bias, uint16_t *y, int64_t ldy,
                              int cols, int fetch) {
-    for (int h = 0; h * HALF < cols; h++) {
-        const int hc = cols - h * HALF < HALF ? cols - h * HALF : HALF;
+    for (int h = 0; h * QUARTER < cols; h++) {
+        const int hc = cols - h * QUARTER < QUARTER ? cols - h * QUARTER : QUARTER;
         for (int i = 0; i < mr; i += ROWS_BF16)
-            half_tile_rows_bf16(mr - i < ROWS_BF16 ? mr - i : ROWS_BF16, x + i * ldx, ldx,
-                                w + h * HALF * 2, K, bias ? bias + h * HALF : NULL,
-                                y + i * ldy + h * HALF, ldy, hc, fetch && i == 0);
+            quarter_tile_rows_bf16(mr - i < ROWS_BF16 ? mr - i : ROWS_BF16, x + i * ldx, ldx,
+                                w + h * QUARTER * 2, K, bias ? bias + h * QUARTER : NULL,
+                                y + i * ldy + h * QUARTER, ldy, hc, fetch && i == 0);
     }
 }
 
