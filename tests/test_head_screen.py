@@ -105,6 +105,57 @@ def test_a_non_finite_row_and_a_wide_screen_take_the_whole_head(kernels) -> None
     assert flat.exact_rows == 1 and MAX_PANEL_SHARE < 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_weights_keep_the_whole_heads_argmax(kernels, dtype) -> None:
+    """Rows of zeros, of denormal-sized weights and with a NaN: the screen's rows give the
+    whole head's argmax (a NaN output, torch's largest, included). A row 2^60 times the
+    others: exact where the screen takes it (in bfloat16 its wide bound widens the rounding
+    slack past an eighth of the panels, and the whole head serves)."""
+    vocab, k = 8192, 48
+    gen = torch.Generator().manual_seed(SEED)
+    w = (torch.randn(vocab, k, generator=gen) * 0.05).to(dtype)
+    w[7] = 0
+    w[300] = (w[300].float() * 2.0 ** -130).to(dtype)  # below float32's normals
+    x = (w[torch.tensor([11, 4000, 8000])].float() * 30).to(dtype)
+    screen, panels = screen_of(kernels, w)
+    check_row(kernels, screen, panels, x)
+    w[9, 3] = math.nan
+    screen, panels = screen_of(kernels, w)
+    got = screen.logits(x)
+    whole = kernels[1](x, panels, vocab).float()
+    assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
+    assert int(got[0].argmax()) == 9  # the NaN, as torch.argmax finds it in the whole row
+    w[9, 3] = 0
+    w[5000] = (w[5000].float() * 2.0 ** 60).to(dtype)
+    screen, panels = screen_of(kernels, w)
+    got = screen.logits(x)
+    if dtype == torch.float32:
+        check_row(kernels, screen, panels, x)
+    elif got is not None:
+        assert torch.equal(got.argmax(dim=1),
+                           kernels[1](x, panels, vocab).float().argmax(dim=1))
+
+
+def test_a_row_that_could_overflow_takes_the_whole_head(kernels) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    w = torch.randn(4096, 32, generator=gen)
+    screen, _ = screen_of(kernels, w)
+    x = torch.randn(2, 32, generator=gen)
+    assert screen.logits(x) is not None
+    x[1] *= 2.0 ** 95  # ||x|| ||W[j]|| past MAX_PRODUCT
+    assert screen.logits(x) is None
+
+
+def test_only_heads_whose_logits_are_the_heads_take_the_screen() -> None:
+    """Gemma 2's capped logits never take it; a model whose `_logits` is CausalLM's does."""
+    from hicache_server.models.causal_lm import CausalLM
+    from hicache_server.models.gemma2 import Gemma2ForCausalLM
+    from hicache_server.models.llama import LlamaForCausalLM
+
+    assert LlamaForCausalLM._logits is CausalLM._logits
+    assert Gemma2ForCausalLM._logits is not CausalLM._logits
+
+
 def test_the_screen_refuses_what_it_does_not_take(kernels) -> None:
     head, _ = kernels
     with pytest.raises(ValueError, match="int8"):

@@ -42,9 +42,11 @@ class CausalLM(nn.Module, ABC):
     `batch.output_rows`); K/V of the new tokens land in `kv_pool` at `batch.out_slots`,
     every layer."""
 
-    # whether a row's argmax may come from the head screen: its logits are the head's as
-    # they are (an architecture that reshapes them after the head says False)
-    screens_head = True
+    @property
+    def screens_head(self) -> bool:
+        """Whether a row's argmax may come from the head screen: only where the logits are
+        the head's as they are (an architecture whose `_logits` reshapes them says so)."""
+        return type(self)._logits is CausalLM._logits
 
     def __init__(self, config: ModelArchConfig, model: nn.Module, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -195,10 +197,10 @@ class CausalLM(nn.Module, ABC):
             m.unpack()
         try:
             self._load_all(weights)
+            self._weights_loaded = True
         finally:
             for m in linears:
                 m.pack()
-            self._weights_loaded = True
             self._pack_head()
             self._refresh_derived()
 

@@ -10,22 +10,26 @@ computes exactly the panels of 64 outputs that hold a candidate:
 
     q[j]   = round(W[j] / s[j]) in [-127, 127], s[j] = max |W[j]| / 127   (once, at load)
     screened logit   t[j] = s[j] * sum_k x[k] q[j][k]                     (float32)
-    reach[j] = (||W[j] - s[j] q[j]|| + g (||W[j]|| + s[j] ||q[j]||)) (1 + 2^-20)
+    reach[j] = (||W[j] - s[j] q[j]|| + g (||W[j]|| + s[j] ||q[j]||) + 2^-110) (1 + 2^-20)
 
 Why it is exact. The linear kernel's logit L[j] is one float32 chain over k (products
-exact in bfloat16), so it is within g ||x|| ||W[j]|| of the real x.W[j], with g = 2 (K + 2)
-2^-24 above float32's bound for K adds; t[j] is within g ||x|| s[j] ||q[j]|| of the real
+exact in bfloat16; on AMX the tile unit's order, each add still one rounding), so it is
+within g ||x|| ||W[j]|| of the real x.W[j], with g = 4 (K + 2) 2^-24, twice float32's bound
+for K adds even if an add truncated; t[j] is within g ||x|| s[j] ||q[j]|| of the real
 x.(s[j] q[j]); and by Cauchy-Schwarz |x.W[j] - x.(s[j] q[j])| <= ||x|| ||W[j] - s[j] q[j]||.
 So |L[j] - t[j]| <= ||x|| reach[j], with ||x|| rounded up. The largest logit is then at or
 above lo_max = max_j (t[j] - ||x|| reach[j]), and every output that may equal it after the
 logits are rounded to the model's dtype (bfloat16's 8 bits: within 2^-7 of its magnitude,
 `slack`) has t[j] + ||x|| reach[j] >= lo_max - slack * max(|lo_max|, |hi_max|): a
-candidate. The candidates' panels go through the very linear kernel call of the whole head
+candidate. (Near float32's denormals, where flushes and rounding are absolute, the 2^-110
+in reach and a 2^-99 below the floor cover them: cpu_head.c.) The candidates' panels go through the very linear kernel call of the whole head
 (`CpuLinearKernel`, whose every output is its own chain, whatever panels it is given), so
 their logits have the whole head's bits; every other output is set to -inf. The argmax of
-that row, first index on ties, is the whole head's: every output that ties the largest is
-a candidate, and no other is larger. A row with a non-finite value, or more candidate
-panels than MAX_PANEL_SHARE of the head, takes the whole head.
+that row, first index on ties, is the whole head's: every output whose logit (as the
+head returns it, in the model's dtype) ties the largest is a candidate, and no other is
+larger. A row with a non-finite value, one whose ||x|| max ||W[j]|| reaches MAX_PRODUCT
+(a chain could overflow), or a batch whose candidates cover more than MAX_PANEL_SHARE of
+the panels, takes the whole head; so does a batch of more than 64 rows.
 
 On Gemma 3 270M's real hidden states a row has a median of 13 candidates in 6 panels of
 4,096 (int8 screen, float32 and bfloat16); a 4-bit screen's bound took every panel.
@@ -53,6 +57,9 @@ HEAD_SCREEN_CHOICES = ("on", "off")
 BUILD_ROWS = 8192
 # A screen that leaves more than this share of the panels takes the whole head instead.
 MAX_PANEL_SHARE = 0.125
+# ||x|| ||W[j]|| at or past which a row takes the whole head: no chain can then overflow
+# float32 (the screen's bound assumes none does).
+MAX_PRODUCT = 2.0 ** 100
 # What rounding float32 logits to bfloat16 may merge: within 2^-7 of their magnitude (8
 # significant bits), with room to spare.
 BF16_SLACK = 2.0 ** -6
@@ -80,6 +87,10 @@ class HeadScreen:
         self.vocab, self.dtype = vocab, dtype
         self.num_panels = -(-vocab // PANEL)
         self.slack = BF16_SLACK if dtype == torch.bfloat16 else 0.0
+        # a bound on every output's ||W[j]|| and ||q[j]|| (127 s[j] and 127 a weight), for
+        # the overflow check
+        width = math.sqrt(packed.numel() / max(vocab, 1))  # >= sqrt(K)
+        self.max_row_norm = 127.0 * max(float(scale.max()), 1.0) * width
         self.flags = torch.empty(self.num_panels, dtype=torch.uint8)
         self.screened = torch.empty(0, dtype=torch.float32)  # [B * V] scratch, grown
         self.screened_rows = self.exact_rows = 0  # rows screened; of those, taken whole
@@ -91,7 +102,7 @@ class HeadScreen:
         """The screen of head `weight` `[V, K]` (float32 or bfloat16, on the CPU) whose
         linear-kernel panels are `panels`."""
         vocab, k = weight.shape
-        g = 2.0 * (k + 2) * 2.0 ** -24
+        g = 4.0 * (k + 2) * 2.0 ** -24  # twice a chain's bound, for any rounding mode
         q = torch.empty((vocab, k), dtype=torch.int8)
         scale = torch.empty(vocab, dtype=torch.float32)
         reach = torch.empty(vocab, dtype=torch.float32)
@@ -110,7 +121,8 @@ class HeadScreen:
         many panels (the caller runs the whole head)."""
         rows = h.shape[0]
         norm = h.double().norm(dim=1)
-        if rows > MAX_ROWS or not bool(torch.isfinite(norm).all()):
+        if (rows > MAX_ROWS or not bool(torch.isfinite(norm).all())
+                or float(norm.max()) * self.max_row_norm >= MAX_PRODUCT):
             return None
         norm *= 1 + 2.0 ** -20  # rounded up
         x = h.float().contiguous()

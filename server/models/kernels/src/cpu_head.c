@@ -17,9 +17,10 @@
  * For row b, output j: screened s = scale[j] * sum_k x[b][k] q[j][k] (float32), lo = s -
  * norm[b] reach[j] and hi = s + norm[b] reach[j] (float64). The exact logit lies in [lo, hi],
  * so the largest lies at or above lo_max = max_j lo; an output is a candidate when its hi
- * reaches lo_max - slack * max(|lo_max|, |hi_max|) (slack: what rounding the logits to the
- * model's dtype may merge; 0 in float32).
+ * reaches lo_max - slack * max(|lo_max|, |hi_max|) - TINY_FLOOR (slack: what rounding the
+ * logits to the model's dtype may merge; 0 in float32), or when it is not a number.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -30,6 +31,13 @@
 #define PANEL 64     /* outputs per panel of the linear kernel (cpu_linear.c's NR) */
 #define ROWS 6       /* rows of x per register tile: 12 accumulators */
 #define MAX_ROWS 64  /* rows per call */
+/* Absolute terms for values near float32's denormals, which the relative bound misses: a
+ * denormal input a bfloat16 path flushes to zero moves a product by < 2^-126 |x_k|, at most
+ * 2^-116 ||x|| in all for K < 2^20 (TINY_REACH, per unit of ||x||, in reach); an add that
+ * lands below 2^-126 is off by < 2^-126 absolute, (K + 2) 2^-126 < 2^-105 a chain for
+ * either chain (TINY_FLOOR, below the floor). */
+#define TINY_REACH 0x1p-110
+#define TINY_FLOOR 0x1p-99
 
 /* Bytes of the packed int8 copy of a [V, K] head. */
 int64_t hicache_head_packed_size(int64_t V, int64_t K) {
@@ -61,18 +69,23 @@ void hicache_head_quantize(const float *w, int64_t V, int64_t K, double g, int8_
         float most = 0.0f;
         for (int64_t k = 0; k < K; k++)
             most = fabsf(row[k]) > most ? fabsf(row[k]) : most;
-        const float s = most > 0.0f ? most / 127.0f : 1.0f;
+        float s = most > 0.0f ? most / 127.0f : 1.0f;
+        if (!(s >= FLT_MIN))  /* a tiny row: a normal scale (its error is in reach) */
+            s = FLT_MIN;
         double err = 0.0, wn = 0.0, qn = 0.0;
         for (int64_t k = 0; k < K; k++) {
             float r = roundf(row[k] / s);
             r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            if (r != r)  /* a NaN weight: q 0, and reach NaN keeps the output a candidate */
+                r = 0.0f;
             q[j * K + k] = (int8_t)r;
             const double approx = (double)s * (double)r, wk = (double)row[k];
             err += (wk - approx) * (wk - approx);
             wn += wk * wk;
             qn += approx * approx;
         }
-        const double bound = (sqrt(err) + g * (sqrt(wn) + sqrt(qn))) * (1.0 + 0x1p-20);
+        const double bound = (sqrt(err) + g * (sqrt(wn) + sqrt(qn)) + TINY_REACH)
+                             * (1.0 + 0x1p-20);
         float r32 = (float)bound;
         if ((double)r32 < bound)
             r32 = nextafterf(r32, INFINITY);
@@ -167,7 +180,7 @@ int64_t hicache_head_screen(const float *x, int64_t B, int64_t K, const int8_t *
     double floor_[MAX_ROWS];
     for (int64_t b = 0; b < B; b++) {
         const double big = fabs(lo_max[b]) > fabs(hi_max[b]) ? fabs(lo_max[b]) : fabs(hi_max[b]);
-        floor_[b] = lo_max[b] - slack * big;
+        floor_[b] = (slack > 0 ? lo_max[b] - slack * big : lo_max[b]) - TINY_FLOOR;
         if (!(floor_[b] > -INFINITY))  /* a non-finite row: every output is a candidate */
             floor_[b] = -INFINITY;
     }
