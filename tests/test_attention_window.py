@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import bf16_paths, missing_tool
+from conftest import bf16_paths, needs_avx512_kernel
 from hypothesis import given
 from hypothesis import strategies as st
 from test_attention import KV_HEADS, NUM_PAGES, PAGE_SIZE, make_case, new_kv
@@ -50,7 +50,7 @@ PAIR_DIMS = {"avx512bf16": 32, "amx": 64}  # the paths that round P to bfloat16 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttentionKernel:
     if not cpu_attention.supported():
-        missing_tool("the CPU attention kernel needs AVX-512F and a C compiler")
+        needs_avx512_kernel("the CPU attention kernel")
     built = cpu_attention.load(tmp_path_factory.mktemp("kernels"))
     assert built is not None, "supported() is true, so the kernel must build and load"
     return built

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import missing_tool
+from conftest import needs_avx512_kernel
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.config import ModelArchConfig
@@ -36,9 +36,10 @@ EPS = 1e-5
 
 @pytest.fixture(autouse=True, scope="module")
 def _kernels_supported() -> None:
-    """Every test here needs the kernels: a CPU without them fails under CI, skips elsewhere."""
+    """Every test here needs the kernels: skipped on a CPU without AVX-512; without a C
+    compiler a failure under CI (`needs_avx512_kernel`)."""
     if not cpu_layer.supported():
-        missing_tool("the CPU layer kernels need AVX-512F and a C compiler")
+        needs_avx512_kernel("the CPU layer kernels")
 
 
 @pytest.fixture(scope="module")

@@ -55,10 +55,15 @@ def supported() -> bool:
     return isa() == "avx512"
 
 
+def compiler_found() -> bool:
+    """Whether `compiler()` is on PATH."""
+    return shutil.which(compiler()) is not None
+
+
 def isa() -> str | None:
     """The vector ISA this CPU gives the kernels, as torch dispatches its own: "avx512",
     "avx2" (AVX2 + FMA, no AVX-512), or None (neither, or no C compiler)."""
-    if shutil.which(compiler()) is None:
+    if not compiler_found():
         return None
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
 
