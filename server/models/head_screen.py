@@ -80,17 +80,16 @@ class HeadScreen:
 
     def __init__(self, kernel: CpuHeadKernel, linear_kernel: CpuLinearKernel,
                  panels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                 reach: torch.Tensor, vocab: int, dtype: torch.dtype) -> None:
+                 reach: torch.Tensor, vocab: int, dtype: torch.dtype, inputs: int) -> None:
         self.kernel, self.linear_kernel = kernel, linear_kernel
         self.panels, self.packed = panels, packed
         self.scale, self.reach = scale, reach
         self.vocab, self.dtype = vocab, dtype
         self.num_panels = -(-vocab // PANEL)
         self.slack = BF16_SLACK if dtype == torch.bfloat16 else 0.0
-        # a bound on every output's ||W[j]|| and ||q[j]|| (127 s[j] and 127 a weight), for
-        # the overflow check
-        width = math.sqrt(packed.numel() / max(vocab, 1))  # >= sqrt(K)
-        self.max_row_norm = 127.0 * max(float(scale.max()), 1.0) * width
+        # a bound on every output's ||W[j]|| and ||q[j]|| (127 s[j] and 127 a weight, of
+        # `inputs` weights), for the overflow check
+        self.max_row_norm = 127.0 * max(float(scale.max()), 1.0) * math.sqrt(inputs)
         self.flags = torch.empty(self.num_panels, dtype=torch.uint8)
         self.screened = torch.empty(0, dtype=torch.float32)  # [B * V] scratch, grown
         self.screened_rows = self.exact_rows = 0  # rows screened; of those, taken whole
@@ -111,7 +110,7 @@ class HeadScreen:
             kernel.quantize(weight[rows].float().contiguous(), g, q[rows], scale[rows],
                             reach[rows])
         return cls(kernel, linear_kernel, panels, kernel.pack(q), scale, reach, vocab,
-                   weight.dtype)
+                   weight.dtype, k)
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
