@@ -126,15 +126,15 @@ def missing_tool(message: str) -> NoReturn:
     pytest.skip(message)
 
 
-def needs_avx512_kernel(what: str) -> None:
-    """`what` (a C kernel that needs AVX-512F) cannot build here: a missing C compiler is a
-    missing tool (`missing_tool`: fails under CI); a CPU without AVX-512 (an AVX2 machine)
-    is hardware no CI can provide, so the test skips."""
+def needs_cpu_kernel(what: str) -> None:
+    """`what` (a C kernel built for AVX-512F or AVX2) cannot build here: a missing C compiler
+    is a missing tool (`missing_tool`: fails under CI); a CPU with neither is hardware no CI
+    can provide, so the test skips."""
     from hicache_server.models.kernels import cpu_build
 
     if not cpu_build.compiler_found():
         missing_tool(f"{what} needs a C compiler")
-    pytest.skip(f"{what} needs AVX-512F, which this CPU lacks")
+    pytest.skip(f"{what} needs AVX-512F or AVX2, which this CPU lacks")
 
 
 def compile_cubin(source: Path, arch: str, out_dir) -> bytes:

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import needs_avx512_kernel, requires_cuda
+from conftest import needs_cpu_kernel, requires_cuda
 from test_attention import KV_HEADS, make_case
 from test_attention_window import (
     BATCHES,
@@ -72,7 +72,7 @@ SCALE = 0.3
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttentionKernel:
     if not cpu_attention.supported():
-        needs_avx512_kernel("the CPU attention kernel")
+        needs_cpu_kernel("the CPU attention kernel")
     built = cpu_attention.load(tmp_path_factory.mktemp("kernels"))
     assert built is not None, "supported() is true, so the kernel must build and load"
     return built

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import bf16_paths, needs_avx512_kernel
+from conftest import bf16_paths, needs_cpu_kernel
 from hypothesis import given
 from hypothesis import strategies as st
 from test_attention import KV_HEADS, NUM_PAGES, PAGE_SIZE, make_case, new_kv
@@ -44,13 +44,13 @@ DECODE = ((0, 1), (36, 1), (44, 1), (63, 1), (64, 1), (300, 1), (500, 1))
 MIXED = ((0, 37), (120, 1), (48, 17), (5, 1), (200, 64), (1, 2), (300, 1), (63, 66))
 BATCHES = {"from_scratch": FROM_SCRATCH, "extend": EXTEND, "decode": DECODE, "mixed": MIXED}
 TOLERANCE = 2e-5  # float32: the kernels' exp and summation order against SDPA's
-BF16_PATHS = ("avx512f", "avx512bf16", "amx")
+BF16_PATHS = cpu_attention.BF16_PATHS
 PAIR_DIMS = {"avx512bf16": 32, "amx": 64}  # the paths that round P to bfloat16 (head_dim 64)
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_attention.CpuAttentionKernel:
     if not cpu_attention.supported():
-        needs_avx512_kernel("the CPU attention kernel")
+        needs_cpu_kernel("the CPU attention kernel")
     built = cpu_attention.load(tmp_path_factory.mktemp("kernels"))
     assert built is not None, "supported() is true, so the kernel must build and load"
     return built

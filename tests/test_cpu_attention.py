@@ -4,12 +4,13 @@ the row-invariance it promises (a token's bits do not depend on how its sequence
 into prefix, extend and decode), and the model on it: cached and recomputed K/V
 bit-identical.
 
-Runs where the kernel is supported (AVX-512F and a C compiler: this project's machines);
-skipped elsewhere, and a supported machine whose build fails fails here.
+Runs where the kernel is supported (AVX-512F or AVX2, and a C compiler: this project's
+machines); skipped elsewhere, and a supported machine whose build fails fails here.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from hicache.memory.device import DeviceKVPool
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention
 from hicache_server.models.attention_choice import CPU_ATTENTION_ENV, make_attention_backend
 from hicache_server.models.forward_batch import ForwardBatch
-from hicache_server.models.kernels import cpu_attention
+from hicache_server.models.kernels import cpu_attention, cpu_build
 from hicache_server.models.kernels.cpu_attention import paged_attention_reference
 from hicache_server.models.loader import EMBEDDED_TINY_LLAMA, load_model
 
@@ -35,7 +36,7 @@ MIXED = ((0, 37), (120, 1), (0, 1), (64, 1), (48, 17), (5, 1), (200, 64), (1, 2)
          (63, 66), (0, 129))
 
 pytestmark = pytest.mark.skipif(not cpu_attention.supported(),
-                                reason="the CPU attention kernel needs AVX-512F and a C compiler")
+                                reason="the CPU attention kernel needs AVX-512F or AVX2, and a C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_bound_layers_take_each_layers_window(kernel) -> None:
         kernel.bind_layers(q, caches, slots, seqs, SCALE, out, 2, windows=[37, 0, None])
 
 
-BF16_PATHS = ("avx512f", "avx512bf16", "amx")
+BF16_PATHS = cpu_attention.BF16_PATHS
 # the paths that round P to bfloat16 for PV, and the head dims they take
 PAIR_DIMS = {"avx512bf16": 32, "amx": 64}
 
@@ -292,3 +293,23 @@ def test_the_model_caches_the_bits_it_would_recompute(monkeypatch, tmp_path: Pat
     slots = torch.arange(16, 166)
     for a, b, d in zip(_pool_kv(whole, slots), _pool_kv(split, slots), _pool_kv(decoded, slots)):
         assert torch.equal(a, b) and torch.equal(a, d)
+
+
+def test_the_avx2_build_gives_the_avx512_builds_bits(kernel, tmp_path: Path) -> None:
+    """The AVX2 build (cpu_v16.h's vectors as two halves), which also runs on an AVX-512
+    CPU, gives every row the bits of the AVX-512 build's float32 and plain bfloat16 paths:
+    mixed batches, windows that cut blocks, soft-capped scores, GQA, head dims of one and
+    several chunks."""
+    if kernel.isa != "avx512":
+        pytest.skip("the AVX-512 build to compare with needs an AVX-512 CPU")
+    path = cpu_build.build(cpu_attention._SOURCE, tmp_path, cpu_build.AVX2_FLAGS)
+    avx2 = cpu_attention.CpuAttentionKernel(ctypes.CDLL(str(path)), path)
+    assert avx2.isa == "avx2" and avx2.bf16_paths == ("avx2",)
+    for dtype in (torch.float32, torch.bfloat16):
+        for dim, ratio, window, softcap in [(64, 4, None, None), (80, 1, 37, None),
+                                            (128, 8, 100, 50.0), (256, 2, None, 30.0)]:
+            q, kc, vc, slots, seqs = case(MIXED, KV_HEADS * ratio, dim, dtype=dtype)
+            for on_path in paths(kernel, ("avx512f",)):
+                want = on_path(q, kc, vc, slots, seqs, SCALE, window=window, softcap=softcap)
+                got = avx2(q, kc, vc, slots, seqs, SCALE, window=window, softcap=softcap)
+                assert torch.equal(got, want), (dtype, dim, ratio, window, softcap)

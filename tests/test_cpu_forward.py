@@ -23,7 +23,7 @@ from hicache_server.models.kernels import cpu_attention, cpu_layer
 from hicache_server.models.loader import KERNELS_DIR, hicache_home, iter_safetensors
 
 pytestmark = pytest.mark.skipif(not cpu_attention.supported(),
-                                reason="needs AVX-512F and a C compiler")
+                                reason="needs AVX-512F or AVX2, and a C compiler")
 
 SEED = 7
 PAGE_SIZE = 16

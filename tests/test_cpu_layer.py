@@ -3,24 +3,25 @@ residual add, RoPE and SiLU * up against torch's ops, each row alone (its bits i
 of the rows beside it), RoPE bit for bit; and the model on them. The cached-vs-recomputed
 bits test of test_cpu_attention runs on these kernels too.
 
-Runs where the kernels are supported (AVX-512F and a C compiler: this project's machines);
-skipped elsewhere, and a supported machine whose build fails fails here.
+Runs where the kernels are supported (AVX-512F or AVX2, and a C compiler: this project's
+machines); skipped elsewhere, and a supported machine whose build fails fails here.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_avx512_kernel
+from conftest import needs_cpu_kernel
 
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.config import ModelArchConfig
 from hicache_server.models.cpu_kernels import CPU_LAYER_OPS_ENV, CPU_LINEAR_ENV, make_layer_kernel
 from hicache_server.models.forward_batch import ForwardBatch
-from hicache_server.models.kernels import cpu_layer
+from hicache_server.models.kernels import cpu_build, cpu_layer
 from hicache_server.models.kernels.cpu_layer import (
     gelu_tanh_mul_reference,
     gemma_norm_add_norm_reference,
@@ -36,10 +37,10 @@ EPS = 1e-5
 
 @pytest.fixture(autouse=True, scope="module")
 def _kernels_supported() -> None:
-    """Every test here needs the kernels: skipped on a CPU without AVX-512; without a C
-    compiler a failure under CI (`needs_avx512_kernel`)."""
+    """Every test here needs the kernels: skipped on a CPU without AVX-512 or AVX2; without a C
+    compiler a failure under CI (`needs_cpu_kernel`)."""
     if not cpu_layer.supported():
-        needs_avx512_kernel("the CPU layer kernels")
+        needs_cpu_kernel("the CPU layer kernels")
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +377,36 @@ def test_gelu_tanh_mul(layer, dtype: torch.dtype) -> None:
     assert torch.equal(layer.gelu_tanh_mul(big)[17:18], layer.gelu_tanh_mul(big[17:18]))
     with pytest.raises(ValueError, match="contiguous \\[M, 2 I\\]"):
         layer.gelu_tanh_mul(gate_up[:, :1999])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_gives_the_avx512_builds_bits(layer, dtype: torch.dtype,
+                                                    tmp_path: Path) -> None:
+    """The AVX2 build (cpu_v16.h's vectors as two halves), which also runs on an AVX-512
+    CPU: every op's bits equal the AVX-512 build's, rows whose width ends in a partial
+    vector (masked lanes) included."""
+    if "-avx2-" in layer.path.name:
+        pytest.skip("the AVX-512 build to compare with needs an AVX-512 CPU")
+    path = cpu_build.build(cpu_layer._SOURCE, tmp_path, cpu_build.AVX2_FLAGS)
+    avx2 = cpu_layer.CpuLayerKernel(ctypes.CDLL(str(path)), path)
+    for hidden in (40, 640, 1000):
+        x, res = randn(9, hidden, scale=3.0, dtype=dtype), randn(9, hidden, dtype=dtype)
+        w = randn(hidden, dtype=dtype)
+        for a, b in zip(layer.rms_norm(x, w, 1e-6, res), avx2.rms_norm(x, w, 1e-6, res)):
+            assert torch.equal(a, b)
+        w1, w2 = one_plus_w(hidden), one_plus_w(hidden + 3)[3:].contiguous()
+        assert torch.equal(layer.gemma_rms_norm(x, w1, 1e-6), avx2.gemma_rms_norm(x, w1, 1e-6))
+        for a, b in zip(layer.gemma_norm_add_norm(x, w1, res, w2, 1e-6),
+                        avx2.gemma_norm_add_norm(x, w1, res, w2, 1e-6)):
+            assert torch.equal(a, b)
+        gate_up = randn(9, 2 * hidden, scale=4.0, dtype=dtype)
+        assert torch.equal(layer.silu_mul(gate_up), avx2.silu_mul(gate_up))
+        assert torch.equal(layer.gelu_tanh_mul(gate_up), avx2.gelu_tanh_mul(gate_up))
+    # partial rotary: 40 of 80 dims, 20 pairs (a vector and 4 lanes)
+    angles = torch.arange(512.0)[:, None] * 10000.0 ** (-torch.arange(20.0) / 20)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk, positions = randn(7, 5, 80, dtype=dtype), torch.tensor([0, 3, 17, 100, 200, 511, 2])
+    a, b = qk.clone(), qk.clone()
+    layer.rope_(a, positions, cos, sin)
+    avx2.rope_(b, positions, cos, sin)
+    assert torch.equal(a, b) and not torch.equal(a, qk)

@@ -27,7 +27,7 @@ from arch_reference import (
     random_model,
     transformers_greedy,
 )
-from conftest import missing_tool, needs_avx512_kernel
+from conftest import missing_tool, needs_cpu_kernel
 from test_model import assert_rel_close, hf_logits
 
 from hicache_server.models import LoadedModel, ModelArchConfig, load_model
@@ -179,7 +179,7 @@ def test_the_layer_kernel_and_torchs_ops_agree(checkpoint: tuple[Path, torch.nn.
     HICACHE_CPU_LAYER_OPS=torch path, and every non-CPU device's): the logits of every
     position agree within float rounding, the bfloat16 ones within bfloat16's."""
     if not cpu_layer.supported():
-        needs_avx512_kernel("the CPU layer kernels")
+        needs_cpu_kernel("the CPU layer kernels")
     lm = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
     kernel = lm.model.model.norm.kernel
     assert kernel is not None

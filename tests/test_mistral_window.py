@@ -126,7 +126,7 @@ def test_the_window_changes_the_logits(checkpoint: tuple[str, Path],
     assert err > 100 * 1e-4 * windowed.abs().max().item()
 
 
-@pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F and a C compiler")
+@pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F or AVX2, and a C compiler")
 def test_the_lean_path_binds_each_layers_window(checkpoint: tuple[str, Path],
                                                 prompt: torch.Tensor) -> None:
     """Decode steps on the lean path (the C kernel's `bind_layers(windows=)`) give the

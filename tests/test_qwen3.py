@@ -201,7 +201,7 @@ def test_every_layer_writes_its_kv_and_meets_the_hook_in_order(
 # The lean path: small CPU batches on the C kernels alone, q/k norms included
 
 needs_kernels = pytest.mark.skipif(not cpu_attention.supported(),
-                                   reason="needs AVX-512F and a C compiler")
+                                   reason="needs AVX-512F or AVX2, and a C compiler")
 
 
 def decode_batch(lm: LoadedModel, pool: DeviceKVPool, prompt: torch.Tensor,

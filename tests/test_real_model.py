@@ -162,7 +162,6 @@ def test_bfloat16_greedy_tokens_match_transformers_through_every_tier(
     with tiered(tmp_path, "bfloat16") as e:
         model = e.loaded.model
         assert model.linear_backend.startswith("CpuLinearKernel (")  # and its bfloat16 path
-        # the layer kernel needs AVX-512; the linear kernel builds for AVX2 too
         assert model.layer_ops == ("CpuLayerKernel" if cpu_layer.supported() else "torch")
         check_every_tier(reference, e, tmp_path, "bfloat16", BF16_NEAR_TIE, divergences)
     record_property("divergences", divergences)

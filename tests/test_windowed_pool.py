@@ -328,7 +328,7 @@ class _Counting:
         return out
 
 
-@pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F and a C compiler")
+@pytest.mark.skipif(not cpu_attention.supported(), reason="needs AVX-512F or AVX2, and a C compiler")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_lean_path_over_a_windowed_pool_gives_the_modules_bits(
         folder: Path, prompt: torch.Tensor, dtype: str) -> None:

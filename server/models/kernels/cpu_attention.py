@@ -22,7 +22,8 @@ window). In bfloat16 it reads q, K and V exactly as float32, computes in float32
 kernel does, and rounds the output once; or multiplies bfloat16 pairs: where the CPU has AMX
 and head_dim is a multiple of 64, QK^T and PV on AMX's tiles, else where it has AVX512-BF16
 and head_dim is a multiple of 32, with vdpbf16ps (both with P rounded to bfloat16 for PV,
-as torch's bfloat16 flash attention does), each row still alone. It needs AVX-512F and a
+as torch's bfloat16 flash attention does), each row still alone. It needs AVX-512F, or AVX2
+and FMA (the same arithmetic on two 8-float halves, so the same bits; no pair path), and a
 C compiler: `load()` builds it once into `cache_dir` (`kernels/cpu_build.py`: the key, the
 compiler, the shared OpenMP runtime) and returns None where either is missing or the build
 fails (the caller keeps torch's SDPA).
@@ -54,6 +55,10 @@ HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
 # the pair paths': whole 64-wide C tiles of the output on AMX, whole 32-dim rows of K's
 # pair tiles with vdpbf16ps; other head dims stay on AVX-512F
 PAIR_HEAD_DIM_MULTIPLE = {"amx": 64, "avx512bf16": 32}
+# every bfloat16 path, for tests that run each the CPU has: the AVX2 build's one, then the
+# AVX-512 build's (`bf16_paths` holds this CPU's)
+AVX2_PATH = "avx2"
+BF16_PATHS = (AVX2_PATH, "avx512f", "avx512bf16", "amx")
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
 
 
@@ -77,17 +82,19 @@ class CpuAttentionKernel:
         # with vdpbf16ps where it has AVX512-BF16 (head dims a multiple of 32), else on
         # AVX-512F; tests set a path to run it beside this CPU's own
         self._pair_fns = {}
-        for isa, symbol in (("avx512bf16", "hicache_paged_attention_bf16_dp"),
-                             ("amx", "hicache_paged_attention_bf16_amx")):
+        self.isa = "avx2" if "-avx2-" in path.name else "avx512"
+        self.bf16_paths = (AVX2_PATH,) if self.isa == "avx2" else ("avx512f",)
+        for isa, symbol, has in (("avx512bf16", "hicache_paged_attention_bf16_dp",
+                                  library.hicache_paged_attention_has_avx512bf16),
+                                 ("amx", "hicache_paged_attention_bf16_amx",
+                                  library.hicache_paged_attention_has_amx)):
+            if not has():  # never in the AVX2 build, which has no pair path
+                continue
             fn = getattr(library, symbol)
             fn.restype = ctypes.c_int
             fn.argtypes = self._fns[torch.bfloat16].argtypes
             self._pair_fns[isa] = fn
-        self.bf16_paths = ("avx512f",)
-        if library.hicache_paged_attention_has_avx512bf16():
-            self.bf16_paths += ("avx512bf16",)
-        if library.hicache_paged_attention_has_amx():
-            self.bf16_paths += ("amx",)
+            self.bf16_paths += (isa,)
         self.bf16_path = self.bf16_paths[-1]
         self._workspace_fn = getattr(library, _WORKSPACE_SYMBOL)
         self._workspace_fn.restype = ctypes.c_int64
@@ -317,8 +324,8 @@ def supports_head_dim(dim: int) -> bool:
 
 
 def supported() -> bool:
-    """AVX-512F on this CPU and a C compiler (`cpu_build.supported`)."""
-    return cpu_build.supported()
+    """AVX-512F, or AVX2 and FMA, on this CPU and a C compiler (`cpu_build.isa`)."""
+    return cpu_build.isa() is not None
 
 
 @functools.cache
@@ -326,9 +333,9 @@ def load(cache_dir: Path) -> CpuAttentionKernel | None:
     """The kernel, compiled into `cache_dir` on first use; None where unsupported or the
     build fails (logged once)."""
     return cpu_build.load(_SOURCE, cache_dir, CpuAttentionKernel, "CPU attention kernel",
-                          "SDPA")
+                          "SDPA", isas=("avx512", "avx2"))
 
 
 def _build(cache_dir: Path) -> Path:
-    """The compiled kernel's path (`cpu_build.build`)."""
-    return cpu_build.build(_SOURCE, cache_dir)
+    """The compiled kernel's path (`cpu_build.build`, this CPU's build)."""
+    return cpu_build.build(_SOURCE, cache_dir, cpu_build.ISA_FLAGS[cpu_build.isa()])

@@ -9,9 +9,9 @@ compiles each kernel once (about a second). A finished build is renamed into pla
 concurrent processes never load a half-written file. The kernels use AVX-512 (F, BW, VL, DQ)
 intrinsics, not -march=native, so one build runs on every AVX-512 machine; the bfloat16
 linear kernel's AVX512-BF16 and AMX paths are compiled per function (`target` attributes)
-and chosen at run time from CPUID. A kernel with an AVX2 half (the linear kernel's) also
-builds with AVX2_FLAGS, on a CPU whose best is AVX2 (`isa()`, as torch dispatches); the
-others need AVX-512. OpenMP comes from libgomp.so.1, the very runtime torch
+and chosen at run time from CPUID. Every kernel also builds with AVX2_FLAGS, on a CPU
+whose best is AVX2 (`isa()`, as torch dispatches): the linear kernel with its own AVX2 tiles,
+attention and the layer ops with cpu_v16.h's 16-float vectors as two AVX2 halves. OpenMP comes from libgomp.so.1, the very runtime torch
 loaded (same soname), so torch and the kernels share one thread pool.
 
 Threading: any thread.
@@ -37,8 +37,8 @@ T = TypeVar("T")
 
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
          "-fPIC", "-shared", "-std=c11")  # AVX-512 F+BW+VL+DQ: what torch calls AVX512
-# AVX2 + FMA (what torch calls AVX2): the build of a kernel that has an AVX2 half (the
-# linear kernel's, `#ifndef __AVX512F__`) on a CPU without AVX-512
+# AVX2 + FMA (what torch calls AVX2): every kernel's build on a CPU without AVX-512
+# (`#ifndef __AVX512F__` picks its AVX2 half)
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ISA_FLAGS = {"avx512": FLAGS, "avx2": AVX2_FLAGS}
 ISA_NAMES = {"avx512": "AVX-512F", "avx2": "AVX2 and FMA"}
@@ -48,11 +48,6 @@ COMPILE_TIMEOUT_S = 120
 def compiler() -> str:
     """`$CC`, else `cc`."""
     return os.environ.get("CC") or "cc"
-
-
-def supported() -> bool:
-    """AVX-512F on this CPU (what torch dispatches its own kernels on) and a C compiler."""
-    return isa() == "avx512"
 
 
 def compiler_found() -> bool:

@@ -1,6 +1,6 @@
 """The rest of a decoder layer on the CPU: RMSNorm (after the residual add), RoPE and
-SiLU(gate) * up, from the C kernels of cpu_layer.c (float32 and bfloat16, AVX-512F,
-OpenMP).
+SiLU(gate) * up, from the C kernels of cpu_layer.c (float32 and bfloat16, AVX-512F or AVX2
+and FMA, with the same bits either way; OpenMP).
 
     layer = load(cache_dir)                          # None where unsupported: torch ops
     out = layer.rms_norm(x, weight, eps)             # or, with the residual add first:
@@ -377,12 +377,13 @@ def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def supported() -> bool:
-    """AVX-512F on this CPU and a C compiler (`cpu_build.supported`)."""
-    return cpu_build.supported()
+    """AVX-512F, or AVX2 and FMA, on this CPU and a C compiler (`cpu_build.isa`)."""
+    return cpu_build.isa() is not None
 
 
 @functools.cache
 def load(cache_dir: Path) -> CpuLayerKernel | None:
     """The kernels, compiled into `cache_dir` on first use; None where unsupported or the
     build fails (logged once)."""
-    return cpu_build.load(_SOURCE, cache_dir, CpuLayerKernel, "CPU layer kernels", "torch ops")
+    return cpu_build.load(_SOURCE, cache_dir, CpuLayerKernel, "CPU layer kernels", "torch ops",
+                          isas=("avx512", "avx2"))

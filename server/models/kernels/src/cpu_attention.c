@@ -1,5 +1,6 @@
-/* Paged causal attention on the CPU (AVX-512F, OpenMP): prefill, extend and decode rows of
- * any mix of sequences in one call, K/V read from the pool through each sequence's slots.
+/* Paged causal attention on the CPU (cpu_v16.h's vectors: AVX-512F or AVX2; OpenMP): prefill,
+ * extend and decode rows of any mix of sequences in one call, K/V read from the pool through
+ * each sequence's slots.
  *
  * Layouts (float32; or bfloat16 as uint16: hicache_paged_attention_bf16, and where the CPU
  * has them hicache_paged_attention_bf16_amx (AMX, head dims a multiple of 64) and
@@ -39,7 +40,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef __AVX512F__
 #include "cpu_amx.h"
+#endif
 #include "cpu_bf16.h"
 #include "cpu_exp.h"
 #include "cpu_tanh.h"
@@ -47,7 +50,7 @@
 #define KEY_BLOCK 64   /* keys per online-softmax step: 4 vectors of 16 */
 #define TOKEN_TILE 16  /* new tokens of one sequence per work item */
 #define MICRO_ROWS 4   /* query rows per register tile */
-#define VEC 16         /* floats per AVX-512 vector */
+#define VEC 16         /* floats per v16f (cpu_v16.h): an AVX-512 vector, or two AVX2 ones */
 #define MAX_HEAD_DIM 256
 #define PAIR_DIMS 32   /* head dims per row of K's pair tiles (16 pairs): the pair paths' unit */
 
@@ -66,74 +69,56 @@ static inline int64_t first_block(int64_t pos, int64_t window) {
 
 /* Of lanes c * 16 .. c * 16 + 15 of a block, those whose keys lie in [lo, hi) (keys counted
  * from the block's first). */
-static inline uint32_t lanes_below(int64_t n) {
-    return n >= VEC ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1;
-}
-static inline __mmask16 key_lanes(int64_t lo, int64_t hi, int c) {
-    return (__mmask16)(lanes_below(hi - c * VEC) & ~lanes_below(lo - c * VEC));
+static inline v16mask key_lanes(int64_t lo, int64_t hi, int c) {
+    return v16_lanes(lo - c * VEC, hi - c * VEC);
 }
 
 static inline float exp_scalar(float x) {
-    return _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(x)));
+    return v16_cvtss_f32(exp_ps(v16_set1_ps(x)));
 }
 
-/* r[c] <- column c of the 16 x 16 block whose rows are r[0..16) (three rounds of shuffles). */
-static inline void transpose16(__m512 r[VEC]) {
-    __m512 t[VEC];
-    for (int i = 0; i < 8; ++i) {  /* pairs of rows interleaved within each 128-bit lane */
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  /* r[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3 */
-        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 2; ++i)  /* lanes regrouped across row quads ... */
-        for (int k = 0; k < 4; ++k) {
-            t[8 * i + k] = _mm512_shuffle_f32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
-            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
-        }
-    for (int k = 0; k < 8; ++k) {  /* ... and again: whole columns */
-        r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
-        r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
-    }
-}
+/* 16-key columns of a block per pass of qk_tile over the dims, and 16-dim chunks of O per
+ * pv_tile: 4 in AVX-512's 32 registers (16 accumulators), 1 in AVX2's 16 (4 rows of two
+ * halves), the passes in turn. Each score is one FMA chain over d in order, each O element
+ * one over the keys in order, whatever the tile. */
+#ifdef __AVX512F__
+#define QK_COLS 4
+#define PV_CHUNK 4
+#else
+#define QK_COLS 1
+#define PV_CHUNK 1
+#endif
 
 /* S[r][0..64) = scale * q_r . k_j for 4 rows, from Kt's block (column j = key j). */
 static inline void qk_tile(float *s, const float *qs, const float *kt, int64_t ld, int64_t dim,
                            float scale) {
-    __m512 acc[MICRO_ROWS][4];
-    for (int i = 0; i < MICRO_ROWS; ++i)
-        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d) {
-        const float *row = kt + d * ld;
-        __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-        __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
-        for (int i = 0; i < MICRO_ROWS; ++i) {
-            __m512 qv = _mm512_set1_ps(qs[i * dim + d]);
-            acc[i][0] = _mm512_fmadd_ps(qv, k0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(qv, k1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(qv, k2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(qv, k3, acc[i][3]);
+    const v16f sc = v16_set1_ps(scale);
+    for (int c0 = 0; c0 < KEY_BLOCK / VEC; c0 += QK_COLS) {
+        v16f acc[MICRO_ROWS][QK_COLS];
+        for (int i = 0; i < MICRO_ROWS; ++i)
+            for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_setzero_ps();
+        for (int64_t d = 0; d < dim; ++d) {
+            const float *row = kt + d * ld + c0 * VEC;
+            v16f k[QK_COLS];
+            for (int c = 0; c < QK_COLS; ++c) k[c] = v16_loadu_ps(row + c * VEC);
+            for (int i = 0; i < MICRO_ROWS; ++i) {
+                const v16f qv = v16_set1_ps(qs[i * dim + d]);
+                for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_fmadd_ps(qv, k[c], acc[i][c]);
+            }
         }
+        for (int i = 0; i < MICRO_ROWS; ++i)
+            for (int c = 0; c < QK_COLS; ++c)
+                v16_storeu_ps(s + i * KEY_BLOCK + (c0 + c) * VEC, v16_mul_ps(acc[i][c], sc));
     }
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int i = 0; i < MICRO_ROWS; ++i)
-        for (int c = 0; c < 4; ++c)
-            _mm512_storeu_ps(s + i * KEY_BLOCK + c * VEC, _mm512_mul_ps(acc[i][c], sc));
 }
 
 /* Scaled scores soft-capped (Gemma 2's attn_logit_softcapping): cap * tanh(s / cap), a
  * division, tanh, a product, in transformers' order; cap 0: s unchanged. Per score, so a
  * row's bits still depend only on its query and its keys. */
-static inline __m512 softcap_ps(__m512 s, float cap) {
+static inline v16f softcap_ps(v16f s, float cap) {
     if (cap == 0.0f) return s;
-    const __m512 c = _mm512_set1_ps(cap);
-    return _mm512_mul_ps(tanh_ps(_mm512_div_ps(s, c)), c);
+    const v16f c = v16_set1_ps(cap);
+    return v16_mul_ps(tanh_ps(v16_div_ps(s, c)), c);
 }
 
 /* One row's online-softmax step over a block: S row (scaled; soft-capped here by `softcap`)
@@ -145,23 +130,23 @@ static inline float softmax_step(float *s, int64_t lo, int64_t hi, float softcap
         memset(s, 0, sizeof(float) * KEY_BLOCK);
         return 1.0f;
     }
-    __mmask16 mask[4];
-    __m512 v[4], mx = _mm512_set1_ps(-INFINITY);
+    v16mask mask[4];
+    v16f v[4], mx = v16_set1_ps(-INFINITY);
     for (int c = 0; c < 4; ++c) {
         mask[c] = key_lanes(lo, hi, c);
-        v[c] = softcap_ps(_mm512_loadu_ps(s + c * VEC), softcap);
-        mx = _mm512_mask_max_ps(mx, mask[c], mx, v[c]);
+        v[c] = softcap_ps(v16_loadu_ps(s + c * VEC), softcap);
+        mx = v16_mask_max_ps(mx, mask[c], mx, v[c]);
     }
-    float m_new = fmaxf(*m, _mm512_reduce_max_ps(mx));
+    float m_new = fmaxf(*m, v16_reduce_max_ps(mx));
     float alpha = m_new == *m ? 1.0f : exp_scalar(*m - m_new);
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
+    const v16f mv = v16_set1_ps(m_new);
+    v16f sum = v16_setzero_ps();
     for (int c = 0; c < 4; ++c) {
-        __m512 p = _mm512_maskz_mov_ps(mask[c], exp_ps(_mm512_sub_ps(v[c], mv)));
-        _mm512_storeu_ps(s + c * VEC, p);
-        sum = _mm512_add_ps(sum, p);
+        v16f p = v16_maskz_mov_ps(mask[c], exp_ps(v16_sub_ps(v[c], mv)));
+        v16_storeu_ps(s + c * VEC, p);
+        sum = v16_add_ps(sum, p);
     }
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *l = *l * alpha + v16_reduce_add_ps(sum);
     *m = m_new;
     return alpha;
 }
@@ -236,12 +221,14 @@ int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
     return n + (int64_t)num_threads * scratch_floats(heads / kv_heads, dim);
 }
 
+#ifdef __AVX512F__
 #include "cpu_attention_pairs.h"
+#endif
 
 /* float32: q, the pool and the output as they are. */
 #define T float
-#define LOAD(p) _mm512_loadu_ps(p)
-#define STORE(p, v) _mm512_storeu_ps((p), (v))
+#define LOAD(p) v16_loadu_ps(p)
+#define STORE(p, v) v16_storeu_ps((p), (v))
 #define NAME(f) f##_f32
 #include "cpu_attention_typed.h"
 #undef T
@@ -258,6 +245,7 @@ int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
 #include "cpu_attention_typed.h"
 #undef NAME
 
+#ifdef __AVX512F__
 /* bfloat16 on AMX (head dims a multiple of 64): QK^T and PV on the tiles, per block of 64
  * keys from key 0 as above, the online softmax in float32 between them; P is rounded to
  * bfloat16 for PV (as torch's bfloat16 flash attention does). Each row of a C tile is its
@@ -279,3 +267,9 @@ int64_t hicache_paged_attention_workspace(const int64_t *seqs, int64_t num_seqs,
 int hicache_paged_attention_has_amx(void) { return amx_available(); }
 
 int hicache_paged_attention_has_avx512bf16(void) { return avx512bf16_available(); }
+#else
+/* the AVX2 build has neither pair path */
+int hicache_paged_attention_has_amx(void) { return 0; }
+
+int hicache_paged_attention_has_avx512bf16(void) { return 0; }
+#endif

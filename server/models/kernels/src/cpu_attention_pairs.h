@@ -27,7 +27,7 @@ static void pack_k_pairs(uint32_t *k_tiles, const uint16_t *k_cache, const uint1
                     r[i] = _mm512_setzero_ps();
                 }
             }
-            transpose16(r);
+            v16_transpose(r);
             for (int p = 0; p < VEC; ++p)
                 _mm512_storeu_ps((float *)(k_tiles + ((4 * t + g) * 16 + p) * 16), r[p]);
         }

@@ -21,9 +21,9 @@ static void NAME(store_rows)(const Item *it, const Scratch *w, const int64_t *se
     for (int64_t r = 0; r < it->num_tokens * group; ++r) {
         int64_t t = r / group, g = r % group;
         T *dst = out + ((seq[0] + it->first_token + t) * heads + it->kv_head * group + g) * dim;
-        const __m512 inv = _mm512_set1_ps(1.0f / w->l[r]);
+        const v16f inv = v16_set1_ps(1.0f / w->l[r]);
         for (int64_t d = 0; d < dim; d += VEC)
-            STORE(dst + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + r * dim + d), inv));
+            STORE(dst + d, v16_mul_ps(v16_loadu_ps(w->o + r * dim + d), inv));
     }
 }
 
@@ -36,13 +36,13 @@ static void NAME(transpose_keys)(float *kt, int64_t ld, int64_t cols, const T *k
                            int64_t kv_head, int64_t dim) {
     for (int64_t j0 = 0; j0 < cols; j0 += VEC)
         for (int64_t d0 = 0; d0 < dim; d0 += VEC) {
-            __m512 r[VEC];
+            v16f r[VEC];
             for (int i = 0; i < VEC; ++i)
                 r[i] = j0 + i < num_keys
                     ? LOAD(k_cache + (slots[j0 + i] * kv_heads + kv_head) * dim + d0)
-                    : _mm512_setzero_ps();
-            transpose16(r);
-            for (int c = 0; c < VEC; ++c) _mm512_storeu_ps(kt + (d0 + c) * ld + j0, r[c]);
+                    : v16_setzero_ps();
+            v16_transpose(r);
+            for (int c = 0; c < VEC; ++c) v16_storeu_ps(kt + (d0 + c) * ld + j0, r[c]);
         }
 }
 
@@ -57,7 +57,7 @@ static void NAME(transpose_block)(float *kt, const T *k_cache, const T *v_cache,
                             int64_t kv_heads, int64_t kv_head, int64_t dim) {
     for (int64_t j0 = 0; j0 < KEY_BLOCK; j0 += VEC)
         for (int64_t d0 = 0; d0 < dim; d0 += VEC) {
-            __m512 r[VEC];
+            v16f r[VEC];
             for (int i = 0; i < VEC; ++i) {
                 const int64_t j = j0 + i;
                 if (j < num_keys) {
@@ -65,14 +65,14 @@ static void NAME(transpose_block)(float *kt, const T *k_cache, const T *v_cache,
                     _mm_prefetch((const char *)(v_cache + at), _MM_HINT_T1);
                     r[i] = LOAD(k_cache + at);
                 } else {
-                    r[i] = _mm512_setzero_ps();
+                    r[i] = v16_setzero_ps();
                 }
                 if (j < next_keys)
                     _mm_prefetch((const char *)(k_cache + (slots[KEY_BLOCK + j] * kv_heads
                                                            + kv_head) * dim + d0), _MM_HINT_T1);
             }
-            transpose16(r);
-            for (int c = 0; c < VEC; ++c) _mm512_storeu_ps(kt + (d0 + c) * KEY_BLOCK + j0, r[c]);
+            v16_transpose(r);
+            for (int c = 0; c < VEC; ++c) v16_storeu_ps(kt + (d0 + c) * KEY_BLOCK + j0, r[c]);
         }
 }
 
@@ -84,35 +84,39 @@ static void NAME(transpose_block)(float *kt, const T *k_cache, const T *v_cache,
                                        const T *v_cache, const int64_t *slots,              \
                                        int64_t num_keys, int64_t kv_heads, int64_t kv_head, \
                                        int64_t dim, int64_t d0) {                           \
-        __m512 acc[MICRO_ROWS][CHUNK];                                                      \
+        v16f acc[MICRO_ROWS][CHUNK];                                                      \
         for (int i = 0; i < MICRO_ROWS; ++i) {                                              \
-            __m512 a = _mm512_set1_ps(alpha[i]);                                            \
+            v16f a = v16_set1_ps(alpha[i]);                                            \
             for (int c = 0; c < CHUNK; ++c)                                                 \
-                acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dim + d0 + c * VEC), a);  \
+                acc[i][c] = v16_mul_ps(v16_loadu_ps(o + i * dim + d0 + c * VEC), a);  \
         }                                                                                   \
         for (int64_t j = 0; j < num_keys; ++j) {                                            \
             const T *vrow = v_cache + (slots[j] * kv_heads + kv_head) * dim + d0;           \
-            __m512 vv[CHUNK];                                                               \
+            v16f vv[CHUNK];                                                               \
             for (int c = 0; c < CHUNK; ++c) vv[c] = LOAD(vrow + c * VEC);                   \
             for (int i = 0; i < MICRO_ROWS; ++i) {                                          \
-                __m512 pj = _mm512_set1_ps(p[i * KEY_BLOCK + j]);                           \
+                v16f pj = v16_set1_ps(p[i * KEY_BLOCK + j]);                           \
                 for (int c = 0; c < CHUNK; ++c)                                             \
-                    acc[i][c] = _mm512_fmadd_ps(pj, vv[c], acc[i][c]);                      \
+                    acc[i][c] = v16_fmadd_ps(pj, vv[c], acc[i][c]);                      \
             }                                                                               \
         }                                                                                   \
         for (int i = 0; i < MICRO_ROWS; ++i)                                                \
             for (int c = 0; c < CHUNK; ++c)                                                 \
-                _mm512_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                    \
+                v16_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                    \
     }
+#if PV_CHUNK == 4
 PV_TILE(4)
+#endif
 PV_TILE(1)
 
 static inline void NAME(pv_tile)(float *o, const float *p, const float *alpha, const T *v_cache,
                            const int64_t *slots, int64_t num_keys, int64_t kv_heads,
                            int64_t kv_head, int64_t dim) {
     int64_t d0 = 0;
+#if PV_CHUNK == 4
     for (; d0 + 4 * VEC <= dim; d0 += 4 * VEC)
         NAME(pv_tile_4)(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
+#endif
     for (; d0 < dim; d0 += VEC)
         NAME(pv_tile_1)(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
 }
@@ -134,7 +138,7 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
         int64_t t = (r < rows ? r : rows - 1) / group, g = (r < rows ? r : rows - 1) % group;
         int64_t token = it->first_token + t;
         const T *src = q + (seq[0] + token) * q_stride + (it->kv_head * group + g) * dim;
-        for (int64_t d = 0; d < dim; d += VEC) _mm512_storeu_ps(w->qs + r * dim + d, LOAD(src + d));
+        for (int64_t d = 0; d < dim; d += VEC) v16_storeu_ps(w->qs + r * dim + d, LOAD(src + d));
         w->pos[r] = prefix + token;
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -196,7 +200,7 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
      * runs its few as rows) */
     const int64_t live = AMX_PATH ? rows : padded;
     memset(w->p16 + live * KEY_BLOCK, 0, sizeof(uint16_t) * (padded - live) * KEY_BLOCK);
-    const __m512 sc = _mm512_set1_ps(scale);
+    const v16f sc = v16_set1_ps(scale);
     for (int64_t j0 = first_block(w->pos[0], window); j0 < num_keys; j0 += KEY_BLOCK) {
         const uint32_t *k_tiles, *v_tiles;
         block_pairs(w, tiles, kt_from(seq, window), k_cache, v_cache, slots + seq[3],
@@ -228,12 +232,12 @@ static __attribute__((target(PAIR_TARGET))) void NAME(pair_run_item)(
                 const float *c = w->c_tile;
                 AMX_STORE_C(w->c_tile, KEY_BLOCK * 4);
                 for (int64_t i = 0; i < AMX_ROWS && r0 + i < rows; ++i) {
-                    const __m512 a = _mm512_set1_ps(w->alpha[r0 + i]);
+                    const v16f a = v16_set1_ps(w->alpha[r0 + i]);
                     float *o = w->o + (r0 + i) * dim + d0;
                     for (int k = 0; k < 4; ++k)
-                        _mm512_storeu_ps(o + k * VEC, _mm512_add_ps(
-                            _mm512_mul_ps(_mm512_loadu_ps(o + k * VEC), a),
-                            _mm512_loadu_ps(c + i * KEY_BLOCK + k * VEC)));
+                        v16_storeu_ps(o + k * VEC, v16_add_ps(
+                            v16_mul_ps(v16_loadu_ps(o + k * VEC), a),
+                            v16_loadu_ps(c + i * KEY_BLOCK + k * VEC)));
                 }
             }
 #else

@@ -1,7 +1,8 @@
-/* The rest of a decoder layer on the CPU (AVX-512F, OpenMP), float32 and bfloat16: RMSNorm
- * (with the residual add before it), RoPE in place, and SiLU(gate) * up. Each is one pass over its
- * rows where torch runs four to eight ops, each a read and a write of the whole tensor plus
- * a dispatch (a 512-wide decode row's RMSNorm: ~15 us in torch).
+/* The rest of a decoder layer on the CPU (cpu_v16.h's vectors: AVX-512F or AVX2; OpenMP),
+ * float32 and bfloat16: RMSNorm (with the residual add before it), RoPE in place, and
+ * SiLU(gate) * up. Each is one pass over its rows where torch runs four to eight ops, each a
+ * read and a write of the whole tensor plus a dispatch (a 512-wide decode row's RMSNorm: ~15 us
+ * in torch).
  *
  * Layouts (kernels/cpu_layer.py checks them):
  *
@@ -43,8 +44,8 @@
 #define VEC 16
 #define PARALLEL_MIN_FLOATS 65536  /* below this a call stays on the calling thread */
 
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= VEC ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+static inline v16mask tail_mask(int64_t left) {
+    return v16_lanes(0, left);
 }
 
 /* out = weight * (h / sqrt(mean(h^2) + eps)), h = x, or with a residual h = residual + x,
@@ -58,24 +59,24 @@ void hicache_rms_norm_f32(const float *x, int64_t ldx, const float *residual, fl
     for (int64_t m = 0; m < M; ++m) {
         const float *xr = x + m * ldx;
         float *hs = residual ? sum + m * H : NULL, *o = out + m * H;
-        __m512 sq = _mm512_setzero_ps();
+        v16f sq = v16_setzero_ps();
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
+            const v16mask k = tail_mask(H - i);
+            v16f h = v16_maskz_loadu_ps(k, xr + i);
             if (hs) {
-                h = _mm512_add_ps(_mm512_maskz_loadu_ps(k, residual + m * H + i), h);
-                _mm512_mask_storeu_ps(hs + i, k, h);
+                h = v16_add_ps(v16_maskz_loadu_ps(k, residual + m * H + i), h);
+                v16_mask_storeu_ps(hs + i, k, h);
             }
-            sq = _mm512_fmadd_ps(h, h, sq);
+            sq = v16_fmadd_ps(h, h, sq);
         }
-        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
-        const __m512 s = _mm512_set1_ps(scale);
+        const float scale = 1.0f / sqrtf(v16_reduce_add_ps(sq) / (float)H + eps);
+        const v16f s = v16_set1_ps(scale);
         const float *h_src = hs ? hs : xr;
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            const __m512 h = _mm512_maskz_loadu_ps(k, h_src + i);
-            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, weight + i),
-                                                          _mm512_mul_ps(h, s)));
+            const v16mask k = tail_mask(H - i);
+            const v16f h = v16_maskz_loadu_ps(k, h_src + i);
+            v16_mask_storeu_ps(o + i, k, v16_mul_ps(v16_maskz_loadu_ps(k, weight + i),
+                                                          v16_mul_ps(h, s)));
         }
     }
 }
@@ -92,13 +93,13 @@ void hicache_rope_f32(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t h
         for (int64_t h = 0; h < heads; ++h) {
             float *x1 = x + t * ldx + h * head_dim, *x2 = x1 + half;
             for (int64_t i = 0; i < half; i += VEC) {
-                const __mmask16 k = tail_mask(half - i);
-                const __m512 a = _mm512_maskz_loadu_ps(k, x1 + i), b = _mm512_maskz_loadu_ps(k, x2 + i);
-                const __m512 cv = _mm512_maskz_loadu_ps(k, c + i), sv = _mm512_maskz_loadu_ps(k, s + i);
-                _mm512_mask_storeu_ps(x1 + i, k, _mm512_sub_ps(_mm512_mul_ps(a, cv),
-                                                               _mm512_mul_ps(b, sv)));
-                _mm512_mask_storeu_ps(x2 + i, k, _mm512_add_ps(_mm512_mul_ps(b, cv),
-                                                               _mm512_mul_ps(a, sv)));
+                const v16mask k = tail_mask(half - i);
+                const v16f a = v16_maskz_loadu_ps(k, x1 + i), b = v16_maskz_loadu_ps(k, x2 + i);
+                const v16f cv = v16_maskz_loadu_ps(k, c + i), sv = v16_maskz_loadu_ps(k, s + i);
+                v16_mask_storeu_ps(x1 + i, k, v16_sub_ps(v16_mul_ps(a, cv),
+                                                               v16_mul_ps(b, sv)));
+                v16_mask_storeu_ps(x2 + i, k, v16_add_ps(v16_mul_ps(b, cv),
+                                                               v16_mul_ps(a, sv)));
             }
         }
     }
@@ -113,15 +114,15 @@ void hicache_silu_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
         for (int64_t i = 0; i < I; i += VEC) {
-            const __mmask16 k = tail_mask(I - i);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __m512 one = _mm512_set1_ps(1.0f);
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 num = _mm512_mask_mov_ps(one, neg, e);
-            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-            _mm512_mask_storeu_ps(o + i, k,
-                                  _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + i)));
+            const v16mask k = tail_mask(I - i);
+            const v16f gv = v16_maskz_loadu_ps(k, g + i);
+            const v16f e = exp_ps(v16_sub_ps(v16_setzero_ps(), v16_abs_ps(gv)));
+            const v16f one = v16_set1_ps(1.0f);
+            const v16mask neg = v16_cmp_ps_mask(gv, v16_setzero_ps(), _CMP_LT_OQ);
+            const v16f num = v16_mask_mov_ps(one, neg, e);
+            const v16f sig = v16_div_ps(num, v16_add_ps(one, e));
+            v16_mask_storeu_ps(o + i, k,
+                                  v16_mul_ps(v16_mul_ps(gv, sig), v16_maskz_loadu_ps(k, u + i)));
         }
     }
 }
@@ -136,23 +137,23 @@ void hicache_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *resid
     for (int64_t m = 0; m < M; ++m) {
         const uint16_t *xr = x + m * ldx;
         uint16_t *hs = residual ? sum + m * H : NULL, *o = out + m * H;
-        __m512 sq = _mm512_setzero_ps();
+        v16f sq = v16_setzero_ps();
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            __m512 h = load_bf16(k, xr + i);
+            const v16mask k = tail_mask(H - i);
+            v16f h = load_bf16(k, xr + i);
             if (hs) {
-                h = rne_bf16(_mm512_add_ps(load_bf16(k, residual + m * H + i), h));
+                h = rne_bf16(v16_add_ps(load_bf16(k, residual + m * H + i), h));
                 store_bf16_ps(k, hs + i, h);
             }
-            sq = _mm512_fmadd_ps(h, h, sq);
+            sq = v16_fmadd_ps(h, h, sq);
         }
-        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
-        const __m512 s = _mm512_set1_ps(scale);
+        const float scale = 1.0f / sqrtf(v16_reduce_add_ps(sq) / (float)H + eps);
+        const v16f s = v16_set1_ps(scale);
         const uint16_t *h_src = hs ? hs : xr;
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            const __m512 h = rne_bf16(_mm512_mul_ps(load_bf16(k, h_src + i), s));
-            store_bf16_ps(k, o + i, _mm512_mul_ps(load_bf16(k, weight + i), h));
+            const v16mask k = tail_mask(H - i);
+            const v16f h = rne_bf16(v16_mul_ps(load_bf16(k, h_src + i), s));
+            store_bf16_ps(k, o + i, v16_mul_ps(load_bf16(k, weight + i), h));
         }
     }
 }
@@ -169,13 +170,13 @@ void hicache_rope_bf16(uint16_t *x, int64_t ldx, int64_t T, int64_t heads, int64
         for (int64_t h = 0; h < heads; ++h) {
             uint16_t *x1 = x + t * ldx + h * head_dim, *x2 = x1 + half;
             for (int64_t i = 0; i < half; i += VEC) {
-                const __mmask16 k = tail_mask(half - i);
-                const __m512 a = load_bf16(k, x1 + i), b = load_bf16(k, x2 + i);
-                const __m512 cv = load_bf16(k, c + i), sv = load_bf16(k, s + i);
-                store_bf16_ps(k, x1 + i, _mm512_sub_ps(rne_bf16(_mm512_mul_ps(a, cv)),
-                                                       rne_bf16(_mm512_mul_ps(b, sv))));
-                store_bf16_ps(k, x2 + i, _mm512_add_ps(rne_bf16(_mm512_mul_ps(b, cv)),
-                                                       rne_bf16(_mm512_mul_ps(a, sv))));
+                const v16mask k = tail_mask(half - i);
+                const v16f a = load_bf16(k, x1 + i), b = load_bf16(k, x2 + i);
+                const v16f cv = load_bf16(k, c + i), sv = load_bf16(k, s + i);
+                store_bf16_ps(k, x1 + i, v16_sub_ps(rne_bf16(v16_mul_ps(a, cv)),
+                                                       rne_bf16(v16_mul_ps(b, sv))));
+                store_bf16_ps(k, x2 + i, v16_add_ps(rne_bf16(v16_mul_ps(b, cv)),
+                                                       rne_bf16(v16_mul_ps(a, sv))));
             }
         }
     }
@@ -189,15 +190,15 @@ void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16
         const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
         uint16_t *o = out + m * I;
         for (int64_t i = 0; i < I; i += VEC) {
-            const __mmask16 k = tail_mask(I - i);
-            const __m512 gv = load_bf16(k, g + i);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __m512 one = _mm512_set1_ps(1.0f);
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 num = _mm512_mask_mov_ps(one, neg, e);
-            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-            const __m512 act = rne_bf16(_mm512_mul_ps(gv, sig));
-            store_bf16_ps(k, o + i, _mm512_mul_ps(act, load_bf16(k, u + i)));
+            const v16mask k = tail_mask(I - i);
+            const v16f gv = load_bf16(k, g + i);
+            const v16f e = exp_ps(v16_sub_ps(v16_setzero_ps(), v16_abs_ps(gv)));
+            const v16f one = v16_set1_ps(1.0f);
+            const v16mask neg = v16_cmp_ps_mask(gv, v16_setzero_ps(), _CMP_LT_OQ);
+            const v16f num = v16_mask_mov_ps(one, neg, e);
+            const v16f sig = v16_div_ps(num, v16_add_ps(one, e));
+            const v16f act = rne_bf16(v16_mul_ps(gv, sig));
+            store_bf16_ps(k, o + i, v16_mul_ps(act, load_bf16(k, u + i)));
         }
     }
 }
@@ -209,18 +210,19 @@ void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16
  * (transformers' Gemma3RMSNorm); the residual sum and GeGLU's gelu_tanh(gate), then its
  * product with up, round as in SiLU * up. */
 
-static inline __m512 load_any(const void *p, int64_t i, __mmask16 k, int bf16) {
-    return bf16 ? load_bf16(k, (const uint16_t *)p + i) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
+static inline v16f load_any(const void *p, int64_t i, v16mask k, int bf16) {
+    return bf16 ? load_bf16(k, (const uint16_t *)p + i)
+                : v16_maskz_loadu_ps(k, (const float *)p + i);
 }
 
-static inline void store_any(void *p, int64_t i, __mmask16 k, __m512 v, int bf16) {
+static inline void store_any(void *p, int64_t i, v16mask k, v16f v, int bf16) {
     if (bf16)
         store_bf16_ps(k, (uint16_t *)p + i, v);
     else
-        _mm512_mask_storeu_ps((float *)p + i, k, v);
+        v16_mask_storeu_ps((float *)p + i, k, v);
 }
 
-static inline __m512 round_any(__m512 v, int bf16) { return bf16 ? rne_bf16(v) : v; }
+static inline v16f round_any(v16f v, int bf16) { return bf16 ? rne_bf16(v) : v; }
 
 static inline const void *row_at(const void *p, int64_t offset, int bf16) {
     return (const char *)p + offset * (bf16 ? 2 : 4);
@@ -228,12 +230,12 @@ static inline const void *row_at(const void *p, int64_t offset, int bf16) {
 
 /* 1 / sqrt(mean(x^2) + eps) of one row, the squares summed in 16 lanes in order. */
 static inline float inv_rms(const void *x, int64_t H, float eps, int bf16) {
-    __m512 sq = _mm512_setzero_ps();
+    v16f sq = v16_setzero_ps();
     for (int64_t i = 0; i < H; i += VEC) {
-        const __m512 h = load_any(x, i, tail_mask(H - i), bf16);
-        sq = _mm512_fmadd_ps(h, h, sq);
+        const v16f h = load_any(x, i, tail_mask(H - i), bf16);
+        sq = v16_fmadd_ps(h, h, sq);
     }
-    return 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)H + eps);
+    return 1.0f / sqrtf(v16_reduce_add_ps(sq) / (float)H + eps);
 }
 
 /* Without a residual: out = (x * s) * weight. With one: sum = residual + that (Gemma's
@@ -248,25 +250,25 @@ static inline void gemma_norm(const void *x, int64_t ldx, int64_t heads, const f
         if (M * H >= PARALLEL_MIN_FLOATS)
     for (int64_t m = 0; m < M; ++m) {
         const void *xr = row_at(x, (m / heads) * ldx + (m % heads) * H, bf16);
-        const __m512 s = _mm512_set1_ps(inv_rms(xr, H, eps, bf16));
+        const v16f s = v16_set1_ps(inv_rms(xr, H, eps, bf16));
         void *target = (void *)(residual ? row_at(sum, m * H, bf16) : row_at(out, m * H, bf16));
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            __m512 n = _mm512_mul_ps(_mm512_mul_ps(load_any(xr, i, k, bf16), s),
-                                     _mm512_maskz_loadu_ps(k, weight + i));
+            const v16mask k = tail_mask(H - i);
+            v16f n = v16_mul_ps(v16_mul_ps(load_any(xr, i, k, bf16), s),
+                                     v16_maskz_loadu_ps(k, weight + i));
             if (residual)  /* the branch rounded, then the sum */
-                n = _mm512_add_ps(load_any(row_at(residual, m * H, bf16), i, k, bf16),
+                n = v16_add_ps(load_any(row_at(residual, m * H, bf16), i, k, bf16),
                                   round_any(n, bf16));
             store_any(target, i, k, n, bf16);
         }
         if (!residual)
             continue;
-        const __m512 s2 = _mm512_set1_ps(inv_rms(target, H, eps, bf16));
+        const v16f s2 = v16_set1_ps(inv_rms(target, H, eps, bf16));
         void *o = (void *)row_at(out, m * H, bf16);
         for (int64_t i = 0; i < H; i += VEC) {
-            const __mmask16 k = tail_mask(H - i);
-            store_any(o, i, k, _mm512_mul_ps(_mm512_mul_ps(load_any(target, i, k, bf16), s2),
-                                             _mm512_maskz_loadu_ps(k, next_weight + i)), bf16);
+            const v16mask k = tail_mask(H - i);
+            store_any(o, i, k, v16_mul_ps(v16_mul_ps(load_any(target, i, k, bf16), s2),
+                                             v16_maskz_loadu_ps(k, next_weight + i)), bf16);
         }
     }
 }
@@ -286,12 +288,12 @@ void hicache_gemma_norm_bf16(const uint16_t *x, int64_t ldx, int64_t heads,
 
 /* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in the order of
  * torch's vectorised CPU kernel (GeluKernelImpl, approximate="tanh"), no FMA. */
-static inline __m512 gelu_tanh_ps(__m512 x) {
-    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
-    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
-                         _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_ps(inner)));
+static inline v16f gelu_tanh_ps(v16f x) {
+    const v16f beta = v16_set1_ps(0.7978845608028654f), kappa = v16_set1_ps(0.044715f);
+    const v16f cube = v16_mul_ps(v16_mul_ps(x, x), x);
+    const v16f inner = v16_mul_ps(beta, v16_add_ps(x, v16_mul_ps(kappa, cube)));
+    return v16_mul_ps(v16_mul_ps(v16_set1_ps(0.5f), x),
+                         v16_add_ps(v16_set1_ps(1.0f), tanh_ps(inner)));
 }
 
 static inline void gelu_tanh_mul(const void *gate_up, int64_t M, int64_t I, void *out,
@@ -302,9 +304,9 @@ static inline void gelu_tanh_mul(const void *gate_up, int64_t M, int64_t I, void
         const void *g = row_at(gate_up, m * 2 * I, bf16), *u = row_at(g, I, bf16);
         void *o = (void *)row_at(out, m * I, bf16);
         for (int64_t i = 0; i < I; i += VEC) {
-            const __mmask16 k = tail_mask(I - i);
-            const __m512 act = round_any(gelu_tanh_ps(load_any(g, i, k, bf16)), bf16);
-            store_any(o, i, k, _mm512_mul_ps(act, load_any(u, i, k, bf16)), bf16);
+            const v16mask k = tail_mask(I - i);
+            const v16f act = round_any(gelu_tanh_ps(load_any(g, i, k, bf16)), bf16);
+            store_any(o, i, k, v16_mul_ps(act, load_any(u, i, k, bf16)), bf16);
         }
     }
 }

@@ -9,22 +9,22 @@
 
 #include "cpu_exp.h"
 
-static inline __m512 tanh_ps(__m512 x) {
-    const __m512 one = _mm512_set1_ps(1.0f), z = _mm512_mul_ps(x, x);
-    const __m512 a = _mm512_abs_ps(x);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-    const __m512 e = exp_ps(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
-    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+static inline v16f tanh_ps(v16f x) {
+    const v16f one = v16_set1_ps(1.0f), z = v16_mul_ps(x, x);
+    const v16f a = v16_abs_ps(x);
+    v16f p = v16_set1_ps(-5.70498872745e-3f);
+    p = v16_fmadd_ps(p, z, v16_set1_ps(2.06390887954e-2f));
+    p = v16_fmadd_ps(p, z, v16_set1_ps(-5.37397155531e-2f));
+    p = v16_fmadd_ps(p, z, v16_set1_ps(1.33314422036e-1f));
+    p = v16_fmadd_ps(p, z, v16_set1_ps(-3.33332819422e-1f));
+    const v16f small = v16_fmadd_ps(v16_mul_ps(p, z), x, x);
+    const v16f e = exp_ps(v16_mul_ps(a, v16_set1_ps(-2.0f)));
+    const v16f big = v16_div_ps(v16_sub_ps(one, e), v16_add_ps(one, e));
     /* big carries |x|'s sign: x's sign bit put back */
-    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
-    const __m512 signed_big = _mm512_castsi512_ps(
-        _mm512_or_si512(_mm512_castps_si512(big), sign));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GT_OQ),
+    const v16i sign = v16_and_si512(v16_castps_si512(x), v16_set1_epi32(INT32_MIN));
+    const v16f signed_big = v16_castsi512_ps(
+        v16_or_si512(v16_castps_si512(big), sign));
+    return v16_mask_blend_ps(v16_cmp_ps_mask(a, v16_set1_ps(0.625f), _CMP_GT_OQ),
                                 small, signed_big);
 }
 
