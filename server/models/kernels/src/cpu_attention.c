@@ -77,10 +77,11 @@ static inline float exp_scalar(float x) {
     return v16_cvtss_f32(exp_ps(v16_set1_ps(x)));
 }
 
-/* 16-key columns of a block per pass of qk_tile over the dims, and 16-dim chunks of O per
- * pv_tile: 4 in AVX-512's 32 registers (16 accumulators), 1 in AVX2's 16 (4 rows of two
- * halves), the passes in turn. Each score is one FMA chain over d in order, each O element
- * one over the keys in order, whatever the tile. */
+/* 16-key columns of a block per qk_tile, and 16-dim chunks of O per pv_tile: 4 in AVX-512's
+ * 32 registers (16 accumulators), 1 in AVX2's 16 (4 rows of two halves). A work item runs
+ * every row tile of a column (a chunk) before the next, so that column of Kt (chunk of V)
+ * stays in L1 meanwhile. Each score is one FMA chain over d in order, each O element one
+ * over the keys in order, whatever the tile or the order of tiles. */
 #ifdef __AVX512F__
 #define QK_COLS 4
 #define PV_CHUNK 4
@@ -89,27 +90,26 @@ static inline float exp_scalar(float x) {
 #define PV_CHUNK 1
 #endif
 
-/* S[r][0..64) = scale * q_r . k_j for 4 rows, from Kt's block (column j = key j). */
+/* S[r][16 c0 .. 16 (c0 + QK_COLS)) = scale * q_r . k_j for 4 rows, from Kt's block (column
+ * j = key j). */
 static inline void qk_tile(float *s, const float *qs, const float *kt, int64_t ld, int64_t dim,
-                           float scale) {
+                           float scale, int c0) {
     const v16f sc = v16_set1_ps(scale);
-    for (int c0 = 0; c0 < KEY_BLOCK / VEC; c0 += QK_COLS) {
-        v16f acc[MICRO_ROWS][QK_COLS];
-        for (int i = 0; i < MICRO_ROWS; ++i)
-            for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_setzero_ps();
-        for (int64_t d = 0; d < dim; ++d) {
-            const float *row = kt + d * ld + c0 * VEC;
-            v16f k[QK_COLS];
-            for (int c = 0; c < QK_COLS; ++c) k[c] = v16_loadu_ps(row + c * VEC);
-            for (int i = 0; i < MICRO_ROWS; ++i) {
-                const v16f qv = v16_set1_ps(qs[i * dim + d]);
-                for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_fmadd_ps(qv, k[c], acc[i][c]);
-            }
+    v16f acc[MICRO_ROWS][QK_COLS];
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+        const float *row = kt + d * ld + c0 * VEC;
+        v16f k[QK_COLS];
+        for (int c = 0; c < QK_COLS; ++c) k[c] = v16_loadu_ps(row + c * VEC);
+        for (int i = 0; i < MICRO_ROWS; ++i) {
+            const v16f qv = v16_set1_ps(qs[i * dim + d]);
+            for (int c = 0; c < QK_COLS; ++c) acc[i][c] = v16_fmadd_ps(qv, k[c], acc[i][c]);
         }
-        for (int i = 0; i < MICRO_ROWS; ++i)
-            for (int c = 0; c < QK_COLS; ++c)
-                v16_storeu_ps(s + i * KEY_BLOCK + (c0 + c) * VEC, v16_mul_ps(acc[i][c], sc));
     }
+    for (int i = 0; i < MICRO_ROWS; ++i)
+        for (int c = 0; c < QK_COLS; ++c)
+            v16_storeu_ps(s + i * KEY_BLOCK + (c0 + c) * VEC, v16_mul_ps(acc[i][c], sc));
 }
 
 /* Scaled scores soft-capped (Gemma 2's attn_logit_softcapping): cap * tanh(s / cap), a
@@ -206,9 +206,15 @@ static int shares_kt(const int64_t *seq) { return seq[2] > TOKEN_TILE; }
  * the end of the sequence's last block. */
 static int64_t kt_from(const int64_t *seq, int64_t window) { return first_block(seq[1], window); }
 
+/* A shared Kt's row length: its keys' blocks and one vector more, so that its rows lie an
+ * odd number of cache lines apart and the lines of one column of keys (a row each) spread
+ * over L1's sets (a power-of-two stride would put them all in one set, 8 ways deep). */
+static int64_t kt_ld(const int64_t *seq, int64_t window) {
+    return round_up(seq[1] + seq[2], KEY_BLOCK) - kt_from(seq, window) + VEC;
+}
+
 static int64_t kt_floats(const int64_t *seq, int64_t dim, int64_t window) {
-    return shares_kt(seq) ? dim * (round_up(seq[1] + seq[2], KEY_BLOCK) - kt_from(seq, window))
-                          : 0;
+    return shares_kt(seq) ? dim * kt_ld(seq, window) : 0;
 }
 
 /* Floats of workspace a call needs: every (seq, kv head)'s transposed K, then one scratch

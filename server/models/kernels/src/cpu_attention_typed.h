@@ -109,16 +109,22 @@ PV_TILE(4)
 #endif
 PV_TILE(1)
 
-static inline void NAME(pv_tile)(float *o, const float *p, const float *alpha, const T *v_cache,
-                           const int64_t *slots, int64_t num_keys, int64_t kv_heads,
-                           int64_t kv_head, int64_t dim) {
+/* pv_tile_* for rows [0, padded) (whole tiles of 4): each chunk of dims for every row tile
+ * before the next chunk, so the block's V of that chunk stays in L1. */
+static inline void NAME(pv_rows)(float *o, const float *p, const float *alpha, int64_t padded,
+                                 const T *v_cache, const int64_t *slots, int64_t num_keys,
+                                 int64_t kv_heads, int64_t kv_head, int64_t dim) {
     int64_t d0 = 0;
 #if PV_CHUNK == 4
     for (; d0 + 4 * VEC <= dim; d0 += 4 * VEC)
-        NAME(pv_tile_4)(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
+            NAME(pv_tile_4)(o + r * dim, p + r * KEY_BLOCK, alpha + r, v_cache, slots, num_keys,
+                            kv_heads, kv_head, dim, d0);
 #endif
     for (; d0 < dim; d0 += VEC)
-        NAME(pv_tile_1)(o, p, alpha, v_cache, slots, num_keys, kv_heads, kv_head, dim, d0);
+        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
+            NAME(pv_tile_1)(o + r * dim, p + r * KEY_BLOCK, alpha + r, v_cache, slots, num_keys,
+                            kv_heads, kv_head, dim, d0);
 }
 
 /* Phase 2: one work item, the rows (token, group head) of up to TOKEN_TILE new tokens.
@@ -130,8 +136,7 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
                      const int64_t *slots, const int64_t *seq, int64_t heads, int64_t kv_heads,
                      int64_t dim, float scale, int64_t window, float softcap, T *out) {
     const int64_t group = heads / kv_heads, prefix = seq[1], slot0 = seq[3];
-    const int64_t from = kt_from(seq, window);
-    const int64_t ld = round_up(prefix + seq[2], KEY_BLOCK) - from;
+    const int64_t from = kt_from(seq, window), ld = kt_ld(seq, window);
     const int64_t rows = it->num_tokens * group;
     const int64_t padded = (rows + MICRO_ROWS - 1) / MICRO_ROWS * MICRO_ROWS;
     for (int64_t r = 0; r < padded; ++r) {
@@ -159,14 +164,14 @@ static void NAME(run_item)(const Item *it, Scratch *w, const T *q, int64_t q_str
             NAME(transpose_block)(w->kt_block, k_cache, v_cache, slots + slot0 + j0, block, next,
                             kv_heads, it->kv_head, dim);
         }
-        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
-            qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale);
+        for (int c0 = 0; c0 < KEY_BLOCK / VEC; c0 += QK_COLS)
+            for (int64_t r = 0; r < padded; r += MICRO_ROWS)
+                qk_tile(w->s + r * KEY_BLOCK, w->qs + r * dim, kb, kb_ld, dim, scale, c0);
         for (int64_t r = 0; r < padded; ++r)
             w->alpha[r] = softmax_step(w->s + r * KEY_BLOCK, first_key(w->pos[r], window) - j0,
                                        w->pos[r] - j0 + 1, softcap, &w->m[r], &w->l[r]);
-        for (int64_t r = 0; r < padded; r += MICRO_ROWS)
-            NAME(pv_tile)(w->o + r * dim, w->s + r * KEY_BLOCK, w->alpha + r, v_cache,
-                    slots + slot0 + j0, block, kv_heads, it->kv_head, dim);
+        NAME(pv_rows)(w->o, w->s, w->alpha, padded, v_cache, slots + slot0 + j0, block,
+                      kv_heads, it->kv_head, dim);
     }
     NAME(store_rows)(it, w, seq, heads, group, dim, out);
 }
@@ -340,9 +345,9 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < num_seqs * kv_heads; ++p) {
             const int64_t *sq = seqs + 4 * (p / kv_heads), from = kt_from(sq, window);
-            const int64_t ld = round_up(sq[1] + sq[2], KEY_BLOCK) - from;
+            const int64_t ld = kt_ld(sq, window);
             if (shares_kt(sq))
-                NAME(transpose_keys)(kt + kt_off[p], ld, ld, k_cache, slots + sq[3] + from,
+                NAME(transpose_keys)(kt + kt_off[p], ld, ld - VEC, k_cache, slots + sq[3] + from,
                                      sq[1] + sq[2] - from, kv_heads, p % kv_heads, dim);
         }
 #endif
