@@ -304,7 +304,9 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
     const int64_t group = heads / kv_heads;
     float *kt = workspace, *scratch = workspace + kt_off[num_seqs * kv_heads];
 #if PAIR_PATH
-    /* phase 1's work: (seq * kv_heads + kv head, first key) of every block to pack */
+    /* phase 1's work: (seq * kv_heads + kv head, first key) of every block to pack; the
+     * workspace's floats over a block's bound the count (each Kt is a vector longer than
+     * its blocks: kt_ld), the blocks listed give it */
     int64_t num_blocks = kt_off[num_seqs * kv_heads] / (KEY_BLOCK * dim), b = 0;
     int64_t *blocks = malloc(sizeof(int64_t) * (size_t)(2 * num_blocks + 1));
     if (!blocks) {
@@ -321,6 +323,7 @@ int NAME(hicache_paged_attention)(const T *q, int64_t q_stride, const T *k_cache
                 ++b;
             }
     }
+    num_blocks = b;
 #endif
 #pragma omp parallel num_threads(num_threads)
     {

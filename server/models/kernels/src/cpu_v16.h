@@ -10,6 +10,9 @@
  *   the quarters, then pairs), and exp_ps's 2^n is exact where scalef's is, so a kernel's
  *   every lane runs the same chain in both builds: the same bits on either CPU.
  *
+ * On AVX2 the operations that take an immediate (compares, rounding, shifts) are macros
+ * that name their vector argument twice: pass them a variable, not a call.
+ *
  * Masks (v16mask): a bit per lane on AVX-512 (__mmask16), all-ones lanes on AVX2. Masked
  * loads read no memory outside the mask on either (a row's tail may end a page).
  * bf16x16 (__m256i) holds 16 bfloat16s on both.
