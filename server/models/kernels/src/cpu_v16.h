@@ -2,8 +2,8 @@
  * (kernels/cpu_build.py picks the build by the CPU, as torch dispatches):
  *
  * - AVX-512F: v16f is __m512 and each v16_ operation is the _mm512_ intrinsic of the same
- *   name, as a macro: the kernels' vector instructions are those they had before this
- *   vocabulary (checked against the earlier build's disassembly when it came in);
+ *   name, as a macro (bringing the vocabulary in changed no vector instruction of this
+ *   build: the disassembly's count of each was the same before and after);
  * - AVX2 + FMA (AMD's Zen 2 and 3, Intel's client cores): v16f is two __m256 (lanes 0-7 in
  *   lo, 8-15 in hi) and each operation does, lane by lane, what its AVX-512 intrinsic does.
  *   The horizontal sum adds in the order GCC's _mm512_reduce_add_ps does (the halves, then
