@@ -51,13 +51,13 @@ _SYMBOLS = {torch.float32: "hicache_paged_attention_f32",
 DTYPES = tuple(_SYMBOLS)
 _WORKSPACE_SYMBOL = "hicache_paged_attention_workspace"
 MAX_HEAD_DIM = 256  # must match cpu_attention.c
-HEAD_DIM_MULTIPLE = 16  # one AVX-512 vector of float32
+HEAD_DIM_MULTIPLE = 16  # one v16f of float32 (cpu_v16.h)
 # the pair paths': whole 64-wide C tiles of the output on AMX, whole 32-dim rows of K's
 # pair tiles with vdpbf16ps; other head dims stay on AVX-512F
 PAIR_HEAD_DIM_MULTIPLE = {"amx": 64, "avx512bf16": 32}
 # every bfloat16 path, for tests that run each the CPU has: the AVX2 build's one, then the
 # AVX-512 build's (`bf16_paths` holds this CPU's)
-AVX2_PATH = "avx2"
+AVX2_PATH = cpu_build.AVX2_PATH
 BF16_PATHS = (AVX2_PATH, "avx512f", "avx512bf16", "amx")
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
 
@@ -82,7 +82,7 @@ class CpuAttentionKernel:
         # with vdpbf16ps where it has AVX512-BF16 (head dims a multiple of 32), else on
         # AVX-512F; tests set a path to run it beside this CPU's own
         self._pair_fns = {}
-        self.isa = "avx2" if "-avx2-" in path.name else "avx512"
+        self.isa = cpu_build.built_isa(path)
         self.bf16_paths = (AVX2_PATH,) if self.isa == "avx2" else ("avx512f",)
         for isa, symbol, has in (("avx512bf16", "hicache_paged_attention_bf16_dp",
                                   library.hicache_paged_attention_has_avx512bf16),

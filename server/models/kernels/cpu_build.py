@@ -10,9 +10,10 @@ concurrent processes never load a half-written file. The kernels use AVX-512 (F,
 intrinsics, not -march=native, so one build runs on every AVX-512 machine; the bfloat16
 linear kernel's AVX512-BF16 and AMX paths are compiled per function (`target` attributes)
 and chosen at run time from CPUID. Every kernel also builds with AVX2_FLAGS, on a CPU
-whose best is AVX2 (`isa()`, as torch dispatches): the linear kernel with its own AVX2 tiles,
-attention and the layer ops with cpu_v16.h's 16-float vectors as two AVX2 halves. OpenMP comes from libgomp.so.1, the very runtime torch
-loaded (same soname), so torch and the kernels share one thread pool.
+whose best is AVX2 (`isa()`, as torch dispatches): the linear kernel with its own AVX2
+tiles, attention and the layer ops with cpu_v16.h's 16-float vectors as two AVX2 halves
+(`built_isa(path)` says which build a .so is). OpenMP comes from libgomp.so.1, the very
+runtime torch loaded (same soname), so torch and the kernels share one thread pool.
 
 Threading: any thread.
 """
@@ -42,6 +43,8 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", 
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ISA_FLAGS = {"avx512": FLAGS, "avx2": AVX2_FLAGS}
 ISA_NAMES = {"avx512": "AVX-512F", "avx2": "AVX2 and FMA"}
+# the bfloat16 path of a kernel's AVX2 build (its plain path, in AVX2): the ISA's name
+AVX2_PATH = "avx2"
 COMPILE_TIMEOUT_S = 120
 
 
@@ -61,6 +64,11 @@ def isa() -> str | None:
     if not compiler_found():
         return None
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def built_isa(path: Path) -> str:
+    """The ISA a .so of `build` was compiled for ("avx512" or "avx2"), from its name."""
+    return next((i for i in ISA_FLAGS if f"-{i}-" in path.name), "avx512")
 
 
 def build(source: Path, cache_dir: Path, flags: Sequence[str] = FLAGS) -> Path:

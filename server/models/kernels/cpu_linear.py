@@ -37,7 +37,7 @@ PANEL = 64  # outputs per panel: must match NR in cpu_linear.c
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_PATHS = ("avx512f", "avx512bf16", "amx")  # the ISA_ values of cpu_linear.c, in order
 # the AVX2 build's one bfloat16 path: cpu_linear.c's plain path (ISA_AVX512F), in AVX2
-AVX2_PATH = "avx2"
+AVX2_PATH = cpu_build.AVX2_PATH
 
 
 class CpuLinearKernel:
@@ -64,7 +64,7 @@ class CpuLinearKernel:
         # the bfloat16 path: AMX's tiles where the CPU has them, else vdpbf16ps, else
         # AVX-512F (vdpbf16ps's very bits), or in the AVX2 build its plain path (the same
         # bits); tests set another that this CPU runs
-        self.isa = "avx2" if "-avx2-" in path.name else "avx512"
+        self.isa = cpu_build.built_isa(path)
         self.bf16_paths = (AVX2_PATH,) if self.isa == "avx2" else ("avx512f",)
         if library.hicache_linear_has_avx512bf16():
             self.bf16_paths += ("avx512bf16",)

@@ -84,25 +84,25 @@ static void NAME(transpose_block)(float *kt, const T *k_cache, const T *v_cache,
                                        const T *v_cache, const int64_t *slots,              \
                                        int64_t num_keys, int64_t kv_heads, int64_t kv_head, \
                                        int64_t dim, int64_t d0) {                           \
-        v16f acc[MICRO_ROWS][CHUNK];                                                      \
+        v16f acc[MICRO_ROWS][CHUNK];                                                        \
         for (int i = 0; i < MICRO_ROWS; ++i) {                                              \
-            v16f a = v16_set1_ps(alpha[i]);                                            \
+            v16f a = v16_set1_ps(alpha[i]);                                                 \
             for (int c = 0; c < CHUNK; ++c)                                                 \
-                acc[i][c] = v16_mul_ps(v16_loadu_ps(o + i * dim + d0 + c * VEC), a);  \
+                acc[i][c] = v16_mul_ps(v16_loadu_ps(o + i * dim + d0 + c * VEC), a);        \
         }                                                                                   \
         for (int64_t j = 0; j < num_keys; ++j) {                                            \
             const T *vrow = v_cache + (slots[j] * kv_heads + kv_head) * dim + d0;           \
-            v16f vv[CHUNK];                                                               \
+            v16f vv[CHUNK];                                                                 \
             for (int c = 0; c < CHUNK; ++c) vv[c] = LOAD(vrow + c * VEC);                   \
             for (int i = 0; i < MICRO_ROWS; ++i) {                                          \
-                v16f pj = v16_set1_ps(p[i * KEY_BLOCK + j]);                           \
+                v16f pj = v16_set1_ps(p[i * KEY_BLOCK + j]);                                \
                 for (int c = 0; c < CHUNK; ++c)                                             \
-                    acc[i][c] = v16_fmadd_ps(pj, vv[c], acc[i][c]);                      \
+                    acc[i][c] = v16_fmadd_ps(pj, vv[c], acc[i][c]);                         \
             }                                                                               \
         }                                                                                   \
         for (int i = 0; i < MICRO_ROWS; ++i)                                                \
             for (int c = 0; c < CHUNK; ++c)                                                 \
-                v16_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                    \
+                v16_storeu_ps(o + i * dim + d0 + c * VEC, acc[i][c]);                       \
     }
 #if PV_CHUNK == 4
 PV_TILE(4)

@@ -48,6 +48,28 @@ static inline v16mask tail_mask(int64_t left) {
     return v16_lanes(0, left);
 }
 
+/* Either dtype through one body (`bf16` a constant at every call, so the compiler keeps
+ * two copies without the branch): 16 elements at element i of p as float32, stored back
+ * rounded, the bfloat16 rounding of an op's result (none in float32), a row's start. */
+static inline v16f load_any(const void *p, int64_t i, v16mask k, int bf16) {
+    return bf16 ? load_bf16(k, (const uint16_t *)p + i)
+                : v16_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+static inline void store_any(void *p, int64_t i, v16mask k, v16f v, int bf16) {
+    if (bf16)
+        store_bf16_ps(k, (uint16_t *)p + i, v);
+    else
+        v16_mask_storeu_ps((float *)p + i, k, v);
+}
+
+static inline v16f round_any(v16f v, int bf16) { return bf16 ? rne_bf16(v) : v; }
+
+static inline const void *row_at(const void *p, int64_t offset, int bf16) {
+    return (const char *)p + offset * (bf16 ? 2 : 4);
+}
+
+
 /* out = weight * (h / sqrt(mean(h^2) + eps)), h = x, or with a residual h = residual + x,
  * written to sum (which may be the residual itself). The squares are summed in 16 lanes in
  * order, then across the lanes. */
@@ -76,7 +98,7 @@ void hicache_rms_norm_f32(const float *x, int64_t ldx, const float *residual, fl
             const v16mask k = tail_mask(H - i);
             const v16f h = v16_maskz_loadu_ps(k, h_src + i);
             v16_mask_storeu_ps(o + i, k, v16_mul_ps(v16_maskz_loadu_ps(k, weight + i),
-                                                          v16_mul_ps(h, s)));
+                                                    v16_mul_ps(h, s)));
         }
     }
 }
@@ -97,32 +119,10 @@ void hicache_rope_f32(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t h
                 const v16f a = v16_maskz_loadu_ps(k, x1 + i), b = v16_maskz_loadu_ps(k, x2 + i);
                 const v16f cv = v16_maskz_loadu_ps(k, c + i), sv = v16_maskz_loadu_ps(k, s + i);
                 v16_mask_storeu_ps(x1 + i, k, v16_sub_ps(v16_mul_ps(a, cv),
-                                                               v16_mul_ps(b, sv)));
+                                                         v16_mul_ps(b, sv)));
                 v16_mask_storeu_ps(x2 + i, k, v16_add_ps(v16_mul_ps(b, cv),
-                                                               v16_mul_ps(a, sv)));
+                                                         v16_mul_ps(a, sv)));
             }
-        }
-    }
-}
-
-/* out = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from e = exp(-|gate|) <= 1:
- * 1 / (1 + e) for gate >= 0, e / (1 + e) below (no overflow either side). */
-void hicache_silu_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) \
-        if (M * I >= PARALLEL_MIN_FLOATS)
-    for (int64_t m = 0; m < M; ++m) {
-        const float *g = gate_up + m * 2 * I, *u = g + I;
-        float *o = out + m * I;
-        for (int64_t i = 0; i < I; i += VEC) {
-            const v16mask k = tail_mask(I - i);
-            const v16f gv = v16_maskz_loadu_ps(k, g + i);
-            const v16f e = exp_ps(v16_sub_ps(v16_setzero_ps(), v16_abs_ps(gv)));
-            const v16f one = v16_set1_ps(1.0f);
-            const v16mask neg = v16_cmp_ps_mask(gv, v16_setzero_ps(), _CMP_LT_OQ);
-            const v16f num = v16_mask_mov_ps(one, neg, e);
-            const v16f sig = v16_div_ps(num, v16_add_ps(one, e));
-            v16_mask_storeu_ps(o + i, k,
-                                  v16_mul_ps(v16_mul_ps(gv, sig), v16_maskz_loadu_ps(k, u + i)));
         }
     }
 }
@@ -174,59 +174,54 @@ void hicache_rope_bf16(uint16_t *x, int64_t ldx, int64_t T, int64_t heads, int64
                 const v16f a = load_bf16(k, x1 + i), b = load_bf16(k, x2 + i);
                 const v16f cv = load_bf16(k, c + i), sv = load_bf16(k, s + i);
                 store_bf16_ps(k, x1 + i, v16_sub_ps(rne_bf16(v16_mul_ps(a, cv)),
-                                                       rne_bf16(v16_mul_ps(b, sv))));
+                                                    rne_bf16(v16_mul_ps(b, sv))));
                 store_bf16_ps(k, x2 + i, v16_add_ps(rne_bf16(v16_mul_ps(b, cv)),
-                                                       rne_bf16(v16_mul_ps(a, sv))));
+                                                    rne_bf16(v16_mul_ps(a, sv))));
             }
         }
     }
 }
 
-void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16_t *out,
-                           int threads) {
+/* ------------------------------------------------------------------------ SiLU * up */
+
+/* out = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from e = exp(-|gate|) <= 1:
+ * 1 / (1 + e) for gate >= 0, e / (1 + e) below (no overflow either side); in bfloat16
+ * silu(gate) rounded, then its product with up. */
+static inline void silu_mul(const void *gate_up, int64_t M, int64_t I, void *out, int threads,
+                            int bf16) {
     #pragma omp parallel for schedule(static) num_threads(threads) \
         if (M * I >= PARALLEL_MIN_FLOATS)
     for (int64_t m = 0; m < M; ++m) {
-        const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
-        uint16_t *o = out + m * I;
+        const void *g = row_at(gate_up, m * 2 * I, bf16), *u = row_at(g, I, bf16);
+        void *o = (void *)row_at(out, m * I, bf16);
         for (int64_t i = 0; i < I; i += VEC) {
             const v16mask k = tail_mask(I - i);
-            const v16f gv = load_bf16(k, g + i);
+            const v16f gv = load_any(g, i, k, bf16);
             const v16f e = exp_ps(v16_sub_ps(v16_setzero_ps(), v16_abs_ps(gv)));
             const v16f one = v16_set1_ps(1.0f);
             const v16mask neg = v16_cmp_ps_mask(gv, v16_setzero_ps(), _CMP_LT_OQ);
-            const v16f num = v16_mask_mov_ps(one, neg, e);
-            const v16f sig = v16_div_ps(num, v16_add_ps(one, e));
-            const v16f act = rne_bf16(v16_mul_ps(gv, sig));
-            store_bf16_ps(k, o + i, v16_mul_ps(act, load_bf16(k, u + i)));
+            const v16f sig = v16_div_ps(v16_mask_mov_ps(one, neg, e), v16_add_ps(one, e));
+            const v16f act = round_any(v16_mul_ps(gv, sig), bf16);
+            store_any(o, i, k, v16_mul_ps(act, load_any(u, i, k, bf16)), bf16);
         }
     }
 }
 
+void hicache_silu_mul_f32(const float *gate_up, int64_t M, int64_t I, float *out, int threads) {
+    silu_mul(gate_up, M, I, out, threads, 0);
+}
+
+void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16_t *out,
+                           int threads) {
+    silu_mul(gate_up, M, I, out, threads, 1);
+}
+
 /* ------------------------------------------------------------------------ Gemma's ops
- * Both dtypes from one body each (`bf16` a constant at every call, so the compiler keeps
- * two copies without the branch). Gemma rounds differently from Llama: its RMSNorm keeps
+ * Both dtypes from one body each (load_any and its kin, above). Gemma rounds differently
+ * from Llama: its RMSNorm keeps
  * the normalised row in float32, multiplies by the float32 1 + w and rounds once
  * (transformers' Gemma3RMSNorm); the residual sum and GeGLU's gelu_tanh(gate), then its
  * product with up, round as in SiLU * up. */
-
-static inline v16f load_any(const void *p, int64_t i, v16mask k, int bf16) {
-    return bf16 ? load_bf16(k, (const uint16_t *)p + i)
-                : v16_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-static inline void store_any(void *p, int64_t i, v16mask k, v16f v, int bf16) {
-    if (bf16)
-        store_bf16_ps(k, (uint16_t *)p + i, v);
-    else
-        v16_mask_storeu_ps((float *)p + i, k, v);
-}
-
-static inline v16f round_any(v16f v, int bf16) { return bf16 ? rne_bf16(v) : v; }
-
-static inline const void *row_at(const void *p, int64_t offset, int bf16) {
-    return (const char *)p + offset * (bf16 ? 2 : 4);
-}
 
 /* 1 / sqrt(mean(x^2) + eps) of one row, the squares summed in 16 lanes in order. */
 static inline float inv_rms(const void *x, int64_t H, float eps, int bf16) {
@@ -258,7 +253,7 @@ static inline void gemma_norm(const void *x, int64_t ldx, int64_t heads, const f
                                      v16_maskz_loadu_ps(k, weight + i));
             if (residual)  /* the branch rounded, then the sum */
                 n = v16_add_ps(load_any(row_at(residual, m * H, bf16), i, k, bf16),
-                                  round_any(n, bf16));
+                               round_any(n, bf16));
             store_any(target, i, k, n, bf16);
         }
         if (!residual)
@@ -268,7 +263,7 @@ static inline void gemma_norm(const void *x, int64_t ldx, int64_t heads, const f
         for (int64_t i = 0; i < H; i += VEC) {
             const v16mask k = tail_mask(H - i);
             store_any(o, i, k, v16_mul_ps(v16_mul_ps(load_any(target, i, k, bf16), s2),
-                                             v16_maskz_loadu_ps(k, next_weight + i)), bf16);
+                                          v16_maskz_loadu_ps(k, next_weight + i)), bf16);
         }
     }
 }
@@ -293,7 +288,7 @@ static inline v16f gelu_tanh_ps(v16f x) {
     const v16f cube = v16_mul_ps(v16_mul_ps(x, x), x);
     const v16f inner = v16_mul_ps(beta, v16_add_ps(x, v16_mul_ps(kappa, cube)));
     return v16_mul_ps(v16_mul_ps(v16_set1_ps(0.5f), x),
-                         v16_add_ps(v16_set1_ps(1.0f), tanh_ps(inner)));
+                      v16_add_ps(v16_set1_ps(1.0f), tanh_ps(inner)));
 }
 
 static inline void gelu_tanh_mul(const void *gate_up, int64_t M, int64_t I, void *out,

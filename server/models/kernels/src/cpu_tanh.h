@@ -25,7 +25,7 @@ static inline v16f tanh_ps(v16f x) {
     const v16f signed_big = v16_castsi512_ps(
         v16_or_si512(v16_castps_si512(big), sign));
     return v16_mask_blend_ps(v16_cmp_ps_mask(a, v16_set1_ps(0.625f), _CMP_GT_OQ),
-                                small, signed_big);
+                             small, signed_big);
 }
 
 #endif
