@@ -37,7 +37,7 @@ from hicache.integrations.vllm_settings import (
 )
 from hicache.integrations.vllm_worker import ConnectorWorker
 
-LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 8, 4, 16
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 8, 4, 32
 # `make gpu-check` runs this file again with HICACHE_TEST_DEVICE=cuda: the caches on the GPU,
 # the host buffers pinned
 DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
@@ -1003,6 +1003,36 @@ def test_a_boundary_hit_from_l2_sends_its_window_units_to_l3(tmp_path: Path) -> 
     first.close()
     again = HybridServer(tmp_path / "l3", seed=2)
     assert again.run("c", FIRST_IDS, third) == 3 * BLOCK  # from L3
+    again.close()
+
+
+def test_where_two_prompts_part_with_no_hit_l3_keeps_that_boundary_s_window(
+        tmp_path: Path) -> None:
+    """Two prompts sharing PROMPT's first 3 blocks arrive in one step, neither hitting (vLLM
+    computes both): the window units of the boundary where they part ([1, 3)) go to L3
+    with the second, as a split in hicache's tree writes them, so after a restart a third
+    prompt sharing the 3 blocks hits them from L3. The prompt ends' rule alone leaves block
+    1's out (it lies before the window of a query at 4)."""
+    shared = PROMPT[:3 * BLOCK]
+    prompts = {"a": shared + list(range(900, 900 + BLOCK + 1)),
+               "b": shared + list(range(800, 800 + BLOCK + 1))}
+    ids = {"a": FIRST_IDS, "b": tuple([16 + 5 * g + i for i in range(5)] for g in range(3))}
+    first = HybridServer(tmp_path / "l3", seed=1)
+    new = []
+    for req_id, prompt in prompts.items():
+        request = SimpleNamespace(request_id=req_id, all_token_ids=prompt,
+                                  num_prompt_tokens=len(prompt), num_computed_tokens=0)
+        assert first.scheduler.matched(request, 0) == (0, False)
+        first.scheduler.allocated(
+            request, SimpleNamespace(get_block_ids=lambda i=ids[req_id]: i), 0)
+        new.append(SimpleNamespace(req_id=req_id, block_ids=ids[req_id], num_computed_tokens=0))
+    assert [first.scheduler.tracked[r].split for r in prompts] == [0, 3]
+    first.step(new, {r: len(p) for r, p in prompts.items()})
+    until(lambda: window_units_in_l3(first, shared, 3) == [[False, True, True]] * 2)
+    first.close()
+    again = HybridServer(tmp_path / "l3", seed=2)
+    third = shared + list(range(700, 700 + BLOCK + 1))
+    assert again.run("c", AGAIN_IDS, third) == 3 * BLOCK  # from L3
     again.close()
 
 

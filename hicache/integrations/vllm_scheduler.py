@@ -20,6 +20,7 @@ computes over an in-step L3 load are saved to L3 only, and only if that load arr
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,6 +29,9 @@ from hicache.integrations.vllm_settings import ConnectorSpace, HostIndex, store_
 
 # Window units `ConnectorScheduler` remembers sending to L3 (~10 MB of ids in a dict)
 WINDOW_UNITS_REMEMBERED = 1 << 16
+# Page hashes of a hybrid model's requests it remembers, to find where a prompt leaves an
+# earlier one (~10 MB)
+PAGES_SEEN_REMEMBERED = 1 << 16
 
 
 @dataclass
@@ -76,6 +80,9 @@ class _Tracked:
     # an L3 load was planned: a later match (after a load that failed, vLLM asks again)
     # reads L2 alone, so pages the workers cannot read are not planned over and over
     l3_planned: bool = False
+    # the blocks its prompt shares with a request seen before it (a hybrid model's): where
+    # the two diverge is a boundary a later request may hit at, as a split in hicache's tree
+    split: int = 0
 
 
 class _Hit(NamedTuple):
@@ -102,25 +109,50 @@ class ConnectorScheduler:
                          "saved_pages": 0}
         # window units sent to L3 lately (a hybrid model's), so a boundary's are sent once
         self.window_units_sent: OrderedDict[bytes, None] = OrderedDict()
+        # page hash -> the request that had it first, lately (a hybrid model's requests)
+        self.pages_seen: OrderedDict[bytes, str] = OrderedDict()
 
     def _hashes(self, t: _Tracked, blocks: int) -> list[bytes]:
         """The page hashes of `t`'s first `blocks` blocks (its tokens so far)."""
         have = len(t.hashes)
         if blocks > have:
             tokens = t.request.all_token_ids[have * self.c.block_size:blocks * self.c.block_size]
-            t.hashes += self.c.hasher.hash_pages(tokens, prev=t.hashes[-1] if have else None)
+            new = self.c.hasher.hash_pages(tokens, prev=t.hashes[-1] if have else None)
+            t.hashes += new
+            if self.c.groups is not None:
+                self._seen(new, t.request.request_id)
         return t.hashes[:blocks]
+
+    def _seen(self, hashes: list[bytes], req_id: str) -> None:
+        """Remember that `req_id` has these pages (the first request to have one keeps it)."""
+        for h in hashes:
+            if h in self.pages_seen:
+                self.pages_seen.move_to_end(h)
+            else:
+                self.pages_seen[h] = req_id
+        while len(self.pages_seen) > PAGES_SEEN_REMEMBERED:
+            self.pages_seen.popitem(last=False)
+
+    def _split(self, t: _Tracked, hashes: list[bytes]) -> int:
+        """The blocks `t` shares with a request seen before it: past the last of its pages
+        that another request had (the hashes chain, so that request had every page before)."""
+        rid = t.request.request_id
+        return max((i + 1 for i, h in enumerate(hashes) if self.pages_seen.get(h, rid) != rid),
+                   default=0)
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed` (block-aligned) found in L2 or L3: whole blocks, and
         never the prompt's last token (vLLM computes at least one); and whether they load
         asynchronously (more L3 pages than a step loads)."""
+        new = request.request_id not in self.tracked
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         self.counters["queries"] += 1
         blocks = (request.num_prompt_tokens - 1) // self.c.block_size
         first = num_computed // self.c.block_size
         t.saved = max(t.saved, first)  # vLLM's own hits: saved when vLLM computed them
         hashes = self._hashes(t, blocks)
+        if new and self.c.groups is not None:
+            t.split = self._split(t, hashes)
         store = None if t.l3_planned else self.c.open_store(prefault=False)
         if self.c.groups is not None:
             plan = by_groups(self.c.groups, self.index, store, hashes, first)
@@ -220,7 +252,7 @@ class ConnectorScheduler:
         (what vLLM has) to `computed + scheduled`. Where vLLM has less than was saved or
         loaded (blocks that failed to load, a preempted request), it computes them again
         and they are saved again: a page that failed its checksum is stored anew (a window
-        unit where this request's rule sends it, `_window_l3_from`). `over`:
+        unit where this request's rule sends it, `_window_l3`). `over`:
         the in-step L3 loads its KV is computed over, so its blocks go to L3 only, if those
         loads hold."""
         bs = self.c.block_size
@@ -230,7 +262,7 @@ class ConnectorScheduler:
         if full <= t.saved:
             return
         hashes = self._hashes(t, full)
-        window_l3_from = self._window_l3_from(t)
+        window_l3 = self._window_l3(t)
         for group, ids in enumerate(t.block_ids):
             windowed = self.c.groups is not None and group in self.c.groups.windowed
             for i in range(t.saved, min(full, len(ids))):
@@ -239,7 +271,7 @@ class ConnectorScheduler:
                 unit = unit_id(hashes[i], group)
                 in_l2 = self.index.find(unit) is not None
                 to_l3 = self.c.settings.has_storage and (
-                    not windowed or (i >= window_l3_from and self._window_to_l3(unit)))
+                    not windowed or (window_l3(i) and self._window_to_l3(unit)))
                 if in_l2 and not (windowed and to_l3):
                     continue  # L2 has it (another request's save sent it on to L3, a window
                     # unit if that request's rule took it; else this one's sends it now)
@@ -250,15 +282,18 @@ class ConnectorScheduler:
                 self.counters["saved_pages"] += 1
         t.saved = full
 
-    def _window_l3_from(self, t: _Tracked) -> int:
-        """The first block whose window units a save sends to L3: those a query at the
-        prompt's end reads (the same prompt asked again hits a block short of it when its
-        tokens fill whole blocks: `matched` never takes the last token), and every block after
-        (the boundaries a later request can hit at; hicache's rule: docs/architecture.md,
-        "L3 by kind")."""
+    def _window_l3(self, t: _Tracked) -> Callable[[int], bool]:
+        """Whether a save sends block i's window units to L3: those a query reads at a
+        boundary a later request can hit at (hicache's rule: docs/architecture.md, "L3 by
+        kind"): the prompt's end (the same prompt asked again hits a block short of it when
+        its tokens fill whole blocks: `matched` never takes the last token) and every block
+        after it, and where the prompt leaves one seen before it (`_Tracked.split`)."""
         groups = self.c.groups
-        return 0 if groups is None else groups.needed_from(
-            (t.request.num_prompt_tokens - 1) // self.c.block_size)
+        if groups is None:
+            return lambda i: True
+        end_from = groups.needed_from((t.request.num_prompt_tokens - 1) // self.c.block_size)
+        split_from = groups.needed_from(t.split)
+        return lambda i: i >= end_from or split_from <= i < t.split
 
     def _save_boundary(self, t: _Tracked, end: int, meta: StepPlan,
                        over: tuple[str, ...]) -> None:
