@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hicache.config import ConfigError
-from hicache.integrations import vllm_worker
+from hicache.integrations import vllm_scheduler, vllm_worker
 from hicache.integrations.vllm_buffers import Staging, WriteRing
 from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroup, KVGroups
 from hicache.integrations.vllm_layers import ByLayer, layer_loads
@@ -1008,11 +1008,12 @@ def test_a_boundary_hit_from_l2_sends_its_window_units_to_l3(tmp_path: Path) -> 
 
 def test_where_two_prompts_part_with_no_hit_l3_keeps_that_boundary_s_window(
         tmp_path: Path) -> None:
-    """Two prompts sharing PROMPT's first 3 blocks arrive in one step, neither hitting (vLLM
-    computes both): the window units of the boundary where they part ([1, 3)) go to L3
-    with the second, as a split in hicache's tree writes them, so after a restart a third
-    prompt sharing the 3 blocks hits them from L3. The prompt ends' rule alone leaves block
-    1's out (it lies before the window of a query at 4)."""
+    """Two prompts sharing PROMPT's first 3 blocks, neither hitting (as with vLLM's prefix
+    cache off for them, or the first one's blocks gone from vLLM and L2): the window units
+    of the boundary where they part ([1, 3)) go to L3 with the second, as a split in
+    hicache's tree writes them, so after a restart a third prompt sharing the 3 blocks
+    hits them from L3. The prompt ends' rule alone leaves block 1's out (it lies before
+    the window of a query at 4)."""
     shared = PROMPT[:3 * BLOCK]
     prompts = {"a": shared + list(range(900, 900 + BLOCK + 1)),
                "b": shared + list(range(800, 800 + BLOCK + 1))}
@@ -1034,6 +1035,24 @@ def test_where_two_prompts_part_with_no_hit_l3_keeps_that_boundary_s_window(
     third = shared + list(range(700, 700 + BLOCK + 1))
     assert again.run("c", AGAIN_IDS, third) == 3 * BLOCK  # from L3
     again.close()
+
+
+def test_the_pages_seen_are_forgotten_first_in_first_out(monkeypatch) -> None:
+    """A third prompt sharing only PROMPT's first 2 blocks does not keep them longer than
+    PROMPT's later ones: when the memory is full, a chain's earliest pages go first, so a
+    prompt that shares PROMPT's 4 blocks later still parts from it at 4, not at 2."""
+    monkeypatch.setattr(vllm_scheduler, "PAGES_SEEN_REMEMBERED", 6)
+    server = HybridServer(None, seed=1)
+    prompts = {"a": PROMPT,
+               "c": PROMPT[:2 * BLOCK] + list(range(900, 900 + 2 * BLOCK + 1)),
+               "e": list(range(700, 700 + 2 * BLOCK + 1)),  # 2 new pages: 2 forgotten
+               "d": PROMPT[:4 * BLOCK] + list(range(800, 800 + BLOCK + 1))}
+    for req_id, prompt in prompts.items():
+        server.scheduler.matched(SimpleNamespace(
+            request_id=req_id, all_token_ids=prompt, num_prompt_tokens=len(prompt),
+            num_computed_tokens=0), 0)
+    assert [server.scheduler.tracked[r].split for r in prompts] == [0, 2, 0, 4]
+    server.close()
 
 
 def test_a_hybrid_hit_without_its_window_units_ends_where_they_are(tmp_path: Path) -> None:

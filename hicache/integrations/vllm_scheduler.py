@@ -120,16 +120,18 @@ class ConnectorScheduler:
             new = self.c.hasher.hash_pages(tokens, prev=t.hashes[-1] if have else None)
             t.hashes += new
             if self.c.groups is not None:
+                if not have:  # its first pages (its prompt's, from `matched`)
+                    t.split = self._split(t, new)
                 self._seen(new, t.request.request_id)
         return t.hashes[:blocks]
 
     def _seen(self, hashes: list[bytes], req_id: str) -> None:
-        """Remember that `req_id` has these pages (the first request to have one keeps it)."""
+        """Remember that `req_id` has these pages (the first request to have one keeps it).
+        First in, first out, never refreshed: a prompt's pages go in chain order, so its
+        earlier pages are forgotten first and the last one remembered still says how far
+        a later prompt shares it (`_split`)."""
         for h in hashes:
-            if h in self.pages_seen:
-                self.pages_seen.move_to_end(h)
-            else:
-                self.pages_seen[h] = req_id
+            self.pages_seen.setdefault(h, req_id)
         while len(self.pages_seen) > PAGES_SEEN_REMEMBERED:
             self.pages_seen.popitem(last=False)
 
@@ -144,15 +146,12 @@ class ConnectorScheduler:
         """Tokens beyond `num_computed` (block-aligned) found in L2 or L3: whole blocks, and
         never the prompt's last token (vLLM computes at least one); and whether they load
         asynchronously (more L3 pages than a step loads)."""
-        new = request.request_id not in self.tracked
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         self.counters["queries"] += 1
         blocks = (request.num_prompt_tokens - 1) // self.c.block_size
         first = num_computed // self.c.block_size
         t.saved = max(t.saved, first)  # vLLM's own hits: saved when vLLM computed them
         hashes = self._hashes(t, blocks)
-        if new and self.c.groups is not None:
-            t.split = self._split(t, hashes)
         store = None if t.l3_planned else self.c.open_store(prefault=False)
         if self.c.groups is not None:
             plan = by_groups(self.c.groups, self.index, store, hashes, first)
