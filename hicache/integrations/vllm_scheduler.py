@@ -131,9 +131,7 @@ class ConnectorScheduler:
         earlier pages are forgotten first and the last one remembered still says how far
         a later prompt shares it (`_split`)."""
         for h in hashes:
-            self.pages_seen.setdefault(h, req_id)
-        while len(self.pages_seen) > PAGES_SEEN_REMEMBERED:
-            self.pages_seen.popitem(last=False)
+            _remember(self.pages_seen, h, req_id, PAGES_SEEN_REMEMBERED)
 
     def _split(self, t: _Tracked, hashes: list[bytes]) -> int:
         """The blocks `t` shares with a request seen before it: past the last of its pages
@@ -318,16 +316,22 @@ class ConnectorScheduler:
         lately. The memory is first in, first out, never refreshed: a send the worker lost
         (its write ring full, a store fault) or a value L3 dropped since is sent again once
         it ages out, and L3 skips what it holds."""
-        if unit in self.window_units_sent:
-            return False
-        self.window_units_sent[unit] = None
-        if len(self.window_units_sent) > WINDOW_UNITS_REMEMBERED:
-            self.window_units_sent.popitem(last=False)
-        return True
+        return _remember(self.window_units_sent, unit, None, WINDOW_UNITS_REMEMBERED)
 
     def finished(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
         self.planned.pop(req_id, None)
+
+
+def _remember(memory: OrderedDict, key: bytes, value: Any, most: int) -> bool:
+    """Put `key` in a first-in, first-out memory of at most `most` keys (one already there
+    keeps its value and its place); whether it was new."""
+    if key in memory:
+        return False
+    memory[key] = value
+    if len(memory) > most:
+        memory.popitem(last=False)
+    return True
 
 
 def _over(req_id: str, t: _Tracked, meta: StepPlan, loading: dict[tuple[int, int], str]

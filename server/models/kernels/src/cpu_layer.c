@@ -69,7 +69,6 @@ static inline const void *row_at(const void *p, int64_t offset, int bf16) {
     return (const char *)p + offset * (bf16 ? 2 : 4);
 }
 
-
 /* out = weight * (h / sqrt(mean(h^2) + eps)), h = x, or with a residual h = residual + x,
  * written to sum (which may be the residual itself). The squares are summed in 16 lanes in
  * order, then across the lanes. */
@@ -218,10 +217,9 @@ void hicache_silu_mul_bf16(const uint16_t *gate_up, int64_t M, int64_t I, uint16
 
 /* ------------------------------------------------------------------------ Gemma's ops
  * Both dtypes from one body each (load_any and its kin, above). Gemma rounds differently
- * from Llama: its RMSNorm keeps
- * the normalised row in float32, multiplies by the float32 1 + w and rounds once
- * (transformers' Gemma3RMSNorm); the residual sum and GeGLU's gelu_tanh(gate), then its
- * product with up, round as in SiLU * up. */
+ * from Llama: its RMSNorm keeps the normalised row in float32, multiplies by the float32
+ * 1 + w and rounds once (transformers' Gemma3RMSNorm); the residual sum and GeGLU's
+ * gelu_tanh(gate), then its product with up, round as in SiLU * up. */
 
 /* 1 / sqrt(mean(x^2) + eps) of one row, the squares summed in 16 lanes in order. */
 static inline float inv_rms(const void *x, int64_t H, float eps, int bf16) {
