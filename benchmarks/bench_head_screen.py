@@ -2,15 +2,17 @@
 head, side by side in one run.
 
     whole head   every decode row's logits through the whole head (HICACHE_HEAD_SCREEN=off)
-    screen       plain greedy rows through the int8 screen and the candidates' panels: the
-                 engine's default on the CPU linear kernel
+    screen fma   plain greedy rows through the int8 screen (x in float32) and the
+                 candidates' panels (HICACHE_HEAD_SCREEN=fma)
+    screen vnni  the same with x quantized too and vpdpbusd's int8 products, where the CPU
+                 has AVX512-VNNI: the engine's default there
 
 Same model (Gemma 3 270M, `gemma3-270m`, unless `--model-path`), same weights, same pool:
 each of `--batches` rows starts from its own prompt of `--context` tokens of real text (this
 repository's docs), then decodes `--steps` greedy tokens, once per configuration in turn
-(whole, screen, whole, screen ... `--repeats` times). Prints the median milliseconds of a
-decode step (model forward plus argmax) of each, their ratio, the screen's candidate panels
-per row, and whether both gave every row the same tokens (they must); writes JSON.
+(whole, screens, whole, screens ... `--repeats` times). Prints the median milliseconds of a
+decode step (model forward plus argmax) of each, their ratios to the whole head's, and
+whether all gave every row the same tokens (they must); writes JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from benchmarks.bench_forward import write_results
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
+from hicache_server.models.head_screen import HeadScreen
 from hicache_server.models.loader import load_model, resolve_model
 from hicache_server.tokenizer import load_tokenizer
 
@@ -78,32 +81,39 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict]:
     if model._screen is None:
         raise SystemExit("no head screen here (the CPU linear kernel or the screen's kernel "
                          "is off or unsupported): nothing to compare")
+    head = (model.model.embed_tokens if c.tie_word_embeddings else model.lm_head).weight
+    built = model._screen
+    screens = {f"screen {p}": HeadScreen.build(head.detach(), built.kernel, built.linear_kernel,
+                                               built.panels, p) for p in built.kernel.paths}
     results = []
     for rows in args.batches:
         seqs = prompts(args.model_path, rows, args.context)
         width = args.context + args.steps
         pool = DeviceKVPool(rows * width // PAGE_SIZE + 2, PAGE_SIZE, c.num_hidden_layers,
                             c.num_key_value_heads, c.head_dim, lm.dtype, lm.device)
-        times = {"whole head": [], "screen": []}
+        times: dict[str, list[float]] = {"whole head": [], **{k: [] for k in screens}}
         tokens = {}
-        screen = model._screen
-        before = screen.exact_rows
+        before = {k: sc.exact_rows for k, sc in screens.items()}
         for _ in range(args.repeats):
             for config in times:
-                got, t = decode(model, pool, seqs, args.steps, config == "screen")
+                model._screen = screens.get(config)
+                got, t = decode(model, pool, seqs, args.steps, config in screens)
                 times[config] += t
                 assert tokens.setdefault(config, got) == got, "greedy decoding must repeat"
-        fell_back = screen.exact_rows - before
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         row = {"dtype": dtype, "rows": rows, "context": args.context, "steps": args.steps,
-               "whole_ms": round(med["whole head"], 2), "screen_ms": round(med["screen"], 2),
-               "ratio": round(med["screen"] / med["whole head"], 3),
-               "same_tokens": tokens["screen"] == tokens["whole head"],
-               "rows_whole_after_screen": fell_back}
+               "whole_ms": round(med["whole head"], 2),
+               "same_tokens": all(t == tokens["whole head"] for t in tokens.values())}
+        for k, sc in screens.items():
+            p = k.split()[-1]
+            row[f"{p}_ms"] = round(med[k], 2)
+            row[f"{p}_ratio"] = round(med[k] / med["whole head"], 3)
+            row[f"{p}_rows_whole_after_screen"] = sc.exact_rows - before[k]
         results.append(row)
-        print(f"{dtype} batch {rows}: whole head {row['whole_ms']:.1f} ms, screen "
-              f"{row['screen_ms']:.1f} ms ({row['ratio']:.2f}x the time), same tokens: "
-              f"{row['same_tokens']}, rows the screen passed to the whole head: {fell_back}")
+        shown = ", ".join(f"{k} {med[k]:.1f} ms ({med[k] / med['whole head']:.2f}x)"
+                          for k in screens)
+        print(f"{dtype} batch {rows}: whole head {row['whole_ms']:.1f} ms, {shown}; "
+              f"same tokens: {row['same_tokens']}")
     return results
 
 

@@ -166,6 +166,8 @@ def log_startup(engine: Engine, runner: web.AppRunner) -> None:
                 str(loaded.dtype).removeprefix("torch."), loaded.device,
                 type(loaded.model.attn_backend).__name__, loaded.model.linear_backend,
                 loaded.model.layer_ops)
+    if getattr(loaded.model, "_screen", None) is not None:
+        logger.info("LM head screen: %s", loaded.model._screen.describe())
     for tier, (tokens, size) in tier_sizes(engine).items():
         logger.info("tier %-7s %d tokens, %.2f GB", tier, tokens, size / BYTES_PER_GB)
     for handler in logging.getLogger().handlers:

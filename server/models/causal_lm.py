@@ -144,6 +144,7 @@ class CausalLM(nn.Module, ABC):
             if kernel is not None:
                 self._screen = HeadScreen.build(weight.detach(), kernel, self._head_kernel,
                                                 panels)
+                self._screen.calibrate(weight.detach())
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor:

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_pack.h"
+
 #ifdef __AVX512F__
 #include "cpu_amx.h"
 #include "cpu_bf16.h"
@@ -378,15 +380,7 @@ int64_t hicache_linear_packed_size_bf16(int64_t N, int64_t K) {
 
 /* W [N, K] bfloat16 -> packed (see the layout above). */
 void hicache_linear_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
-    const int64_t panels = (N + NR - 1) / NR, pairs = padded_pairs(K);
-    #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t q = 0; q < pairs; q++)
-            for (int64_t j = 0; j < NR; j++)
-                for (int64_t e = 0; e < 2; e++) {
-                    const int64_t n = p * NR + j, k = 2 * q + e;
-                    packed[((p * pairs + q) * NR + j) * 2 + e] = n < N && k < K ? w[n * K + k] : 0;
-                }
+    PACK_TUPLES(packed, w, N, K, NR, padded_pairs(K), 2);
 }
 
 /* y = x W^T (+ bias) in bfloat16 on path `isa`: ISA_AMX or ISA_AVX512BF16 (the caller
