@@ -43,7 +43,8 @@ def path(request: pytest.FixtureRequest, kernels) -> str:
     return request.param
 
 
-def screen_of(kernels, w: torch.Tensor, path: str = "fma") -> tuple[HeadScreen, torch.Tensor]:
+def screen_of(kernels, w: torch.Tensor, path: str | None = "fma"
+              ) -> tuple[HeadScreen, torch.Tensor]:
     head, linear = kernels
     panels = linear.pack(w)
     return HeadScreen.build(w, head, linear, panels, path), panels
@@ -197,6 +198,16 @@ def test_calibration_keeps_the_screen_for_the_batches_where_it_was_faster(
     x = (w[torch.tensor([3, 7, 11])] * 40).contiguous()
     assert screen.logits(x) is None and screen.logits(x[:2]) is not None
     assert screen.path in screen.describe() and "up to 2 rows" in screen.describe()
+    # timed again, it starts over (a pinned limit does not cut the probes short)
+    monkeypatch.setattr(head_screen, "PROBE_ROWS", (1, 4))
+    screen.calibrate(w)
+    assert list(screen.probed)[:1] == [1] and 2 not in screen.probed
+
+
+def test_a_head_too_wide_for_int32_sums_takes_the_fma_path(kernels) -> None:
+    w = torch.randn(16, cpu_head.VNNI_MAX_INPUTS + 1) * 0.01
+    screen, _ = screen_of(kernels, w, None)
+    assert screen.path == "fma"
 
 
 def test_a_row_that_could_overflow_takes_the_whole_head(kernels, path) -> None:

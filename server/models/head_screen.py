@@ -18,12 +18,13 @@ within g ||x|| ||W[j]|| of the real x.W[j], with g = 4 (K + 2) 2^-24, twice floa
 for K adds even if an add truncated; t[j] is within g ||x|| s[j] ||q[j]|| of the real
 x.(s[j] q[j]); and by Cauchy-Schwarz |x.W[j] - x.(s[j] q[j])| <= ||x|| ||W[j] - s[j] q[j]||.
 So |L[j] - t[j]| <= ||x|| reach[j], with ||x|| rounded up. On the VNNI path (AVX512-VNNI
-CPUs) x is quantized too, per row: x' = xs round(x / xs), xs = max |x| / 127, and t[j] =
-xs s[j] sum_k x'[k] q[j][k] / xs, the sum exact in int32 and three float32 roundings after
-it. Then |x.(s[j] q[j]) - t[j]| <= ||x - x'|| ||s[j] q[j]|| + 2^-21 ||x'|| ||s[j] q[j]||
-(Cauchy-Schwarz, and the roundings), so the bound grows by err ||s[j] q[j]||, err = (||x -
-x'|| + 2^-21 ||x'||)(1 + 2^-20) per row and ||s[j] q[j]|| (`qnorm`) per output, rounded up.
-In what follows a bound is ||x|| reach[j] plus that term. The largest logit is then at or
+CPUs) x is quantized too, per row, in two int8 levels: x' = xs0 q0 + xs1 q1 (q1 quantizing
+what q0 leaves), and t[j] = (S0 xs0 + S1 xs1) s[j] with S_l = q_l . q[j] exact in int32 and
+four float32 roundings after the sums. Then |x.(s[j] q[j]) - t[j]| <= ||x - x'|| ||s[j]
+q[j]|| + 2^-21 (||xs0 q0|| + ||xs1 q1||) ||s[j] q[j]|| (Cauchy-Schwarz, and the roundings),
+so the bound grows by err ||s[j] q[j]||, err = (||x - x'|| + 2^-21 (||xs0 q0|| + ||xs1
+q1||)) (1 + 2^-20) per row and ||s[j] q[j]|| (`qnorm`) per output, rounded up. In what
+follows a bound is ||x|| reach[j] plus that term. The largest logit is then at or
 above lo_max = max_j (t[j] - ||x|| reach[j]), and every output that may equal it after the
 logits are rounded to the model's dtype (bfloat16's 8 bits: within 2^-7 of its magnitude,
 `slack`) has t[j] + ||x|| reach[j] >= lo_max - slack * max(|lo_max|, |hi_max|): a
@@ -62,7 +63,12 @@ import time
 
 import torch
 
-from hicache_server.models.kernels.cpu_head import MAX_ROWS, PANEL, CpuHeadKernel
+from hicache_server.models.kernels.cpu_head import (
+    MAX_ROWS,
+    PANEL,
+    VNNI_MAX_INPUTS,
+    CpuHeadKernel,
+)
 from hicache_server.models.kernels.cpu_linear import CpuLinearKernel
 
 # `off` keeps every row on the whole head, `fma` keeps the screen off the VNNI path
@@ -137,8 +143,9 @@ class HeadScreen:
               path: str | None = None) -> HeadScreen:
         """The screen of head `weight` `[V, K]` (float32 or bfloat16, on the CPU) whose
         linear-kernel panels are `panels`, on `path` (by default `screen_path`'s)."""
-        path = path or screen_path(kernel)
         vocab, k = weight.shape
+        if path is None:  # past VNNI_MAX_INPUTS an int32 sum could overflow: the fma path
+            path = screen_path(kernel) if k <= VNNI_MAX_INPUTS else "fma"
         g = 4.0 * (k + 2) * 2.0 ** -24  # twice a chain's bound, for any rounding mode
         q = torch.empty((vocab, k), dtype=torch.int8)
         scale, reach, qnorm = (torch.empty(vocab, dtype=torch.float32) for _ in range(3))
@@ -160,6 +167,7 @@ class HeadScreen:
             self._argmax(self.logits(h) if screened else None, h)
             return time.perf_counter() - started
 
+        self.max_rows, self.probed = MAX_ROWS, {}
         gen = torch.Generator().manual_seed(0)
         faster = 0
         for rows in PROBE_ROWS:

@@ -29,6 +29,7 @@ _SOURCE = Path(__file__).with_name("src") / "cpu_head.c"
 PANEL = 64      # outputs per flag: the linear kernel's panel (cpu_linear.PANEL)
 MAX_ROWS = 64   # rows per screen call (cpu_head.c's MAX_ROWS)
 PATHS = ("fma", "vnni")
+VNNI_MAX_INPUTS = 65536  # the VNNI path's int32 sums cannot overflow up to this K
 
 
 class CpuHeadKernel:

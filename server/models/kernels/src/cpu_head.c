@@ -21,13 +21,14 @@
  *
  * Two paths give the screened logits s:
  *   fma   s = scale[j] * sum_k x[b][k] q[j][k], one float32 FMA chain per output (AVX2)
- *   vnni  (AVX512-VNNI) x[b] quantized too: xs[b] = max |x[b]| / 127, xq = round(x / xs) in
- *         [-127, 127]; s = (float)(sum_k xq[k] q[j][k]) * xs[b] * scale[j], the sum exact in
- *         int32 (vpdpbusd reads xq + 128 as unsigned, and 128 sum_k q[j][k] is taken off).
- *         What x loses there is err[b] = (||x[b] - xs xq|| + 2^-21 ||xs xq||) (1 + 2^-20):
- *         |x.w - xs xq.w| <= ||x - xs xq|| ||w|| for w = scale[j] q[j], and the three float32
- *         roundings of the product are within 2^-21 of |xs xq.w| <= ||xs xq|| ||w||.
- *         The fma path's err[b] is 0.
+ *   vnni  (AVX512-VNNI) x[b] quantized too, in two levels: x' = xs0 q0 + xs1 q1, q0 =
+ *         round(x / xs0) and q1 = round((x - xs0 q0) / xs1) in [-127, 127], each xs the
+ *         level's max |.| / 127; s = ((float)S0 * xs0 + (float)S1 * xs1) * scale[j], with
+ *         S_l = sum_k q_l[k] q[j][k] exact in int32 (vpdpbusd reads q_l + 128 as unsigned,
+ *         and 128 sum_k q[j][k] is taken off). What x loses there is err[b] = (||x - x'|| +
+ *         2^-21 (||xs0 q0|| + ||xs1 q1||)) (1 + 2^-20): |x.w - x'.w| <= ||x - x'|| ||w|| for
+ *         w = scale[j] q[j], and the four float32 roundings after the sums are within
+ *         2^-22 of each level's |xs_l q_l.w| <= ||xs_l q_l|| ||w||. The fma path's err is 0.
  * For row b, output j: r = norm[b] reach[j] + err[b] qnorm[j], lo = s - r and hi = s + r
  * (float64). The exact logit lies in [lo, hi],
  * so the largest lies at or above lo_max = max_j lo; an output is a candidate when its hi
