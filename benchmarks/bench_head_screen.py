@@ -4,8 +4,8 @@ head, side by side in one run.
     whole head   every decode row's logits through the whole head (HICACHE_HEAD_SCREEN=off)
     screen fma   plain greedy rows through the int8 screen (x in float32) and the
                  candidates' panels (HICACHE_HEAD_SCREEN=fma)
-    screen vnni  the same with x quantized too and vpdpbusd's int8 products, where the CPU
-                 has AVX512-VNNI: the engine's default there
+    screen vnni  the same with x quantized too and exact int8 sums (vpdpbusd where the CPU
+                 has AVX512-VNNI, the engine's default there; plain integer C elsewhere)
 
 Same model (Gemma 3 270M, `gemma3-270m`, unless `--model-path`), same weights, same pool:
 each of `--batches` rows starts from its own prompt of `--context` tokens of real text (this
@@ -28,6 +28,7 @@ from benchmarks.bench_forward import write_results
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.head_screen import HeadScreen
+from hicache_server.models.kernels import cpu_head
 from hicache_server.models.loader import load_model, resolve_model
 from hicache_server.tokenizer import load_tokenizer
 
@@ -84,7 +85,7 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[dict]:
     head = (model.model.embed_tokens if c.tie_word_embeddings else model.lm_head).weight
     built = model._screen
     screens = {f"screen {p}": HeadScreen.build(head.detach(), built.kernel, built.linear_kernel,
-                                               built.panels, p) for p in built.kernel.paths}
+                                               built.panels, p) for p in cpu_head.PATHS}
     results = []
     for rows in args.batches:
         seqs = prompts(args.model_path, rows, args.context)

@@ -110,7 +110,7 @@ def screen_wanted() -> bool:
 
 def screen_path(kernel: CpuHeadKernel) -> str:
     """The path the screen takes: the best `kernel` runs, or `fma` when the setting says."""
-    return "fma" if screen_choice() == "fma" else kernel.paths[-1]
+    return "fma" if screen_choice() == "fma" else kernel.best_path
 
 
 class HeadScreen:

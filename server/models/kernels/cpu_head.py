@@ -8,9 +8,10 @@ AVX512-VNNI). What it computes and why that is safe: models/head_screen.py.
     flagged = kernel.screen(x, packed, scale, reach, qnorm, norm, slack, screened, flags,
                             err, path)
 
-Paths (`PATHS`; `kernel.paths` those this CPU runs, best last):
-    fma    x in float32 against the int8 copy, one FMA chain per output (every build)
-    vnni   x quantized to int8 per row too, exact int32 sums with vpdpbusd (AVX512-VNNI)
+Paths (`PATHS`, both on every CPU; `kernel.best_path` the one a screen takes by default):
+    fma    x in float32 against the int8 copy, one FMA chain per output
+    vnni   x quantized to int8 per row too, exact int32 sums: vpdpbusd where the CPU has
+           AVX512-VNNI (the default there), plain integer C elsewhere (the same sums, slower)
 
 Threading: a call may come from any thread; it uses torch's OpenMP thread count.
 """
@@ -50,8 +51,7 @@ class CpuHeadKernel:
         self._screen.restype = i64
         self._screen.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_double,
                                  ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
-        vnni = bool(library.hicache_head_has_vnni())
-        self.paths = ("fma", "vnni") if vnni else ("fma",)
+        self.best_path = "vnni" if library.hicache_head_has_vnni() else "fma"
 
     def quantize(self, w: torch.Tensor, g: float, q: torch.Tensor, scale: torch.Tensor,
                  reach: torch.Tensor, qnorm: torch.Tensor) -> None:
@@ -84,13 +84,14 @@ class CpuHeadKernel:
     def screen(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                reach: torch.Tensor, qnorm: torch.Tensor, norm: torch.Tensor, slack: float,
                screened: torch.Tensor, flags: torch.Tensor, err: torch.Tensor,
-               path: str = "fma") -> int:
+               path: str = "fma", plain_sums: bool = False) -> int:
         """Flag (`flags[p] = 1`) each panel of 64 outputs holding a candidate for the largest
         logit of some row of x `[B, K]` float32 (cpu_head.c's rule; `norm` `[B]` float64
         each row's 2-norm rounded up), on `path` (`packed` in its layout); `screened`
         `[B, V]` float32 receives the screened logits and `err` `[B]` float64 what each
         row's quantization adds to its bound (0 on the fma path). Returns the number of
-        panels flagged."""
+        panels flagged. `plain_sums`: the vnni path's sums in plain C even where vpdpbusd
+        is there (the same sums; for comparing the two)."""
         self._check_path(path)
         b, k = x.shape
         v = scale.shape[0]
@@ -110,15 +111,15 @@ class CpuHeadKernel:
         found = self._screen(x.data_ptr(), b, k, packed.data_ptr(), scale.data_ptr(),
                              reach.data_ptr(), qnorm.data_ptr(), v, norm.data_ptr(), slack,
                              screened.data_ptr(), flags.data_ptr(), err.data_ptr(),
-                             int(path == "vnni"), torch.get_num_threads())
+                             (3 if plain_sums else 1) if path == "vnni" else 0,
+                             torch.get_num_threads())
         if found < 0:
             raise ValueError(f"the head screen refused x {tuple(x.shape)}, slack {slack}")
         return int(found)
 
     def _check_path(self, path: str) -> None:
-        if path not in self.paths:
-            raise ValueError(f"head screen path {path!r}: this CPU runs "
-                             f"{', '.join(self.paths)}")
+        if path not in PATHS:
+            raise ValueError(f"head screen path {path!r}: expected one of {', '.join(PATHS)}")
 
 
 def supported() -> bool:

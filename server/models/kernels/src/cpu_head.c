@@ -214,23 +214,40 @@ static __attribute__((target(VNNI))) void quad_rows(int mr, const uint8_t *xq, i
 }
 #endif
 
+/* quad_rows's sums in plain integer C, for CPUs without AVX512-VNNI: the same exact int32
+ * sums, so the same screened logits (the VNNI path runs and is tested on every CPU; only
+ * CPUs with vpdpbusd take it by default). */
+static void quad_rows_plain(int mr, const uint8_t *xq, int64_t K4, const int8_t *w,
+                            int32_t out[VNNI_TILE][2][GROUP]) {
+    for (int i = 0; i < mr; i++)
+        for (int l = 0; l < 2; l++)
+            for (int j = 0; j < GROUP; j++) {
+                int32_t sum = 0;
+                for (int64_t k = 0; k < 4 * K4; k++)
+                    sum += (xq[(2 * i + l) * 4 * K4 + k] - 128)
+                           * w[(k / 4 * GROUP + j) * 4 + k % 4];
+                out[i][l][j] = sum;
+            }
+}
+
 /* Rows [0, mr) of x against one group, screened logits before the output's scale: the fma
  * path from `groups_` (x float32), the VNNI path from `quads` (xq, then times xs[i]). */
 static inline void screen_tile(int vnni, int mr, const float *x, const uint8_t *xq, int64_t K,
                                int64_t K4, const int8_t *quads, const int8_t *groups_,
                                const float *xs, float out[][GROUP]) {
-#ifdef __AVX512F__
     if (vnni) {
         int32_t sums[VNNI_TILE][2][GROUP];
-        quad_rows(mr, xq, K4, quads, sums);
+#ifdef __AVX512F__
+        if (vnni == 2)
+            quad_rows(mr, xq, K4, quads, sums);
+        else
+#endif
+            quad_rows_plain(mr, xq, K4, quads, sums);
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < GROUP; j++)
                 out[i][j] = (float)sums[i][0][j] * xs[2 * i] + (float)sums[i][1][j] * xs[2 * i + 1];
         return;
     }
-#else
-    (void)vnni, (void)xq, (void)K4, (void)quads, (void)xs;
-#endif
     group_rows(mr, x, K, groups_, out);
 }
 
@@ -285,15 +302,18 @@ static void quantize_row(const float *x, int64_t K, int64_t K4, uint8_t *xq, flo
 
 /* The candidates' panels (`flags`, the layout above) of B rows, on the fma path (`packed` in
  * groups) or the VNNI path (`vnni` 1, `packed` in quads). Returns the number of panels
- * flagged, or -1 for arguments it does not take. `screened` [B, V] float32 receives each
+ * flagged, or -1 for arguments it does not take (`vnni` 3: the VNNI path with the plain
+ * tile's sums even where vpdpbusd is there, to compare the two). `screened` [B, V] float32 receives each
  * row's screened logits (scratch the caller keeps), `err` [B] float64 each row's err. */
 int64_t hicache_head_screen(const float *x, int64_t B, int64_t K, const int8_t *packed,
                             const float *scale, const float *reach, const float *qnorm,
                             int64_t V, const double *norm, double slack, float *screened,
                             uint8_t *flags, double *err, int vnni, int threads) {
     if (B < 1 || B > MAX_ROWS || K < 1 || V < 1 || threads < 1 || !(slack >= 0)
-            || (vnni && (!hicache_head_has_vnni() || K > 65536)))
+            || (vnni && K > 65536))
         return -1;  /* K > 65536: an int32 sum of 255 x 127 products could overflow */
+    if (vnni)  /* 2: vpdpbusd's tile; 1: the plain one (the same sums; asked for with 3) */
+        vnni = vnni != 3 && hicache_head_has_vnni() ? 2 : 1;
     const int64_t groups = (V + GROUP - 1) / GROUP, panels = (V + PANEL - 1) / PANEL;
     const int64_t K4 = (K + 3) / 4;
     double lo_max[MAX_ROWS], hi_max[MAX_ROWS];
