@@ -11,6 +11,7 @@ vLLM itself runs them in tests/integrations/test_vllm_connector.py."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -838,7 +839,8 @@ class HybridServer:
                                   num_prompt_tokens=len(prompt), num_computed_tokens=0)
         hit, wait = self.scheduler.matched(request, 0)
         skipped = HYBRID.needed_from(hit // BLOCK) if hit else 0
-        ids = (ids[0], *([0] * skipped + x[skipped:] for x in ids[1:]))
+        ids = tuple([0] * skipped + x[skipped:] if g in HYBRID.windowed else x
+                    for g, x in enumerate(ids))
         self.scheduler.allocated(request, SimpleNamespace(get_block_ids=lambda: ids), hit)
         if wait:
             self.step([], {})
@@ -916,6 +918,24 @@ def test_a_hybrid_restart_loads_each_group_from_l3_bit_for_bit(tmp_path: Path) -
     # 4 full units, 2 of each window group
     assert again.worker.counters["l3_loaded_pages"] == HIT + 2 * (HIT - WINDOW_FROM)
     again.close()
+
+
+@pytest.mark.parametrize("full_last", [False, True])
+def test_a_hit_from_l3_sends_none_of_its_window_units_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_last: bool) -> None:
+    """The boundary where a restart's hit ends is one a later request may hit at, but the
+    window units a query there reads are those the hit loaded from L3: none is saved or
+    written again, whichever group holds the full layers (not the first of Gemma 3's)."""
+    if full_last:
+        monkeypatch.setattr(sys.modules[__name__], "HYBRID",
+                            KVGroups((*HYBRID.groups[1:], HYBRID.groups[0]), BLOCK))
+    stored_hybrid(tmp_path)
+    again = HybridServer(tmp_path / "l3", seed=2)
+    assert again.run("a", AGAIN_IDS) == HIT * BLOCK
+    assert again.scheduler.counters["saved_pages"] == 0
+    again.close()
+    assert again.worker.counters["l3_written_pages"] == 0
+    assert again.worker.counters["l3_loaded_pages"] == HIT + 2 * (HIT - WINDOW_FROM)
 
 
 def test_a_step_with_no_forward_reads_held_back_units_straight_into_their_blocks(

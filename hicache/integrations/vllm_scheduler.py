@@ -83,6 +83,10 @@ class _Tracked:
     # the blocks its prompt shares with a request seen before it (a hybrid model's): where
     # the two diverge is a boundary a later request may hit at, as a split in hicache's tree
     split: int = 0
+    # the window units its last match loads from L3 (a hybrid model's): L3 holds them, so
+    # its boundary does not send them back (`_save_boundary`). A load that fails is its
+    # request's: vLLM starts it over from token 0 and matches it again, which clears them
+    l3_window_units: set[bytes] = field(default_factory=set)
 
 
 class _Hit(NamedTuple):
@@ -145,6 +149,7 @@ class ConnectorScheduler:
         never the prompt's last token (vLLM computes at least one); and whether they load
         asynchronously (more L3 pages than a step loads)."""
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
+        t.l3_window_units.clear()
         self.counters["queries"] += 1
         blocks = (request.num_prompt_tokens - 1) // self.c.block_size
         first = num_computed // self.c.block_size
@@ -204,6 +209,8 @@ class ConnectorScheduler:
                 l3.setdefault(request.request_id, []).append(load)
                 self.counters["l3_hit_tokens"] += tokens
                 t.l3_planned = True
+                if self.c.groups is not None and load.group in self.c.groups.windowed:
+                    t.l3_window_units.add(unit_id(load.page_hash, load.group))
         if planned.load_async:  # vLLM holds the request until the worker says it is done,
             l3.setdefault(request.request_id, [])  # even with no L3 unit left to load
         t.saved = max(t.saved, end)
@@ -306,8 +313,11 @@ class ConnectorScheduler:
             ids = t.block_ids[group]
             for i in range(groups.needed_from(end), min(end, len(ids))):
                 unit = unit_id(hashes[i], group)
-                if ids[i] == NULL_BLOCK_ID or not self._window_to_l3(unit):
-                    continue  # outside the window, or in L3 (sent, or loaded from there)
+                if ids[i] == NULL_BLOCK_ID:
+                    continue  # outside the window
+                if not self._window_to_l3(unit) or unit in t.l3_window_units:
+                    continue  # in L3: sent lately, or loaded from there by this request
+                    # (now remembered as sent, for the requests after it)
                 meta.saves.append(PageSave(ids[i], hashes[i], None, over, group))
                 self.counters["saved_pages"] += 1
 
