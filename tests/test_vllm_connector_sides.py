@@ -23,7 +23,7 @@ import torch
 
 from hicache.config import ConfigError
 from hicache.integrations import vllm_scheduler, vllm_worker
-from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_buffers import Staging, WriteBehind, WriteRing
 from hicache.integrations.vllm_groups import NULL_BLOCK_ID, KVGroup, KVGroups
 from hicache.integrations.vllm_layers import ByLayer, layer_loads
 from hicache.integrations.vllm_scheduler import ConnectorScheduler, StepPlan
@@ -611,10 +611,11 @@ def test_staging_buffers_smaller_than_a_step_move_every_page(
     again.close()
 
 
-def test_saves_past_a_full_write_ring_stay_in_l2_and_reach_l3_no_more(tmp_path: Path) -> None:
+def test_saves_past_a_full_write_ring_reach_l3_from_l2_once_rows_free(tmp_path: Path) -> None:
     """A writer that is behind: the ring's three rows take a step's first three pages for
-    L3; the fourth, and every page of the next step, is kept in L2 only (counted), no
-    buffer made for it. Once the writer goes on, what the ring held is in L3."""
+    L3; the fourth, and every page of the next step, goes to L2 and waits there (counted),
+    no buffer made for it. Once the writer goes on, the ring takes them from L2 (here at
+    close, which writes what L2 still holds for L3): a restart hits every page."""
     server = Server(tmp_path / "l3", seed=1, write_buffer_gb=ring_gb(3))
     go = hold(server.worker_space.store, "put_values")
     ring = server.worker._ring
@@ -623,16 +624,42 @@ def test_saves_past_a_full_write_ring_stay_in_l2_and_reach_l3_no_more(tmp_path: 
     computed = [server.block(b) for b in (3, 5, 7, 9)]
     other = [7] * (2 * BLOCK + 1)
     server.prefill("b", other, [0, 1, 2])
+    other_blocks = [server.block(b) for b in (0, 1)]
     counters = server.worker.counters
     assert ring.used == 3
-    assert counters["l3_skipped_pages"] == 1 + 2 and counters["l2_saved_pages"] == 4 + 2
+    assert counters["l3_deferred_pages"] == 1 + 2 and counters["l2_saved_pages"] == 4 + 2
+    assert counters["l3_skipped_pages"] == 0
     go.set()
     server.close()
-    assert counters["l3_written_pages"] == 3 and ring.used == 0
+    assert counters["l3_written_pages"] == 6 and ring.used == 0
     again = Server(tmp_path / "l3", seed=2)
-    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 3 * BLOCK  # the fourth: recomputed
-    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4), computed))
-    assert again.prefill("b", other, [10, 12, 13]) == 0
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == 4 * BLOCK
+    assert all(same(again.block(b), c) for b, c in zip((1, 2, 4, 6), computed))
+    assert again.prefill("b", other, [10, 12, 13]) == 2 * BLOCK
+    assert all(same(again.block(b), c) for b, c in zip((10, 12), other_blocks))
+    again.close()
+
+
+def test_a_page_waiting_in_l2_whose_slot_is_reused_never_reaches_l3(tmp_path: Path) -> None:
+    """L2 of four slots, a ring of one row, the writer held: the first page of PROMPT goes
+    to the ring, the other three wait in L2. The next prompt's two pages take the two least
+    recently used L2 slots, PROMPT's first two pages': the second, still waiting, is
+    forgotten, never written (its slot holds other bytes now); the last two are written
+    once the writer goes on, so a restart hits PROMPT's first page only."""
+    server = Server(tmp_path / "l3", seed=1, write_buffer_gb=ring_gb(1), host_size_gb=ring_gb(4))
+    go = hold(server.worker_space.store, "put_values")
+    server.prefill("a", PROMPT, [3, 5, 7, 9, 11])
+    computed = [server.block(b) for b in (3, 5, 7, 9)]
+    counters = server.worker.counters
+    assert counters["l3_deferred_pages"] == 3
+    server.prefill("b", [7] * (2 * BLOCK + 1), [0, 1, 2])
+    assert counters["l3_skipped_pages"] == 1
+    go.set()
+    server.close()
+    assert counters["l3_written_pages"] == 1 + 2 + 2
+    again = Server(tmp_path / "l3", seed=2)
+    assert again.prefill("a", PROMPT, [1, 2, 4, 6, 8]) == BLOCK
+    assert same(again.block(1), computed[0])
     again.close()
 
 
@@ -647,6 +674,20 @@ def test_the_l3_writer_commits_a_page_per_transaction(tmp_path: Path) -> None:
     assert server.worker.counters["l3_written_pages"] == 4
     assert env.info()["last_txnid"] - before == 4
     server.close()
+
+
+def test_pages_waiting_in_l2_go_to_the_ring_oldest_first_a_step_s_worth_at_most() -> None:
+    ring = WriteRing(4, layers=1, block_bytes=8, pin=False)
+    host = torch.arange(10 * 8, dtype=torch.uint8).view(10, 1, 8)
+    behind = WriteBehind()
+    for slot in (5, 2, 7):
+        behind.add(slot, bytes([slot]), 0)
+    queued: list = []
+    behind.to_ring(ring, host, queued.append, most=2)
+    assert [keys for keys, _ in queued] == [[(b"\x05", 0), (b"\x02", 0)]]
+    assert torch.equal(ring.rows[queued[0][1]], host[[5, 2]])
+    assert list(behind.pages) == [7]
+    assert behind.forget([7, 9]) == 1 and not behind.pages
 
 
 def test_the_write_ring_hands_out_rows_in_order_and_wraps() -> None:

@@ -5,6 +5,8 @@ the forward's thread faults new memory in:
                 lent for one copy and given back
     WriteRing   the pages waiting for the L3 writer: saves gather blocks into its head, the
                 writer frees its tail once it wrote them
+    WriteBehind pages a save found no ring row for, by their L2 slot: copied from L2 into
+                the ring as rows free, unless a later save reuses the slot first
 
 Why made once: on 2 cores, 64 pages of SmolLM2-135M gathered in 30 ms into a new buffer, 8 ms
 into a reused one; and on a VM whose host backs memory when first touched, a freed buffer's
@@ -17,7 +19,8 @@ no-reuse pass (docs/integrations.md).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -111,3 +114,36 @@ class WriteRing:
     def used(self) -> int:
         with self._lock:
             return self._used
+
+
+class WriteBehind:
+    """Pages for L3 that a save found no free ring row for (the writer is behind), kept in
+    L2: by slot, the page's store key and KV group, oldest first. On vLLM's thread only
+    (where every L2 slot is written), so a slot is never read here after a save reused it:
+    `forget` drops it first."""
+
+    def __init__(self) -> None:
+        self.pages: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
+
+    def add(self, slot: int, key: bytes, group: int) -> None:
+        self.pages.pop(slot, None)
+        self.pages[slot] = (key, group)
+
+    def forget(self, slots: Iterable[int]) -> int:
+        """Pages whose slots a save is about to reuse: never written. How many."""
+        return sum(self.pages.pop(slot, None) is not None for slot in slots)
+
+    def to_ring(self, ring: WriteRing, host: torch.Tensor,
+                queue: Callable[[tuple[list[tuple[bytes, int]], slice]], None],
+                most: int | None = None) -> None:
+        """The oldest pages (`most` at most) copied from their L2 slots (`host`: [slots,
+        layers, bytes] uint8) into the ring's free rows, each reservation's keys and rows
+        `queue`d for the writer."""
+        left = len(self.pages) if most is None else min(most, len(self.pages))
+        while left and (rows := ring.reserve(left)) is not None:
+            left -= rows.stop - rows.start
+            taken = [self.pages.popitem(last=False) for _ in range(rows.stop - rows.start)]
+            slots = torch.tensor([slot for slot, _ in taken], dtype=torch.long)
+            torch.index_select(host.view(torch.int64), 0, slots,
+                               out=ring.rows[rows].view(torch.int64))
+            queue(([page for _, page in taken], rows))

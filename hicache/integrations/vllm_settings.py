@@ -9,7 +9,7 @@ The extra config holds hicache's tier keys::
     lmdb              {"path", "max_size_gb", "prefault_gb", "sync"}  storage.lmdb
     redis             {"url", "cluster", "key_prefix", "ttl_seconds", ...}  storage.redis
     write_buffer_gb   host memory for pages waiting for the L3 writer (GB, made at start);
-                      a block it has no room for is kept in L2 only (counted)
+                      a block it has no room for waits in L2 and goes to it from there
     l3_step_load_mb   an L3 hit of up to this many MB loads within its step (that step's
                       forward waits for it); a larger one asynchronously, beside other
                       requests' steps; 0: every L3 hit asynchronously

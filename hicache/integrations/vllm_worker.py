@@ -2,30 +2,25 @@
 host pool and L3. Torch and hicache's stores only (no vLLM), so it runs in a test on plain
 tensors shaped as vLLM's CPU backend lays them out.
 
-A page is one block of every layer, each layer's block copied whole (its bytes in vLLM's own
-order: the layout is the backend's, and the namespace names it); with several KV cache
-groups (vLLM's hybrid manager), a unit is one group's block of its layers (`vllm_groups`),
-its L2 loads placed before the forward, its failed L3 loads reported by request. Loads
-from L2 are copies made in the step, before its saves: layer by layer as the forward
-reaches each layer (`vllm_layers`), once a forward has shown that vLLM waits on every
-layer, and before the forward until then (`LayerGate`). Loads from L3 are read and checked (header and checksum)
-into staging buffers by the loader thread or vLLM's (`vllm_reads`) and placed on vLLM's
-thread: a step's own L3 pages are queued as its metadata arrives (`prefetch`) and placed
-before the forward's first layer reads its cache; an asynchronous request's are read beside
-later steps, placed at the next, and the request reported (`take_finished_loads`); in a step
-with no forward (vLLM only waits for loads) they are read straight into their blocks by
-both threads where the caches are in host memory (`L3Reader.read_now`). A page that failed
-is reported (`take_load_errors`, in the same step; undefined in its block if read there)
-and vLLM computes it; the blocks a step computed over its failed in-step load are not
-saved. Saves copy the step's blocks into their L2 slots and queue a copy for the L3 writer
-thread; a store fault there costs the pages, never the step. The writer runs on the cores'
-leftovers (`hicache.threads.background_priority`).
-
-Copies between the blocks and host memory go through buffers made once and reused
-(`vllm_buffers`): a save gathers its blocks into the write ring's free rows, copies them on
-into their L2 slots, and queues the rows for the L3 writer; blocks the ring has no room for
-(the writer is behind) are kept in L2 only, through a staging buffer, and counted
-(`l3_skipped_pages`). Loads pass through staging buffers.
+A page is one block of every layer, each copied whole (in vLLM's own layout, which the
+namespace names); with several KV cache groups (vLLM's hybrid manager) a unit is one group's
+block of its layers (`vllm_groups`), its L2 loads placed before the forward, its failed L3
+loads reported by request. L2 loads are copies in the step, before its saves: layer by layer
+as the forward reaches each layer once a forward has shown that vLLM waits on every layer,
+before the forward until then (`vllm_layers`, `LayerGate`). L3 pages are read and checked
+(header and checksum) by the loader thread or vLLM's (`vllm_reads`) and placed on vLLM's
+thread: a step's own as its metadata arrives (`prefetch`), before the forward's first layer
+reads its cache; a held-back request's beside later steps, placed at the next, the request
+then reported (`take_finished_loads`); in a step with no forward straight into their blocks
+by both threads (caches in host memory: `L3Reader.read_now`). A failed page is reported
+(`take_load_errors`, in its step) and vLLM computes it; blocks a step computed over its
+failed in-step load are not saved. A save gathers the step's blocks into the write ring's
+free rows, copies them into their L2 slots and queues the rows for the L3 writer thread (a
+store fault costs the pages, never the step), which runs on the cores' leftovers
+(`hicache.threads.background_priority`). Blocks the ring has no room for (the writer is
+behind) go to L2 through a staging buffer and on to L3 from there as rows free
+(`WriteBehind`, `l3_deferred_pages`), unless L2 reuses the slot first (`l3_skipped_pages`).
+Every buffer is made once and reused (`vllm_buffers`).
 """
 
 from __future__ import annotations
@@ -33,11 +28,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
 
-from hicache.integrations.vllm_buffers import Staging, WriteRing
+from hicache.integrations.vllm_buffers import Staging, WriteBehind, WriteRing
 from hicache.integrations.vllm_groups import by_group
 from hicache.integrations.vllm_layers import (
     WORD_BYTES,
@@ -59,6 +55,8 @@ logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers 
 STAGING_CHUNK_BYTES = 32 << 20  # one staging buffer: whole pages, about this many bytes
 STAGING_KEPT_CHUNKS = 8  # free staging buffers kept for reuse at most (~256 MiB)
 STAGING_READY_CHUNKS = 2  # made and touched at start-up: the first loads'
+BEHIND_STEP_PAGES = 8  # L2 pages a step queues for L3 at most (SmolLM2: 12 MB, ~3 ms)
+CLOSE_WRITE_BEHIND_S = 30.0  # at close, how long the L2 pages due to L3 may take to queue
 
 
 class ConnectorWorker:
@@ -82,11 +80,13 @@ class ConnectorWorker:
         self._step_failed: set[str] = set()  # requests whose in-step L3 load failed
         self.counters = {"l2_loaded_pages": 0, "l2_layered_pages": 0, "l3_loaded_pages": 0,
                          "l3_step_pages": 0, "load_errors": 0, "l2_saved_pages": 0,
-                         "l3_written_pages": 0, "l3_skipped_pages": 0, "l3_dropped_saves": 0}
+                         "l3_written_pages": 0, "l3_skipped_pages": 0, "l3_dropped_saves": 0,
+                         "l3_deferred_pages": 0}
         # (stored key, group) per page, and the ring's rows that hold them
         self._writes: queue.Queue[tuple[list[tuple[bytes, int]], slice] | None] = queue.Queue()
         self._staging: Staging | None = None
         self._ring: WriteRing | None = None  # pages waiting for the L3 writer
+        self._behind = WriteBehind()  # pages for L3 the ring had no room for, in L2
         self._writer: threading.Thread | None = None
         self._pin = False
         self.gate = LayerGate([], None)  # L2 loads layer by layer (from `register`)
@@ -141,10 +141,8 @@ class ConnectorWorker:
 
     def _gather(self, block_ids: list[int], pages: torch.Tensor, group: int = 0) -> None:
         """Blocks `block_ids` of every layer of `group` into `pages` ([n, layers, bytes]
-        uint8, CPU).
-        Each layer's rows are copied in its own dtype (a byte-wise copy of a strided view is
-        many times slower), on the CPU straight into the buffer. A `[2, blocks, ...]`
-        layer's block is stored as its K rows, then its V rows."""
+        uint8, CPU), each layer's in its own dtype (a byte-wise copy of a strided view is
+        many times slower); a `[2, blocks, ...]` layer's as its K rows, then its V rows."""
         n = len(block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for row, layer in enumerate(self._groups[group]):
@@ -168,10 +166,9 @@ class ConnectorWorker:
 
     def prefetch(self, plan: StepPlan) -> None:
         """As the step's metadata arrives (vLLM's `handle_preemptions`, before it prepares
-        the step's inputs): the step's L3 reads, queued for the loader ahead of the reads
-        of requests vLLM holds back where they go through staging buffers (caches on a
-        GPU). Reads straight into the blocks wait for `load`: vLLM zeroes a step's new
-        blocks while it prepares the inputs. Once a step, on vLLM's thread."""
+        the inputs), on vLLM's thread: the step's L3 reads queued for the loader, ahead of
+        held-back requests', where they go through staging buffers (caches on a GPU); reads
+        straight into the blocks wait for `load` (vLLM zeroes new blocks meanwhile)."""
         assert self._staging is not None or not plan.l3_loads, "loads before register"
         self._plan, self._step_failed = plan, set()
         self._step_reads = [StepRead(r, loads, self._into, self._staging.pages)
@@ -186,15 +183,11 @@ class ConnectorWorker:
 
     def load(self, plan: StepPlan) -> None:
         """The step's loads, on vLLM's thread (start_load_kv): L2 pages into their blocks
-        (`LayerGate`); the step's L3 pages read (by the loader and, once the forward needs
-        them, this thread) and placed now, or before the forward's first layer once vLLM
-        has shown that it waits on every layer; the L3 pages of requests vLLM
-        holds back queued for the loader, and what it has read of them placed (a request
-        whose pages are all placed is finished; one with none at once). In an `idle` step
-        (no forward: vLLM only waits for loads) this thread reads those too, with the loader
-        straight into their blocks where the caches are in host memory, else a staging
-        buffer at a time (`L3Reader.read_now`): it stalls nothing and hands the request back
-        a step sooner."""
+        (`LayerGate`); its L3 pages read (by the loader, and this thread once the forward
+        needs them) and placed now, or before the forward's first layer once vLLM has shown
+        that it waits on every layer; held-back requests' L3 pages queued for the loader,
+        what it read placed (a request with all placed, or none to load, is finished). In
+        an `idle` step (no forward) this thread reads those too (`L3Reader.read_now`)."""
         if self._plan is not plan:
             self.prefetch(plan)
         if self._into is not None:
@@ -327,18 +320,25 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ saves
 
     def save(self, saves: list[PageSave]) -> None:
-        """The step's filled blocks: gathered into the write ring's free rows, copied on into
-        their L2 slots, and queued for the L3 writer (the ring's copy, not the L2 slot: a
-        later step may reassign the slot before the write). Blocks the ring has no room for
-        go to L2 alone, a staging buffer at a time, as do those for L2 alone (`l3` False);
-        blocks computed over a failed in-step L3 load are dropped (their KV is wrong; vLLM
-        computes them again)."""
+        """Every step (vLLM's wait_for_save): its filled blocks gathered into the write
+        ring's free rows, copied on into their L2 slots, and queued for the L3 writer (the
+        ring's copy: a later step may reassign the slot). Those the ring has no room for go
+        to L2 (a staging buffer at a time, as L2-only saves do) and wait there for rows a
+        later step's saves leave free (`WriteBehind`: a step's own first, so a new prompt's
+        first pages never queue behind old ones' last). Blocks over a failed load dropped."""
         if self._step_failed:
             kept = [x for x in saves if self._step_failed.isdisjoint(x.over)]
             self.counters["l3_dropped_saves"] += len(saves) - len(kept)
             saves = kept
-        if not saves or not self.layers:
-            return
+        # a waiting page whose slot a save reuses is never written (other bytes now)
+        self.counters["l3_skipped_pages"] += self._behind.forget(
+            x.slot for x in saves if x.slot is not None)
+        if saves and self.layers:
+            self._save_step(saves)
+        if self._behind.pages:
+            self._behind.to_ring(self._ring, self.host, self._writes.put, BEHIND_STEP_PAGES)
+
+    def _save_step(self, saves: list[PageSave]) -> None:
         l2_only = [x for x in saves if not x.l3]
         rest: Sequence[PageSave] = sorted((x for x in saves if x.l3), key=lambda x: x.group)
         while rest and self._ring is not None:
@@ -353,8 +353,12 @@ class ConnectorWorker:
                 raise
             self._writes.put(([(store_key(x.page_hash, self.tp_rank, x.group), x.group)
                                for x in run], rows))
-        if rest and self._ring is not None:
-            self.counters["l3_skipped_pages"] += len(rest)
+        for x in rest if self._ring is not None else ():
+            if x.slot is None:
+                self.counters["l3_skipped_pages"] += 1
+            else:
+                self._behind.add(x.slot, store_key(x.page_hash, self.tp_rank, x.group), x.group)
+                self.counters["l3_deferred_pages"] += 1
         rest = sorted([x for x in rest if x.slot is not None] + l2_only, key=lambda x: x.group)
         assert self._staging is not None
         for run in self._staging.runs(rest):
@@ -400,12 +404,16 @@ class ConnectorWorker:
                 ring.release(rows)
 
     def close(self) -> None:
-        """Stop the loader (what it read is dropped: vLLM is stopping), then write what is
-        queued and stop the writer."""
+        """Stop the loader (what it read is dropped: vLLM is stopping), write what is queued
+        and what L2 holds for L3 (for CLOSE_WRITE_BEHIND_S at most), stop the writer."""
         if self._reader is not None:
             self._reader.close()
             self._reader = None
         if self._writer is not None:
+            deadline = time.monotonic() + CLOSE_WRITE_BEHIND_S
+            while self._behind.pages and time.monotonic() < deadline:  # rows as they free
+                self._behind.to_ring(self._ring, self.host, self._writes.put)
+                time.sleep(0.01)
             self._writes.put(None)
             self._writer.join()
             self._writer = None
