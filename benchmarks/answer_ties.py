@@ -71,7 +71,7 @@ def first_divergences(wl: bm.Workload, answers: dict[tuple[int, int], list[int]]
     return found, after
 
 
-def first_difference(d_client: int, d_round: int, prompt: list[int], ours: list[int],
+def first_difference(client: int, rnd: int, prompt: list[int], ours: list[int],
                      theirs: list[int]) -> Divergence | None:
     """Where two answers to `prompt` first differ; None where they do not, or where one
     stopped before it (no token to score)."""
@@ -79,7 +79,7 @@ def first_difference(d_client: int, d_round: int, prompt: list[int], ours: list[
              min(len(ours), len(theirs)))
     if ours == theirs or i >= min(len(ours), len(theirs)):
         return None
-    return Divergence(d_client, d_round, prompt, ours[:i], ours[i], theirs[i])
+    return Divergence(client, rnd, prompt, ours[:i], ours[i], theirs[i])
 
 
 def long_doc_divergences(run: dict[str, Any], ref: dict[str, Any], docs: int, seed: int
