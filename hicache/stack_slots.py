@@ -74,8 +74,8 @@ class SlotCalls:
         free (or none is left to drop); the tokens of the pages freed."""
         pool = self._pool
         before = pool.free_pages()
-        # tombstone_until counts free pages by the group and spare pages as free
-        want = (before + pages) // pool.groups + pool.spare_pages()
+        # tombstone_until counts free pages by the group (rounded down) and spare pages
+        want = -(-(before + pages) // pool.groups) + pool.spare_pages()
         self._windows.tombstone_until(want * pool.page_size)
         return (pool.free_pages() - before) * pool.page_size
 
@@ -87,12 +87,16 @@ class SlotCalls:
         """Whether a request filling `tokens` more can take its next step's window-layer
         slots now (always, without window layers): a step's tokens at most, and what its
         next query reads, which its lease keeps (at most what the pool holds with window
-        KV), against the free pages and the window KV the tree may tombstone."""
+        KV), against the free pages, the window KV the tree may tombstone and the pages
+        its unlocked nodes would give back."""
         if self._windows is None:
             return True
-        need = min(min(tokens, STEP_TOKENS) + self._windows.window + self._pool.page_size,
-                   self._pool.window_capacity())
-        return self._pool.window_available() + self._windows.tombstonable >= need
+        pool = self._pool
+        need = min(min(tokens, STEP_TOKENS) + self._windows.window + pool.page_size,
+                   pool.window_capacity())
+        # full-layer KV of the tree's unlocked nodes holds pages eviction gives back too
+        evictable = self._tree.evictable_size() // pool.groups
+        return pool.window_available() + self._windows.tombstonable + evictable >= need
 
     def leave_window(self, slots: torch.Tensor, shared: int, start: int, upto: int) -> None:
         """A request computed its tokens from `start` up to `upto`: its own window slots

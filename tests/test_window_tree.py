@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 from hicache.memory.device import PADDING_PAGE
 from hicache.memory.windowed import WindowedKVPool
 from hicache.pages import pages_down
+from hicache.stack_slots import SlotCalls
 from hicache.tree.base import MatchResult
 from hicache.tree.node import TreeNode
 from hicache.tree.radix import RadixCache
@@ -381,6 +382,39 @@ def test_evicting_a_live_leaf_gives_its_window_pages_back() -> None:
     assert tree.evict(8) == 8
     tree.check_integrity()
     assert pool.allocator.used_size() == tree.total_size() == 0
+
+
+def test_a_pool_full_of_full_layer_kv_makes_room_for_a_request_s_windows() -> None:
+    """Full and window layers share the pool: tombstoned nodes (full-layer KV only) may
+    fill every page. A request still fits (`SlotCalls`): admission counts the pages
+    eviction gives back, and its allocation drops window KV first, then whole nodes."""
+    pool = make_pool(num_pages=32, window_pages=8)  # 48 pages of one layer
+    tree = make_tree(pool)
+    slots = SlotCalls(tree, pool)
+    keys = [seq(100 * (i + 1), 32) for i in range(4)]  # 8 pages each, window KV of the last 2
+    for key in keys[:3]:
+        put(tree, pool, key, live_from=24)
+    assert pool.free_pages() == 48 - 3 * (8 + 2 * pool.groups)
+    assert tree.windows.tombstone_until(EVERY) == 3 * 8  # full-layer KV only now
+    bare = pool.alloc(pool.free_pages() * PAGE, window=False)  # a request's own, no window
+    assert bare is not None and pool.free_pages() == 0 and pool.window_available() == 0
+    assert tree.windows.tombstonable == 0
+    assert slots.window_fits(16)  # the tree's 24 evictable pages
+    got = slots.alloc(16)  # 4 full pages and 8 window pages: evicted, oldest first
+    assert got is not None and pool.window_used() == 16
+    tree.check_integrity()
+    assert tree.total_size() == 32  # the two oldest keys went whole
+    assert pool.allocator.used_size() == 32 + len(bare) + 16
+    assert cached_slots(tree, keys[0]).numel() == 0 and cached_slots(tree, keys[2]).numel() == 32
+    # window KV goes before any node: a live tail is tombstoned, its full-layer KV kept
+    pool.free(got)
+    pool.free(bare)
+    put(tree, pool, keys[3], live_from=24)
+    filler = pool.alloc(pool.free_pages() * PAGE, window=False)
+    assert filler is not None
+    before = tree.total_size()
+    assert slots.evict(PAGE) == 2 * pool.groups * PAGE  # one node's window pages
+    assert tree.total_size() == before and hit(tree, pool, keys[3]) == 0
 
 
 def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:

@@ -120,6 +120,16 @@ class WindowedKVPool(PagedSlots):
         return self.shared.size_bytes
 
     @property
+    def full_token_bytes(self) -> int:
+        """Bytes of one token's K and V in the full layers."""
+        return self.shared.page_bytes // self.page_size
+
+    @property
+    def window_token_bytes(self) -> int:
+        """Bytes of one token's K and V in the window layers."""
+        return self.full_token_bytes // len(self.full_layers) * len(self.window_layers)
+
+    @property
     def window_bytes(self) -> int:
         """Bytes of the pool's pages that hold window-layer KV now (spare ones included)."""
         return self._window_held * self.groups * self.shared.page_bytes
