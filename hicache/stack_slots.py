@@ -80,8 +80,21 @@ class SlotCalls:
         return (pool.free_pages() - before) * pool.page_size
 
     def free_slots(self) -> int:
-        """L1 tokens free now (not the tree's, not a request's): full slots."""
-        return self._pool.available_size()
+        """L1 tokens free now (not the tree's, not a request's): full slots; for a hybrid
+        model, tokens that can take their full page and a page of every window group (see
+        `_units`)."""
+        if self._windows is None:
+            return self._pool.available_size()
+        pool = self._pool
+        return self._units(pool.free_pages() + pool.spare_pages() * pool.groups)
+
+    def _units(self, pages: int) -> int:
+        """A hybrid model's pages as the tokens the scheduler counts, promises and evicts:
+        each with its full page and a page of every window group. Its own accounting never
+        promises a page a window takes (a prompt's early tokens give theirs back as it
+        runs, so this is the most a step can take); the tree's pages without window KV
+        count for less than they hold, never more."""
+        return pages // (1 + self._pool.groups) * self._pool.page_size
 
     def window_fits(self, tokens: int) -> bool:
         """Whether a request filling `tokens` more can take its next step's window-layer
@@ -121,21 +134,36 @@ class SlotCalls:
 
     def evict(self, tokens: int) -> int:
         """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed.
-        A hybrid model's pool drops the tree's window KV first (tombstones, in the tree's
-        eviction order: the full layers' KV stays, a hit there ends at an earlier window),
-        then evicts whole nodes, as its window layers alone short of pages would."""
+        A hybrid model's (`_units`) come from dropping the tree's window KV first
+        (tombstones, in the tree's eviction order: the full layers' KV stays, a hit there
+        ends at an earlier window), then from evicting whole nodes."""
         if self._windows is None:
             return self._tree.evict(tokens)
-        freed = self._tombstone_for(-(-tokens // self._pool.page_size))
-        return freed + (self._tree.evict(tokens - freed) if freed < tokens else 0)
+        pool = self._pool
+        before, pages = pool.free_pages(), -(-tokens // pool.page_size) * (1 + pool.groups)
+        self._tombstone_for(pages)
+        short = pages - (pool.free_pages() - before)
+        if short > 0:  # each full token evicted gives back its page at least
+            self._tree.evict(short * pool.page_size)
+        return self._units(pool.free_pages() - before)
 
     def evictable_size(self) -> int:
-        """L1 tokens of the tree's unlocked pages (what `evict` could free)."""
-        return self._tree.evictable_size()
+        """L1 tokens of the tree's unlocked pages (what `evict` could free; a hybrid
+        model's in `_units`, of their full pages)."""
+        return self._count(self._tree.evictable_size())
 
     def room_beyond(self, hit: Hit) -> int:
         """L1 tokens eviction could free with `hit`'s path held: the evictable ones off its
         path, less the pinned ones that cannot leave L1."""
         end = hit._device_end
-        return (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
-                - self._tree.retention.stuck_pinned_size(end))
+        return self._count(self._tree.evictable_size() - self._tree.unlocked_on_path(end)
+                           - self._tree.retention.stuck_pinned_size(end))
+
+    def _count(self, tokens: int) -> int:
+        """The tree's evictable full-layer tokens as the scheduler counts them (`_units`):
+        their pages and the window pages of the unlocked nodes that have them."""
+        if self._windows is None:
+            return tokens
+        pool = self._pool
+        pages = (max(0, tokens) + self._windows.tombstonable * pool.groups) // pool.page_size
+        return self._units(pages)
