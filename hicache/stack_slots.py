@@ -10,14 +10,14 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
                              window layers give back what no later query of it reads
 
 A hybrid model's L1 has two kinds of slot in one pool of pages (`WindowedKVPool`): every
-token takes a full one, a token in some window a page of each window group too. The full
-slots are counted, promised and reserved as for any model; the window slots are taken a step
-at a time from the same pages and given back as requests move on, so they are not promised:
-`alloc` tombstones the tree's window KV (`WindowKV`) when the window layers are short,
-evicts the tree's unlocked pages when the pool still is, and may still return None (the
-scheduler then runs the request a step later, or retracts one, as for a decode without
-room); admission waits while `window_fits` says the window layers cannot take the request's
-first step.
+token takes a full one, a token in some window a page of each window group too. The
+scheduler counts, promises and reserves tokens as for any model, each at the pages it takes
+at most, its full page and a page of every group (`_units`), so what admission promises a
+step can take; window slots are given back as requests move on (spare, then free). `alloc`
+tombstones the tree's window KV (`WindowKV`) when the pool is short, evicts the tree's
+unlocked pages when it still is, and may still return None (the scheduler then runs the
+request a step later, or retracts one, as for a decode without room); admission waits
+while `window_fits` says the window layers cannot take the request's first step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
