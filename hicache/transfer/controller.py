@@ -78,15 +78,14 @@ class HiCacheController:
     def load_windows_now(self, host_indices: torch.Tensor, device_indices: torch.Tensor
                          ) -> None:
         """Copy the window layers of host slots into the window pages of device slots (a
-        `WindowedKVPool`'s, group by group), on the calling thread: on the CPU done on return, on CUDA
+        `WindowedKVPool`'s), on the calling thread: on the CPU done on return, on CUDA
         queued on the current stream, ahead of the forward that reads them. Whole pages."""
         pool, host = self.device_pool, self.host_pool
         ps = pool.page_size
-        window = pool.group_pages_of(device_indices)  # [pages, groups]
-        for g, layers in enumerate(pool.group_layers):
-            h2d_pages(host.buffer, host.layout, pool.k_buffers, pool.v_buffers,
-                      host_indices[::ps] // ps, window[:, g], ps, layers=layers,
-                      backend="cuda" if pool.device.type == "cuda" else "reference")
+        h2d_pages(host.buffer, host.layout, pool.k_buffers, pool.v_buffers,
+                  host_indices[::ps] // ps, pool.window_pages_of(device_indices), ps,
+                  layers=pool.window_layers,
+                  backend="cuda" if pool.device.type == "cuda" else "reference")
 
     def start_loading(self) -> TransferHandle | None:
         """Launch every queued load as one transfer; its handle is also `current_load`."""
