@@ -36,10 +36,9 @@ from enum import Enum
 import numpy as np
 import torch
 
-from hicache.integrations.vllm_buffers import Staging
+from hicache.integrations.vllm_buffers import Staging, words
 
 logger = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers and level
-WORD_BYTES = 8  # host copies move 8-byte words (a byte-wise index_copy is ~3x slower)
 
 
 class ByLayer(Enum):
@@ -288,12 +287,6 @@ def block_shape(kv: torch.Tensor, dim: int) -> tuple[int, ...]:
     """One block of `kv` as a page stores it: `kv.shape[1:]`, or `(2, *kv.shape[2:])` for a
     `[2, blocks, ...]` layer (its K block, then its V block)."""
     return tuple(kv.shape[1:]) if dim == 0 else (2, *kv.shape[2:])
-
-
-def words(pages: torch.Tensor) -> torch.Tensor:
-    """A uint8 buffer whose last dim is whole 8-byte words, as words (the worker checks at
-    registration that a layer's block is a whole number of them)."""
-    return pages.view(torch.int64)
 
 
 def layer_order(name: str) -> tuple[int, str]:

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hicache.integrations import vllm_buffers as buffers
 from hicache.integrations.vllm_buffers import Staging, WriteBehind, WriteRing
 from hicache.integrations.vllm_groups import by_group
 from hicache.integrations.vllm_layers import (
-    WORD_BYTES,
     LayerGate,
     block_bytes,
     block_dim,
@@ -44,7 +44,6 @@ from hicache.integrations.vllm_layers import (
     layer_loads,
     layer_order,
     scatter_layer,
-    words,
 )
 from hicache.integrations.vllm_reads import BlockBytes, L3Reader, Staged, StepRead, as_bytes
 from hicache.integrations.vllm_scheduler import PageLoad, PageSave, StepPlan
@@ -102,9 +101,9 @@ class ConnectorWorker:
         layers = [kv_caches[n] for n in names]
         want = self.c.geometry.layer_block_bytes
         self._block_dims = [block_dim(name, kv, want) for name, kv in zip(names, layers)]
-        if want % WORD_BYTES:
+        if want % buffers.WORD_BYTES:
             raise ValueError(f"hicache connector: a layer's block is {want} bytes, not a "
-                             f"multiple of {WORD_BYTES}")
+                             f"multiple of {buffers.WORD_BYTES}")
         sizes = [self.c.unit_layers(g) for g in range(len(self.c.codecs))]
         if len(layers) != sum(sizes):
             raise ValueError(f"hicache connector: {len(layers)} KV layers registered, the KV "
@@ -221,8 +220,7 @@ class ConnectorWorker:
         for group, units in by_group(loads):
             for run in self._staging.runs(units):
                 with self._staging.lent() as chunk:
-                    slots = torch.tensor([x.slot for x in run], dtype=torch.long)
-                    torch.index_select(words(self.host), 0, slots, out=words(chunk[:len(run)]))
+                    buffers.read_slots(self.host, [x.slot for x in run], chunk[:len(run)])
                     self._scatter([x.block_id for x in run], chunk[:len(run)], group)
 
     def wait_layer(self, name: str) -> None:
@@ -353,10 +351,11 @@ class ConnectorWorker:
                 raise
             self._writes.put(([(store_key(x.page_hash, self.tp_rank, x.group), x.group)
                                for x in run], rows))
-        for x in rest if self._ring is not None else ():
-            if x.slot is None:
-                self.counters["l3_skipped_pages"] += 1
-            else:
+        if self._ring is not None:  # the ring is full: the rest waits in L2 (or is lost)
+            for x in rest:
+                if x.slot is None:
+                    self.counters["l3_skipped_pages"] += 1
+                    continue
                 self._behind.add(x.slot, store_key(x.page_hash, self.tp_rank, x.group), x.group)
                 self.counters["l3_deferred_pages"] += 1
         rest = sorted([x for x in rest if x.slot is not None] + l2_only, key=lambda x: x.group)
@@ -376,7 +375,7 @@ class ConnectorWorker:
         if in_l2 and self.host is not None:
             slots = torch.tensor([saves[i].slot for i in in_l2], dtype=torch.long)
             src = rows if len(in_l2) == len(saves) else rows[in_l2]
-            words(self.host).index_copy_(0, slots, words(src))
+            buffers.words(self.host).index_copy_(0, slots, buffers.words(src))
             self.counters["l2_saved_pages"] += len(in_l2)
 
     def _write_loop(self) -> None:
