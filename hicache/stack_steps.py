@@ -56,7 +56,9 @@ class StepCalls:
     def launch_loads(self) -> TransferHandle | None:
         """Launch the H->D loads admission queued, as one transfer: the model runner before a
         forward pass (its layers wait on the handle), the loop when none will run (loads
-        never wait for one). None when none are queued."""
+        never wait for one). The handle is the last load in flight when none was queued (a
+        forward may read the pages of one the loop launched); None when none is queued or
+        in flight."""
         return self._tree.host.start_loading()
 
     def quiesce(self) -> None:

@@ -6,7 +6,8 @@
 
 Loads queued while a batch is being scheduled are launched together by `start_loading()` as
 one transfer whose layers land in order; the model runner calls `wait_layer(i)` on the
-returned handle before layer i's attention.
+returned handle before layer i's attention (the last load in flight when none was queued:
+one the loop launched with no forward to wait on it).
 
 Threading: every method is called on the scheduler thread. Copies run on the transfer
 engine's worker/streams; completion is observed by polling handles, never by callbacks, so
@@ -78,20 +79,26 @@ class HiCacheController:
     def load_windows_now(self, host_indices: torch.Tensor, device_indices: torch.Tensor
                          ) -> None:
         """Copy the window layers of host slots into the window pages of device slots (a
-        `WindowedKVPool`'s), on the calling thread: on the CPU done on return, on CUDA
+        `WindowedKVPool`'s, group by group), on the calling thread: on the CPU done on return, on CUDA
         queued on the current stream, ahead of the forward that reads them. Whole pages."""
         pool, host = self.device_pool, self.host_pool
         ps = pool.page_size
-        h2d_pages(host.buffer, host.layout, pool.k_buffers, pool.v_buffers,
-                  host_indices[::ps] // ps, pool.window_pages_of(device_indices), ps,
-                  layers=pool.window_layers,
-                  backend="cuda" if pool.device.type == "cuda" else "reference")
+        window = pool.group_pages_of(device_indices)  # [pages, groups]
+        for g, layers in enumerate(pool.group_layers):
+            h2d_pages(host.buffer, host.layout, pool.k_buffers, pool.v_buffers,
+                      host_indices[::ps] // ps, window[:, g], ps, layers=layers,
+                      backend="cuda" if pool.device.type == "cuda" else "reference")
 
     def start_loading(self) -> TransferHandle | None:
-        """Launch every queued load as one transfer; its handle is also `current_load`."""
+        """Launch every queued load as one transfer. Returns the handle a forward pass waits
+        on, layer by layer (also `current_load`): this transfer's, or, with none queued, the
+        last one still in flight, for a forward may read the pages of a load the loop
+        launched while no forward ran; copies land in FIFO order (one worker, one H->D
+        stream), so the last load's layers land after every earlier one's. None when no
+        load is queued or in flight."""
         if not self._queued_loads:
-            self.current_load = None
-            return None
+            self.current_load = self._loads[-1].handle if self._loads else None
+            return self.current_load
         host = torch.cat([h for h, _, _ in self._queued_loads])
         dev = torch.cat([d for _, d, _ in self._queued_loads])
         ids = [i for _, _, i in self._queued_loads]
