@@ -51,8 +51,8 @@ def measure(model: str, dtype: str, length: int, seed: int = 0) -> dict:
             e.flush_cache(["device", "host"])  # every backup lands first
             storage = e.stats()["tiers"]["storage"]
             pool = e.cache.slots.device_kv()
-            full_bpt = pool.full.page_bytes // pool.page_size
-            window_bpt = pool.windowed.page_bytes // pool.page_size
+            full_bpt = pool.full_token_bytes
+            window_bpt = pool.window_token_bytes
             ps = pool.page_size
         with _engine(model, dtype, lmdb) as again:
             restart_s, out = _first_token(again, prompt)

@@ -3,7 +3,7 @@ and hands back the `CacheStack` the server serves through.
 
     L1  cache.max_total_tokens, or cache.kv_cache_memory_bytes (whole pages of KV that fit),
         else a share of free GPU memory (or of host RAM on CPU); a hybrid model's window
-        layers get their own smaller pool (`WindowedKVPool`), its share of the same bytes
+        layers share one pool of pages with the full ones (`WindowedKVPool`)
     L2  host.size_gb, else host.ratio x L1   (checked against MemAvailable)
     L3  storage.backend through the registry, keyed by the model's page hashes
     pins  cache.max_pinned_tokens, else a quarter of the lowest tier (L2, or L1 without L2)
@@ -59,10 +59,12 @@ HOST_AUTO_FRACTION = 0.5
 DEFAULT_PIN_SHARE = 4
 # Without L2 pinned pages never leave L1: at most 1/this of it, whatever the config says.
 MAX_PIN_SHARE_OF_L1_ONLY = 2
-# A hybrid model's window layers keep this share of the full layers' L1 tokens: each request
-# needs its window (Gemma 3: 512 or 1,024 tokens) and a step's new tokens, each cached
-# boundary its window; the rest of the bytes hold full-layer KV for more tokens. At least
-# WINDOW_FLOOR_WINDOWS windows and a step's tokens (`windowed.STEP_TOKENS`).
+# A hybrid model's L1 is one pool that full and window layers share (`WindowedKVPool`); it is
+# sized as a split of its bytes would be: the window layers this share of the full layers'
+# tokens (each request needs its window, Gemma 3's 512 or 1,024 tokens, and a step's new
+# tokens; each cached boundary its window), at least WINDOW_FLOOR_WINDOWS windows and a
+# step's tokens (`windowed.STEP_TOKENS`). The split names the pool's nominal full tokens
+# (what L2's host.ratio and the pins' cap count); either kind may take any page.
 WINDOW_SHARE = 0.25
 WINDOW_FLOOR_WINDOWS = 8
 
@@ -73,8 +75,14 @@ def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
     empty."""
     c = config.cache
     pool = _l1_pool(config, model)
-    logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
-                pool.size_bytes / BYTES_PER_GB)
+    if model.hybrid:
+        logger.info("L1 (%s): %d tokens of every layer, or %d of the full layers with the "
+                    "window layers of %d, in one pool of %.2f GB", model.device,
+                    pool.window_capacity(), pool.allocator.total_size(), pool.window_capacity(),
+                    pool.size_bytes / BYTES_PER_GB)
+    else:
+        logger.info("L1 (%s): %d tokens, %.2f GB", model.device, pool.allocator.total_size(),
+                    pool.size_bytes / BYTES_PER_GB)
     window = max((w for w in model.layer_windows if w), default=None) if model.hybrid else None
     events = (EventRecorder(page_hasher(config, model), c.page_size, window)
               if config.events.enabled else None)
@@ -106,7 +114,7 @@ def build_stack(config: TierSections, model: ModelKV) -> CacheStack:
 def _pin_cap(config: TierSections, pool: DeviceKVPool, host: HostKVPool | None) -> int:
     """cache.max_pinned_tokens, or a quarter of L2 (of L1 without L2), whole pages."""
     cap, page = config.cache.max_pinned_tokens, config.cache.page_size
-    l1 = pool.allocator.total_size()
+    l1 = _l1_tokens(pool)
     if cap is None:
         cap = (host.total_size() if host is not None else l1) // DEFAULT_PIN_SHARE
     if host is None:  # pinned pages never leave L1: keep (over) half of it for requests,
@@ -114,6 +122,14 @@ def _pin_cap(config: TierSections, pool: DeviceKVPool, host: HostKVPool | None) 
         # pin's own computation (its prompt: the pinned pages and less than a page more)
         cap = min(cap, (l1 - page) // MAX_PIN_SHARE_OF_L1_ONLY)
     return pages_down(cap, page)
+
+
+def _l1_tokens(pool: DeviceKVPool | WindowedKVPool) -> int:
+    """L1's tokens as L2's ratio and the pins' cap count them: a hybrid pool's full pages
+    at the split it was sized by (`window_pages`), not every page it shares."""
+    if pool.has_windows:
+        return pool.nominal_pages * pool.page_size
+    return pool.allocator.total_size()
 
 
 def _event_publisher(e: EventsConfig) -> EventPublisher:
@@ -130,8 +146,8 @@ def _event_publisher(e: EventsConfig) -> EventPublisher:
 
 
 def _l1_pool(config: TierSections, model: ModelKV) -> DeviceKVPool | WindowedKVPool:
-    """L1: one pool for every layer; for a hybrid model, the full layers' pool and the
-    window layers' smaller one (`window_pages`)."""
+    """L1: one pool for every layer; for a hybrid model, one pool that full and window
+    layers share, of the bytes `window_pages` splits."""
     c = config.cache
     pages = _l1_pages(config, model)
     if not model.hybrid:
@@ -197,7 +213,7 @@ def _host_pool(config: TierSections, pool: DeviceKVPool, model: ModelKV) -> Host
     if h.size_gb is not None:
         pages = int(h.size_gb * BYTES_PER_GB) // pool.page_bytes
     else:
-        pages = int(pool.allocator.total_size() * h.ratio) // ps
+        pages = int(_l1_tokens(pool) * h.ratio) // ps
     host = HostKVPool(max(1, pages), ps, *model.geometry, model.dtype, h.mem_layout)
     logger.info("L2 (host, %s%s): %d tokens, %.2f GB", h.mem_layout,
                 ", pinned" if host.is_pinned else "", host.total_size(),

@@ -139,11 +139,11 @@ class CacheStack(CacheDoor):
         """Evict L1 `tokens` while the hit's L2 pages are kept (an L1 eviction may make
         room in L2 for its write-back)."""
         if not hit.host_tokens:
-            self.tree.evict(tokens)
+            self.slots.evict(tokens)
             return
         self.tree.host.protect_host(hit._host_end)
         try:
-            self.tree.evict(tokens)
+            self.slots.evict(tokens)  # a hybrid model's: window KV first (`SlotCalls.evict`)
         finally:
             self.tree.host.release_host(hit._host_end)
 
@@ -236,7 +236,7 @@ class CacheStack(CacheDoor):
         """One snapshot of every tier, in tokens (storage: its pages and bytes too), the
         pins and the live sessions; the counters are copies, so another thread may read it
         while the scheduler goes on."""
-        alloc = self.device_pool.allocator
+        alloc = self.device_pool.allocator  # a hybrid pool's: full slots used, every page
         device = DeviceStats(alloc.total_size(), alloc.used_size(), self.tree.evictable_size(),
                              self.tree.protected_size(), requests.cached_device_tokens,
                              self.device_pool.size_bytes, self._window_stats())
@@ -261,7 +261,7 @@ class CacheStack(CacheDoor):
             return None
         pool = self.device_pool
         return WindowStats(pool.window_capacity(), pool.window_used(), windows.live,
-                           windows.tombstoned_tokens, pool.windowed.size_bytes)
+                           windows.tombstoned_tokens, pool.window_capacity_bytes)
 
     def check_integrity(self) -> None:
         """The tree's invariants, counting the host pages in-flight prefetches hold (tests;

@@ -9,13 +9,15 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
     a step's end             leave_window(slots, shared, start, upto): a hybrid model's
                              window layers give back what no later query of it reads
 
-A hybrid model's L1 has two kinds of slot (`WindowedKVPool`): every token takes a full one,
-a token in some window a window one too. The full slots are counted, promised and reserved
-as for any model; the window slots are taken a step at a time and given back as requests
-move on, so they are not promised: `alloc` tombstones the tree's window KV (`WindowKV`) when
-the window pool is short, and may still return None (the scheduler then runs the request a
-step later, or retracts one, as for a decode without room); admission waits while
-`window_fits` says the window pool cannot take the request's first step.
+A hybrid model's L1 has two kinds of slot in one pool of pages (`WindowedKVPool`): every
+token takes a full one, a token in some window a page of each window group too. The
+scheduler counts, promises and reserves tokens as for any model, each at the pages it takes
+at most, its full page and a page of every group (`_units`), so what admission promises a
+step can take; window slots are given back as requests move on (spare, then free). `alloc`
+tombstones the tree's window KV (`WindowKV`) when the pool is short, evicts the tree's
+unlocked pages when it still is, and may still return None (the scheduler then runs the
+request a step later, or retracts one, as for a decode without room); admission waits
+while `window_fits` says the window layers cannot take the request's first step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -35,7 +37,7 @@ class SlotCalls:
     """L1 as requests use it: the device pool's slots (free, or a request's) and the tree's
     unlocked pages (evictable)."""
 
-    has_windows: bool = False  # a hybrid model's split L1 (`WindowedKVPool`)
+    has_windows: bool = False  # a hybrid model's shared L1 (`WindowedKVPool`)
 
     def __init__(self, tree: PrefixCache, device_pool: DeviceKVPool) -> None:
         self._tree = tree
@@ -50,34 +52,64 @@ class SlotCalls:
 
     def alloc(self, tokens: int) -> torch.Tensor | None:
         """`tokens` free L1 slots (whole pages) for a request's new tokens; None when fewer
-        are free (`evict` first), or, for a hybrid model, when the window pool cannot give
-        them even after tombstoning and letting the L2 copies in flight land."""
+        are free (`evict` first), or, for a hybrid model, when the pool cannot give them
+        their window pages too even after tombstoning, letting the L2 copies in flight land
+        and evicting the tree's unlocked pages."""
         if self._windows is None:
             return self._pool.alloc(tokens)
-        self._windows.make_room(tokens)
-        slots = self._pool.alloc(tokens)
-        if slots is None and self._tree.host.copies_pending():
+        pool = self._pool
+        if pool.pages_short(tokens):
+            self._tombstone_for(pool.pages_short(tokens))
+        if pool.pages_short(tokens) and self._tree.host.copies_pending():
             # a node being copied to L2 keeps its window KV until the copy lands (its L3
             # backup follows at the next poll)
             self._tree.host.writing_check(wait=True, claim=False)
-            self._windows.make_room(tokens)
-            slots = self._pool.alloc(tokens)
-        return slots
+            self._tombstone_for(pool.pages_short(tokens))
+        if pool.pages_short(tokens):  # full and window KV share the pool: whole nodes go
+            self._tree.evict(pool.pages_short(tokens) * pool.page_size)
+        return pool.alloc(tokens)
+
+    def _tombstone_for(self, pages: int) -> int:
+        """Drop the tree's window KV, in its eviction order, until `pages` more pages are
+        free (or none is left to drop); the tokens of the pages freed."""
+        pool = self._pool
+        before = pool.free_pages()
+        # tombstone_until counts free pages by the group (rounded down) and spare pages
+        want = -(-(before + pages) // pool.groups) + pool.spare_pages()
+        self._windows.tombstone_until(want * pool.page_size)
+        return (pool.free_pages() - before) * pool.page_size
 
     def free_slots(self) -> int:
-        """L1 tokens free now (not the tree's, not a request's): full slots."""
-        return self._pool.available_size()
+        """L1 tokens free now (not the tree's, not a request's): full slots; for a hybrid
+        model, tokens that can take their full page and a page of every window group (see
+        `_units`)."""
+        if self._windows is None:
+            return self._pool.available_size()
+        pool = self._pool
+        return self._units(pool.free_pages() + pool.spare_pages() * pool.groups)
+
+    def _units(self, pages: int) -> int:
+        """A hybrid model's pages as the tokens the scheduler counts, promises and evicts:
+        each with its full page and a page of every window group. Its own accounting never
+        promises a page a window takes (a prompt's early tokens give theirs back as it
+        runs, so this is the most a step can take); the tree's pages without window KV
+        count for less than they hold, never more."""
+        return pages // (1 + self._pool.groups) * self._pool.page_size
 
     def window_fits(self, tokens: int) -> bool:
         """Whether a request filling `tokens` more can take its next step's window-layer
         slots now (always, without window layers): a step's tokens at most, and what its
-        next query reads, which its lease keeps (at most the window pool), against the free
-        window slots and the window KV the tree may tombstone."""
+        next query reads, which its lease keeps (at most what the pool holds with window
+        KV), against the free pages, the window KV the tree may tombstone and the pages
+        its unlocked nodes would give back."""
         if self._windows is None:
             return True
-        need = min(min(tokens, STEP_TOKENS) + self._windows.window + self._pool.page_size,
-                   self._pool.window_capacity())
-        return self._pool.window_available() + self._windows.tombstonable >= need
+        pool = self._pool
+        need = min(min(tokens, STEP_TOKENS) + self._windows.window + pool.page_size,
+                   pool.window_capacity())
+        # full-layer KV of the tree's unlocked nodes holds pages eviction gives back too
+        evictable = self._tree.evictable_size() // pool.groups
+        return pool.window_available() + self._windows.tombstonable + evictable >= need
 
     def leave_window(self, slots: torch.Tensor, shared: int, start: int, upto: int) -> None:
         """A request computed its tokens from `start` up to `upto`: its own window slots
@@ -94,20 +126,44 @@ class SlotCalls:
                 self._pool.spare_window(slots[first:cut])
 
     def device_capacity(self) -> int:
-        """L1 tokens in all (free, the tree's and the requests')."""
-        return self._pool.allocator.total_size()
+        """L1 tokens in all (free, the tree's and the requests'); for a hybrid model, the
+        most one request can hold: the pool less its window pages for a window and a step."""
+        if self._windows is None:
+            return self._pool.allocator.total_size()
+        return self._pool.request_capacity()
 
     def evict(self, tokens: int) -> int:
-        """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed."""
-        return self._tree.evict(tokens)
+        """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed.
+        A hybrid model's (`_units`) come from dropping the tree's window KV first
+        (tombstones, in the tree's eviction order: the full layers' KV stays, a hit there
+        ends at an earlier window), then from evicting whole nodes."""
+        if self._windows is None:
+            return self._tree.evict(tokens)
+        pool = self._pool
+        before, pages = pool.free_pages(), -(-tokens // pool.page_size) * (1 + pool.groups)
+        self._tombstone_for(pages)
+        short = pages - (pool.free_pages() - before)
+        if short > 0:  # each full token evicted gives back its page at least
+            self._tree.evict(short * pool.page_size)
+        return self._units(pool.free_pages() - before)
 
     def evictable_size(self) -> int:
-        """L1 tokens of the tree's unlocked pages (what `evict` could free)."""
-        return self._tree.evictable_size()
+        """L1 tokens of the tree's unlocked pages (what `evict` could free; a hybrid
+        model's in `_units`, of their full pages)."""
+        return self._count(self._tree.evictable_size())
 
     def room_beyond(self, hit: Hit) -> int:
         """L1 tokens eviction could free with `hit`'s path held: the evictable ones off its
         path, less the pinned ones that cannot leave L1."""
         end = hit._device_end
-        return (self._tree.evictable_size() - self._tree.unlocked_on_path(end)
-                - self._tree.retention.stuck_pinned_size(end))
+        return self._count(self._tree.evictable_size() - self._tree.unlocked_on_path(end)
+                           - self._tree.retention.stuck_pinned_size(end))
+
+    def _count(self, tokens: int) -> int:
+        """The tree's evictable full-layer tokens as the scheduler counts them (`_units`):
+        their pages and the window pages of the unlocked nodes that have them."""
+        if self._windows is None:
+            return tokens
+        pool = self._pool
+        pages = (max(0, tokens) + self._windows.tombstonable * pool.groups) // pool.page_size
+        return self._units(pages)

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 # Tokens computed per forward step (prefill chunks + decodes): bounds step latency, so decodes
 # keep flowing while a long prompt is prefilled in chunks (SGLang's chunked_prefill_size);
-# a hybrid model's window pool is sized for it (hicache.memory.windowed.STEP_TOKENS).
+# a hybrid model's pool is sized for it (hicache.memory.windowed.STEP_TOKENS).
 MAX_BATCH_TOKENS = STEP_TOKENS
 MAX_RUNNING_REQUESTS = 64
 DRAIN_POLL_S = 0.02

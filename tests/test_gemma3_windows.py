@@ -2,7 +2,7 @@
 `WindowKV`), through the real engine: random-weight Gemma 3 (windows of 40 tokens, pages of
 16) keeps window-layer KV only around its boundaries, gives the tokens of recomputation from
 hits whose window KV is whole, from shorter hits once the tree tombstoned it, and when a small
-window pool makes it tombstone under pressure."""
+L1 makes it tombstone under pressure, its full-layer KV taking the pages window KV left."""
 
 from __future__ import annotations
 
@@ -74,20 +74,38 @@ def test_hits_are_whole_windows_and_tombstones_shorten_them(
         e.cache.check_integrity()
 
 
-def test_a_small_window_pool_tombstones_under_pressure_and_serves_the_same_tokens(
+def test_a_small_l1_tombstones_under_pressure_and_serves_the_same_tokens(
         served: Path, recomputed: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full and window layers share L1's pages: in a pool of a few prompts' pages the window
+    KV of cached boundaries is dropped (tombstones) to make room for new requests' pages."""
     from hicache import build
 
     monkeypatch.setattr(build, "WINDOW_SHARE", 0.05)
     monkeypatch.setattr(build, "WINDOW_FLOOR_WINDOWS", 1)
     monkeypatch.setattr(build, "STEP_TOKENS", 256)  # the floor only: steps stay 2048
-    with tiers.engine(served) as e:
-        capacity = _windows(e)["capacity_tokens"]
-        assert capacity < 2048 // 4
+    with tiers.engine(served, **{"cache.max_total_tokens": 512}) as e:
+        pool = e.cache.slots.device_kv()
+        assert isinstance(pool, WindowedKVPool)
         assert tiers.run_workload(e) == recomputed
         w = _windows(e)
-        assert w["tombstoned_tokens"] > 0 and w["used_tokens"] <= capacity
+        assert w["tombstoned_tokens"] > 0 and w["used_tokens"] <= w["capacity_tokens"]
         assert e.stats()["counters"]["cached_device"] > 0
+        e.cache.check_integrity()
+
+
+def test_full_layer_kv_fills_the_pages_window_kv_left(
+        served: Path, recomputed: list[list[int]]) -> None:
+    """One pool for both kinds: L1 sized as 384 tokens of the full layers beside their
+    window layers' pages (as many again per window group) caches more than 384 tokens of
+    full-layer KV, the workload's 528 distinct ones, once requests have left their early
+    tokens' windows, and answers as recomputed."""
+    with tiers.engine(served, **{"cache.max_total_tokens": 384}) as e:
+        pool = e.cache.slots.device_kv()
+        assert isinstance(pool, WindowedKVPool) and pool.nominal_pages * tiers.PAGE == 384
+        assert tiers.run_workload(e) == recomputed
+        device = e.stats()["tiers"]["device"]
+        assert 384 < device["used"] <= device["capacity"] == pool.num_pages * tiers.PAGE
+        assert _windows(e)["tombstoned_tokens"] > 0
         e.cache.check_integrity()
 
 

@@ -115,3 +115,25 @@ def test_storage_page_counts_never_share_a_name_with_token_counts() -> None:
     assert (shown["hits"], shown["hit_pages"], shown["miss_pages"]) == (64, 5, 2)
     assert "misses" not in shown and shown["path"] == "/tmp/x"
     assert shown["errors_by_op"] == {"batch_get": 1, "get": 2} and shown["errors"] == 3
+
+
+def test_a_hybrid_model_s_bytes_are_one_pool_that_either_kind_of_layer_fills() -> None:
+    """Gemma 3 270M's shape (3 full layers, 15 of a 512-token window) at the bytes of 4,096
+    tokens of every layer: 1,536 pages of the full layers' width, which hold 24,576 tokens
+    of full-layer KV alone, or 4,096 with all their window KV; the split names 4,096."""
+    windows = tuple(None if i % 6 == 5 else 512 for i in range(18))
+    model = ModelKV(18, 1, 256, torch.float32, torch.device("cpu"), "gemma3-shape", windows)
+    budget = 4096 * DeviceKVPool.bytes_per_token(18, 1, 256, torch.float32)
+    cfg = load_config(None, {"cache.page_size": 16, "cache.kv_cache_memory_bytes": budget,
+                             "model.device": "cpu"})
+    pool = cache_setup._l1_pool(cfg, model)
+    assert (pool.num_pages, pool.groups, pool.nominal_pages * 16) == (1536, 5, 4096)
+    assert pool.size_bytes == (1536 + 1) * pool.shared.page_bytes  # the padding page beside
+    assert pool.size_bytes - pool.shared.page_bytes == budget
+    assert pool.allocator.total_size() == 24576 and pool.window_capacity() == 4096
+    assert cache_setup._l1_tokens(pool) == 4096  # what host.ratio and the pins count
+    full_only = pool.alloc(24576, window=False)
+    assert full_only is not None and pool.free_pages() == 0
+    pool.free(full_only)
+    every_layer = pool.alloc(4096)
+    assert every_layer is not None and pool.window_used() == 4096 and pool.free_pages() == 0

@@ -30,11 +30,14 @@ from hypothesis.stateful import (
 from hicache.memory.device import PADDING_PAGE
 from hicache.memory.windowed import WindowedKVPool
 from hicache.pages import pages_down
+from hicache.stack_slots import SlotCalls
 from hicache.tree.base import MatchResult
 from hicache.tree.node import TreeNode
 from hicache.tree.radix import RadixCache
 
 PAGE = 4
+# more window tokens than any test pool frees: `tombstone_until(EVERY)` drops every candidate
+EVERY = 1 << 40
 # each test pool's widest window, from its layers as given (the hit rule's W)
 WIDEST: weakref.WeakKeyDictionary[WindowedKVPool, int] = weakref.WeakKeyDictionary()
 
@@ -68,9 +71,9 @@ def write_kv(pool: WindowedKVPool, key: list[int], slots: torch.Tensor) -> None:
     """Write `key`'s values at `slots` in every layer (a window layer through the page map),
     K positive and V negative."""
     vals = kv_values(key[:slots.numel()])[:, None, None]
-    wslots = pool.window_slots(slots)
     for layer in range(pool.num_layers):
-        idx = wslots if pool.is_window_layer(layer) else slots
+        idx = (pool.window_slots(slots, pool.kv_group(layer) - 1) if pool.is_window_layer(layer)
+               else slots)
         pool.k_buffers[layer][idx] = vals
         pool.v_buffers[layer][idx] = -vals
 
@@ -80,10 +83,10 @@ def read_ok(pool: WindowedKVPool, key: list[int], slots: torch.Tensor, first_win
     """The full layers hold `key`'s values at `slots`, the window layers from token
     `first_window` on."""
     want = kv_values(key[:slots.numel()])
-    wslots = pool.window_slots(slots[first_window:])
     for layer in range(pool.num_layers):
         if pool.is_window_layer(layer):
-            idx, exp = wslots, want[first_window:]
+            idx = pool.window_slots(slots[first_window:], pool.kv_group(layer) - 1)
+            exp = want[first_window:]
         else:
             idx, exp = slots, want
         assert torch.equal(pool.k_buffers[layer][idx][:, 0, 0], exp), f"layer {layer} K"
@@ -256,21 +259,21 @@ def test_tombstoning_is_lru_and_spares_what_a_lock_reads() -> None:
     tree.check_integrity()
     assert (na.has_window, nb.has_window, nc.has_window) == (True, False, True)
     assert pool.window_available() == avail + 8
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 8
+    assert tree.windows.tombstone_until(EVERY) == 8
     tree.check_integrity()
     assert (na.has_window, nb.has_window, nc.has_window) == (False, False, True)
     assert tree.windows.live == 8 == pool.window_used() and tree.windows.tombstonable == 0
     assert tree.windows.tombstoned_tokens == 16
     assert hit(tree, pool, a) == 0 and hit(tree, pool, b) == 0 and hit(tree, pool, c) == 8
     # the full layers stay until evicted: tombstones go first, then c once unlocked
-    before = pool.window_available()
+    before = pool.free_pages()
     assert tree.evict(1000) == 16
-    tree.check_integrity()
-    assert pool.window_available() == before and pool.allocator.used_size() == 8
+    tree.check_integrity()  # four full pages, no window pages
+    assert pool.free_pages() == before + 4 and pool.allocator.used_size() == 8
     tree.dec_lock_ref(m.last_device_node)
     assert tree.evict(8) == 8
     tree.check_integrity()
-    assert pool.window_available() == pool.window_capacity() and tree.windows.live == 0
+    assert pool.free_pages() == pool.num_pages and tree.windows.live == 0
     assert pool.allocator.used_size() == tree.total_size() == 0
 
 
@@ -281,7 +284,7 @@ def lock_and_tombstone(tree: RadixCache, pool: WindowedKVPool, key: list[int],
     tree.inc_lock_ref(m.last_device_node)
     tree.check_integrity()
     assert tree.windows.tombstonable == dropped
-    assert tree.windows.tombstone_until(pool.window_capacity()) == dropped
+    assert tree.windows.tombstone_until(EVERY) == dropped
     tree.check_integrity()
     return m
 
@@ -325,7 +328,7 @@ def test_tombstoning_a_shared_prefix_leaves_no_hole_in_a_hit() -> None:
     tree.dec_lock_ref(m.last_device_node)
     tree.check_integrity()
     assert tree.windows.tombstonable == 8
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 8
+    assert tree.windows.tombstone_until(EVERY) == 8
     tree.check_integrity()
     assert hit(tree, pool, y) == 0 and pool.window_used() == tree.windows.live == 0
 
@@ -350,19 +353,19 @@ def test_a_lock_keeps_only_the_window_its_queries_read() -> None:
     upper = node_of(tree, key[:20])
     assert upper is not kept and upper.has_window and kept.end == 28
     assert tree.windows.tombstonable == 4
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 4
+    assert tree.windows.tombstone_until(EVERY) == 4
     tree.check_integrity()
     assert not upper.has_window and kept.has_window and hit(tree, pool, key) == 32
     # split at 24: a query at 32 reads from 25, page [24, 28) on: [20, 24) may go
     assert hit(tree, pool, key[:24]) == 0
     assert tree.windows.tombstonable == 4
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 4
+    assert tree.windows.tombstone_until(EVERY) == 4
     tree.check_integrity()
     assert hit(tree, pool, key) == 32
     tree.dec_lock_ref(m.last_device_node)
     tree.check_integrity()
     assert tree.windows.tombstonable == tree.windows.live == 8
-    assert tree.windows.tombstone_until(pool.window_capacity()) == 8
+    assert tree.windows.tombstone_until(EVERY) == 8
     tree.check_integrity()
     assert pool.window_used() == 0 and hit(tree, pool, key) == 0
 
@@ -371,14 +374,48 @@ def test_evicting_a_live_leaf_gives_its_window_pages_back() -> None:
     pool = make_pool()
     tree = make_tree(pool)
     key = seq(100, 16)
-    put(tree, pool, key, live_from=8)
-    assert pool.window_available() == pool.window_capacity() - 8
+    put(tree, pool, key, live_from=8)  # 4 full pages, the last 2 with a page of each group
+    assert pool.free_pages() == pool.num_pages - 4 - 2 * pool.groups
     assert tree.evict(1) == 8  # the leaf [8, 16): its window pages go with it
     tree.check_integrity()
-    assert pool.window_available() == pool.window_capacity() and tree.windows.live == 0
+    assert pool.free_pages() == pool.num_pages - 2 and tree.windows.live == 0
     assert tree.evict(8) == 8
     tree.check_integrity()
     assert pool.allocator.used_size() == tree.total_size() == 0
+
+
+def test_a_pool_full_of_full_layer_kv_makes_room_for_a_request_s_windows() -> None:
+    """Full and window layers share the pool: tombstoned nodes (full-layer KV only) may
+    fill every page. A request still fits (`SlotCalls`): admission counts the pages
+    eviction gives back, and its allocation drops window KV first, then whole nodes."""
+    pool = make_pool(num_pages=32, window_pages=8)  # 48 pages of one layer
+    tree = make_tree(pool)
+    slots = SlotCalls(tree, pool)
+    keys = [seq(100 * (i + 1), 32) for i in range(4)]  # 8 pages each, window KV of the last 2
+    for key in keys[:3]:
+        put(tree, pool, key, live_from=24)
+    assert pool.free_pages() == 48 - 3 * (8 + 2 * pool.groups)
+    assert tree.windows.tombstone_until(EVERY) == 3 * 8  # full-layer KV only now
+    bare = pool.alloc(pool.free_pages() * PAGE, window=False)  # a request's own, no window
+    assert bare is not None and pool.free_pages() == 0 and pool.window_available() == 0
+    assert tree.windows.tombstonable == 0
+    assert slots.window_fits(16)  # the tree's 24 evictable pages
+    got = slots.alloc(16)  # 4 full pages and 8 window pages: evicted, oldest first
+    assert got is not None and pool.window_used() == 16
+    tree.check_integrity()
+    assert tree.total_size() == 32  # the two oldest keys went whole
+    assert pool.allocator.used_size() == 32 + len(bare) + 16
+    assert cached_slots(tree, keys[0]).numel() == 0 and cached_slots(tree, keys[2]).numel() == 32
+    # window KV goes before any node: a live tail is tombstoned, its full-layer KV kept
+    pool.free(got)
+    pool.free(bare)
+    put(tree, pool, keys[3], live_from=24)
+    filler = pool.alloc(pool.free_pages() * PAGE, window=False)
+    assert filler is not None
+    before = tree.total_size()
+    # one node's window pages: 4 pages, a token's page and its two window pages once over
+    assert slots.evict(PAGE) == PAGE and pool.free_pages() == 2 * pool.groups
+    assert tree.total_size() == before and hit(tree, pool, keys[3]) == 0
 
 
 def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:
@@ -406,7 +443,7 @@ def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:
 def test_spare_window_pages_join_the_tree_or_go_first_when_the_pool_is_short() -> None:
     """A running request's window pages no query reads any more are spare: counted free,
     kept mapped, so its prompt joins the tree with them (a prompt diverging inside it hits);
-    a window allocation the free pages cannot meet takes the oldest spare pages back."""
+    an allocation the free pages cannot meet takes the oldest spare pages back."""
     pool = make_pool(num_pages=64, window_pages=8)
     tree = make_tree(pool)
     key = seq(100, 24)  # 6 pages
@@ -415,7 +452,9 @@ def test_spare_window_pages_join_the_tree_or_go_first_when_the_pool_is_short() -
     free = pool.window_available()
     assert pool.spare_window(slots[:16]) == 16  # its first 4 pages left every window
     assert pool.window_available() == free + 16 and pool.window_used() == 24 - 16
-    other = pool.alloc(free + PAGE)  # one page more than is free: the oldest spare one
+    filler = pool.alloc((pool.free_pages() - 1) * PAGE, window=False)
+    assert filler is not None and pool.free_pages() == 1
+    other = pool.alloc(PAGE)  # a page of each kind, one free: the oldest spare one's
     assert other is not None
     assert (pool.window_pages_of(slots) == PADDING_PAGE).tolist() == [True] + [False] * 5
     assert tree.insert(key, slots) == 0
@@ -446,7 +485,7 @@ def test_a_split_by_node_at_stays_tombstonable() -> None:
     pool, tree, key = _one_live_node(24)
     assert tree.node_at(tree.root, key[:12]) is not None
     tree.check_integrity()
-    tree.windows.tombstone_until(pool.window_capacity())
+    tree.windows.tombstone_until(EVERY)
     assert tree.windows.tombstonable == 0 and pool.window_used() == 0
 
 
@@ -458,7 +497,7 @@ def test_a_pinned_or_owned_node_stays_tombstonable(how: str) -> None:
         tree.retention.pin(node)
     else:
         tree.retention.own(node, "session")
-    tree.windows.tombstone_until(pool.window_capacity())
+    tree.windows.tombstone_until(EVERY)
     assert tree.windows.tombstonable == 0 and pool.window_used() == 0
 
 
@@ -475,7 +514,7 @@ class WindowTreeModel(RuleBasedStateMachine):
     and eviction interleave; every hit is checked against `brute_hit` and its data."""
 
     layer_windows: tuple[int | None, ...] = (None, 8, 8)
-    num_pages, window_pages = 40, 24
+    num_pages, window_pages = 24, 12  # 48 pages: a key takes up to 30 with its windows
 
     def __init__(self) -> None:
         super().__init__()
@@ -497,14 +536,15 @@ class WindowTreeModel(RuleBasedStateMachine):
         return head[:pages_down(len(head), PAGE)] + [t for p in pages for t in p] + tail
 
     def _alloc(self, n: int) -> torch.Tensor | None:
-        """Slots for `n` tokens, making room as a scheduler would: tombstones first, then
-        eviction; None when the locks leave too little."""
+        """Slots for `n` tokens, making room as `SlotCalls.alloc` does: tombstones first,
+        then eviction of what the shared pool still lacks; None when the locks leave too
+        little."""
         slots = self.pool.alloc(n)
         if slots is None:
             self.tree.windows.tombstone_until(n)
-            short = n - self.pool.available_size()
+            short = self.pool.pages_short(n)
             if short > 0:
-                self.tree.evict(short)
+                self.tree.evict(short * PAGE)
             slots = self.pool.alloc(n)
         if slots is None:
             self.tree.check_integrity()
@@ -552,7 +592,8 @@ class WindowTreeModel(RuleBasedStateMachine):
         assert all(live[dropped // PAGE:]), "window KV the request had is missing"
         if squeeze is None:
             assert not any(live[present // PAGE:dropped // PAGE]), "a tombstone holds window"
-        assert self.pool.window_available() == self.pool.windowed.available_size()  # no spare
+        # no spare: the free pages are all the window layers can take
+        assert self.pool.window_available() == self.pool.free_pages() // self.pool.groups * PAGE
         pos = 0
         for node in self.tree.peek_path(key):  # every node whole: window or tombstone
             assert all(live[p // PAGE] == node.has_window for p in range(pos, node.end, PAGE))
@@ -605,6 +646,9 @@ class WindowTreeModel(RuleBasedStateMachine):
         tree.check_integrity()
         assert pool.window_used() == tree.windows.live
         assert pool.allocator.used_size() == tree.total_size()
+        # every page of the shared pool: free, a full page of the tree's, or a window page
+        assert (pool.free_pages() + tree.total_size() // PAGE
+                + tree.windows.live // PAGE * pool.groups) == pool.num_pages
         owned = tree.all_values()
         assert owned.unique().numel() == owned.numel(), "a slot is owned twice"
         wpages = pool.window_pages_of(owned)

@@ -1,13 +1,16 @@
 """hicache/memory/windowed.py: WindowedKVPool, the L1 of a hybrid model (full layers' K/V by
-the request's slots, sliding-window layers' K/V in a smaller pool through a page map).
+the request's slots, sliding-window layers' K/V by a page map, in pages of one pool that
+both kinds share).
 
-Its bookkeeping (alloc, drop_window, free, the page map), then the models through it: a
+Its bookkeeping (alloc, drop_window, free, the page map, either kind taking the pages the
+other left), then the models through it: a
 random-weight Gemma 3 (windows of 40 and 48 tokens, pages of 16) and a Qwen2 with window
 layers (Llama's layers) give the very logits and greedy tokens
 of a plain DeviceKVPool, for a prompt several windows long prefilled in one chunk and in two,
 then decoded; every window page a token no longer needs is given back after each forward
-(and poisoned with NaN, so a read of it would show), so the window pool stays about a
-window and a chunk. Their lean paths over the pool give the modules' bits."""
+(and poisoned with NaN, so a read of it would show, whichever kind takes it next), so the
+window KV held stays about a window and a chunk. Their lean paths over the pool give the
+modules' bits."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from test_gemma3_tiers import gemma3_config as gemma3_tiers_config
 from test_mistral_window import KINDS as WINDOW_KINDS
 from test_model import extend_batch
 
-from hicache.memory.device import INDEX_DTYPE, PADDING_PAGE, DeviceKVPool
+from hicache.memory.device import INDEX_DTYPE, PADDING_PAGE, DeviceKVPool, pages_of
 from hicache.memory.windowed import WindowedKVPool
 from hicache_server.models import LoadedModel, load_model
 from hicache_server.models.attention import CpuKernelAttention, TorchAttention
@@ -51,106 +54,130 @@ def unit_pool(num_pages: int = 8, window_pages: int = 4) -> WindowedKVPool:
                           torch.float32, "cpu")
 
 
-def sizes(pool: WindowedKVPool) -> tuple[int, int]:
-    """(full tokens free, window tokens free)."""
-    return pool.available_size(), pool.window_available()
-
-
 def test_needs_both_kinds_of_layer() -> None:
     for windows in ([None, None], [W, W]):
         with pytest.raises(ValueError, match="needs full and window layers"):
             WindowedKVPool(4, 2, PAGE, windows, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
 
 
-def test_alloc_gives_full_slots_with_window_pages_mapped() -> None:
+def test_one_pool_of_pages_in_groups_of_the_full_layers() -> None:
+    """The bytes of 8 full pages and 4 pages of both window layers: 16 pages of one layer,
+    the one full layer's size; two window groups of one layer each share its buffers."""
     pool = unit_pool()
-    start = sizes(pool)
+    assert (pool.num_pages, pool.groups, pool.group_layers) == (16, 2, ((0,), (2,)))
+    assert pool.size_bytes == 17 * PAGE * 2 * KV_HEADS * HEAD_DIM * 4  # and the padding page
+    assert pool.page_bytes == 3 * PAGE * 2 * KV_HEADS * HEAD_DIM * 4  # a page of every layer
+    assert pool.free_pages() == 16 and pool.available_size() == 16 * PAGE
+    # three full layers and 14 window layers: groups of three, the last of two
+    big = WindowedKVPool(4, 3, PAGE, [None, W, W] * 3 + [W] * 8, 1, 8, torch.float32, "cpu")
+    assert big.groups == 5 and big.num_pages == 4 + 3 * 14 // 3
+    assert [len(g) for g in big.group_layers] == [3, 3, 3, 3, 2]
+
+
+def test_alloc_takes_a_full_page_and_a_page_of_each_group() -> None:
+    pool = unit_pool()
     slots = pool.alloc(3 * PAGE)
     assert slots is not None and slots.numel() == 3 * PAGE
-    assert sizes(pool) == (start[0] - 3 * PAGE, start[1] - 3 * PAGE)
-    assert pool.window_used() == 3 * PAGE
-    pages = pool.window_pages_of(slots)
-    assert pages.numel() == 3 and PADDING_PAGE not in pages.tolist()
-    assert len(set(pages.tolist())) == 3
-    # every slot to its window page, at the same offset
-    want = pages.repeat_interleave(PAGE) * PAGE + slots % PAGE
-    assert torch.equal(pool.window_slots(slots), want)
+    assert pool.free_pages() == 16 - 3 * 3
+    assert pool.window_used() == 3 * PAGE and pool.allocator.used_size() == 3 * PAGE
+    groups = pool.group_pages_of(slots)
+    assert groups.shape == (3, 2) and PADDING_PAGE not in groups.reshape(-1).tolist()
+    taken = [*pages_of(slots, PAGE).tolist(), *groups.reshape(-1).tolist()]
+    assert len(set(taken)) == 9  # no page twice
+    assert torch.equal(pool.window_pages_of(slots), groups[:, 0])
+    # every slot to its group's page, at the same offset
+    for g in range(2):
+        want = groups[:, g].repeat_interleave(PAGE) * PAGE + slots % PAGE
+        assert torch.equal(pool.window_slots(slots, g), want)
     # no window pages when asked for none
     bare = pool.alloc(PAGE, window=False)
-    assert bare is not None and pool.window_used() == 3 * PAGE
-    assert pool.window_pages_of(bare).tolist() == [PADDING_PAGE]
+    assert bare is not None and pool.window_used() == 3 * PAGE and pool.free_pages() == 6
+    assert pool.group_pages_of(bare).tolist() == [[PADDING_PAGE, PADDING_PAGE]]
 
 
 def test_drop_window_frees_exactly_the_mapped_pages_once() -> None:
     pool = unit_pool()
     slots = pool.alloc(3 * PAGE)
-    kept = pool.window_pages_of(slots[2 * PAGE:])
-    full_free = pool.available_size()
+    kept = pool.group_pages_of(slots[2 * PAGE:])
+    free = pool.free_pages()
     assert pool.drop_window(slots[:2 * PAGE]) == 2 * PAGE
-    assert pool.window_used() == PAGE and pool.available_size() == full_free
-    assert pool.window_pages_of(slots).tolist() == [PADDING_PAGE, PADDING_PAGE, *kept.tolist()]
+    assert pool.window_used() == PAGE and pool.free_pages() == free + 4
+    assert pool.group_pages_of(slots).tolist() == [[PADDING_PAGE] * 2] * 2 + kept.tolist()
     assert pool.drop_window(slots[:2 * PAGE]) == 0  # nothing left to give
     assert pool.window_used() == PAGE
     # a range partly dropped gives only what is still mapped
     assert pool.drop_window(slots) == PAGE and pool.window_used() == 0
     assert pool.drop_window(torch.empty(0, dtype=INDEX_DTYPE)) == 0
+    assert pool.free_pages() == 16 - 3 and pool.allocator.used_size() == 3 * PAGE
 
 
 def test_free_gives_both_back() -> None:
     pool = unit_pool()
-    start = sizes(pool)
     a, b = pool.alloc(2 * PAGE), pool.alloc(2 * PAGE)
     pool.drop_window(a[:PAGE])  # partly dropped already
     pool.free(a)
     pool.free(b)
-    assert sizes(pool) == start and pool.window_used() == 0
+    assert pool.free_pages() == 16 and pool.window_used() == 0
+    assert pool.allocator.used_size() == 0
     assert pool.window_pages_of(torch.cat([a, b])).tolist() == [PADDING_PAGE] * 4
     # the pages come back and map again
     again = pool.alloc(4 * PAGE)
     assert again is not None and PADDING_PAGE not in pool.window_pages_of(again).tolist()
 
 
-def test_alloc_takes_nothing_when_the_window_pool_is_short() -> None:
-    pool = unit_pool(num_pages=8, window_pages=2)
-    start = sizes(pool)
-    assert pool.alloc(3 * PAGE) is None
-    assert sizes(pool) == start
-    slots = pool.alloc(2 * PAGE)
-    assert slots is not None and pool.window_available() == 0
-    assert pool.alloc(PAGE) is None and pool.available_size() == start[0] - 2 * PAGE
-    pool.drop_window(slots[:PAGE])  # a page back: room again
-    assert pool.alloc(PAGE) is not None
+def test_either_kind_takes_the_pages_the_other_left() -> None:
+    """No share of its own: full pages alone fill the pool, window pages take what full
+    ones gave back, and an allocation the pool cannot meet takes nothing."""
+    pool = unit_pool()
+    full = pool.alloc(16 * PAGE, window=False)
+    assert full is not None and pool.free_pages() == 0 and pool.window_available() == 0
+    assert pool.alloc(PAGE) is None and pool.pages_short(PAGE) == 3
+    pool.free(full[:4 * PAGE])
+    assert pool.pages_short(2 * PAGE) == 2 and pool.alloc(2 * PAGE) is None
+    assert pool.free_pages() == 4  # nothing taken
+    slots = pool.alloc(PAGE)
+    assert slots is not None and pool.free_pages() == 1 and pool.window_used() == PAGE
+    pool.free(slots)
+    pool.free(full[4 * PAGE:])
+    windowed = pool.alloc(5 * PAGE)  # 15 of the 16 pages: most of them window pages
+    assert windowed is not None and pool.window_used() == 5 * PAGE and pool.free_pages() == 1
+    assert pool.window_capacity() == pool.request_capacity() == 5 * PAGE
 
 
 def test_window_slots_send_an_unmapped_page_to_the_padding_page() -> None:
     pool = unit_pool()
     slots = pool.alloc(2 * PAGE)
     pool.drop_window(slots[:PAGE])
-    got = pool.window_slots(slots)
-    assert torch.equal(got[:PAGE], torch.arange(PAGE))
-    assert bool((got[PAGE:] >= PAGE).all())
+    for g in range(2):
+        got = pool.window_slots(slots, g)
+        assert torch.equal(got[:PAGE], torch.arange(PAGE))
+        assert bool((got[PAGE:] >= PAGE).all())
     bare = pool.alloc(PAGE, window=False)
-    assert torch.equal(pool.window_slots(bare), torch.arange(PAGE))
+    assert torch.equal(pool.window_slots(bare, 1), torch.arange(PAGE))
 
 
-def test_layers_route_to_their_pool_and_batch() -> None:
+def test_layers_route_to_their_buffer_and_group() -> None:
     pool = unit_pool()
     slots = pool.alloc(2 * PAGE)
     assert [pool.is_window_layer(i) for i in range(3)] == [True, False, True]
-    assert pool.get_kv(0)[0] is pool.windowed.k_buffers[0]
-    assert pool.get_kv(1)[1] is pool.full.v_buffers[0]
-    assert pool.get_kv(2)[0] is pool.windowed.k_buffers[1]
-    assert pool.k_buffers[2] is pool.windowed.k_buffers[1]
+    assert [pool.kv_group(i) for i in range(3)] == [1, 0, 2]
+    # one layer per page: every layer's K and V are the pool's one pair of buffers
+    for layer in range(3):
+        assert pool.get_kv(layer)[0] is pool.shared.k_buffers[0]
+        assert pool.k_buffers[layer] is pool.shared.k_buffers[0]
+        assert pool.get_kv(layer)[1] is pool.shared.v_buffers[0]
     batch = extend_batch([(torch.arange(2 * PAGE), slots, 0)])
     assert pool.batch_for(1, batch) is batch
-    mapped = pool.batch_for(0, batch)
-    assert pool.batch_for(2, batch) is mapped  # once per forward
-    assert torch.equal(mapped.out_slots, pool.window_slots(slots))
-    assert torch.equal(mapped.seq_slots[0], pool.window_slots(slots))
+    first, second = pool.batch_for(0, batch), pool.batch_for(2, batch)
+    assert pool.batch_for(0, batch) is first  # once per forward and group
+    for mapped, g in ((first, 0), (second, 1)):
+        assert torch.equal(mapped.out_slots, pool.window_slots(slots, g))
+        assert torch.equal(mapped.seq_slots[0], pool.window_slots(slots, g))
     k = torch.randn(2 * PAGE, KV_HEADS, HEAD_DIM)
-    pool.set_kv(2, mapped.out_slots, k, -k)
-    assert torch.equal(pool.windowed.k_buffers[1][mapped.out_slots], k)
-    assert not pool.full.k_buffers[0].any()
+    pool.set_kv(2, second.out_slots, k, -k)
+    assert torch.equal(pool.shared.k_buffers[0][second.out_slots], k)
+    assert not pool.shared.k_buffers[0][slots].any()  # layer 1's slots untouched
+    assert not pool.shared.k_buffers[0][first.out_slots].any()  # nor layer 0's
     # the plain pool: the batch as it is, no windows
     plain = DeviceKVPool(4, PAGE, 3, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
     assert plain.batch_for(0, batch) is batch and not plain.has_windows and pool.has_windows
@@ -289,7 +316,7 @@ def test_windowed_pool_gives_the_plain_pools_logits_and_tokens(
     chunks = CHUNKINGS[chunking]
     window = max(w for w in windows if w is not None)
     assert PROMPT_LEN > 3 * window
-    # the window pool holds a window, the largest chunk and two pages of rounding
+    # sized as a window, the largest chunk and two pages of rounding of the window layers
     window_pages = -(-(window + max(chunks)) // PAGE) + 2
     if len(chunks) > 1:  # less than the sequence: only giving pages back lets it run
         assert window_pages * PAGE < PROMPT_LEN + DECODE_STEPS
@@ -309,11 +336,14 @@ def test_windowed_pool_gives_the_plain_pools_logits_and_tokens(
         assert torch.equal(g, w), (g - w).abs().max().item()
     assert got.most_used <= window + max(chunks) + 2 * PAGE
     assert got.dropped >= floor_page(PROMPT_LEN + DECODE_STEPS - window)
-    # the full layers' K/V by the request's slots, the same as the plain pool's
+    # one pool of pages: the full layers' buffers, which the window groups' layers share
     full = [i for i, w in enumerate(windows) if w is None]
+    window_layers = [i for i, w in enumerate(windows) if w is not None]
     for i, layer in enumerate(full):
-        assert pool.full.k_buffers[i].abs().sum() > 0
-        assert pool.get_kv(layer)[0] is pool.full.k_buffers[i]
+        assert pool.get_kv(layer)[0] is pool.shared.k_buffers[i]
+    for j, layer in enumerate(window_layers):
+        assert pool.get_kv(layer)[0] is pool.shared.k_buffers[j % len(full)]
+        assert pool.kv_group(layer) == 1 + j // len(full)
 
 
 class _Counting:

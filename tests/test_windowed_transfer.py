@@ -1,6 +1,7 @@
 """L1 <-> L2 copies of a hybrid model's L1 (`WindowedKVPool`): the full layers by the full
-pages, the window layers by each page's window page (hicache/transfer/engines.py), through
-kernels that take per-layer buffers of different slot counts (hicache/kernels/transfer_kv.py).
+pages, each window group's layers by that group's page of each page, in the buffers they
+share with the full layers (hicache/transfer/engines.py), through kernels that also take
+per-layer buffers of different slot counts (hicache/kernels/transfer_kv.py).
 
 A page without a window page is skipped for the window layers both ways: its host copy keeps
 that host page's window-layer bytes (poisoned here, so a stray copy would show), and a load
@@ -61,13 +62,15 @@ def pages(pool: WindowedKVPool, windowed: tuple[bool, ...]) -> torch.Tensor:
     return torch.cat(slots)
 
 
-def window_slots(pool: WindowedKVPool, slots: torch.Tensor) -> torch.Tensor:
-    return pool.window_slots(slots.to(pool.device))
+def window_slots(pool: WindowedKVPool, slots: torch.Tensor, group: int = 0) -> torch.Tensor:
+    return pool.window_slots(slots.to(pool.device), group)
 
 
 def kv(pool: WindowedKVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """Layer `layer`'s K and V at full `slots` (through the page map for a window layer)."""
-    at = window_slots(pool, slots) if pool.is_window_layer(layer) else slots.to(pool.device)
+    """Layer `layer`'s K and V at full `slots` (through its group's map for a window
+    layer)."""
+    at = (window_slots(pool, slots, pool.kv_group(layer) - 1) if pool.is_window_layer(layer)
+          else slots.to(pool.device))
     return torch.stack([pool.k_buffers[layer][at], pool.v_buffers[layer][at]]).cpu()
 
 
@@ -105,19 +108,18 @@ def check_round_trip(pool: WindowedKVPool, host: HostKVPool, engine) -> None:
                 assert bool((got[:, i] == DEVICE_POISON).all()), (layer, i)
     handle.wait()
     assert handle.done() and not handle.failed()
-    # Nothing else was written: in the full pool beyond `dst`, in the window pool beyond the
-    # window pages of `dst`'s pages (the padding page included).
-    full_written = torch.zeros(pool.full.k_buffers[0].shape[0], dtype=torch.bool)
-    full_written[dst] = True
-    window_written = torch.zeros(pool.windowed.k_buffers[0].shape[0], dtype=torch.bool)
+    # Nothing else was written in the buffers the layers share: no slot but `dst`'s and
+    # those of each group's pages of `dst`'s pages (not the padding page).
+    written = torch.zeros(pool.shared.k_buffers[0].shape[0], dtype=torch.bool)
+    written[dst] = True
     mapped = pool.window_pages_of(dst)
     assert PADDING_PAGE in mapped.tolist()
-    window_written[window_slots(pool, dst).cpu()[(mapped != PADDING_PAGE)
-                                                  .repeat_interleave(PS)]] = True
-    for layer in range(pool.num_layers):
-        written = window_written if pool.is_window_layer(layer) else full_written
-        for buf in (pool.k_buffers[layer], pool.v_buffers[layer]):
-            assert bool((buf.cpu()[~written] == DEVICE_POISON).all()), layer
+    for group in range(pool.groups):
+        written[window_slots(pool, dst, group).cpu()[(mapped != PADDING_PAGE)
+                                                     .repeat_interleave(PS)]] = True
+    assert not bool(written[:PS].any())
+    for buf in (*pool.shared.k_buffers, *pool.shared.v_buffers):
+        assert bool((buf.cpu()[~written] == DEVICE_POISON).all())
     engine.close()
 
 
@@ -171,28 +173,30 @@ def test_cuda_engine_queues_one_list_per_kind_of_layer_and_an_event_per_layer(
     pool, host = make_pools("page_first")
     engine = CudaTransferEngine(pool, host, "kernel")
     src, hidx = pages(pool, (True, False, True)), host.alloc(3 * PS)
-    window = pool.window_pages_of(src)
+    groups = pool.group_pages_of(src)  # layer 0: group 0, layer 2: group 1
+    first, second = [groups[0, 0].item(), groups[2, 0].item()], \
+        [groups[0, 1].item(), groups[2, 1].item()]
     full_pages, host_pages = (src[::PS] // PS).tolist(), (hidx[::PS] // PS).tolist()
     engine.copy_d2h(src, hidx)
     log = fake_cuda.log
     assert log[0] == ("wait_stream", "d2h", "compute")
     copies = [e for e in log if e[0] == "d2h"]
+    windowed_host = [host_pages[0], host_pages[2]]
     assert [(e[4], e[5]) for e in copies] == [
         (pool.full_layers, (full_pages, host_pages)),
-        (pool.window_layers, ([window[0].item(), window[2].item()],
-                              [host_pages[0], host_pages[2]]))]
-    assert len([e for e in log if e[0] == "upload"]) == 4 and log[-1][:2] == ("record", "d2h")
+        ((0,), (first, windowed_host)), ((2,), (second, windowed_host))]
+    assert len([e for e in log if e[0] == "upload"]) == 6 and log[-1][:2] == ("record", "d2h")
 
     fake_cuda.log.clear()
     handle = engine.copy_h2d(hidx, src)
     copies = [e for e in log if e[0] == "h2d"]
     assert [(e[4], e[5]) for e in copies] == [
-        ([0], ([host_pages[0], host_pages[2]], [window[0].item(), window[2].item()])),
+        ([0], (windowed_host, first)),
         ([1], (host_pages, full_pages)),
-        ([2], ([host_pages[0], host_pages[2]], [window[0].item(), window[2].item()]))]
+        ([2], (windowed_host, second))]
     records = [e for e in log if e[0] == "record"]
     assert handle.num_layers == 3 and len(records) == 3
-    assert len([e for e in log if e[0] == "upload"]) == 4  # once per copy, not per layer
+    assert len([e for e in log if e[0] == "upload"]) == 6  # once per copy, not per layer
 
     fake_cuda.log.clear()  # no page with a window page: no window-layer copy, every event
     bare = pages(pool, (False,))
@@ -201,13 +205,13 @@ def test_cuda_engine_queues_one_list_per_kind_of_layer_and_an_event_per_layer(
     assert len([e for e in log if e[0] == "record"]) == 3
 
 
-def test_cuda_engine_checks_window_pages_against_the_window_pool(
+def test_cuda_engine_checks_window_pages_against_the_pool(
         fake_cuda: _Recorder) -> None:  # noqa: F811 - the fixture
     pool, host = make_pools("page_first")
     engine = CudaTransferEngine(pool, host, "kernel")
     slots = pages(pool, (True,))
-    pool._map[slots[0] // PS] = WINDOW_PAGES + 1  # past the window pool (a corrupt map)
-    with pytest.raises(ValueError, match=rf"device pages must lie in \[0, {WINDOW_PAGES + 1}\)"):
+    pool._map[slots[0] // PS, 1] = pool.num_pages + 1  # past the pool (a corrupt map)
+    with pytest.raises(ValueError, match=rf"device pages must lie in \[0, {pool.num_pages + 1}\)"):
         engine.copy_h2d(host.alloc(PS), slots)
     assert not [e for e in fake_cuda.log if e[0] in ("h2d", "upload")]
 

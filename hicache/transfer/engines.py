@@ -16,11 +16,11 @@ queue time and makes the copy stream wait on it, and `wait_layer` makes the comp
 wait on the layer's event.
 
 Hybrid models (`WindowedKVPool`, `has_windows`): a host page holds every layer of a page, as
-for any pool; a window layer's side of it lives in the full page's window page, read from the
-pool's page map when `copy_d2h` / `copy_h2d` is called. A page without one (PADDING_PAGE) is
+for any pool; a window layer's side of it lives in its group's page for the full page, read
+from the pool's page map when `copy_d2h` / `copy_h2d` is called. A page without them (PADDING_PAGE) is
 skipped for the window layers both ways: its host copy keeps whatever window-layer bytes
 that host page held (the tree records it has no window KV), and a load writes no window page
-for it. So a copy is one page list per kind of layer (`_PageGroup`); a plain DeviceKVPool's
+for it. So a copy is one page list per group of layers (`_PageGroup`); a plain DeviceKVPool's
 is one group of every layer, the very calls of a pool without windows.
 
 Threading: `copy_d2h`, `copy_h2d` and the handles' methods are called by the scheduler thread
@@ -106,9 +106,8 @@ class TransferEngine(ABC):
         self.io_backend = io_backend
         self.page_size = device_pool.page_size
         self._windows = getattr(device_pool, "has_windows", False)  # a WindowedKVPool
-        # pages in the buffers of every layer (a hybrid pool's: of its full layers)
-        full = device_pool.full if self._windows else device_pool
-        self._device_pages = full.k_buffers[0].shape[0] // self.page_size
+        # pages in the buffers of every layer (a hybrid pool's window layers share them)
+        self._device_pages = device_pool.k_buffers[0].shape[0] // self.page_size
 
     @abstractmethod
     def copy_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor
@@ -130,17 +129,18 @@ class TransferEngine(ABC):
     def _groups(self, device_indices: torch.Tensor, dev_pages: torch.Tensor,
                 host_pages: torch.Tensor) -> tuple[list[_PageGroup], list[int]]:
         """(the copy's page groups, the group of each layer): one group of every layer for a
-        pool without windows; else the full layers by `dev_pages`, the window layers by the
-        window pages of the pages that have one (read from the page map now)."""
+        pool without windows; else the full layers by `dev_pages`, and each window group's
+        layers by that group's pages of the pages that have them (read from the page map
+        now)."""
         d = self.device_pool
         if not self._windows:
             return [_PageGroup(None, dev_pages, host_pages, self._device_pages)], [0] * d.num_layers
-        window = d.window_pages_of(device_indices)
-        live = window != PADDING_PAGE
-        groups = [_PageGroup(d.full_layers, dev_pages, host_pages, self._device_pages),
-                  _PageGroup(d.window_layers, window[live], host_pages[live],
-                             d.windowed.k_buffers[0].shape[0] // self.page_size)]
-        return groups, [int(d.is_window_layer(i)) for i in range(d.num_layers)]
+        window = d.group_pages_of(device_indices)  # [pages, groups]
+        live = window[:, 0] != PADDING_PAGE
+        groups = [_PageGroup(d.full_layers, dev_pages, host_pages, self._device_pages)]
+        groups += [_PageGroup(layers, window[live, g], host_pages[live], self._device_pages)
+                   for g, layers in enumerate(d.group_layers)]
+        return groups, [d.kv_group(i) for i in range(d.num_layers)]
 
 
 # ----------------------------------------------------------------------------------- CPU

@@ -89,13 +89,13 @@ class HostLoads:
         if len(host_indices) < self.tree.load_back_threshold:
             return LoadBack(EMPTY, node)
         windowed = self._windowed(nodes, last_host_node)
-        device = (self._alloc_for_load(node, last_host_node, host_indices)
+        device = (self._alloc_for_load(node, last_host_node, host_indices, windowed)
                   if windowed >= 0 else None)
         if device is None:
             return LoadBack(EMPTY, node)
-        if windowed:  # room made by `_windowed`
+        if windowed:  # room made by `_windowed` and `_alloc_for_load`
             given = self.controller.device_pool.give_window(device[-windowed:])
-            assert given, "the window pool lost the room `_windowed` made"
+            assert given, "the pool lost the room `_windowed` made"
         offset = self.tree.place_on_device(nodes, device)
         self.tree.inc_lock_ref(last_host_node)
         self.ongoing[last_host_node.id] = (nodes, time.monotonic())
@@ -106,7 +106,7 @@ class HostLoads:
         """The tombstones on L1 in the window of a hit ending at `last` get their window KV
         back from their L2 copies, now (a hit counts on them: `WindowKV.hit_nodes`); the
         caller's lock keeps them. False, with nothing changed, when one has no finished
-        copy or the window pool has no room: the hit then falls back to L1's own."""
+        copy or the pool has no room: the hit then falls back to L1's own."""
         windows, pool = self.tree.windows, self.controller.device_pool
         cut, nodes, node = windows.needed_from(last.end), [], last
         while node.parent is not None and node.end > cut:
@@ -120,7 +120,7 @@ class HostLoads:
             return False
         for n in nodes:
             given = pool.give_window(n.value)
-            assert given, "the window pool lost the room just made"
+            assert given, "the pool lost the room just made"
             self.controller.load_windows_now(n.host_value, n.value)
             windows.gained(n)
         return True
@@ -128,7 +128,7 @@ class HostLoads:
     def _windowed(self, nodes: list[HiTreeNode], last: HiTreeNode) -> int:
         """A hybrid model's load: the tokens at the end of `nodes` whose window KV it
         brings up too, what a query at `last`'s end reads (the rest comes up with its full
-        layers only), with room made for them in the window pool. -1: no room (no load)."""
+        layers only), with room made for them in the pool. -1: no room (no load)."""
         windows = self.tree.windows
         if windows is None:
             return 0
@@ -137,11 +137,21 @@ class HostLoads:
         return tokens if windows.make_room(tokens) else -1
 
     def _alloc_for_load(self, ancestor: HiTreeNode, last: HiTreeNode,
-                        host_indices: torch.Tensor) -> torch.Tensor | None:
-        """Device slots for a load, evicting L1 once if needed; the path is kept meanwhile."""
+                        host_indices: torch.Tensor, windowed: int = 0) -> torch.Tensor | None:
+        """Device slots for a load, evicting L1 once if needed; the path is kept meanwhile.
+        A hybrid model's pool shares its pages between full and window layers: room is
+        made for the `windowed` tokens' window pages too, which `give_window` then takes."""
         tree = self.tree
         tree.inc_lock_ref(ancestor)
         tree.protect_host(last)
+        if tree.windows is not None:
+            short = self.controller.device_pool.pages_short(len(host_indices), windowed)
+            if short:
+                tree.evict(short * self.page_size)
+                if self.controller.device_pool.pages_short(len(host_indices), windowed):
+                    tree.release_host(last)
+                    tree.dec_lock_ref(ancestor)
+                    return None
         device = self.controller.load(host_indices, last.id)
         if device is None:
             tree.evict(len(host_indices))

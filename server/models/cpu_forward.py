@@ -275,14 +275,14 @@ class _BoundAttention:
     """Every layer's K/V write and attention for one batch, bound: `self(i)` writes layer
     i's new K/V (the plan's k, v) at the batch's out slots and runs its attention into the
     plan's `attention_out`. A plain pool has one slot set for every layer; a WindowedKVPool
-    one for its full layers and one for its window layers (`batch_for`: mapped once), each
-    bound over its own pool's buffers."""
+    one for its full layers and one for each window group (`batch_for`: mapped once), each
+    bound over its layers' buffers."""
 
     def __init__(self, lean: LeanForward, backend: CpuKernelAttention, batch: ForwardBatch,
                  kv_pool: DeviceKVPool, plan: _Plan) -> None:
-        groups: dict[bool, list[int]] = {}
+        groups: dict[int, list[int]] = {}
         for i in range(len(lean.windows)):
-            groups.setdefault(kv_pool.has_windows and kv_pool.is_window_layer(i), []).append(i)
+            groups.setdefault(kv_pool.kv_group(i) if kv_pool.has_windows else 0, []).append(i)
         self.k, self.v = plan.k, plan.v
         self.k_buffers, self.v_buffers = kv_pool.k_buffers, kv_pool.v_buffers
         # layer -> (its group's BoundLayers, its index there, the group's out slots)

@@ -163,7 +163,12 @@ class Admission:
         req.kv.lease, prefix, loaded = self.cache.admit(m, plan.evict_tokens)
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
         need = pages_up((plan.stop or req.seq_len) - len(prefix), self.page_size)
-        assert need <= self.kv.free_tokens(), (
+        if need > self.kv.free_tokens() and self.cache.slots.has_windows:
+            # a hybrid model's pool shares its pages: the load-back's window pages came
+            # out of those the plan counted free; its fill waits for room as a step's
+            # window pages do (`RequestKV.ensure_slots`)
+            self.cache.slots.evict(need - self.kv.free_tokens())
+        assert need <= self.kv.free_tokens() or self.cache.slots.has_windows, (
             f"admission promised {plan.need_tokens} tokens, {self.kv.free_tokens()} are free")
         req.kv.slots, req.kv.reserved = prefix, need
         req.kv.num_computed = req.kv.tree_len = req.kv.admit_hit = len(prefix)

@@ -39,7 +39,7 @@ class RequestKV:
         self.cache = cache
         self.page_size = cache.page_size
         self.running = running  # the scheduler's list: their reservations are spoken for
-        self.windowed = cache.slots.has_windows  # a hybrid model's split L1
+        self.windowed = cache.slots.has_windows  # a hybrid model's shared L1
 
     def free_tokens(self) -> int:
         """Free L1 slots not promised to a running request."""
