@@ -4,7 +4,9 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
 
     a request's new tokens   alloc(tokens); free_slots()  (evict(tokens) first when short)
     admission, asked         room_beyond(hit): what eviction could free with its path held;
-                             window_promise(...): the window pages a request may still take
+                             window_fits(tokens): whether the window layers can take a step;
+                             window_promise(...), window_take(tokens),
+                             load_window_take(tokens): their window pages
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
     a step's end             leave_window(slots, shared, start, upto): a hybrid model's
                              window layers give back what no later query of it reads
@@ -13,15 +15,15 @@ A hybrid model's L1 has two kinds of slot in one pool of pages (`WindowedKVPool`
 token takes a full one, a token in some window a page of each window group too. Its counts
 are in page slots (`free_slots`, `evict`, `evictable_size`, `room_beyond`: a page of either
 kind is `page_size` of them): a request's new tokens take one each for their full pages,
-which the scheduler promises as for any model, and a page of every group for each of their
-pages, which it promises by `window_promise`: the window pages a request may still take,
-at most what a window and a step hold at once (its window slots are given back as it moves
-on: `leave_window`, spare, then free). So a fill is promised its full pages and a window's
-worth of window pages, not a window page for every token, and every window page a step
-takes was promised. `alloc` tombstones the tree's window KV (`WindowKV`) when the pool is
-short, evicts the tree's unlocked pages when it still is, and may still return None (the
-scheduler then runs the request a step later, or retracts one, as for a decode without
-room).
+which the scheduler promises as for any model, and `window_take(tokens)` more for their
+window pages, which it promises by `window_promise`: the window pages a request may still
+take, at most what a window and a step hold at once (its window slots are given back as it
+moves on: `leave_window`, spare, then free). So a fill is promised its full pages and a
+window's worth of window pages, not a window page for every token. `alloc` tombstones the
+tree's window KV (`WindowKV`) when the pool is short, evicts the tree's unlocked pages when
+it still is, and may still return None (the scheduler then runs the request a step later,
+or retracts one, as for a decode without room); admission waits while `window_fits` says
+the window layers cannot take the request's first step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -91,27 +93,50 @@ class SlotCalls:
         pool = self._pool
         return (pool.free_pages() + pool.spare_pages() * pool.groups) * pool.page_size
 
-    def window_promise(self, held: int, shared: int, computed: int, upto: int,
-                       filling: bool, loading: int = 0) -> int:
-        """Page slots a request's window pages may still take (0 without window layers):
-        it holds L1 slots [0, `held`), the tree's the first `shared`, has computed
-        `computed` tokens and may hold up to `upto`; `loading`: an L2 load-back of that
-        many tokens comes up for it, with the window pages a query at its end reads
-        (`HostLoads._windowed`). Its own pages in some window, those `leave_window` has
-        not made spare, never pass what a step and a window hold (`filling`: more than one
-        token to compute; a decode's steps are one token), so it is promised what it may
-        take before reaching that: its new tokens' window pages up to it. A step never
-        takes more window pages than its request was promised."""
+    def window_take(self, tokens: int) -> int:
+        """Page slots the window pages of `tokens` new tokens take when allocated (0
+        without window layers): a page of every window group for each of their pages."""
+        return 0 if self._windows is None else tokens * self._pool.groups
+
+    def load_window_take(self, tokens: int) -> int:
+        """Page slots a load-back of `tokens` from L2 takes for its window pages (0 without
+        window layers): those a query at its end reads (`HostLoads._windowed`)."""
         if self._windows is None:
             return 0
-        ps, window = self._pool.page_size, self._windows.window
+        return self.window_take(min(tokens, self._windows.window + 2 * self._pool.page_size))
+
+    def window_promise(self, held: int, shared: int, computed: int, upto: int,
+                       filling: bool) -> int:
+        """Page slots a request's window pages may still take (0 without window layers):
+        it holds L1 slots [0, `held`), the tree's the first `shared`, has computed
+        `computed` tokens and may hold up to `upto`. Its own pages in some window, those
+        `leave_window` has not made spare, never pass what a step and a window hold (a
+        filling request's; a decoding one's steps are one token), so it is promised what
+        it may take before reaching that: its new tokens' window pages up to it."""
+        if self._windows is None:
+            return 0
+        ps = self._pool.page_size
         cut = self._windows.needed_from(pages_down(computed - 1, ps)) if computed else 0
         live = max(0, held - max(shared, cut))
         new = max(0, pages_up(upto, ps) - held)
         # [cut, held) with cut >= computed - window - 2 pages and held <= a step on
-        cap = (STEP_TOKENS if filling else 0) + window + 4 * ps
-        own = max(0, min(live + new, cap) - live)
-        return (own + min(loading, window + 2 * ps)) * self._pool.groups
+        cap = (STEP_TOKENS if filling else 0) + self._windows.window + 4 * ps
+        return self.window_take(max(0, min(live + new, cap) - live))
+
+    def window_fits(self, tokens: int) -> bool:
+        """Whether a request filling `tokens` more can take its next step's window-layer
+        slots now (always, without window layers): a step's tokens at most, and what its
+        next query reads, which its lease keeps (at most what the pool holds with window
+        KV), against the free pages, the window KV the tree may tombstone and the pages
+        its unlocked nodes would give back."""
+        if self._windows is None:
+            return True
+        pool = self._pool
+        need = min(min(tokens, STEP_TOKENS) + self._windows.window + pool.page_size,
+                   pool.window_capacity())
+        # full-layer KV of the tree's unlocked nodes holds pages eviction gives back too
+        evictable = self._tree.evictable_size() // pool.groups
+        return pool.window_available() + self._windows.tombstonable + evictable >= need
 
     def leave_window(self, slots: torch.Tensor, shared: int, start: int, upto: int) -> None:
         """A request computed its tokens from `start` up to `upto`: its own window slots

@@ -399,6 +399,7 @@ def test_a_pool_full_of_full_layer_kv_makes_room_for_a_request_s_windows() -> No
     bare = pool.alloc(pool.free_pages() * PAGE, window=False)  # a request's own, no window
     assert bare is not None and pool.free_pages() == 0 and pool.window_available() == 0
     assert tree.windows.tombstonable == 0
+    assert slots.window_fits(16)  # the tree's 24 evictable pages
     got = slots.alloc(16)  # 4 full pages and 8 window pages: evicted, oldest first
     assert got is not None and pool.window_used() == 16
     tree.check_integrity()
@@ -419,14 +420,15 @@ def test_a_pool_full_of_full_layer_kv_makes_room_for_a_request_s_windows() -> No
 
 def test_a_fill_is_promised_a_window_and_a_step_of_window_pages_not_one_per_token() -> None:
     """`SlotCalls` counts a hybrid pool in page slots: a request's new tokens take one for
-    their full page and a page of each group for their window pages; `window_promise` is
-    what its window pages may still take: its new tokens' up to what its own pages in some
-    window hold at most (a step and a window while it fills, a window while it decodes),
-    less what they hold now, and a load-back's. A model without windows promises none."""
+    their full page and `window_take` for their window pages; `window_promise` is what its
+    window pages may still take: its new tokens' up to what its own pages in some window
+    hold at most (a step and a window while it fills, a window while it decodes), less
+    what they hold now. A model without windows promises nothing of the kind."""
     pool = make_pool()  # one full layer, two window layers of 8 tokens: two groups
     slots = SlotCalls(make_tree(pool), pool)
     groups, window = pool.groups, 8
-    assert groups == 2 and slots.free_slots() == pool.num_pages * PAGE
+    assert groups == 2 and slots.window_take(12) == 24
+    assert slots.free_slots() == pool.num_pages * PAGE
     fill_cap, decode_cap = STEP_TOKENS + window + 4 * PAGE, window + 4 * PAGE
     # a short fill: a window page of each group for each of its pages
     assert slots.window_promise(0, 0, 0, 10, True) == groups * 12
@@ -439,12 +441,12 @@ def test_a_fill_is_promised_a_window_and_a_step_of_window_pages_not_one_per_toke
     assert slots.window_promise(5_004, 4_096, 5_000, 5_004, False) == 0  # nothing more to take
     # its prompt just cached: every page of it the tree's, its window too
     assert slots.window_promise(4_096, 4_096, 4_096, 4_100, False) == groups * 4
-    # admitted with 4,096 tokens loaded back from L2: their trailing window's pages too
-    assert slots.window_promise(4_096, 4_096, 4_096, 4_100, True, loading=4_096) \
-        == groups * (4 + window + 2 * PAGE)
+    # admission's: as if the hit were all the tree's, and a load-back's window pages
+    assert slots.load_window_take(4_096) == groups * (window + 2 * PAGE)
     plain = DeviceKVPool(16, PAGE, 1, 1, 2, torch.float32, "cpu")
     flat = SlotCalls(RadixCache(plain, page_size=PAGE), plain)
-    assert flat.window_promise(0, 0, 0, 10_000, True, loading=64) == 0
+    assert (flat.window_promise(0, 0, 0, 10_000, True), flat.window_take(64),
+            flat.load_window_take(64)) == (0, 0, 0)
 
 
 def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:

@@ -38,8 +38,8 @@ from hicache.door import CacheDoor
 from hicache.handles import Hit, Resume
 from hicache.pages import pages_up
 from hicache_server.request import Request
-from hicache_server.scheduler.kv import RequestKV, cache_key, filling
-from hicache_server.scheduler.policy import InBatchSharing, make_policy
+from hicache_server.scheduler.kv import RequestKV, cache_key
+from hicache_server.scheduler.policy import InBatchSharing, filling, make_policy
 
 # The new-token estimate, SGLang's defaults (global_config / ServerArgs with
 # schedule_conservativeness 1): start at 0.7 of every request's remaining max_new_tokens, fall
@@ -142,8 +142,13 @@ class Admission:
         # pages; both are promised now. Its new tokens, and the running requests', are
         # estimated: room for them is asked, nothing is promised.
         fill = m.host_tokens + pages_up((stop or req.seq_len) - m.tokens, self.page_size)
+        if not self.cache.slots.window_fits(fill):
+            return None  # a hybrid model's window layers cannot take its first step yet
         # a hybrid model's window pages: the load-back's, and those its fill may take
-        need = fill + self.kv.window_promise(req, held=m.tokens, loading=m.host_tokens)
+        need = fill
+        if self.kv.windowed:
+            need += (self.cache.slots.load_window_take(m.host_tokens)
+                     + self.kv.window_promise(req, held=m.tokens))
         free = self.kv.free_tokens()
         short = need + self.ratio.estimate(req) + self.running_estimate() - free
         if short > 0 and self.cache.slots.room_beyond(m) < short:

@@ -34,12 +34,6 @@ def cache_key(req: Request) -> list[int]:
     return req.all_ids[:req.cacheable_len]
 
 
-def filling(req: Request) -> bool:
-    """Whether a running request is still computing its fill (its prompt; a retracted one's
-    prompt and output), which the tree gets when it ends. A decode is not a fill."""
-    return not req.prefilled or req.kv.num_computed + 1 < (req.kv.head_stop or req.seq_len)
-
-
 class RequestKV:
     def __init__(self, cache: CacheDoor, running: list[Request]) -> None:
         self.cache = cache
@@ -55,20 +49,19 @@ class RequestKV:
             promised += sum(self.window_promise(r) for r in self.running)
         return self.cache.slots.free_slots() - promised
 
-    def window_promise(self, req: Request, held: int | None = None, loading: int = 0) -> int:
+    def window_promise(self, req: Request, held: int | None = None) -> int:
         """The page slots a hybrid model's window pages of `req` may still take
         (`SlotCalls.window_promise`), up to its fill and the most tokens it may generate;
-        `held`: as if it held that many slots, all the tree's, `loading` of them loaded
-        back from L2 (a request being admitted)."""
+        `held`: as if it held that many slots, all the tree's (a request being admitted)."""
         # its last token is never computed (nothing reads its KV); past a window and a
         # step, the promise stops growing: no clip on max_new_tokens needed
         left = max(0, req.input.params.max_new_tokens - len(req.output.ids))
         upto = max(req.kv.head_stop or req.seq_len, req.seq_len + left - 1)
         if held is not None:
-            return self.cache.slots.window_promise(held, held, held, upto, True, loading)
+            return self.cache.slots.window_promise(held, held, held, upto, True)
         kv = req.kv
         return self.cache.slots.window_promise(len(kv.slots), kv.tree_len, kv.num_computed,
-                                               upto, filling(req))
+                                               upto, not req.prefilled)
 
     def ensure_slots(self, req: Request, upto: int) -> bool:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
@@ -80,8 +73,10 @@ class RequestKV:
         missing = pages_up(upto - len(req.kv.slots), self.page_size)
         if missing <= 0:
             return True
-        # a hybrid model's window pages for them are within its `window_promise`
-        extra = missing - min(missing, req.kv.reserved)
+        reserved = min(missing, req.kv.reserved)
+        extra = missing - reserved
+        if self.windowed:  # the window pages they take beyond its promise of them
+            extra += max(0, self.cache.slots.window_take(missing) - self.window_promise(req))
         if extra > self.free_tokens():
             self.cache.slots.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
@@ -91,7 +86,7 @@ class RequestKV:
             assert self.cache.slots.has_windows, (
                 f"L1 has {self.cache.slots.free_slots()} free, {missing} asked")
             return False
-        req.kv.reserved -= missing - extra
+        req.kv.reserved -= reserved
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True
 

@@ -143,6 +143,11 @@ def make_policy(name: str, cache: CacheDoor) -> SchedulePolicy:
 
 # ----------------------------------------------------------------------- delay scheduling
 
+def filling(req: Request) -> bool:
+    """Whether a running request is still computing its fill (its prompt; a retracted one's
+    prompt and output), which the tree gets when it ends. A decode is not a fill."""
+    return not req.prefilled or req.kv.num_computed + 1 < (req.kv.head_stop or req.seq_len)
+
 
 def filled_key(req: Request) -> list[int]:
     """The tokens an admitted request's fill computes, which the tree gets (whole pages)
