@@ -9,8 +9,8 @@ five parts reached as one attribute each, every part a small contract of its own
     admin        flush(tiers) -> tokens freed per tier;  stats(counters) -> CacheStats
 
     slots        L1: alloc, free_slots, device_capacity, evict, evictable_size,
-                 room_beyond, device_kv, leave_window, window_fits, window_take,
-                 window_promise, load_window_take, has_windows  (`hicache.stack_slots`)
+                 room_beyond, device_kv, leave_window, window_fits,
+                 has_windows                               (`hicache.stack_slots`)
     retention    pins and sessions: pin, unpin, unpin_all, touch_session, close_session,
                  expire, max_pinned_tokens                 (`hicache.stack_retention`)
     steps        acks and events: poll, busy, wait_copies, launch_loads, quiesce,

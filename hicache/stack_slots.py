@@ -4,26 +4,20 @@ pages that eviction can turn back into free ones. Sizes are in tokens (whole pag
 
     a request's new tokens   alloc(tokens); free_slots()  (evict(tokens) first when short)
     admission, asked         room_beyond(hit): what eviction could free with its path held;
-                             window_fits(tokens): whether the window layers can take a step;
-                             window_promise(...), window_take(tokens),
-                             load_window_take(tokens): their window pages
+                             window_fits(tokens): whether the window layers can take a step
     the model runner         device_kv(): the L1 buffers a forward reads and writes by slot
     a step's end             leave_window(slots, shared, start, upto): a hybrid model's
                              window layers give back what no later query of it reads
 
 A hybrid model's L1 has two kinds of slot in one pool of pages (`WindowedKVPool`): every
-token takes a full one, a token in some window a page of each window group too. Its counts
-are in page slots (`free_slots`, `evict`, `evictable_size`, `room_beyond`: a page of either
-kind is `page_size` of them): a request's new tokens take one each for their full pages,
-which the scheduler promises as for any model, and `window_take(tokens)` more for their
-window pages, which it promises by `window_promise`: the window pages a request may still
-take, at most what a window and a step hold at once (its window slots are given back as it
-moves on: `leave_window`, spare, then free). So a fill is promised its full pages and a
-window's worth of window pages, not a window page for every token. `alloc` tombstones the
-tree's window KV (`WindowKV`) when the pool is short, evicts the tree's unlocked pages when
-it still is, and may still return None (the scheduler then runs the request a step later,
-or retracts one, as for a decode without room); admission waits while `window_fits` says
-the window layers cannot take the request's first step.
+token takes a full one, a token in some window a page of each window group too. The
+scheduler counts, promises and reserves tokens as for any model, each at the pages it takes
+at most, its full page and a page of every group (`_units`), so what admission promises a
+step can take; window slots are given back as requests move on (spare, then free). `alloc`
+tombstones the tree's window KV (`WindowKV`) when the pool is short, evicts the tree's
+unlocked pages when it still is, and may still return None (the scheduler then runs the
+request a step later, or retracts one, as for a decode without room); admission waits
+while `window_fits` says the window layers cannot take the request's first step.
 
 Threading: scheduler thread only, like the tree and the pool it reads.
 """
@@ -35,7 +29,7 @@ import torch
 from hicache.handles import Hit
 from hicache.memory.device import DeviceKVPool
 from hicache.memory.windowed import STEP_TOKENS
-from hicache.pages import pages_down, pages_up
+from hicache.pages import pages_down
 from hicache.tree.base import PrefixCache
 
 
@@ -87,41 +81,20 @@ class SlotCalls:
 
     def free_slots(self) -> int:
         """L1 tokens free now (not the tree's, not a request's): full slots; for a hybrid
-        model, page slots, the spare window pages counted free (taken back first)."""
+        model, tokens that can take their full page and a page of every window group (see
+        `_units`)."""
         if self._windows is None:
             return self._pool.available_size()
         pool = self._pool
-        return (pool.free_pages() + pool.spare_pages() * pool.groups) * pool.page_size
+        return self._units(pool.free_pages() + pool.spare_pages() * pool.groups)
 
-    def window_take(self, tokens: int) -> int:
-        """Page slots the window pages of `tokens` new tokens take when allocated (0
-        without window layers): a page of every window group for each of their pages."""
-        return 0 if self._windows is None else tokens * self._pool.groups
-
-    def load_window_take(self, tokens: int) -> int:
-        """Page slots a load-back of `tokens` from L2 takes for its window pages (0 without
-        window layers): those a query at its end reads (`HostLoads._windowed`)."""
-        if self._windows is None:
-            return 0
-        return self.window_take(min(tokens, self._windows.window + 2 * self._pool.page_size))
-
-    def window_promise(self, held: int, shared: int, computed: int, upto: int,
-                       filling: bool) -> int:
-        """Page slots a request's window pages may still take (0 without window layers):
-        it holds L1 slots [0, `held`), the tree's the first `shared`, has computed
-        `computed` tokens and may hold up to `upto`. Its own pages in some window, those
-        `leave_window` has not made spare, never pass what a step and a window hold (a
-        filling request's; a decoding one's steps are one token), so it is promised what
-        it may take before reaching that: its new tokens' window pages up to it."""
-        if self._windows is None:
-            return 0
-        ps = self._pool.page_size
-        cut = self._windows.needed_from(pages_down(computed - 1, ps)) if computed else 0
-        live = max(0, held - max(shared, cut))
-        new = max(0, pages_up(upto, ps) - held)
-        # [cut, held) with cut >= computed - window - 2 pages and held <= a step on
-        cap = (STEP_TOKENS if filling else 0) + self._windows.window + 4 * ps
-        return self.window_take(max(0, min(live + new, cap) - live))
+    def _units(self, pages: int) -> int:
+        """A hybrid model's pages as the tokens the scheduler counts, promises and evicts:
+        each with its full page and a page of every window group. Its own accounting never
+        promises a page a window takes (a prompt's early tokens give theirs back as it
+        runs, so this is the most a step can take); the tree's pages without window KV
+        count for less than they hold, never more."""
+        return pages // (1 + self._pool.groups) * self._pool.page_size
 
     def window_fits(self, tokens: int) -> bool:
         """Whether a request filling `tokens` more can take its next step's window-layer
@@ -161,22 +134,22 @@ class SlotCalls:
 
     def evict(self, tokens: int) -> int:
         """Free at least `tokens` L1 tokens of unlocked pages if possible; the tokens freed.
-        A hybrid model's (page slots) come from dropping the tree's window KV first
+        A hybrid model's (`_units`) come from dropping the tree's window KV first
         (tombstones, in the tree's eviction order: the full layers' KV stays, a hit there
         ends at an earlier window), then from evicting whole nodes."""
         if self._windows is None:
             return self._tree.evict(tokens)
         pool = self._pool
-        before, pages = pool.free_pages(), -(-tokens // pool.page_size)
+        before, pages = pool.free_pages(), -(-tokens // pool.page_size) * (1 + pool.groups)
         self._tombstone_for(pages)
         short = pages - (pool.free_pages() - before)
         if short > 0:  # each full token evicted gives back its page at least
             self._tree.evict(short * pool.page_size)
-        return (pool.free_pages() - before) * pool.page_size
+        return self._units(pool.free_pages() - before)
 
     def evictable_size(self) -> int:
         """L1 tokens of the tree's unlocked pages (what `evict` could free; a hybrid
-        model's in page slots: their full pages and the window pages on them)."""
+        model's in `_units`, of their full pages)."""
         return self._count(self._tree.evictable_size())
 
     def room_beyond(self, hit: Hit) -> int:
@@ -187,8 +160,10 @@ class SlotCalls:
                            - self._tree.retention.stuck_pinned_size(end))
 
     def _count(self, tokens: int) -> int:
-        """The tree's evictable full-layer tokens as the scheduler counts them: for a hybrid
-        model, page slots, with the window pages of the unlocked nodes that have them."""
+        """The tree's evictable full-layer tokens as the scheduler counts them (`_units`):
+        their pages and the window pages of the unlocked nodes that have them."""
         if self._windows is None:
             return tokens
-        return max(0, tokens) + self._windows.tombstonable * self._pool.groups
+        pool = self._pool
+        pages = (max(0, tokens) + self._windows.tombstonable * pool.groups) // pool.page_size
+        return self._units(pages)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import tier_workload as tiers
-from conftest import app_client, record_forwards, submit_in_one_step
+from conftest import app_client
 from test_gemma3_tiers import write_random_gemma3
 
 from hicache.memory.windowed import WindowedKVPool
@@ -106,27 +106,6 @@ def test_full_layer_kv_fills_the_pages_window_kv_left(
         device = e.stats()["tiers"]["device"]
         assert 384 < device["used"] <= device["capacity"] == pool.num_pages * tiers.PAGE
         assert _windows(e)["tombstoned_tokens"] > 0
-        e.cache.check_integrity()
-
-
-def test_requests_in_one_step_share_a_small_pool_and_each_gives_its_tokens_alone(
-        served: Path, recomputed: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The workload's nine prompts in one step in an L1 of 256 named tokens: the scheduler
-    promises each fill its full pages and the window pages it may take
-    (`SlotCalls.window_promise`), not a window page for every token, so several run at
-    once; every one gives the tokens it gives alone, none fails, and L1 holds nothing but
-    the tree's pages after."""
-    prompts = [conv[turn] for turn in range(3) for conv in tiers.conversations()]
-    with tiers.engine(served, **{"cache.max_total_tokens": 256}) as e:
-        reqs = [e.make_request(input_ids=p, sampling_params=tiers.GREEDY) for p in prompts]
-        runs = record_forwards(e, monkeypatch, len)
-        results = [f.result(60.0) for f in submit_in_one_step(e, reqs)]
-        assert [r["output_ids"] for r in results] == recomputed
-        assert all(r["meta_info"]["finish_reason"] == "length" for r in results)
-        assert max(runs) > 1  # requests ran side by side
-        pool = e.cache.slots.device_kv()
-        assert pool.allocator.used_size() == e.cache.tree.total_size()
-        assert pool.window_used() == _windows(e)["cached_tokens"]
         e.cache.check_integrity()
 
 

@@ -27,8 +27,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hicache.memory.device import PADDING_PAGE, DeviceKVPool
-from hicache.memory.windowed import STEP_TOKENS, WindowedKVPool
+from hicache.memory.device import PADDING_PAGE
+from hicache.memory.windowed import WindowedKVPool
 from hicache.pages import pages_down
 from hicache.stack_slots import SlotCalls
 from hicache.tree.base import MatchResult
@@ -413,40 +413,9 @@ def test_a_pool_full_of_full_layer_kv_makes_room_for_a_request_s_windows() -> No
     filler = pool.alloc(pool.free_pages() * PAGE, window=False)
     assert filler is not None
     before = tree.total_size()
-    # a page slot asked, one node's window pages freed: its 2 pages' of both groups
-    assert slots.evict(1) == 2 * pool.groups * PAGE and pool.free_pages() == 2 * pool.groups
+    # one node's window pages: 4 pages, a token's page and its two window pages once over
+    assert slots.evict(PAGE) == PAGE and pool.free_pages() == 2 * pool.groups
     assert tree.total_size() == before and hit(tree, pool, keys[3]) == 0
-
-
-def test_a_fill_is_promised_a_window_and_a_step_of_window_pages_not_one_per_token() -> None:
-    """`SlotCalls` counts a hybrid pool in page slots: a request's new tokens take one for
-    their full page and `window_take` for their window pages; `window_promise` is what its
-    window pages may still take: its new tokens' up to what its own pages in some window
-    hold at most (a step and a window while it fills, a window while it decodes), less
-    what they hold now. A model without windows promises nothing of the kind."""
-    pool = make_pool()  # one full layer, two window layers of 8 tokens: two groups
-    slots = SlotCalls(make_tree(pool), pool)
-    groups, window = pool.groups, 8
-    assert groups == 2 and slots.window_take(12) == 24
-    assert slots.free_slots() == pool.num_pages * PAGE
-    fill_cap, decode_cap = STEP_TOKENS + window + 4 * PAGE, window + 4 * PAGE
-    # a short fill: a window page of each group for each of its pages
-    assert slots.window_promise(0, 0, 0, 10, True) == groups * 12
-    # a long one: a step and a window's, not 10,000 tokens'
-    assert slots.window_promise(0, 0, 0, 10_000, True) == groups * fill_cap
-    # a decoding request: its own pages past the tree's 4,096 and what its window reads
-    cut = pages_down(pages_down(4_999, PAGE) - window + 1, PAGE)
-    live = 5_004 - max(4_096, cut)
-    assert slots.window_promise(5_004, 4_096, 5_000, 6_000, False) == groups * (decode_cap - live)
-    assert slots.window_promise(5_004, 4_096, 5_000, 5_004, False) == 0  # nothing more to take
-    # its prompt just cached: every page of it the tree's, its window too
-    assert slots.window_promise(4_096, 4_096, 4_096, 4_100, False) == groups * 4
-    # admission's: as if the hit were all the tree's, and a load-back's window pages
-    assert slots.load_window_take(4_096) == groups * (window + 2 * PAGE)
-    plain = DeviceKVPool(16, PAGE, 1, 1, 2, torch.float32, "cpu")
-    flat = SlotCalls(RadixCache(plain, page_size=PAGE), plain)
-    assert (flat.window_promise(0, 0, 0, 10_000, True), flat.window_take(64),
-            flat.load_window_take(64)) == (0, 0, 0)
 
 
 def test_a_tombstone_takes_the_window_kv_of_a_later_request() -> None:

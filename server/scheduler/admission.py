@@ -144,16 +144,11 @@ class Admission:
         fill = m.host_tokens + pages_up((stop or req.seq_len) - m.tokens, self.page_size)
         if not self.cache.slots.window_fits(fill):
             return None  # a hybrid model's window layers cannot take its first step yet
-        # a hybrid model's window pages: the load-back's, and those its fill may take
-        need = fill
-        if self.kv.windowed:
-            need += (self.cache.slots.load_window_take(m.host_tokens)
-                     + self.kv.window_promise(req, held=m.tokens))
         free = self.kv.free_tokens()
-        short = need + self.ratio.estimate(req) + self.running_estimate() - free
+        short = fill + self.ratio.estimate(req) + self.running_estimate() - free
         if short > 0 and self.cache.slots.room_beyond(m) < short:
             return None
-        return AdmitPlan(m, fill, max(0, need - free), stop)
+        return AdmitPlan(m, fill, max(0, fill - free), stop)
 
     def running_estimate(self) -> int:
         """Tokens the running requests are expected to generate still (`NewTokenRatio`)."""
@@ -168,14 +163,12 @@ class Admission:
         req.kv.lease, prefix, loaded = self.cache.admit(m, plan.evict_tokens)
         # Not loaded back (too short to pay, or no room): recomputed, in the reservation.
         need = pages_up((plan.stop or req.seq_len) - len(prefix), self.page_size)
-        if self.kv.windowed:
-            # and the window pages it may take; a load-back shorter than planned (or none)
-            # left its fill longer: room for it now, or it waits for room a step later
-            # (`RequestKV.ensure_slots`)
-            wanted = need + self.kv.window_promise(req, held=len(prefix))
-            if wanted > self.kv.free_tokens():
-                self.cache.slots.evict(wanted - self.kv.free_tokens())
-        assert need <= self.kv.free_tokens() or self.kv.windowed, (
+        if need > self.kv.free_tokens() and self.cache.slots.has_windows:
+            # a hybrid model's pool shares its pages: the load-back's window pages came
+            # out of those the plan counted free; its fill waits for room as a step's
+            # window pages do (`RequestKV.ensure_slots`)
+            self.cache.slots.evict(need - self.kv.free_tokens())
+        assert need <= self.kv.free_tokens() or self.cache.slots.has_windows, (
             f"admission promised {plan.need_tokens} tokens, {self.kv.free_tokens()} are free")
         req.kv.slots, req.kv.reserved = prefix, need
         req.kv.num_computed = req.kv.tree_len = req.kv.admit_hit = len(prefix)

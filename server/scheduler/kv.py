@@ -42,41 +42,19 @@ class RequestKV:
         self.windowed = cache.slots.has_windows  # a hybrid model's shared L1
 
     def free_tokens(self) -> int:
-        """Free L1 slots not promised to a running request (a hybrid model's: page slots,
-        less the window pages each may still take: `window_promise`)."""
-        promised = sum(r.kv.reserved for r in self.running)
-        if self.windowed:
-            promised += sum(self.window_promise(r) for r in self.running)
-        return self.cache.slots.free_slots() - promised
-
-    def window_promise(self, req: Request, held: int | None = None) -> int:
-        """The page slots a hybrid model's window pages of `req` may still take
-        (`SlotCalls.window_promise`), up to its fill and the most tokens it may generate;
-        `held`: as if it held that many slots, all the tree's (a request being admitted)."""
-        # its last token is never computed (nothing reads its KV); past a window and a
-        # step, the promise stops growing: no clip on max_new_tokens needed
-        left = max(0, req.input.params.max_new_tokens - len(req.output.ids))
-        upto = max(req.kv.head_stop or req.seq_len, req.seq_len + left - 1)
-        if held is not None:
-            return self.cache.slots.window_promise(held, held, held, upto, True)
-        kv = req.kv
-        return self.cache.slots.window_promise(len(kv.slots), kv.tree_len, kv.num_computed,
-                                               upto, not req.prefilled)
+        """Free L1 slots not promised to a running request."""
+        return self.cache.slots.free_slots() - sum(r.kv.reserved for r in self.running)
 
     def ensure_slots(self, req: Request, upto: int) -> bool:
         """Allocate `req`'s slots up to position `upto` (whole pages): from its reservation
         first, the rest from the free slots no one was promised, evicting the tree's unlocked
         pages when those fall short. False, with nothing allocated, when L1 cannot give them
-        (possible only beyond the reservation, a decode; or for a hybrid model, whose
-        window pages are promised for a window and a step, when the tree's locked window
-        KV or a load-back's took the room)."""
+        (possible only beyond the reservation, a decode; or for a hybrid model's window
+        slots, which are taken a step at a time and never promised)."""
         missing = pages_up(upto - len(req.kv.slots), self.page_size)
         if missing <= 0:
             return True
-        reserved = min(missing, req.kv.reserved)
-        extra = missing - reserved
-        if self.windowed:  # the window pages they take beyond its promise of them
-            extra += max(0, self.cache.slots.window_take(missing) - self.window_promise(req))
+        extra = missing - min(missing, req.kv.reserved)
         if extra > self.free_tokens():
             self.cache.slots.evict(extra - self.free_tokens())
             if extra > self.free_tokens():
@@ -86,7 +64,7 @@ class RequestKV:
             assert self.cache.slots.has_windows, (
                 f"L1 has {self.cache.slots.free_slots()} free, {missing} asked")
             return False
-        req.kv.reserved -= reserved
+        req.kv.reserved -= missing - extra
         req.kv.slots = torch.cat([req.kv.slots, slots])
         return True
 
