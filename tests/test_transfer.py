@@ -127,7 +127,6 @@ def test_controller_acks_in_queue_order_and_batches_loads() -> None:
     ctl.close()
 
 
-
 def test_a_forward_waits_for_a_load_launched_while_no_forward_ran() -> None:
     """The loop launches queued loads when no forward runs; the next forward, with no load
     of its own, gets the last one in flight to wait on (its pages may be the ones it reads),
@@ -136,10 +135,6 @@ def test_a_forward_waits_for_a_load_launched_while_no_forward_ran() -> None:
     fill_unique(dev)
     engine = CpuTransferEngine(dev, host)
     ctl = HiCacheController(dev, host, engine)
-    a = dev.alloc(PS)
-    ctl.write(a, 1)
-    ctl.wait_writes()
-    ctl.poll_writes()
     assert ctl.start_loading() is None  # nothing queued or in flight
     gate = threading.Event()
     engine._jobs.put(gate.wait)  # the worker is busy until the gate opens
@@ -152,6 +147,7 @@ def test_a_forward_waits_for_a_load_launched_while_no_forward_ran() -> None:
     assert [ack.node_id for ack in ctl.poll_loads()] == [3]
     assert ctl.start_loading() is None  # acked: nothing to wait on
     ctl.close()
+
 
 @requires_cuda
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])

@@ -40,6 +40,12 @@ def read_slots(host: torch.Tensor, slots: Sequence[int], out: torch.Tensor) -> N
     index = torch.tensor(list(slots), dtype=torch.long)
     torch.index_select(words(host), 0, index, out=words(out))
 
+
+def write_slots(host: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
+    """The rows of `rows` into L2 slots `slots` of `host` (`read_slots` the other way)."""
+    index = torch.tensor(list(slots), dtype=torch.long)
+    words(host).index_copy_(0, index, words(rows))
+
 T = TypeVar("T")
 
 

@@ -373,9 +373,8 @@ class ConnectorWorker:
             start += len(units)
         in_l2 = [i for i, x in enumerate(saves) if x.slot is not None]
         if in_l2 and self.host is not None:
-            slots = torch.tensor([saves[i].slot for i in in_l2], dtype=torch.long)
             src = rows if len(in_l2) == len(saves) else rows[in_l2]
-            buffers.words(self.host).index_copy_(0, slots, buffers.words(src))
+            buffers.write_slots(self.host, [saves[i].slot for i in in_l2], src)
             self.counters["l2_saved_pages"] += len(in_l2)
 
     def _write_loop(self) -> None:
